@@ -1,0 +1,191 @@
+//! `spex bench`: baseline and SPEED on every prompt in one process; a table or JSON report;
+//! a non-zero exit when any output differs.
+
+use std::path::Path;
+
+use serde_json::json;
+
+use super::{BenchArgs, load_model};
+use crate::engine::bench::{PromptResult, bench_prompt, speedup};
+use crate::engine::metrics::RunStats;
+use crate::engine::{DecodeOptions, EngineError};
+
+/// Prompts used when `--prompts` is not given.
+pub const DEFAULT_PROMPTS: &str = include_str!("../../assets/prompts.txt");
+
+/// Reads one prompt per non-empty line; the file must be UTF-8.
+pub fn read_prompts(path: Option<&Path>) -> Result<Vec<String>, EngineError> {
+    let text = match path {
+        Some(p) => {
+            let bytes = std::fs::read(p).map_err(|e| EngineError::file(p, e))?;
+            String::from_utf8(bytes).map_err(|e| {
+                EngineError::file(
+                    p,
+                    format!(
+                        "not UTF-8 text (invalid byte at offset {})",
+                        e.utf8_error().valid_up_to()
+                    ),
+                )
+            })?
+        }
+        None => DEFAULT_PROMPTS.to_string(),
+    };
+    let prompts: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect();
+    if prompts.is_empty() {
+        let name = path.map_or("built-in prompts".into(), |p| p.display().to_string());
+        return Err(EngineError::file(name, "no prompts (one per line)"));
+    }
+    Ok(prompts)
+}
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let prompts = read_prompts(args.prompts.as_deref())?;
+    let loaded = load_model(&args.model)?;
+    let options = DecodeOptions {
+        max_tokens: args.max_tokens,
+        context: args.model.context,
+    };
+    let mut results = Vec::new();
+    for prompt in &prompts {
+        let r = bench_prompt(&loaded, prompt, options)?;
+        if !args.json {
+            print_row(&r, results.is_empty(), loaded.model.passes());
+        }
+        results.push(r);
+    }
+    let (base, speed) = totals(&results, loaded.model.passes());
+    let ceiling =
+        results.iter().map(|r| r.step_times.ceiling()).sum::<f64>() / results.len() as f64;
+    let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
+    if args.json {
+        let report = json!({
+            "model": loaded.checkpoint.dir,
+            "passes": loaded.model.passes(),
+            "layers": loaded.model.config.num_hidden_layers,
+            "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
+            "prompts": results.iter().map(|r| json!({
+                "prompt": r.prompt,
+                "identical": r.mismatch.is_none(),
+                "mismatch": r.mismatch,
+                "baseline": r.baseline.stats,
+                "speed": r.speed.stats,
+                "speedup": r.speedup(),
+                "ceiling": r.step_times.ceiling(),
+                "step_times": r.step_times,
+                "gamma": r.speed.stats.gamma(),
+            })).collect::<Vec<_>>(),
+            "overall": {
+                "baseline_tokens_per_sec": base.tokens_per_sec(),
+                "speed_tokens_per_sec": speed.tokens_per_sec(),
+                "speedup": speedup(&base, &speed),
+                "ceiling": ceiling,
+                "gamma": speed.gamma(),
+                "flip_rate_per_pass": (1..=speed.passes).map(|p| speed.flip_rate(p)).collect::<Vec<_>>(),
+                "wasted_row_slots": speed.wasted_fraction(),
+                "identical": mismatches == 0,
+            }
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_overall(&base, &speed, ceiling, mismatches, results.len());
+    }
+    if mismatches > 0 {
+        anyhow::bail!(
+            "{mismatches} of {} prompts: SPEED output differs from baseline",
+            results.len()
+        );
+    }
+    Ok(())
+}
+
+fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
+    let mut base = RunStats::new(passes);
+    let mut speed = RunStats::new(passes);
+    for r in results {
+        merge(&mut base, &r.baseline.stats);
+        merge(&mut speed, &r.speed.stats);
+    }
+    (base, speed)
+}
+
+fn merge(into: &mut RunStats, s: &RunStats) {
+    into.tokens += s.tokens;
+    into.decode_compute += s.decode_compute;
+    into.steps += s.steps;
+    into.rows += s.rows;
+    into.rows_wasted += s.rows_wasted;
+    for (a, b) in into.flips_per_pass.iter_mut().zip(&s.flips_per_pass) {
+        *a += b;
+    }
+    for (a, b) in into.checks_per_pass.iter_mut().zip(&s.checks_per_pass) {
+        *a += b;
+    }
+    for (a, b) in into.accepted_by_depth.iter_mut().zip(&s.accepted_by_depth) {
+        *a += b;
+    }
+}
+
+fn flip_rates(s: &RunStats) -> String {
+    (1..=s.passes)
+        .map(|p| format!("{:.0}%", 100.0 * s.flip_rate(p)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn print_row(r: &PromptResult, header: bool, passes: usize) {
+    if header {
+        println!(
+            "{:<28} {:>9} {:>9} {:>8} {:>8} {:>6} {:>7}  {:<w$}  same",
+            "prompt",
+            "base t/s",
+            "speed t/s",
+            "speedup",
+            "ceiling",
+            "γ",
+            "wasted",
+            "flips/pass",
+            w = passes * 4
+        );
+    }
+    let mut p: String = r.prompt.chars().take(27).collect();
+    if r.prompt.chars().count() > 27 {
+        p.pop();
+        p.push('…');
+    }
+    let same = match r.mismatch {
+        None => "✓".to_string(),
+        Some((i, margin)) => format!("✗ at token {i} (baseline margin {margin:.3})"),
+    };
+    println!(
+        "{:<28} {:>9.1} {:>9.1} {:>7.2}× {:>7.2}× {:>6.2} {:>6.1}%  {:<w$}  {same}",
+        p,
+        r.baseline.stats.tokens_per_sec(),
+        r.speed.stats.tokens_per_sec(),
+        r.speedup(),
+        r.step_times.ceiling(),
+        r.speed.stats.gamma(),
+        100.0 * r.speed.stats.wasted_fraction(),
+        flip_rates(&r.speed.stats),
+        w = passes * 4
+    );
+}
+
+fn print_overall(base: &RunStats, speed: &RunStats, ceiling: f64, mismatches: usize, n: usize) {
+    println!(
+        "overall: baseline {:.1} tok/s, speed {:.1} tok/s, speedup {:.2}×, ceiling {:.2}×, γ {:.2}, wasted {:.1}%, flips/pass {}, identical {}/{}",
+        base.tokens_per_sec(),
+        speed.tokens_per_sec(),
+        speedup(base, speed),
+        ceiling,
+        speed.gamma(),
+        100.0 * speed.wasted_fraction(),
+        flip_rates(speed),
+        n - mismatches,
+        n
+    );
+}

@@ -1,0 +1,160 @@
+//! Finding and loading an Ouro checkpoint directory: `config.json`, one or more memory-mapped
+//! `*.safetensors` (with `model.safetensors.index.json` when sharded) and `tokenizer.json`.
+//! Used by the CLI, the dashboard and the tests; every failure names the file at fault.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+
+use super::config::OuroConfig;
+use super::error::{EngineError, Result};
+use super::model::{LoopedModel, Weights};
+use super::tokenizer::TextTokenizer;
+
+/// The files of one checkpoint directory, checked to exist.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub config: OuroConfig,
+    pub weight_files: Vec<PathBuf>,
+    pub tokenizer_file: PathBuf,
+}
+
+impl Checkpoint {
+    /// Resolves the files of the checkpoint in `dir` and parses its config.
+    pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(EngineError::file(dir, "no such checkpoint directory"));
+        }
+        let config_file = dir.join("config.json");
+        if !config_file.is_file() {
+            return Err(EngineError::file(&config_file, "missing"));
+        }
+        let config = OuroConfig::load(&config_file)?;
+        let tokenizer_file = dir.join("tokenizer.json");
+        if !tokenizer_file.is_file() {
+            return Err(EngineError::file(&tokenizer_file, "missing"));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            weight_files: weight_files(dir)?,
+            config,
+            tokenizer_file,
+        })
+    }
+
+    /// Loads the weights on `device` in `dtype`; a wrong or missing tensor names itself.
+    pub fn load_model(&self, device: &Device, dtype: DType) -> Result<LoopedModel> {
+        for file in &self.weight_files {
+            // SAFETY: the file is only read; spex never writes a checkpoint while it is loaded.
+            unsafe { MmapedSafetensors::new(file) }.map_err(|e| {
+                EngineError::file(file, format!("not a readable safetensors file: {e}"))
+            })?;
+        }
+        // SAFETY: as above.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&self.weight_files, dtype, device) }
+            .map_err(|e| EngineError::file(&self.weight_files[0], e))?;
+        let weights = Weights::load(&vb, &self.config).map_err(|e| self.tensor_error(e))?;
+        LoopedModel::new(self.config.clone(), weights, device.clone(), dtype)
+    }
+
+    fn tensor_error(&self, e: candle_core::Error) -> EngineError {
+        let message = e.to_string();
+        let name = message
+            .split_whitespace()
+            .find(|w| w.starts_with("model.") || w.starts_with("lm_head"))
+            .map(|w| w.trim_matches(|c: char| !c.is_alphanumeric() && c != '.' && c != '_'))
+            .unwrap_or("?")
+            .to_string();
+        let path = if self.weight_files.len() == 1 {
+            self.weight_files[0].clone()
+        } else {
+            self.dir.clone()
+        };
+        let message = message.lines().next().unwrap_or_default().to_string();
+        EngineError::Tensor {
+            path,
+            name,
+            message,
+        }
+    }
+
+    /// Loads `tokenizer.json`.
+    pub fn load_tokenizer(&self) -> Result<TextTokenizer> {
+        TextTokenizer::load(&self.tokenizer_file, &self.config.eos_token_ids)
+    }
+}
+
+/// The safetensors files: those the index names when sharded, else every `*.safetensors`.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|e| EngineError::file(&index, e))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| EngineError::file(&index, format!("not valid JSON: {e}")))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| EngineError::Config {
+                path: index.clone(),
+                field: "weight_map".into(),
+                message: "missing or not an object".into(),
+            })?;
+        let names: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        let files: Vec<PathBuf> = names.into_iter().map(|n| dir.join(n)).collect();
+        if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+            return Err(EngineError::file(
+                missing,
+                "named in model.safetensors.index.json but missing",
+            ));
+        }
+        return Ok(files);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| EngineError::file(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(EngineError::file(dir.join("model.safetensors"), "missing"));
+    }
+    Ok(files)
+}
+
+/// A loaded model with its tokenizer, shared by every decoder thread.
+#[derive(Debug, Clone)]
+pub struct LoadedModel {
+    pub model: Arc<LoopedModel>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub checkpoint: Checkpoint,
+}
+
+impl LoadedModel {
+    /// Opens and loads the checkpoint in `dir`.
+    pub fn load(dir: &Path, device: &Device, dtype: DType) -> Result<Self> {
+        let checkpoint = Checkpoint::open(dir)?;
+        let tokenizer = checkpoint.load_tokenizer()?;
+        let model = checkpoint.load_model(device, dtype)?;
+        if tokenizer.vocab_size() > model.config.vocab_size {
+            return Err(EngineError::Config {
+                path: dir.join("config.json"),
+                field: "vocab_size".into(),
+                message: format!(
+                    "{} is smaller than the tokenizer's {} tokens",
+                    model.config.vocab_size,
+                    tokenizer.vocab_size()
+                ),
+            });
+        }
+        Ok(Self {
+            model: Arc::new(model),
+            tokenizer: Arc::new(tokenizer),
+            checkpoint,
+        })
+    }
+}

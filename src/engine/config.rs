@@ -1,0 +1,227 @@
+//! `config.json` of an Ouro-format checkpoint: parsing, validation and writing.
+//! Read by the checkpoint loader and written by the trainer and the random-checkpoint builder.
+
+use std::path::Path;
+
+use serde_json::{Map, Value, json};
+
+use super::error::{EngineError, Result};
+
+/// The architecture fields of an Ouro checkpoint that spex uses (see ouro-format.md).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OuroConfig {
+    pub hidden_size: usize,
+    /// K: the shared layers applied on every pass.
+    pub num_hidden_layers: usize,
+    /// R: the passes (Ouro's "UT steps").
+    pub total_ut_steps: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub intermediate_size: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub torch_dtype: String,
+}
+
+impl OuroConfig {
+    /// Reads and validates `config.json`; errors name the file and the field.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|e| EngineError::file(path, format!("not valid JSON: {e}")))?;
+        Self::from_json(&value, path)
+    }
+
+    /// Parses a config from JSON; `path` is only used in error messages.
+    pub fn from_json(value: &Value, path: &Path) -> Result<Self> {
+        let fields = Fields {
+            map: value
+                .as_object()
+                .ok_or_else(|| EngineError::file(path, "expected a JSON object"))?,
+            path,
+        };
+        let model_type = fields.string("model_type")?;
+        if model_type != "ouro" {
+            return Err(fields.error(
+                "model_type",
+                format!("unknown model_type \"{model_type}\" (spex reads \"ouro\")"),
+            ));
+        }
+        let hidden_size = fields.usize("hidden_size")?;
+        let num_attention_heads = fields.usize("num_attention_heads")?;
+        let head_dim = match fields.map.get("head_dim") {
+            Some(Value::Null) | None => hidden_size / num_attention_heads.max(1),
+            Some(_) => fields.usize("head_dim")?,
+        };
+        let config = Self {
+            hidden_size,
+            num_hidden_layers: fields.usize("num_hidden_layers")?,
+            total_ut_steps: fields.usize("total_ut_steps")?,
+            num_attention_heads,
+            num_key_value_heads: match fields.map.get("num_key_value_heads") {
+                Some(Value::Null) | None => num_attention_heads,
+                Some(_) => fields.usize("num_key_value_heads")?,
+            },
+            head_dim,
+            intermediate_size: fields.usize("intermediate_size")?,
+            vocab_size: fields.usize("vocab_size")?,
+            max_position_embeddings: fields.usize("max_position_embeddings")?,
+            rope_theta: fields.f64("rope_theta")?,
+            rms_norm_eps: fields.f64("rms_norm_eps")?,
+            tie_word_embeddings: fields.bool_or("tie_word_embeddings", false)?,
+            bos_token_id: fields.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: fields.token_ids("eos_token_id")?,
+            torch_dtype: fields.string_or("torch_dtype", "float32")?,
+        };
+        if let Some(scaling) = fields.map.get("rope_scaling")
+            && !scaling.is_null()
+        {
+            return Err(fields.error("rope_scaling", "only null is supported"));
+        }
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Checks the relations between fields (positive sizes, heads dividing evenly).
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let err = |field: &str, message: &str| EngineError::Config {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message: message.to_string(),
+        };
+        for (field, value) in [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("total_ut_steps", self.total_ut_steps),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate_size),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if value == 0 {
+                return Err(err(field, "must be positive"));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(err(
+                "num_key_value_heads",
+                "must divide num_attention_heads",
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(err("head_dim", "must be even (rotary embedding)"));
+        }
+        Ok(())
+    }
+
+    /// Width of one K (or V) cache row: kv_heads × head_dim.
+    pub fn kv_dim(&self) -> usize {
+        self.num_key_value_heads * self.head_dim
+    }
+
+    /// The JSON written next to spex's own checkpoints (a standard Ouro config).
+    pub fn to_json(&self) -> Value {
+        json!({
+            "architectures": ["OuroForCausalLM"],
+            "model_type": "ouro",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "total_ut_steps": self.total_ut_steps,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": null,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids.first(),
+            "pad_token_id": self.eos_token_ids.first(),
+            "hidden_act": "silu",
+            "torch_dtype": self.torch_dtype,
+            "early_exit_threshold": 1.0,
+        })
+    }
+}
+
+struct Fields<'a> {
+    map: &'a Map<String, Value>,
+    path: &'a Path,
+}
+
+impl Fields<'_> {
+    fn error(&self, field: &str, message: impl Into<String>) -> EngineError {
+        EngineError::Config {
+            path: self.path.to_path_buf(),
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+
+    fn get(&self, field: &str) -> Result<&Value> {
+        self.map
+            .get(field)
+            .filter(|v| !v.is_null())
+            .ok_or_else(|| self.error(field, "missing"))
+    }
+
+    fn usize(&self, field: &str) -> Result<usize> {
+        self.get(field)?
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| self.error(field, "expected a non-negative integer"))
+    }
+
+    fn f64(&self, field: &str) -> Result<f64> {
+        self.get(field)?
+            .as_f64()
+            .ok_or_else(|| self.error(field, "expected a number"))
+    }
+
+    fn string(&self, field: &str) -> Result<String> {
+        self.get(field)?
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| self.error(field, "expected a string"))
+    }
+
+    fn string_or(&self, field: &str, default: &str) -> Result<String> {
+        match self.map.get(field) {
+            None | Some(Value::Null) => Ok(default.to_string()),
+            Some(_) => self.string(field),
+        }
+    }
+
+    fn bool_or(&self, field: &str, default: bool) -> Result<bool> {
+        match self.map.get(field) {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.error(field, "expected true or false")),
+        }
+    }
+
+    /// A token id or a list of them (HF configs use both); absent means none.
+    fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
+        let bad = || self.error(field, "expected a token id or a list of token ids");
+        match self.map.get(field) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_u64().map(|id| id as u32).ok_or_else(bad))
+                .collect(),
+            Some(v) => v.as_u64().map(|id| vec![id as u32]).ok_or_else(bad),
+        }
+    }
+}

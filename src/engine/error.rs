@@ -1,0 +1,46 @@
+//! The engine's error type. Every variant renders as one line that names the file, field or key
+//! at fault, so that the CLI and the dashboard can show it as-is.
+
+use std::path::PathBuf;
+
+/// Errors raised by the engine: checkpoint loading, decoding, training.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("{path}: field `{field}`: {message}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+    #[error("{path}: tensor `{name}`: {message}")]
+    Tensor {
+        path: PathBuf,
+        name: String,
+        message: String,
+    },
+    #[error("prompt: {0}")]
+    Prompt(String),
+    #[error("kv cache: position {position} is past the capacity of {capacity} (raise --context)")]
+    CacheFull { position: usize, capacity: usize },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+impl EngineError {
+    /// An error about one file, with a message that says what is wrong with it.
+    pub fn file(path: impl Into<PathBuf>, message: impl std::fmt::Display) -> Self {
+        Self::File {
+            path: path.into(),
+            message: message.to_string(),
+        }
+    }
+}
+
+/// The engine's result type.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,125 @@
+//! The typed, owned events a decoder emits: one per prefill, one per step, one at the end.
+//! The CLI (`--json`), the benchmark and the dashboard all consume this one stream.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::kv_cache::PassOccupancy;
+
+/// A token id with its text, as shown to people.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Token {
+    pub id: u32,
+    pub text: String,
+}
+
+/// A row's readout: the next-token prediction after its pass.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prediction {
+    pub token: Token,
+    pub prob: f32,
+    /// Logit of the best token minus the runner-up: how near a tie the prediction was.
+    pub margin: f32,
+}
+
+/// One row of a step: the token at `pos` running pass `pass` (1-based).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RowEvent {
+    pub pos: usize,
+    pub pass: usize,
+    pub token: Token,
+    /// Whether the token's id is verified (committed) or still a guess.
+    pub verified: bool,
+    pub prediction: Option<Prediction>,
+    /// Whether the prediction was checked against an existing child's guess (the
+    /// denominator of the flip rate).
+    pub checked_child: bool,
+}
+
+/// A deeper pass changed the prediction for position `pos` (speculation.md §3).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Flip {
+    pub pos: usize,
+    pub pass: usize,
+    pub old: Token,
+    pub new: Token,
+}
+
+/// Speculative tokens discarded after a flip, and what that cost.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Flush {
+    /// First and last flushed position (inclusive).
+    pub first_pos: usize,
+    pub last_pos: usize,
+    /// Rows already computed for the flushed tokens: wasted work.
+    pub rows_wasted: usize,
+    /// KV entries freed in each pass.
+    pub kv_freed_per_pass: Vec<usize>,
+}
+
+/// A token that became part of the output.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Committed {
+    pub pos: usize,
+    pub token: Token,
+    /// The pass whose readout proposed the guess that survived (R: no speculation survived).
+    pub accepted_depth: usize,
+}
+
+/// Everything one step did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepEvent {
+    pub step: u64,
+    pub rows: Vec<RowEvent>,
+    pub flips: Vec<Flip>,
+    pub flushes: Vec<Flush>,
+    pub committed: Vec<Committed>,
+    pub kv: Vec<PassOccupancy>,
+    #[serde(rename = "compute_us", serialize_with = "micros")]
+    pub compute: Duration,
+}
+
+/// The prompt's prefill: all R passes over the prompt, and the first generated token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PrefillEvent {
+    pub prompt_tokens: usize,
+    pub first: Committed,
+    pub kv: Vec<PassOccupancy>,
+    #[serde(rename = "compute_us", serialize_with = "micros")]
+    pub compute: Duration,
+}
+
+/// Why a run stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    MaxTokens,
+    EndOfText,
+    ContextFull,
+    Cancelled,
+}
+
+/// The end of a run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FinishEvent {
+    pub reason: FinishReason,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    #[serde(rename = "decode_compute_us", serialize_with = "micros")]
+    pub decode_compute: Duration,
+    pub steps: u64,
+}
+
+/// One event of a decoder's stream.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum DecodeEvent {
+    Prefill(PrefillEvent),
+    Step(StepEvent),
+    Finished(FinishEvent),
+}
+
+fn micros<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(d.as_micros() as u64)
+}

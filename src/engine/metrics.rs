@@ -1,0 +1,117 @@
+//! Run statistics folded from the event stream, with one definition of every metric
+//! (speculation.md §5) for the CLI, the benchmark and the dashboard.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::events::DecodeEvent;
+
+/// Counters of one decoding run, updated event by event.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RunStats {
+    pub passes: usize,
+    /// Tokens committed by decode steps (the prefill's first token is not counted).
+    pub tokens: usize,
+    #[serde(rename = "decode_compute_us", serialize_with = "micros")]
+    pub decode_compute: Duration,
+    pub steps: u64,
+    /// Rows computed by decode steps.
+    pub rows: usize,
+    /// Rows computed for tokens later flushed.
+    pub rows_wasted: usize,
+    /// Flips detected after pass r (index r − 1), commit-time mispredictions at pass R included.
+    pub flips_per_pass: Vec<usize>,
+    /// Readouts after pass r that were checked against an existing child.
+    pub checks_per_pass: Vec<usize>,
+    /// Committed tokens by the pass whose proposal survived (index r − 1).
+    pub accepted_by_depth: Vec<usize>,
+}
+
+impl RunStats {
+    /// Empty counters for a model with `passes` passes.
+    pub fn new(passes: usize) -> Self {
+        Self {
+            passes,
+            flips_per_pass: vec![0; passes],
+            checks_per_pass: vec![0; passes],
+            accepted_by_depth: vec![0; passes],
+            ..Self::default()
+        }
+    }
+
+    /// Folds one event in.
+    pub fn record(&mut self, event: &DecodeEvent) {
+        let DecodeEvent::Step(step) = event else {
+            return;
+        };
+        self.steps += 1;
+        self.decode_compute += step.compute;
+        self.rows += step.rows.len();
+        for row in &step.rows {
+            if row.checked_child {
+                self.checks_per_pass[row.pass - 1] += 1;
+            }
+        }
+        for flip in &step.flips {
+            self.flips_per_pass[flip.pass - 1] += 1;
+        }
+        self.rows_wasted += step.flushes.iter().map(|f| f.rows_wasted).sum::<usize>();
+        for c in &step.committed {
+            self.tokens += 1;
+            self.accepted_by_depth[c.accepted_depth - 1] += 1;
+        }
+    }
+
+    /// Decode tokens per second of compute.
+    pub fn tokens_per_sec(&self) -> f64 {
+        let secs = self.decode_compute.as_secs_f64();
+        if secs > 0.0 {
+            self.tokens as f64 / secs
+        } else {
+            0.0
+        }
+    }
+
+    /// Compute per decoded token.
+    pub fn time_per_token(&self) -> Option<Duration> {
+        (self.tokens > 0).then(|| self.decode_compute / self.tokens as u32)
+    }
+
+    /// γ, the mean accepted length: N·R / Σ accepted depth (LoopSpec eq. 9).
+    pub fn gamma(&self) -> f64 {
+        let depth_sum: usize = self
+            .accepted_by_depth
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (i + 1) * n)
+            .sum();
+        if depth_sum == 0 {
+            return 0.0;
+        }
+        (self.tokens * self.passes) as f64 / depth_sum as f64
+    }
+
+    /// Flips at pass `pass` (1-based) over the readouts there that had a child.
+    pub fn flip_rate(&self, pass: usize) -> f64 {
+        let checks = self.checks_per_pass[pass - 1];
+        if checks == 0 {
+            0.0
+        } else {
+            self.flips_per_pass[pass - 1] as f64 / checks as f64
+        }
+    }
+
+    /// Share of computed rows that were later flushed.
+    pub fn wasted_fraction(&self) -> f64 {
+        if self.rows == 0 {
+            0.0
+        } else {
+            self.rows_wasted as f64 / self.rows as f64
+        }
+    }
+}
+
+fn micros<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(d.as_micros() as u64)
+}

@@ -1,0 +1,23 @@
+//! The inference engine: the looped model, its KV cache, CPU kernels, the SPEED scheduler,
+//! policies, events, metrics and checkpoint I/O. Imports nothing from the dashboard.
+
+pub mod bench;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod events;
+pub mod kernels;
+pub mod kv_cache;
+pub mod metrics;
+pub mod model;
+pub mod pipeline;
+pub mod policy;
+pub mod random_checkpoint;
+pub mod tokenizer;
+
+pub use checkpoint::{Checkpoint, LoadedModel};
+pub use config::OuroConfig;
+pub use error::{EngineError, Result};
+pub use events::DecodeEvent;
+pub use pipeline::{DecodeOptions, Decoder};
+pub use policy::{Policy, PolicyKind};

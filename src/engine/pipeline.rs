@@ -1,0 +1,407 @@
+//! The SPEED scheduler (speculation.md §3; Hooper et al., arXiv 2310.12072 §3), shared by every
+//! policy: a window of in-flight tokens, oldest first, each at its own pass; one batched step
+//! per call. Baseline decoding is the same machine with a policy that never speculates.
+//!
+//! Callers (the CLI, the benchmark, the dashboard's race thread) pull events with
+//! [`Decoder::next_event`]: a prefill event first, then one event per step, then the finish.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::checkpoint::LoadedModel;
+use super::error::{EngineError, Result};
+use super::events::{
+    Committed, DecodeEvent, FinishEvent, FinishReason, Flip, Flush, Prediction, PrefillEvent,
+    RowEvent, StepEvent, Token,
+};
+use super::kv_cache::KvCache;
+use super::model::{Hidden, LoopedModel, RowInput, StepRow};
+use super::policy::Policy;
+use super::tokenizer::TextTokenizer;
+
+/// Limits of one run.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeOptions {
+    /// Tokens to generate, the prefill's first token included.
+    pub max_tokens: usize,
+    /// KV cache capacity in positions (prompt plus output).
+    pub context: usize,
+}
+
+/// A token in the pipeline window.
+#[derive(Debug)]
+struct InFlight {
+    pos: usize,
+    token: u32,
+    /// Its id is committed (its parent finished all R passes and agreed).
+    verified: bool,
+    /// Passes completed so far (the next pass to run, 0-based).
+    passes_done: usize,
+    hidden: Option<Hidden>,
+    /// The pass of the parent's readout that proposed this guess (speculation.md §5, γ).
+    proposed_at: usize,
+}
+
+/// Argmax, its probability and its margin over the runner-up.
+fn predict(tokenizer: &TextTokenizer, logits: &[f32]) -> Prediction {
+    let (mut best, mut best_logit, mut second) = (0usize, f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for (i, &l) in logits.iter().enumerate() {
+        if l > best_logit {
+            second = best_logit;
+            best = i;
+            best_logit = l;
+        } else if l > second {
+            second = l;
+        }
+    }
+    let sum: f32 = logits.iter().map(|l| (l - best_logit).exp()).sum();
+    Prediction {
+        token: Token {
+            id: best as u32,
+            text: tokenizer.token_text(best as u32),
+        },
+        prob: 1.0 / sum,
+        margin: best_logit - second,
+    }
+}
+
+/// One decoding run: prompt, policy, KV cache and the in-flight window.
+#[derive(Debug)]
+pub struct Decoder {
+    model: Arc<LoopedModel>,
+    tokenizer: Arc<TextTokenizer>,
+    policy: Box<dyn Policy>,
+    options: DecodeOptions,
+    prompt: Vec<u32>,
+    cache: KvCache,
+    window: VecDeque<InFlight>,
+    output: Vec<u32>,
+    steps: u64,
+    decode_compute: Duration,
+    finish: Option<FinishReason>,
+    done: bool,
+}
+
+impl Decoder {
+    /// Tokenizes `prompt` and checks it fits the context; no compute yet.
+    pub fn new(
+        loaded: &LoadedModel,
+        policy: Box<dyn Policy>,
+        prompt: &str,
+        options: DecodeOptions,
+    ) -> Result<Self> {
+        let ids = loaded.tokenizer.encode(prompt)?;
+        Self::from_ids(loaded, policy, ids, options)
+    }
+
+    /// As [`Decoder::new`], from token ids.
+    pub fn from_ids(
+        loaded: &LoadedModel,
+        policy: Box<dyn Policy>,
+        prompt: Vec<u32>,
+        options: DecodeOptions,
+    ) -> Result<Self> {
+        if prompt.is_empty() {
+            return Err(EngineError::Prompt(
+                "empty: type at least one character".into(),
+            ));
+        }
+        let context = options
+            .context
+            .min(loaded.model.config.max_position_embeddings);
+        if prompt.len() >= context {
+            return Err(EngineError::Prompt(format!(
+                "{} tokens do not fit the context of {context} positions",
+                prompt.len()
+            )));
+        }
+        if options.max_tokens == 0 {
+            return Err(EngineError::Invalid("max tokens must be at least 1".into()));
+        }
+        Ok(Self {
+            cache: loaded.model.new_cache(context)?,
+            model: loaded.model.clone(),
+            tokenizer: loaded.tokenizer.clone(),
+            policy,
+            options,
+            prompt,
+            window: VecDeque::new(),
+            output: Vec::new(),
+            steps: 0,
+            decode_compute: Duration::ZERO,
+            finish: None,
+            done: false,
+        })
+    }
+
+    /// The policy's name.
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// Committed output ids so far.
+    pub fn output(&self) -> &[u32] {
+        &self.output
+    }
+
+    /// The prompt's ids.
+    pub fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+
+    /// The KV cache (tests compare it between policies).
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// Compute time of the decode steps so far (prefill excluded).
+    pub fn decode_compute(&self) -> Duration {
+        self.decode_compute
+    }
+
+    /// The next event: prefill, then steps, then one finish event; `None` after that.
+    pub fn next_event(&mut self) -> Result<Option<DecodeEvent>> {
+        if self.done {
+            return Ok(None);
+        }
+        if let Some(reason) = self.finish {
+            self.done = true;
+            return Ok(Some(DecodeEvent::Finished(self.finish_event(reason))));
+        }
+        if self.steps == 0 && self.output.is_empty() {
+            return Ok(Some(DecodeEvent::Prefill(self.prefill()?)));
+        }
+        Ok(Some(DecodeEvent::Step(self.step()?)))
+    }
+
+    /// Stops the run early; the next event is the finish.
+    pub fn cancel(&mut self) {
+        self.finish.get_or_insert(FinishReason::Cancelled);
+    }
+
+    fn finish_event(&self, reason: FinishReason) -> FinishEvent {
+        FinishEvent {
+            reason,
+            tokens: self.output.clone(),
+            text: self.tokenizer.decode(&self.output),
+            decode_compute: self.decode_compute,
+            steps: self.steps,
+        }
+    }
+
+    fn token(&self, id: u32) -> Token {
+        Token {
+            id,
+            text: self.tokenizer.token_text(id),
+        }
+    }
+
+    /// All R passes over the prompt, one batched step per pass; the last position's pass-R
+    /// readout is the first output token, verified, which enters the window at pass 1.
+    fn prefill(&mut self) -> Result<PrefillEvent> {
+        let started = Instant::now();
+        let passes = self.model.passes();
+        let n = self.prompt.len();
+        let mut inputs: Vec<RowInput> = self.prompt.iter().map(|&id| RowInput::Token(id)).collect();
+        let mut last_logits = None;
+        for pass in 0..passes {
+            let rows: Vec<StepRow> = inputs
+                .drain(..)
+                .enumerate()
+                .map(|(pos, input)| StepRow {
+                    pos,
+                    pass,
+                    input,
+                    readout: pass + 1 == passes && pos + 1 == n,
+                })
+                .collect();
+            let out = self.model.step(&rows, &mut self.cache)?;
+            inputs = out.hidden.into_iter().map(RowInput::Hidden).collect();
+            last_logits = out.logits.into_iter().next_back().flatten();
+        }
+        let logits =
+            last_logits.expect("prefill reads out the last position at pass R: this is a bug");
+        let first = predict(&self.tokenizer, &logits).token;
+        let committed = self.commit(n, first.id, passes, None);
+        Ok(PrefillEvent {
+            prompt_tokens: n,
+            first: committed,
+            kv: self.cache.occupancy(),
+            compute: started.elapsed(),
+        })
+    }
+
+    /// Appends a verified token to the output; ends the run on EOS, the token budget or a
+    /// full context, else makes sure the window holds it as a verified token.
+    fn commit(
+        &mut self,
+        pos: usize,
+        id: u32,
+        accepted_depth: usize,
+        child: Option<usize>,
+    ) -> Committed {
+        self.output.push(id);
+        self.cache
+            .set_committed(self.prompt.len() + self.output.len());
+        if self.tokenizer.is_eos(id) {
+            self.finish = Some(FinishReason::EndOfText);
+        } else if self.output.len() >= self.options.max_tokens {
+            self.finish = Some(FinishReason::MaxTokens);
+        } else if pos >= self.cache.capacity() {
+            self.finish = Some(FinishReason::ContextFull);
+        }
+        match child {
+            Some(index) => self.window[index].verified = true,
+            None if self.finish.is_none() => self.spawn(pos, id, true, accepted_depth),
+            None => {}
+        }
+        Committed {
+            pos,
+            token: self.token(id),
+            accepted_depth,
+        }
+    }
+
+    /// Starts a token at `pos`; it runs pass 1 in the next step.
+    fn spawn(&mut self, pos: usize, token: u32, verified: bool, proposed_at: usize) {
+        self.window.push_back(InFlight {
+            pos,
+            token,
+            verified,
+            passes_done: 0,
+            hidden: None,
+            proposed_at,
+        });
+    }
+
+    /// Whether a speculative child at `pos` could ever matter: inside the context, and its own
+    /// readout still needed for the token budget.
+    fn may_speculate(&self, pos: usize) -> bool {
+        pos < self.cache.capacity() && pos + 1 - self.prompt.len() < self.options.max_tokens
+    }
+
+    /// Drops the window from `index` on and rolls their KV entries back in every pass.
+    fn flush_from(&mut self, index: usize) -> Flush {
+        let flushed: Vec<InFlight> = self.window.drain(index..).collect();
+        let first_pos = flushed
+            .first()
+            .expect("flush of an empty tail: this is a bug")
+            .pos;
+        Flush {
+            first_pos,
+            last_pos: flushed.last().map_or(first_pos, |t| t.pos),
+            rows_wasted: flushed.iter().map(|t| t.passes_done).sum(),
+            kv_freed_per_pass: self.cache.rollback(first_pos),
+        }
+    }
+
+    /// One batched step over the whole window, then the walk from oldest to newest.
+    fn step(&mut self) -> Result<StepEvent> {
+        let passes = self.model.passes();
+        let rows: Vec<StepRow> = self
+            .window
+            .iter_mut()
+            .map(|t| StepRow {
+                pos: t.pos,
+                pass: t.passes_done,
+                input: match t.hidden.take() {
+                    Some(h) => RowInput::Hidden(h),
+                    None => RowInput::Token(t.token),
+                },
+                readout: t.passes_done + 1 == passes
+                    || self.policy.speculates_at(t.passes_done + 1, passes),
+            })
+            .collect();
+        let started = Instant::now();
+        let out = self.model.step(&rows, &mut self.cache)?;
+        let compute = started.elapsed();
+        self.decode_compute += compute;
+        self.steps += 1;
+        let mut event = StepEvent {
+            step: self.steps,
+            rows: Vec::with_capacity(rows.len()),
+            flips: Vec::new(),
+            flushes: Vec::new(),
+            committed: Vec::new(),
+            kv: Vec::new(),
+            compute,
+        };
+        for (t, hidden) in self.window.iter_mut().zip(out.hidden) {
+            t.hidden = Some(hidden);
+            t.passes_done += 1;
+        }
+        for (index, logits) in out.logits.into_iter().enumerate() {
+            let (row, go_on) = self.walk_row(index, logits.as_deref(), &mut event);
+            event.rows.push(row);
+            if !go_on {
+                break;
+            }
+        }
+        if self.window.front().is_some_and(|t| t.passes_done == passes) {
+            self.window.pop_front();
+        }
+        event.kv = self.cache.occupancy();
+        Ok(event)
+    }
+
+    /// Step 3 of speculation.md §3 for the row at `index`, which just finished its pass.
+    /// Returns its event and whether the walk goes on to younger rows (not after a flush,
+    /// which removed them, nor after the run ended).
+    fn walk_row(
+        &mut self,
+        index: usize,
+        logits: Option<&[f32]>,
+        event: &mut StepEvent,
+    ) -> (RowEvent, bool) {
+        let passes = self.model.passes();
+        let t = &self.window[index];
+        let (pos, pass, id, verified) = (t.pos, t.passes_done, t.token, t.verified);
+        let mut row = RowEvent {
+            pos,
+            pass,
+            token: self.token(id),
+            verified,
+            prediction: None,
+            checked_child: false,
+        };
+        let Some(logits) = logits else {
+            return (row, true);
+        };
+        let prediction = predict(&self.tokenizer, logits);
+        let guess = prediction.token.id;
+        let child = self.window.get(index + 1).map(|c| (c.token, c.proposed_at));
+        row.checked_child = child.is_some();
+        row.prediction = Some(prediction);
+        let mut go_on = true;
+        if let Some((old, _)) = child.filter(|&(old, _)| old != guess) {
+            // A flip (pass < R) or a misprediction found at commit (pass R): everything younger
+            // was computed from the wrong token.
+            event.flips.push(Flip {
+                pos: pos + 1,
+                pass,
+                old: self.token(old),
+                new: self.token(guess),
+            });
+            event.flushes.push(self.flush_from(index + 1));
+            go_on = false;
+        }
+        let surviving = (self.window.len() > index + 1).then_some(index + 1);
+        if pass == passes {
+            let depth = match (surviving, child) {
+                (Some(_), Some((_, proposed_at))) => proposed_at,
+                _ => passes,
+            };
+            event
+                .committed
+                .push(self.commit(pos + 1, guess, depth, surviving));
+            go_on &= self.finish.is_none();
+        } else if surviving.is_none()
+            && self.policy.speculates_at(pass, passes)
+            && self.may_speculate(pos + 1)
+        {
+            self.spawn(pos + 1, guess, false, pass);
+        }
+        (row, go_on)
+    }
+}

@@ -1,0 +1,223 @@
+//! Writes small random checkpoints in the real Ouro format (config.json, safetensors, a
+//! byte-level BPE tokenizer.json trained on a few KB of text). Tests build them in temp
+//! directories; `spex random-checkpoint` builds them for benchmarks.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::OuroConfig;
+use super::error::{EngineError, Result};
+use super::tokenizer::train_bpe;
+
+/// Public-domain text (Shakespeare's sonnets) to train the test tokenizers on.
+pub const SAMPLE_TEXT: &str = include_str!("../../assets/sample-text.txt");
+
+/// The shape of a random checkpoint.
+#[derive(Debug, Clone)]
+pub struct RandomSpec {
+    pub hidden: usize,
+    pub layers: usize,
+    pub passes: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    /// Vocabulary the BPE trainer aims for (the config holds at least the tokenizer's size).
+    pub vocab: usize,
+    pub context: usize,
+    pub tied: bool,
+    /// Write the weights as two shards plus `model.safetensors.index.json`.
+    pub sharded: bool,
+    /// Include Ouro's early-exit gate tensors (which spex ignores).
+    pub early_exit_gate: bool,
+    pub dtype: DType,
+    pub seed: u64,
+    /// Pad the config's vocab_size to this (a small corpus caps the tokenizer's size; real
+    /// checkpoints also have more rows than tokens).
+    pub pad_vocab_to: Option<usize>,
+}
+
+impl Default for RandomSpec {
+    fn default() -> Self {
+        Self {
+            hidden: 64,
+            layers: 2,
+            passes: 4,
+            heads: 4,
+            kv_heads: 4,
+            head_dim: 16,
+            intermediate: 128,
+            vocab: 384,
+            context: 256,
+            tied: true,
+            sharded: false,
+            early_exit_gate: true,
+            dtype: DType::F32,
+            seed: 1,
+            pad_vocab_to: None,
+        }
+    }
+}
+
+/// A small deterministic generator (SplitMix64) for reproducible weights.
+#[derive(Debug, Clone)]
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+impl RandomSpec {
+    /// The config.json this spec writes, for a tokenizer of `tokenizer_vocab` tokens.
+    pub fn config(&self, tokenizer_vocab: usize) -> OuroConfig {
+        OuroConfig {
+            hidden_size: self.hidden,
+            num_hidden_layers: self.layers,
+            total_ut_steps: self.passes,
+            num_attention_heads: self.heads,
+            num_key_value_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            intermediate_size: self.intermediate,
+            vocab_size: self.pad_vocab_to.unwrap_or(0).max(tokenizer_vocab),
+            max_position_embeddings: self.context,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: self.tied,
+            bos_token_id: Some(0),
+            eos_token_ids: vec![0],
+            torch_dtype: match self.dtype {
+                DType::BF16 => "bfloat16",
+                DType::F16 => "float16",
+                _ => "float32",
+            }
+            .to_string(),
+        }
+    }
+}
+
+/// Writes a random checkpoint into `dir` (created if needed).
+pub fn write_random_checkpoint(dir: &Path, spec: &RandomSpec) -> Result<OuroConfig> {
+    std::fs::create_dir_all(dir).map_err(|e| EngineError::file(dir, e))?;
+    let tokenizer_path = dir.join("tokenizer.json");
+    train_bpe(SAMPLE_TEXT.lines(), spec.vocab, &tokenizer_path)?;
+    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+        .map_err(|e| EngineError::file(&tokenizer_path, e))?;
+    let config = spec.config(tokenizer.get_vocab_size(true));
+    write_json(&dir.join("config.json"), &config.to_json())?;
+    let tensors = random_tensors(&config, spec)?;
+    write_weights(dir, tensors, spec.sharded)?;
+    Ok(config)
+}
+
+fn random_tensors(config: &OuroConfig, spec: &RandomSpec) -> Result<Vec<(String, Tensor)>> {
+    let mut rng = SplitMix(spec.seed);
+    let (h, v, i) = (
+        config.hidden_size,
+        config.vocab_size,
+        config.intermediate_size,
+    );
+    let (q, kv) = (
+        config.num_attention_heads * config.head_dim,
+        config.kv_dim(),
+    );
+    let mut shapes: Vec<(String, Vec<usize>, f32)> = vec![
+        ("model.embed_tokens.weight".into(), vec![v, h], 1.0),
+        ("model.norm.weight".into(), vec![h], 0.0),
+    ];
+    if !config.tie_word_embeddings {
+        shapes.push(("lm_head.weight".into(), vec![v, h], 1.0 / (h as f32).sqrt()));
+    }
+    if spec.early_exit_gate {
+        shapes.push(("model.early_exit_gate.weight".into(), vec![1, h], 0.1));
+        shapes.push(("model.early_exit_gate.bias".into(), vec![1], 0.1));
+    }
+    for l in 0..config.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        for (name, shape, fan_in) in [
+            ("self_attn.q_proj.weight", vec![q, h], h),
+            ("self_attn.k_proj.weight", vec![kv, h], h),
+            ("self_attn.v_proj.weight", vec![kv, h], h),
+            ("self_attn.o_proj.weight", vec![h, q], q),
+            ("mlp.gate_proj.weight", vec![i, h], h),
+            ("mlp.up_proj.weight", vec![i, h], h),
+            ("mlp.down_proj.weight", vec![h, i], i),
+        ] {
+            shapes.push((format!("{p}.{name}"), shape, 1.7 / (fan_in as f32).sqrt()));
+        }
+        for name in [
+            "input_layernorm",
+            "input_layernorm_2",
+            "post_attention_layernorm",
+            "post_attention_layernorm_2",
+        ] {
+            shapes.push((format!("{p}.{name}.weight"), vec![h], 0.0));
+        }
+    }
+    shapes
+        .into_iter()
+        .map(|(name, shape, scale)| {
+            let n: usize = shape.iter().product();
+            // Norm weights (scale 0) are 1 ± noise; the rest uniform in ±scale.
+            let data: Vec<f32> = (0..n)
+                .map(|_| {
+                    if scale == 0.0 {
+                        1.0 + 0.1 * rng.uniform()
+                    } else {
+                        scale * rng.uniform()
+                    }
+                })
+                .collect();
+            let t = Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(spec.dtype)?;
+            Ok((name, t))
+        })
+        .collect()
+}
+
+/// Writes `model.safetensors`, or two shards and an index.
+pub fn write_weights(dir: &Path, tensors: Vec<(String, Tensor)>, sharded: bool) -> Result<()> {
+    if !sharded {
+        let map: HashMap<String, Tensor> = tensors.into_iter().collect();
+        let path = dir.join("model.safetensors");
+        return candle_core::safetensors::save(&map, &path)
+            .map_err(|e| EngineError::file(&path, e));
+    }
+    let half = tensors.len() / 2;
+    let mut weight_map = serde_json::Map::new();
+    let mut shards: [HashMap<String, Tensor>; 2] = Default::default();
+    for (n, (name, t)) in tensors.into_iter().enumerate() {
+        let shard = usize::from(n >= half);
+        weight_map.insert(
+            name.clone(),
+            format!("model-0000{}-of-00002.safetensors", shard + 1).into(),
+        );
+        shards[shard].insert(name, t);
+    }
+    for (s, map) in shards.iter().enumerate() {
+        let path = dir.join(format!("model-0000{}-of-00002.safetensors", s + 1));
+        candle_core::safetensors::save(map, &path).map_err(|e| EngineError::file(&path, e))?;
+    }
+    write_json(
+        &dir.join("model.safetensors.index.json"),
+        &serde_json::json!({ "metadata": {}, "weight_map": weight_map }),
+    )
+}
+
+/// Writes pretty JSON to `path`.
+pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| EngineError::file(path, e))?;
+    std::fs::write(path, text + "\n").map_err(|e| EngineError::file(path, e))
+}

@@ -1,0 +1,5 @@
+//! spex: speculative pipelined decoding (SPEED) on looped language models, with a live
+//! terminal dashboard. `engine` decodes, `tui` renders, `cli` parses.
+
+pub mod cli;
+pub mod engine;
