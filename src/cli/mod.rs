@@ -4,6 +4,7 @@
 mod bench;
 mod generate;
 pub mod models;
+mod train;
 
 use std::path::PathBuf;
 
@@ -31,6 +32,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Write a random checkpoint in the Ouro format (for tests and benchmarks).
     RandomCheckpoint(RandomArgs),
+    /// Train a looped model in the Ouro format.
+    Train(train::TrainArgs),
 }
 
 /// Which model to load and how.
@@ -115,6 +118,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Generate(args)) => generate::run(&args),
         Some(Command::Bench(args)) => bench::run(&args),
         Some(Command::RandomCheckpoint(args)) => random_checkpoint(&args),
+        Some(Command::Train(args)) => train::run(&args),
         None => anyhow::bail!("the dashboard is not built yet: use `spex generate --prompt TEXT`"),
     }
 }

@@ -14,6 +14,7 @@ pub mod pipeline;
 pub mod policy;
 pub mod random_checkpoint;
 pub mod tokenizer;
+pub mod train;
 
 pub use checkpoint::{Checkpoint, LoadedModel};
 pub use config::OuroConfig;

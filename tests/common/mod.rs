@@ -1,0 +1,72 @@
+//! Helpers shared by the integration tests: random Ouro checkpoints in temp directories.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device};
+use spex::engine::LoadedModel;
+use spex::engine::model::StepBackend;
+use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
+use std::sync::Arc;
+use tempfile::TempDir;
+
+/// Twenty prompts of different lengths and characters.
+pub const PROMPTS: [&str; 20] = [
+    "To be, or not to be",
+    "Shall I compare thee",
+    "From fairest creatures we desire increase,",
+    "When forty winters shall besiege thy brow",
+    "Look in thy glass",
+    "a",
+    "The slings and arrows of outrageous fortune, or to take arms against a sea of troubles",
+    "HAMLET.",
+    "Thou art more lovely and more temperate:",
+    "Rough winds do shake the darling buds of May,",
+    "Die single and thine image dies with thee.",
+    "So long as men can breathe or eyes can see,",
+    "  spaces  ",
+    "Pity the world, or else this glutton be",
+    "1234 5678",
+    "Ay, there's the rub",
+    "naïve café — ünïcödé",
+    "Must give us pause.",
+    "To die, to sleep; to sleep, perchance to dream.",
+    "Whether 'tis nobler in the mind to suffer",
+];
+
+/// A random checkpoint written to a fresh temp dir and loaded on the CPU in f32.
+pub fn random_model(spec: &RandomSpec) -> (TempDir, LoadedModel) {
+    let dir = TempDir::new().expect("temp dir");
+    write_random_checkpoint(dir.path(), spec).expect("write random checkpoint");
+    let loaded = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load checkpoint");
+    (dir, loaded)
+}
+
+/// The same checkpoint, its steps forced onto candle ops (the GPU code path).
+pub fn with_device_backend(loaded: &LoadedModel) -> LoadedModel {
+    let model = spex::engine::model::LoopedModel::new(
+        loaded.model.config.clone(),
+        loaded.model.weights.clone(),
+        Device::Cpu,
+        DType::F32,
+    )
+    .expect("model")
+    .with_backend(StepBackend::Device);
+    LoadedModel { model: Arc::new(model), ..loaded.clone() }
+}
+
+/// A small spec with the given shape.
+pub fn spec(layers: usize, passes: usize, variant: Variant, seed: u64) -> RandomSpec {
+    let (tied, kv_heads) = match variant {
+        Variant::Tied => (true, 4),
+        Variant::Untied => (false, 4),
+        Variant::Gqa => (true, 2),
+    };
+    RandomSpec { layers, passes, tied, kv_heads, seed, vocab: 300, hidden: 48, head_dim: 12, intermediate: 80, ..RandomSpec::default() }
+}
+
+/// The three weight layouts the exactness tests cover.
+#[derive(Debug, Clone, Copy)]
+pub enum Variant {
+    Tied,
+    Untied,
+    Gqa,
+}

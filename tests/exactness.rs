@@ -1,0 +1,140 @@
+//! Speculative output equals baseline output token for token, on many prompts and shapes, and
+//! the batched step equals the unbatched reference forward.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::{PROMPTS, Variant, random_model, spec, with_device_backend};
+use spex::engine::bench::run_lane;
+use spex::engine::model::{RowInput, StepRow};
+use spex::engine::policy::PolicyKind;
+use spex::engine::{DecodeOptions, LoadedModel};
+
+const OPTIONS: DecodeOptions = DecodeOptions { max_tokens: 24, context: 128 };
+
+fn assert_lanes_equal(loaded: &LoadedModel, label: &str) -> (usize, usize) {
+    let mut flips = 0;
+    for prompt in PROMPTS {
+        let base = run_lane(loaded, PolicyKind::Baseline, prompt, OPTIONS).expect("baseline");
+        let speed = run_lane(loaded, PolicyKind::Speed, prompt, OPTIONS).expect("speed");
+        assert_eq!(base.tokens, speed.tokens, "{label}: prompt {prompt:?}");
+        assert!(!base.tokens.is_empty());
+        flips += speed.stats.flips_per_pass.iter().sum::<usize>();
+    }
+    (PROMPTS.len(), flips)
+}
+
+#[test]
+fn speed_equals_baseline_on_every_shape() {
+    let mut runs = 0;
+    let mut flips = 0;
+    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
+        for layers in [1, 2, 4] {
+            for passes in [1, 2, 3, 4] {
+                let (_dir, loaded) = random_model(&spec(layers, passes, variant, (layers * 10 + passes) as u64));
+                let (n, f) = assert_lanes_equal(&loaded, &format!("{variant:?} K={layers} R={passes}"));
+                runs += n;
+                flips += f;
+            }
+        }
+    }
+    assert_eq!(runs, 20 * 36);
+    assert!(flips > 100, "random models should flip often, saw {flips}");
+}
+
+#[test]
+fn speed_equals_baseline_on_the_device_code_path() {
+    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
+        let (_dir, loaded) = random_model(&spec(2, 4, variant, 7));
+        let device = with_device_backend(&loaded);
+        assert_lanes_equal(&device, &format!("device {variant:?}"));
+        let host = run_lane(&loaded, PolicyKind::Baseline, PROMPTS[0], OPTIONS).unwrap();
+        let dev = run_lane(&device, PolicyKind::Baseline, PROMPTS[0], OPTIONS).unwrap();
+        assert_eq!(host.tokens, dev.tokens, "host and device paths agree");
+    }
+}
+
+/// Reference logits `[passes][pos][vocab]` of the full-sequence forward.
+fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>> {
+    let input = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    loaded
+        .model
+        .forward_sequence(&input)
+        .unwrap()
+        .into_iter()
+        .map(|t| t.squeeze(0).unwrap().to_vec2::<f32>().unwrap())
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Runs the staggered SPEED pattern on a fixed sequence: token p runs pass r at step p + r,
+/// so every step mixes rows of different passes and positions. Every readout is compared with
+/// the reference.
+fn check_pipelined_steps(loaded: &LoadedModel) {
+    let ids = loaded.tokenizer.encode("Shall I compare thee to a summer's day? Thou art more").unwrap();
+    let reference = reference_logits(loaded, &ids);
+    let passes = loaded.model.passes();
+    let mut cache = loaded.model.new_cache(64).unwrap();
+    let mut hidden: Vec<Option<RowInput>> = ids.iter().map(|&id| Some(RowInput::Token(id))).collect();
+    let mut worst = 0f32;
+    for step in 0..ids.len() + passes - 1 {
+        let members: Vec<(usize, usize)> =
+            (0..passes).filter_map(|r| step.checked_sub(r).filter(|&p| p < ids.len()).map(|p| (p, r))).collect();
+        let rows: Vec<StepRow> = members
+            .iter()
+            .map(|&(pos, pass)| StepRow { pos, pass, input: hidden[pos].take().unwrap(), readout: true })
+            .collect();
+        let out = loaded.model.step(&rows, &mut cache).unwrap();
+        for ((&(pos, pass), h), logits) in members.iter().zip(out.hidden).zip(out.logits) {
+            worst = worst.max(max_abs_diff(&logits.unwrap(), &reference[pass][pos]));
+            hidden[pos] = Some(RowInput::Hidden(h));
+        }
+    }
+    assert!(worst < 1e-4, "batched step logits differ from the reference by {worst}");
+}
+
+#[test]
+fn batched_step_matches_reference_forward() {
+    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
+        for (layers, passes) in [(1, 1), (2, 3), (4, 4)] {
+            let (_dir, loaded) = random_model(&spec(layers, passes, variant, 3));
+            check_pipelined_steps(&loaded);
+            check_pipelined_steps(&with_device_backend(&loaded));
+        }
+    }
+}
+
+#[test]
+fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
+    use spex::engine::Decoder;
+    for variant in [Variant::Tied, Variant::Gqa] {
+        let (_dir, loaded) = random_model(&spec(2, 4, variant, 11));
+        let run = |policy: PolicyKind| {
+            let mut d = Decoder::new(&loaded, policy.build(), PROMPTS[2], OPTIONS).unwrap();
+            let mut flushes = 0;
+            while let Some(ev) = d.next_event().unwrap() {
+                if let spex::engine::DecodeEvent::Step(s) = ev {
+                    flushes += s.flushes.len();
+                }
+            }
+            (d, flushes)
+        };
+        let (base, _) = run(PolicyKind::Baseline);
+        let (speed, flushes) = run(PolicyKind::Speed);
+        assert!(flushes > 0, "the run must flush to test rollback");
+        assert_eq!(base.output(), speed.output());
+        let verified = base.prompt().len() + base.output().len() - 1;
+        for layer in 0..loaded.model.config.num_hidden_layers {
+            for pass in 0..4 {
+                let a = base.cache().entries(layer, pass, verified).unwrap();
+                let b = speed.cache().entries(layer, pass, verified).unwrap();
+                let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a.0), bits(&b.0), "keys, layer {layer}, pass {pass}");
+                assert_eq!(bits(&a.1), bits(&b.1), "values, layer {layer}, pass {pass}");
+            }
+        }
+    }
+}
