@@ -10,7 +10,10 @@ use spex::engine::model::{RowInput, StepRow};
 use spex::engine::policy::PolicyKind;
 use spex::engine::{DecodeOptions, LoadedModel};
 
-const OPTIONS: DecodeOptions = DecodeOptions { max_tokens: 24, context: 128 };
+const OPTIONS: DecodeOptions = DecodeOptions {
+    max_tokens: 24,
+    context: 128,
+};
 
 fn assert_lanes_equal(loaded: &LoadedModel, label: &str) -> (usize, usize) {
     let mut flips = 0;
@@ -31,8 +34,14 @@ fn speed_equals_baseline_on_every_shape() {
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
         for layers in [1, 2, 4] {
             for passes in [1, 2, 3, 4] {
-                let (_dir, loaded) = random_model(&spec(layers, passes, variant, (layers * 10 + passes) as u64));
-                let (n, f) = assert_lanes_equal(&loaded, &format!("{variant:?} K={layers} R={passes}"));
+                let (_dir, loaded) = random_model(&spec(
+                    layers,
+                    passes,
+                    variant,
+                    (layers * 10 + passes) as u64,
+                ));
+                let (n, f) =
+                    assert_lanes_equal(&loaded, &format!("{variant:?} K={layers} R={passes}"));
                 runs += n;
                 flips += f;
             }
@@ -56,7 +65,10 @@ fn speed_equals_baseline_on_the_device_code_path() {
 
 /// Reference logits `[passes][pos][vocab]` of the full-sequence forward.
 fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>> {
-    let input = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let input = Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
     loaded
         .model
         .forward_sequence(&input)
@@ -67,25 +79,42 @@ fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>> {
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Runs the staggered SPEED pattern on a fixed sequence: token p runs pass r at step p + r,
 /// so every step mixes rows of different passes and positions. Every readout is compared with
 /// the reference.
 fn check_pipelined_steps(loaded: &LoadedModel) {
-    let ids = loaded.tokenizer.encode("Shall I compare thee to a summer's day? Thou art more").unwrap();
+    let ids = loaded
+        .tokenizer
+        .encode("Shall I compare thee to a summer's day? Thou art more")
+        .unwrap();
     let reference = reference_logits(loaded, &ids);
     let passes = loaded.model.passes();
     let mut cache = loaded.model.new_cache(64).unwrap();
-    let mut hidden: Vec<Option<RowInput>> = ids.iter().map(|&id| Some(RowInput::Token(id))).collect();
+    let mut hidden: Vec<Option<RowInput>> =
+        ids.iter().map(|&id| Some(RowInput::Token(id))).collect();
     let mut worst = 0f32;
     for step in 0..ids.len() + passes - 1 {
-        let members: Vec<(usize, usize)> =
-            (0..passes).filter_map(|r| step.checked_sub(r).filter(|&p| p < ids.len()).map(|p| (p, r))).collect();
+        let members: Vec<(usize, usize)> = (0..passes)
+            .filter_map(|r| {
+                step.checked_sub(r)
+                    .filter(|&p| p < ids.len())
+                    .map(|p| (p, r))
+            })
+            .collect();
         let rows: Vec<StepRow> = members
             .iter()
-            .map(|&(pos, pass)| StepRow { pos, pass, input: hidden[pos].take().unwrap(), readout: true })
+            .map(|&(pos, pass)| StepRow {
+                pos,
+                pass,
+                input: hidden[pos].take().unwrap(),
+                readout: true,
+            })
             .collect();
         let out = loaded.model.step(&rows, &mut cache).unwrap();
         for ((&(pos, pass), h), logits) in members.iter().zip(out.hidden).zip(out.logits) {
@@ -93,7 +122,10 @@ fn check_pipelined_steps(loaded: &LoadedModel) {
             hidden[pos] = Some(RowInput::Hidden(h));
         }
     }
-    assert!(worst < 1e-4, "batched step logits differ from the reference by {worst}");
+    assert!(
+        worst < 1e-4,
+        "batched step logits differ from the reference by {worst}"
+    );
 }
 
 #[test]

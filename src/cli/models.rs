@@ -71,6 +71,9 @@ pub fn resolve(model: Option<&str>) -> Result<PathBuf, EngineError> {
         if p.is_dir() {
             return Ok(p);
         }
+        if m.starts_with(['/', '.', '~']) || m.ends_with('/') || m.matches('/').count() > 1 {
+            return Err(EngineError::file(p, "no such checkpoint directory"));
+        }
     }
     let file = models_file_path();
     let models = ModelsFile::load(&file)?;

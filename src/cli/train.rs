@@ -45,11 +45,24 @@ fn tune_malloc() {
 
 fn describe(p: &Progress) -> String {
     let losses: Vec<String> = p.loss_per_pass.iter().map(|l| format!("{l:.3}")).collect();
-    let mut msg = format!("loss/pass [{}] lr {:.1e} {:.0} tok/s", losses.join(" "), p.lr, p.tokens_per_sec);
+    let mut msg = format!(
+        "loss/pass [{}] lr {:.1e} {:.0} tok/s",
+        losses.join(" "),
+        p.lr,
+        p.tokens_per_sec
+    );
     if let Some(v) = &p.validation {
-        let agree: Vec<String> = v.agreement_with_last.iter().map(|a| format!("{:.0}%", a * 100.0)).collect();
+        let agree: Vec<String> = v
+            .agreement_with_last
+            .iter()
+            .map(|a| format!("{:.0}%", a * 100.0))
+            .collect();
         let losses: Vec<String> = v.loss_per_pass.iter().map(|l| format!("{l:.3}")).collect();
-        msg.push_str(&format!(" | val [{}] agree [{}]", losses.join(" "), agree.join(" ")));
+        msg.push_str(&format!(
+            " | val [{}] agree [{}]",
+            losses.join(" "),
+            agree.join(" ")
+        ));
     }
     msg
 }
@@ -72,8 +85,10 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
     }
     let bar = ProgressBar::new(0);
     bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise} eta {eta_precise}] {msg}")
-            .expect("static progress template: this is a bug"),
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise} eta {eta_precise}] {msg}",
+        )
+        .expect("static progress template: this is a bug"),
     );
     let limit = args.max_steps_now.unwrap_or(usize::MAX);
     let mut done_now = 0usize;
@@ -84,7 +99,12 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
             bar.set_position(p.step as u64);
             bar.set_message(describe(p));
             if p.validation.is_some() {
-                bar.println(format!("step {}: {}", p.step, describe(p)));
+                // A hidden bar (no terminal, e.g. a log file) prints nothing: write directly.
+                if bar.is_hidden() {
+                    eprintln!("step {}: {}", p.step, describe(p));
+                } else {
+                    bar.println(format!("step {}: {}", p.step, describe(p)));
+                }
             }
             if done_now >= limit {
                 stop.store(true, Ordering::SeqCst);
@@ -93,7 +113,13 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
         || stop.load(Ordering::SeqCst),
     )?;
     bar.finish();
-    eprintln!("spex train: saved {} at step {}/{}: {}", args.out.display(), last.step, last.steps, describe(&last));
+    eprintln!(
+        "spex train: saved {} at step {}/{}: {}",
+        args.out.display(),
+        last.step,
+        last.steps,
+        describe(&last)
+    );
     Ok(())
 }
 

@@ -275,4 +275,70 @@ mod tests {
             assert_eq!(one, all[m * outs..(m + 1) * outs], "row {m}");
         }
     }
+
+    #[test]
+    fn matmul_matches_candle_on_odd_shapes() {
+        use candle_core::{Device, Tensor};
+        let mut seed = 3;
+        for &(rows, inner, outs) in &[
+            (1, 1, 1),
+            (1, 7, 5),
+            (2, 17, 33),
+            (3, 31, 9),
+            (4, 64, 64),
+            (5, 100, 3),
+            (7, 257, 129),
+            (13, 15, 1000),
+            (4, 256, 1100),
+        ] {
+            let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+            let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
+            let mut out = vec![0f32; rows * outs];
+            matmul_t(&x, &w, rows, inner, &mut out);
+            let xt = Tensor::from_slice(&x, (rows, inner), &Device::Cpu).unwrap();
+            let wt = Tensor::from_slice(&w, (outs, inner), &Device::Cpu).unwrap();
+            let expect: Vec<f32> = xt
+                .matmul(&wt.t().unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for (a, b) in out.iter().zip(&expect) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "{rows}x{inner}x{outs}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn portable_and_detected_isa_agree_closely() {
+        let mut seed = 5;
+        let (inner, outs) = (203, 17);
+        let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+        let x: Vec<f32> = (0..3 * inner).map(|_| lcg(&mut seed)).collect();
+        let (mut a, mut b) = (vec![0f32; 3 * outs], vec![0f32; 3 * outs]);
+        matmul_t_serial(Isa::Portable, &x, &w, 3, inner, &mut a);
+        matmul_t_serial(isa(), &x, &w, 3, inner, &mut b);
+        for (p, q) in a.iter().zip(&b) {
+            assert!((p - q).abs() < 1e-4);
+        }
+    }
+
+    #[test]
+    fn attention_over_one_position_returns_its_value() {
+        let shape = AttnShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+        };
+        let q = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0];
+        let k = [0.5, 0.5, 0.5, 0.5];
+        let v = [1.0, 2.0, 3.0, 4.0];
+        let mut out = [0f32; 8];
+        attend_row(&q, &k, &v, 1, shape, &mut out, &mut Vec::new());
+        assert_eq!(out, [1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]);
+    }
 }

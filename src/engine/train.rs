@@ -72,7 +72,10 @@ impl TrainConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
         let config: Self = toml::from_str(&text).map_err(|e| {
-            let line = e.span().map(|s| text[..s.start].lines().count().max(1)).unwrap_or(0);
+            let line = e
+                .span()
+                .map(|s| text[..s.start].lines().count().max(1))
+                .unwrap_or(0);
             EngineError::file(format!("{}:{line}", path.display()), e.message())
         })?;
         config.ouro_config(4096).validate(path)?;
@@ -86,10 +89,17 @@ impl TrainConfig {
             return Err(err("model.hidden", "must be divisible by model.heads"));
         }
         if config.train.pass_weights.len() != m.passes {
-            return Err(err("train.pass_weights", "needs one weight per pass (model.passes values)"));
+            return Err(err(
+                "train.pass_weights",
+                "needs one weight per pass (model.passes values)",
+            ));
         }
-        if config.train.seq_len == 0 || config.train.batch == 0 || config.train.seq_len >= m.context {
-            return Err(err("train.seq_len", "must be positive and below model.context"));
+        if config.train.seq_len == 0 || config.train.batch == 0 || config.train.seq_len >= m.context
+        {
+            return Err(err(
+                "train.seq_len",
+                "must be positive and below model.context",
+            ));
         }
         Ok(config)
     }
@@ -123,7 +133,8 @@ impl TrainConfig {
             return t.lr * (step + 1) as f64 / t.warmup_steps as f64;
         }
         let progress = (step - t.warmup_steps) as f64 / (t.steps - t.warmup_steps).max(1) as f64;
-        t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos())
+        t.min_lr
+            + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos())
     }
 }
 
@@ -206,13 +217,25 @@ impl AdamW {
             .collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let zeros = |v: &Var| v.as_tensor().zeros_like();
-        let m = vars.iter().map(|(_, v)| zeros(v)).collect::<candle_core::Result<_>>()?;
-        let v = vars.iter().map(|(_, v)| zeros(v)).collect::<candle_core::Result<_>>()?;
+        let m = vars
+            .iter()
+            .map(|(_, v)| zeros(v))
+            .collect::<candle_core::Result<_>>()?;
+        let v = vars
+            .iter()
+            .map(|(_, v)| zeros(v))
+            .collect::<candle_core::Result<_>>()?;
         Ok(Self { vars, m, v, t: 0 })
     }
 
     /// Clips the global gradient norm to `clip` and applies one update; returns the norm.
-    fn step(&mut self, grads: &candle_core::backprop::GradStore, lr: f64, decay: f64, clip: f64) -> Result<f64> {
+    fn step(
+        &mut self,
+        grads: &candle_core::backprop::GradStore,
+        lr: f64,
+        decay: f64,
+        clip: f64,
+    ) -> Result<f64> {
         let mut norm_sq = 0f64;
         for (_, var) in &self.vars {
             if let Some(g) = grads.get(var.as_tensor()) {
@@ -225,13 +248,19 @@ impl AdamW {
         let (b1, b2) = (Self::BETA1, Self::BETA2);
         let (c1, c2) = (1.0 - b1.powi(self.t as i32), 1.0 - b2.powi(self.t as i32));
         for (i, (name, var)) in self.vars.iter().enumerate() {
-            let Some(g) = grads.get(var.as_tensor()) else { continue };
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
             let g = (g * scale)?;
             self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
             self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
             let update = ((&self.m[i] / c1)? / ((&self.v[i] / c2)?.sqrt()? + Self::EPS)?)?;
             // Norm weights and the embedding are not decayed.
-            let wd = if name.contains("norm") || name.contains("embed") { 0.0 } else { decay };
+            let wd = if name.contains("norm") || name.contains("embed") {
+                0.0
+            } else {
+                decay
+            };
             let w = var.as_tensor();
             var.set(&((w * (1.0 - lr * wd))? - (update * lr)?)?)?;
         }
@@ -249,7 +278,10 @@ impl AdamW {
 
     fn load_state(&mut self, state: &HashMap<String, Tensor>, t: usize) -> Result<()> {
         for (i, (name, _)) in self.vars.iter().enumerate() {
-            if let (Some(m), Some(v)) = (state.get(&format!("adam_m.{name}")), state.get(&format!("adam_v.{name}"))) {
+            if let (Some(m), Some(v)) = (
+                state.get(&format!("adam_m.{name}")),
+                state.get(&format!("adam_v.{name}")),
+            ) {
                 self.m[i] = m.clone();
                 self.v[i] = v.clone();
             }
@@ -269,7 +301,10 @@ fn gaussian(rng: &mut SplitMix) -> f32 {
 /// Sets every variable from the seed: norms to 1, the embedding N(0, 0.02²), linear layers
 /// N(0, 1/fan_in). candle's CPU RNG cannot be seeded, so the init is ours.
 fn seeded_init(varmap: &VarMap, seed: u64) -> Result<()> {
-    let data = varmap.data().lock().expect("var map lock poisoned: this is a bug");
+    let data = varmap
+        .data()
+        .lock()
+        .expect("var map lock poisoned: this is a bug");
     let mut names: Vec<&String> = data.keys().collect();
     names.sort();
     let mut rng = SplitMix(seed);
@@ -284,7 +319,15 @@ fn seeded_init(varmap: &VarMap, seed: u64) -> Result<()> {
         } else {
             1.0 / (dims[dims.len() - 1] as f32).sqrt()
         };
-        let values: Vec<f32> = (0..n).map(|_| if std == 0.0 { 1.0 } else { std * gaussian(&mut rng) }).collect();
+        let values: Vec<f32> = (0..n)
+            .map(|_| {
+                if std == 0.0 {
+                    1.0
+                } else {
+                    std * gaussian(&mut rng)
+                }
+            })
+            .collect();
         var.set(&Tensor::from_vec(values, dims, &Device::Cpu)?)?;
     }
     Ok(())
@@ -307,31 +350,62 @@ const STATE_TENSORS: &str = "train-state.safetensors";
 impl Trainer {
     /// Prepares a run: reads config and corpus, trains the tokenizer (or, with `resume`,
     /// reloads tokenizer, weights and optimiser state from `out`). Errors leave `out` untouched.
-    pub fn prepare(config_path: &Path, corpus_files: &[PathBuf], out: &Path, resume: bool) -> Result<Self> {
+    pub fn prepare(
+        config_path: &Path,
+        corpus_files: &[PathBuf],
+        out: &Path,
+        resume: bool,
+    ) -> Result<Self> {
         let config = TrainConfig::load(config_path)?;
         let texts = read_corpus(corpus_files)?;
         let state = if resume {
             let state_path = out.join(STATE_JSON);
-            let text = std::fs::read_to_string(&state_path).map_err(|e| EngineError::file(&state_path, e))?;
-            let state: TrainState = serde_json::from_str(&text).map_err(|e| EngineError::file(&state_path, e))?;
+            let text = std::fs::read_to_string(&state_path)
+                .map_err(|e| EngineError::file(&state_path, e))?;
+            let state: TrainState =
+                serde_json::from_str(&text).map_err(|e| EngineError::file(&state_path, e))?;
             if state.config.model != config.model {
                 return Err(EngineError::file(
                     &state_path,
-                    format!("resume: checkpoint has shape {:?}, {} asks for {:?}", state.config.model, config_path.display(), config.model),
+                    format!(
+                        "resume: checkpoint has shape {:?}, {} asks for {:?}",
+                        state.config.model,
+                        config_path.display(),
+                        config.model
+                    ),
                 ));
             }
-            TrainState { config: config.clone(), ..state }
+            TrainState {
+                config: config.clone(),
+                ..state
+            }
         } else {
             if out.join("model.safetensors").exists() {
-                return Err(EngineError::file(out, "already holds a checkpoint: pass --resume or choose another --out"));
+                return Err(EngineError::file(
+                    out,
+                    "already holds a checkpoint: pass --resume or choose another --out",
+                ));
             }
-            TrainState { config: config.clone(), step: 0, tokens_seen: 0, elapsed_secs: 0.0, history: Vec::new() }
+            TrainState {
+                config: config.clone(),
+                step: 0,
+                tokens_seen: 0,
+                elapsed_secs: 0.0,
+                history: Vec::new(),
+            }
         };
         let tokenizer_path = out.join("tokenizer.json");
         if !resume {
             std::fs::create_dir_all(out).map_err(|e| EngineError::file(out, e))?;
-            let train_texts = texts.iter().filter(|(p, _)| !is_validation(&config, p)).map(|(_, t)| t.as_str());
-            train_bpe(train_texts.flat_map(|t| t.lines()), config.model.vocab, &tokenizer_path)?;
+            let train_texts = texts
+                .iter()
+                .filter(|(p, _)| !is_validation(&config, p))
+                .map(|(_, t)| t.as_str());
+            train_bpe(
+                train_texts.flat_map(|t| t.lines()),
+                config.model.vocab,
+                &tokenizer_path,
+            )?;
         }
         let tokenizer = TextTokenizer::load(&tokenizer_path, &[0])?;
         let corpus = tokenize_corpus(&config, &tokenizer, &texts)?;
@@ -341,7 +415,8 @@ impl Trainer {
         let weights = Weights::load(&vb, &ouro)?;
         if resume {
             let mut vm = varmap.clone();
-            vm.load(out.join("model.safetensors")).map_err(|e| EngineError::file(out.join("model.safetensors"), e))?;
+            vm.load(out.join("model.safetensors"))
+                .map_err(|e| EngineError::file(out.join("model.safetensors"), e))?;
         } else {
             seeded_init(&varmap, config.train.seed)?;
         }
@@ -349,10 +424,19 @@ impl Trainer {
         let mut opt = AdamW::new(&varmap)?;
         if resume {
             let path = out.join(STATE_TENSORS);
-            let tensors = candle_core::safetensors::load(&path, &Device::Cpu).map_err(|e| EngineError::file(&path, e))?;
+            let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+                .map_err(|e| EngineError::file(&path, e))?;
             opt.load_state(&tensors, state.step)?;
         }
-        Ok(Self { config, out: out.to_path_buf(), corpus, model, varmap, opt, state })
+        Ok(Self {
+            config,
+            out: out.to_path_buf(),
+            corpus,
+            model,
+            varmap,
+            opt,
+            state,
+        })
     }
 
     /// The Ouro config of the model being trained.
@@ -367,7 +451,11 @@ impl Trainer {
 
     /// Runs to `train.steps` (or until `stop` says so), checkpointing every few minutes and at
     /// the end. Calls `on_progress` after every step.
-    pub fn run(&mut self, mut on_progress: impl FnMut(&Progress), stop: impl Fn() -> bool) -> Result<Progress> {
+    pub fn run(
+        &mut self,
+        mut on_progress: impl FnMut(&Progress),
+        stop: impl Fn() -> bool,
+    ) -> Result<Progress> {
         let t = self.config.train.clone();
         let started = Instant::now();
         let elapsed_before = self.state.elapsed_secs;
@@ -413,7 +501,9 @@ impl Trainer {
         let t = &self.config.train;
         let mut rng = SplitMix(t.seed ^ (step as u64).wrapping_mul(0x2545_F491_4F6C_DD1D));
         let span = self.corpus.train.len() - t.seq_len - 1;
-        let starts: Vec<usize> = (0..t.batch).map(|_| (rng.next_u64() % span as u64) as usize).collect();
+        let starts: Vec<usize> = (0..t.batch)
+            .map(|_| (rng.next_u64() % span as u64) as usize)
+            .collect();
         let (loss, per_pass) = self.loss(&self.corpus.train, &starts)?;
         let grads = loss.backward()?;
         self.opt.step(&grads, lr, t.weight_decay, t.grad_clip)?;
@@ -431,7 +521,9 @@ impl Trainer {
         let mut per_pass = Vec::with_capacity(hidden.len());
         let weight_sum: f64 = t.pass_weights.iter().sum();
         for (h, w) in hidden.iter().zip(&t.pass_weights) {
-            let logits = h.broadcast_matmul(&self.model.weights.lm_head.t()?)?.reshape(((), vocab))?;
+            let logits = h
+                .broadcast_matmul(&self.model.weights.lm_head.t()?)?
+                .reshape(((), vocab))?;
             let ce = candle_nn::loss::cross_entropy(&logits, &targets)?;
             per_pass.push(ce.to_scalar::<f32>()? as f64);
             let term = (ce * (w / weight_sum))?;
@@ -449,25 +541,44 @@ impl Trainer {
         let tokens = &self.corpus.validation;
         let span = tokens.len().saturating_sub(t.seq_len + 1).max(1);
         let passes = self.model.passes();
-        let mut v = Validation { loss_per_pass: vec![0.0; passes], agreement_with_last: vec![0.0; passes] };
+        let mut v = Validation {
+            loss_per_pass: vec![0.0; passes],
+            agreement_with_last: vec![0.0; passes],
+        };
         for b in 0..t.eval_batches {
-            let starts: Vec<usize> = (0..t.batch).map(|i| ((b * t.batch + i) * 7919 * t.seq_len) % span).collect();
+            let starts: Vec<usize> = (0..t.batch)
+                .map(|i| ((b * t.batch + i) * 7919 * t.seq_len) % span)
+                .collect();
             let (inputs, targets) = windows(tokens, &starts, t.seq_len)?;
             let hidden = self.model.hidden_per_pass(&inputs)?;
             let targets = targets.flatten_all()?;
             let vocab = self.model.config.vocab_size;
             let logits: Vec<Tensor> = hidden
                 .iter()
-                .map(|h| Ok(h.broadcast_matmul(&self.model.weights.lm_head.t()?)?.reshape(((), vocab))?.detach()))
+                .map(|h| {
+                    Ok(h.broadcast_matmul(&self.model.weights.lm_head.t()?)?
+                        .reshape(((), vocab))?
+                        .detach())
+                })
                 .collect::<Result<_>>()?;
             let last = logits[passes - 1].argmax(1)?;
             for (r, l) in logits.iter().enumerate() {
-                v.loss_per_pass[r] += candle_nn::loss::cross_entropy(l, &targets)?.to_scalar::<f32>()? as f64;
-                let agree = l.argmax(1)?.eq(&last)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
+                v.loss_per_pass[r] +=
+                    candle_nn::loss::cross_entropy(l, &targets)?.to_scalar::<f32>()? as f64;
+                let agree = l
+                    .argmax(1)?
+                    .eq(&last)?
+                    .to_dtype(DType::F32)?
+                    .mean_all()?
+                    .to_scalar::<f32>()?;
                 v.agreement_with_last[r] += agree as f64;
             }
         }
-        for x in v.loss_per_pass.iter_mut().chain(v.agreement_with_last.iter_mut()) {
+        for x in v
+            .loss_per_pass
+            .iter_mut()
+            .chain(v.agreement_with_last.iter_mut())
+        {
             *x /= t.eval_batches as f64;
         }
         Ok(v)
@@ -477,13 +588,18 @@ impl Trainer {
     pub fn save(&self) -> Result<()> {
         let out = &self.out;
         let tmp = out.join("model.safetensors.tmp");
-        self.varmap.save(&tmp).map_err(|e| EngineError::file(&tmp, e))?;
-        std::fs::rename(&tmp, out.join("model.safetensors")).map_err(|e| EngineError::file(out, e))?;
+        self.varmap
+            .save(&tmp)
+            .map_err(|e| EngineError::file(&tmp, e))?;
+        std::fs::rename(&tmp, out.join("model.safetensors"))
+            .map_err(|e| EngineError::file(out, e))?;
         let tmp = out.join("train-state.safetensors.tmp");
-        candle_core::safetensors::save(&self.opt.named_state(), &tmp).map_err(|e| EngineError::file(&tmp, e))?;
+        candle_core::safetensors::save(&self.opt.named_state(), &tmp)
+            .map_err(|e| EngineError::file(&tmp, e))?;
         std::fs::rename(&tmp, out.join(STATE_TENSORS)).map_err(|e| EngineError::file(out, e))?;
         write_json(&out.join("config.json"), &self.model.config.to_json())?;
-        let state = serde_json::to_value(&self.state).map_err(|e| EngineError::file(out.join(STATE_JSON), e))?;
+        let state = serde_json::to_value(&self.state)
+            .map_err(|e| EngineError::file(out.join(STATE_JSON), e))?;
         write_json(&out.join(STATE_JSON), &state)
     }
 }
@@ -496,11 +612,19 @@ fn is_validation(config: &TrainConfig, path: &Path) -> bool {
 
 /// Tokenizes every file (documents separated by `<|endoftext|>`), split into training and
 /// held-out streams; without named held-out files the last tenth is held out.
-fn tokenize_corpus(config: &TrainConfig, tokenizer: &TextTokenizer, texts: &[(PathBuf, String)]) -> Result<Corpus> {
+fn tokenize_corpus(
+    config: &TrainConfig,
+    tokenizer: &TextTokenizer,
+    texts: &[(PathBuf, String)],
+) -> Result<Corpus> {
     let (mut train, mut validation) = (Vec::new(), Vec::new());
     for (path, text) in texts {
         let ids = tokenizer.encode(text)?;
-        let into = if is_validation(config, path) { &mut validation } else { &mut train };
+        let into = if is_validation(config, path) {
+            &mut validation
+        } else {
+            &mut train
+        };
         into.extend(ids);
         into.push(0);
     }

@@ -50,7 +50,10 @@ pub fn with_device_backend(loaded: &LoadedModel) -> LoadedModel {
     )
     .expect("model")
     .with_backend(StepBackend::Device);
-    LoadedModel { model: Arc::new(model), ..loaded.clone() }
+    LoadedModel {
+        model: Arc::new(model),
+        ..loaded.clone()
+    }
 }
 
 /// A small spec with the given shape.
@@ -60,7 +63,18 @@ pub fn spec(layers: usize, passes: usize, variant: Variant, seed: u64) -> Random
         Variant::Untied => (false, 4),
         Variant::Gqa => (true, 2),
     };
-    RandomSpec { layers, passes, tied, kv_heads, seed, vocab: 300, hidden: 48, head_dim: 12, intermediate: 80, ..RandomSpec::default() }
+    RandomSpec {
+        layers,
+        passes,
+        tied,
+        kv_heads,
+        seed,
+        vocab: 300,
+        hidden: 48,
+        head_dim: 12,
+        intermediate: 80,
+        ..RandomSpec::default()
+    }
 }
 
 /// The three weight layouts the exactness tests cover.

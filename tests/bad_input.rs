@@ -1,0 +1,215 @@
+//! Bad input gets one clear error line naming the file, field or key, a non-zero exit and no
+//! panic. Each case runs the real binary.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{Variant, random_model, spec};
+
+/// Runs spex; returns (success, stderr).
+fn spex(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(args)
+        .output()
+        .expect("run spex");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn assert_clean_error(args: &[&str], needle: &str) {
+    let (ok, stderr) = spex(args);
+    assert!(!ok, "{args:?} should fail");
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    assert_eq!(
+        stderr.trim().lines().count(),
+        1,
+        "one line expected: {stderr}"
+    );
+    assert!(
+        stderr.contains(needle),
+        "{args:?}: expected {needle:?} in {stderr:?}"
+    );
+}
+
+fn generate_args(dir: &Path) -> Vec<String> {
+    vec![
+        "generate".into(),
+        "--model".into(),
+        dir.display().to_string(),
+        "--prompt".into(),
+        "To be".into(),
+        "--max-tokens".into(),
+        "4".into(),
+    ]
+}
+
+fn run_with(dir: &Path, needle: &str) {
+    let args = generate_args(dir);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_clean_error(&args, needle);
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    f(v.as_object_mut().unwrap());
+    std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn a_good_checkpoint_generates() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let args = generate_args(dir.path());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, stderr) = spex(&args);
+    assert!(ok, "{stderr}");
+}
+
+#[test]
+fn missing_directory_and_missing_files() {
+    assert_clean_error(
+        &[
+            "generate",
+            "--model",
+            "/nonexistent/spex-model",
+            "--prompt",
+            "x",
+        ],
+        "/nonexistent/spex-model",
+    );
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    std::fs::remove_file(dir.path().join("tokenizer.json")).unwrap();
+    run_with(dir.path(), "tokenizer.json: missing");
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    run_with(dir.path(), "model.safetensors: missing");
+}
+
+#[test]
+fn truncated_safetensors() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    run_with(dir.path(), "model.safetensors");
+}
+
+#[test]
+fn tensor_of_the_wrong_shape() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let path = dir.path().join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+    tensors.insert(
+        "model.norm.weight".into(),
+        candle_core::Tensor::ones(7, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    run_with(dir.path(), "model.norm.weight");
+}
+
+#[test]
+fn unknown_model_type_and_missing_field() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    edit_config(dir.path(), |c| {
+        c.insert("model_type".into(), "llama".into());
+    });
+    run_with(dir.path(), "field `model_type`");
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    edit_config(dir.path(), |c| {
+        c.remove("hidden_size");
+    });
+    run_with(dir.path(), "config.json: field `hidden_size`: missing");
+}
+
+#[test]
+fn prompt_longer_than_context_and_empty_prompt() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let d = dir.path().display().to_string();
+    let long = "To be, or not to be, that is the question. ".repeat(20);
+    assert_clean_error(
+        &[
+            "generate",
+            "--model",
+            &d,
+            "--context",
+            "32",
+            "--prompt",
+            &long,
+        ],
+        "do not fit the context of 32",
+    );
+    assert_clean_error(
+        &["generate", "--model", &d, "--prompt", ""],
+        "prompt: empty",
+    );
+}
+
+#[test]
+fn non_utf8_prompts_file() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, b"To be\n\xff\xfe or not\n").unwrap();
+    let d = dir.path().display().to_string();
+    let p = prompts.display().to_string();
+    assert_clean_error(
+        &["bench", "--model", &d, "--prompts", &p, "--max-tokens", "4"],
+        "prompts.txt: not UTF-8",
+    );
+}
+
+#[test]
+fn bench_reports_identical_outputs() {
+    let (dir, _) = random_model(&spec(2, 3, Variant::Gqa, 1));
+    let d = dir.path().display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(["bench", "--model", &d, "--max-tokens", "12", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["overall"]["identical"], true);
+    assert!(report["overall"]["ceiling"].as_f64().unwrap() > 0.0);
+    assert_eq!(report["prompts"].as_array().unwrap().len(), 8);
+}
+
+#[test]
+fn generate_json_streams_one_object_per_event() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let d = dir.path().display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args([
+            "generate",
+            "--model",
+            &d,
+            "--prompt",
+            "To be",
+            "--max-tokens",
+            "5",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["event"], "prefill");
+    assert_eq!(lines.last().unwrap()["event"], "finished");
+    assert_eq!(lines.last().unwrap()["tokens"].as_array().unwrap().len(), 5);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["event"] == "step" && l["rows"][0]["token"]["id"].is_u64())
+    );
+}
