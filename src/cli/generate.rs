@@ -4,7 +4,6 @@ use std::io::Write;
 
 use super::{GenerateArgs, load_model};
 use crate::engine::events::DecodeEvent;
-use crate::engine::tokenizer::Detokenizer;
 use crate::engine::{DecodeOptions, Decoder};
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
@@ -16,7 +15,6 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let mut decoder = Decoder::new(&loaded, args.policy.build(), &args.prompt, options)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let mut detok = Detokenizer::default();
     if !args.json {
         write!(out, "{}", args.prompt)?;
     }
@@ -26,15 +24,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             writeln!(out)?;
             continue;
         }
-        let committed = match &event {
-            DecodeEvent::Prefill(p) => vec![p.first.token.id],
-            DecodeEvent::Step(s) => s.committed.iter().map(|c| c.token.id).collect(),
-            DecodeEvent::Finished(_) => Vec::new(),
-        };
-        for id in committed {
-            if let Some(text) = detok.push(&loaded.tokenizer, id) {
-                write!(out, "{text}")?;
+        match &event {
+            DecodeEvent::Prefill(p) => write!(out, "{}", p.first.text_delta)?,
+            DecodeEvent::Step(s) => {
+                for c in &s.committed {
+                    write!(out, "{}", c.text_delta)?;
+                }
             }
+            DecodeEvent::Finished(_) => {}
         }
         out.flush()?;
     }

@@ -21,6 +21,9 @@ use crate::engine::{EngineError, LoadedModel};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
+    /// With no subcommand: the dashboard's options.
+    #[command(flatten)]
+    pub dashboard: TuiArgs,
 }
 
 /// The subcommands.
@@ -34,6 +37,8 @@ pub enum Command {
     RandomCheckpoint(RandomArgs),
     /// Train a looped model in the Ouro format.
     Train(train::TrainArgs),
+    /// Open the dashboard (what `spex` with no subcommand does).
+    Tui(TuiArgs),
 }
 
 /// Which model to load and how.
@@ -82,6 +87,22 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
+/// `spex tui` (and `spex` alone).
+#[derive(Debug, Clone, Args)]
+pub struct TuiArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Start this prompt at once.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Tokens to generate per run.
+    #[arg(long, default_value_t = 200)]
+    pub max_tokens: usize,
+    /// Frames per second of the dashboard.
+    #[arg(long, default_value_t = 30)]
+    pub fps: u32,
+}
+
 /// `spex random-checkpoint`.
 #[derive(Debug, Args)]
 pub struct RandomArgs {
@@ -119,7 +140,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Bench(args)) => bench::run(&args),
         Some(Command::RandomCheckpoint(args)) => random_checkpoint(&args),
         Some(Command::Train(args)) => train::run(&args),
-        None => anyhow::bail!("the dashboard is not built yet: use `spex generate --prompt TEXT`"),
+        Some(Command::Tui(args)) => dashboard(&args),
+        None => dashboard(&cli.dashboard),
     }
 }
 
@@ -127,6 +149,29 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 pub fn load_model(args: &ModelArgs) -> Result<LoadedModel, EngineError> {
     let dir = models::resolve(args.model.as_deref())?;
     LoadedModel::load(&dir, &Device::Cpu, DType::F32)
+}
+
+fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
+    crate::tui::require_tty().map_err(anyhow::Error::msg)?;
+    let loaded = load_model(&args.model)?;
+    let name = args.model.model.clone().unwrap_or_else(|| {
+        loaded.checkpoint.dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let info = crate::tui::app::ModelInfo {
+        name,
+        passes: loaded.model.passes(),
+        layers: loaded.model.config.num_hidden_layers,
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        policy: "speed".into(),
+    };
+    let options = crate::tui::DashboardOptions {
+        prompt: args.prompt.clone(),
+        decode: crate::engine::DecodeOptions { max_tokens: args.max_tokens, context: args.model.context },
+        info,
+        frame_interval: std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1))),
+    };
+    crate::tui::run(&loaded, options)
 }
 
 fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {

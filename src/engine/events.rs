@@ -65,6 +65,8 @@ pub struct Committed {
     pub token: Token,
     /// The pass whose readout proposed the guess that survived (R: no speculation survived).
     pub accepted_depth: usize,
+    /// Output text this token completes (multi-byte characters can span tokens).
+    pub text_delta: String,
 }
 
 /// Everything one step did.

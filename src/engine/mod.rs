@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod model;
 pub mod pipeline;
 pub mod policy;
+pub mod race;
 pub mod random_checkpoint;
 pub mod tokenizer;
 pub mod train;

@@ -18,7 +18,7 @@ use super::events::{
 use super::kv_cache::KvCache;
 use super::model::{Hidden, LoopedModel, RowInput, StepRow};
 use super::policy::Policy;
-use super::tokenizer::TextTokenizer;
+use super::tokenizer::{Detokenizer, TextTokenizer};
 
 /// Limits of one run.
 #[derive(Debug, Clone, Copy)]
@@ -77,6 +77,7 @@ pub struct Decoder {
     cache: KvCache,
     window: VecDeque<InFlight>,
     output: Vec<u32>,
+    detokenizer: Detokenizer,
     steps: u64,
     decode_compute: Duration,
     finish: Option<FinishReason>,
@@ -128,6 +129,7 @@ impl Decoder {
             prompt,
             window: VecDeque::new(),
             output: Vec::new(),
+            detokenizer: Detokenizer::default(),
             steps: 0,
             decode_compute: Duration::ZERO,
             finish: None,
@@ -256,10 +258,12 @@ impl Decoder {
             None if self.finish.is_none() => self.spawn(pos, id, true, accepted_depth),
             None => {}
         }
+        let text_delta = self.detokenizer.push(&self.tokenizer, id).unwrap_or_default();
         Committed {
             pos,
             token: self.token(id),
             accepted_depth,
+            text_delta,
         }
     }
 

@@ -1,0 +1,167 @@
+//! A fair race between SPEED and the baseline on one thread: whichever lane has used less
+//! compute so far runs its next step, so both have always used (nearly) equal compute and the
+//! SPEED lane runs ahead by exactly the measured speedup. Each lane times only its own steps.
+//! The dashboard starts one race per run; it controls it with [`RaceControl`] messages and
+//! receives every decoder event tagged with its lane.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
+
+use super::checkpoint::LoadedModel;
+use super::error::Result;
+use super::events::DecodeEvent;
+use super::pipeline::{DecodeOptions, Decoder};
+use super::policy::PolicyKind;
+
+/// The two lanes of a race.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Lane {
+    Speed,
+    Baseline,
+}
+
+/// What the race thread sends out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RaceEvent {
+    /// One decoder event of one lane.
+    Decode { lane: Lane, event: DecodeEvent },
+    /// A lane failed; the race stops.
+    Error(String),
+    /// Both lanes finished (or the race was stopped).
+    Done,
+}
+
+/// Control messages from the dashboard.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RaceControl {
+    Pause,
+    Resume,
+    /// While paused: advance the SPEED lane by one step (and the baseline to equal compute).
+    Step,
+    /// SPEED-lane steps per second; `None` runs flat out.
+    Rate(Option<f64>),
+    Stop,
+}
+
+struct LaneRun {
+    lane: Lane,
+    decoder: Decoder,
+    used: Duration,
+    done: bool,
+}
+
+impl LaneRun {
+    /// Runs the lane's next event, charging its compute; false once the lane has ended.
+    fn advance(&mut self, sink: &mut impl FnMut(RaceEvent) -> bool) -> Result<bool> {
+        match self.decoder.next_event()? {
+            Some(event) => {
+                self.used += match &event {
+                    DecodeEvent::Prefill(p) => p.compute,
+                    DecodeEvent::Step(s) => s.compute,
+                    DecodeEvent::Finished(_) => Duration::ZERO,
+                };
+                Ok(sink(RaceEvent::Decode { lane: self.lane, event }))
+            }
+            None => {
+                self.done = true;
+                Ok(true)
+            }
+        }
+    }
+}
+
+/// Runs a race to the end on the calling thread. `sink` receives every event and returns
+/// false when nobody listens any more (the race then stops).
+pub fn run_race(
+    loaded: &LoadedModel,
+    prompt: &str,
+    options: DecodeOptions,
+    control: Receiver<RaceControl>,
+    mut sink: impl FnMut(RaceEvent) -> bool,
+) {
+    let lanes = [(Lane::Speed, PolicyKind::Speed), (Lane::Baseline, PolicyKind::Baseline)]
+        .into_iter()
+        .map(|(lane, kind)| {
+            Decoder::new(loaded, kind.build(), prompt, options).map(|decoder| LaneRun { lane, decoder, used: Duration::ZERO, done: false })
+        })
+        .collect::<Result<Vec<_>>>();
+    let mut lanes = match lanes {
+        Ok(l) => l,
+        Err(e) => {
+            sink(RaceEvent::Error(e.to_string()));
+            sink(RaceEvent::Done);
+            return;
+        }
+    };
+    if let Err(e) = race_loop(&mut lanes, &control, &mut sink) {
+        sink(RaceEvent::Error(e.to_string()));
+    }
+    sink(RaceEvent::Done);
+}
+
+/// The pacing state the control messages change.
+struct Pace {
+    paused: bool,
+    single_steps: usize,
+    rate: Option<f64>,
+    last_speed_step: Instant,
+}
+
+fn race_loop(lanes: &mut [LaneRun], control: &Receiver<RaceControl>, sink: &mut impl FnMut(RaceEvent) -> bool) -> Result<()> {
+    let mut pace = Pace { paused: false, single_steps: 0, rate: None, last_speed_step: Instant::now() };
+    loop {
+        if !apply_controls(&mut pace, control)? {
+            return Ok(());
+        }
+        // The lane with less compute so far goes next: equal compute at every moment.
+        let Some(next) = lanes.iter().enumerate().filter(|(_, l)| !l.done).min_by_key(|(_, l)| l.used).map(|(i, _)| i) else {
+            return Ok(());
+        };
+        let catching_up = lanes.iter().any(|l| !l.done && l.used > lanes[next].used);
+        if !catching_up {
+            // The leading lane's steps are what pause, single-step and the rate govern.
+            if pace.paused && pace.single_steps == 0 {
+                continue;
+            }
+            if let Some(rate) = pace.rate {
+                let wait = Duration::from_secs_f64(1.0 / rate).saturating_sub(pace.last_speed_step.elapsed());
+                if !wait.is_zero() {
+                    std::thread::sleep(wait.min(Duration::from_millis(20)));
+                    continue;
+                }
+            }
+            pace.single_steps = pace.single_steps.saturating_sub(1);
+            pace.last_speed_step = Instant::now();
+        }
+        if !lanes[next].advance(sink)? {
+            return Ok(());
+        }
+    }
+}
+
+/// Applies pending control messages; blocks while paused with nothing to do. False on Stop.
+fn apply_controls(pace: &mut Pace, control: &Receiver<RaceControl>) -> Result<bool> {
+    loop {
+        let msg = if pace.paused && pace.single_steps == 0 {
+            match control.recv_timeout(Duration::from_millis(20)) {
+                Ok(m) => Some(m),
+                Err(RecvTimeoutError::Timeout) => return Ok(true),
+                Err(RecvTimeoutError::Disconnected) => return Ok(false),
+            }
+        } else {
+            match control.try_recv() {
+                Ok(m) => Some(m),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => return Ok(false),
+            }
+        };
+        match msg {
+            None => return Ok(true),
+            Some(RaceControl::Pause) => pace.paused = true,
+            Some(RaceControl::Resume) => pace.paused = false,
+            Some(RaceControl::Step) => pace.single_steps += 1,
+            Some(RaceControl::Rate(r)) => pace.rate = r,
+            Some(RaceControl::Stop) => return Ok(false),
+        }
+    }
+}

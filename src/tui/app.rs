@@ -1,0 +1,432 @@
+//! The dashboard's state and its one update function. Terminal input and engine events arrive
+//! as [`Msg`]s; [`App::update`] folds them into state and returns [`Command`]s for the runtime
+//! (start a race, steer it, quit). Rendering (`ui`) reads this state and nothing else.
+
+use std::collections::VecDeque;
+
+use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers, MouseEvent, MouseEventKind};
+
+use crate::engine::bench::speedup;
+use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
+use crate::engine::kv_cache::PassOccupancy;
+use crate::engine::metrics::RunStats;
+use crate::engine::race::{Lane, RaceControl, RaceEvent};
+
+/// Steps of the pipeline view kept in memory (the view shows as many as fit).
+const MAX_COLUMNS: usize = 512;
+/// Flips kept in the log.
+const MAX_FLIPS: usize = 200;
+/// Points of the speedup sparkline.
+const MAX_HISTORY: usize = 400;
+/// Selectable SPEED steps per second; `None` is flat out.
+pub const RATES: [Option<f64>; 9] = [Some(1.0), Some(2.0), Some(5.0), Some(10.0), Some(20.0), Some(50.0), Some(100.0), Some(200.0), None];
+
+/// Input to [`App::update`].
+#[derive(Debug, Clone)]
+pub enum Msg {
+    Key(KeyEvent),
+    Mouse(MouseEvent),
+    Resize(u16, u16),
+    /// Every engine event that arrived since the last frame.
+    Engine(Vec<RaceEvent>),
+}
+
+/// What the runtime must do after an update.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    StartRace { prompt: String },
+    Control(RaceControl),
+    Quit,
+}
+
+/// Which pane the keys scroll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Focus {
+    Prompt,
+    Speed,
+    Baseline,
+    Flips,
+}
+
+impl Focus {
+    fn next(self) -> Self {
+        match self {
+            Self::Prompt => Self::Speed,
+            Self::Speed => Self::Baseline,
+            Self::Baseline => Self::Flips,
+            Self::Flips => Self::Prompt,
+        }
+    }
+}
+
+/// What the footer says about the model.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ModelInfo {
+    pub name: String,
+    pub passes: usize,
+    pub layers: usize,
+    pub device: String,
+    pub dtype: String,
+    pub policy: String,
+}
+
+/// How a pipeline cell is drawn.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CellKind {
+    /// The token's id is committed.
+    Verified,
+    /// The token is a guess still in flight.
+    Speculative,
+    /// This row's readout changed the prediction for the next position.
+    Flipped { old: String, new: String },
+    /// The row's work was thrown away by a flush in this step.
+    Flushed,
+}
+
+/// One token at one pass in one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cell {
+    pub text: String,
+    pub pos: usize,
+    pub kind: CellKind,
+}
+
+/// One step of the SPEED lane: a cell per pass (pass 1 first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepColumn {
+    pub step: u64,
+    pub cells: Vec<Option<Cell>>,
+}
+
+/// A flip with its surroundings, for the log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlipEntry {
+    pub step: u64,
+    pub pos: usize,
+    pub pass: usize,
+    pub old: String,
+    pub new: String,
+    /// The last committed words before the flipped position.
+    pub context: String,
+}
+
+/// One lane's output and statistics.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LaneView {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub stats: RunStats,
+    pub finished: Option<FinishReason>,
+    pub scroll: u16,
+}
+
+/// Whether the lanes agree so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Agreement {
+    /// Identical over the first `n` tokens both lanes have.
+    Same(usize),
+    /// They first differ at this output index.
+    Differ(usize),
+}
+
+/// Everything about the current run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunView {
+    pub prompt: String,
+    pub speed: LaneView,
+    pub baseline: LaneView,
+    pub columns: VecDeque<StepColumn>,
+    pub flips: VecDeque<FlipEntry>,
+    pub kv: Vec<PassOccupancy>,
+    pub speedup_history: VecDeque<f64>,
+    pub done: bool,
+}
+
+impl RunView {
+    fn lane_mut(&mut self, lane: Lane) -> &mut LaneView {
+        match lane {
+            Lane::Speed => &mut self.speed,
+            Lane::Baseline => &mut self.baseline,
+        }
+    }
+
+    /// Baseline time per token over SPEED time per token, as `spex bench` computes it.
+    pub fn speedup(&self) -> Option<f64> {
+        let s = speedup(&self.baseline.stats, &self.speed.stats);
+        (s > 0.0).then_some(s)
+    }
+
+    /// The identical-output check over the tokens both lanes have committed.
+    pub fn agreement(&self) -> Agreement {
+        let (a, b) = (&self.speed.tokens, &self.baseline.tokens);
+        match a.iter().zip(b).position(|(x, y)| x != y) {
+            Some(i) => Agreement::Differ(i),
+            None => Agreement::Same(a.len().min(b.len())),
+        }
+    }
+}
+
+/// The dashboard's whole state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct App {
+    pub info: ModelInfo,
+    pub prompt: String,
+    /// Cursor position in `prompt`, in characters.
+    pub cursor: usize,
+    pub focus: Focus,
+    pub run: Option<RunView>,
+    pub paused: bool,
+    pub rate_index: usize,
+    pub show_help: bool,
+    pub size: (u16, u16),
+    pub error: Option<String>,
+    pub should_quit: bool,
+}
+
+impl App {
+    /// A fresh dashboard; with a prompt given, the first command starts it at once.
+    pub fn new(info: ModelInfo, prompt: Option<String>, size: (u16, u16)) -> Self {
+        Self {
+            info,
+            cursor: prompt.as_deref().map_or(0, |p| p.chars().count()),
+            prompt: prompt.unwrap_or_default(),
+            focus: Focus::Prompt,
+            run: None,
+            paused: false,
+            rate_index: RATES.len() - 1,
+            show_help: false,
+            size,
+            error: None,
+            should_quit: false,
+        }
+    }
+
+    /// Steps per second of the SPEED lane, `None` when flat out.
+    pub fn rate(&self) -> Option<f64> {
+        RATES[self.rate_index]
+    }
+
+    /// Folds one message into the state.
+    pub fn update(&mut self, msg: Msg) -> Vec<Command> {
+        match msg {
+            Msg::Key(key) if key.kind != KeyEventKind::Release => self.on_key(key),
+            Msg::Key(_) => Vec::new(),
+            Msg::Mouse(mouse) => {
+                match mouse.kind {
+                    MouseEventKind::ScrollUp => self.scroll(-3),
+                    MouseEventKind::ScrollDown => self.scroll(3),
+                    _ => {}
+                }
+                Vec::new()
+            }
+            Msg::Resize(w, h) => {
+                self.size = (w, h);
+                Vec::new()
+            }
+            Msg::Engine(events) => {
+                for event in events {
+                    self.on_engine(event);
+                }
+                Vec::new()
+            }
+        }
+    }
+
+    /// Starts a run of the prompt being edited (an empty one is an error line, not a run).
+    pub fn start(&mut self) -> Vec<Command> {
+        if self.prompt.trim().is_empty() {
+            self.error = Some("prompt: empty: type some text, then Enter".into());
+            return Vec::new();
+        }
+        self.error = None;
+        self.paused = false;
+        self.run = Some(RunView { prompt: self.prompt.clone(), ..RunView::default() });
+        self.focus = Focus::Speed;
+        vec![Command::StartRace { prompt: self.prompt.clone() }, Command::Control(RaceControl::Rate(self.rate()))]
+    }
+
+    fn on_key(&mut self, key: KeyEvent) -> Vec<Command> {
+        let ctrl = key.modifiers.contains(KeyModifiers::CONTROL);
+        if ctrl && matches!(key.code, KeyCode::Char('c')) {
+            self.should_quit = true;
+            return vec![Command::Quit];
+        }
+        if self.show_help {
+            self.show_help = false;
+            return Vec::new();
+        }
+        if self.focus == Focus::Prompt {
+            return self.on_edit_key(key);
+        }
+        match key.code {
+            KeyCode::Char('q') => {
+                self.should_quit = true;
+                vec![Command::Quit]
+            }
+            KeyCode::Char('?') => {
+                self.show_help = true;
+                Vec::new()
+            }
+            KeyCode::Char(' ') => self.toggle_pause(),
+            KeyCode::Char('n') => {
+                self.paused = true;
+                vec![Command::Control(RaceControl::Pause), Command::Control(RaceControl::Step)]
+            }
+            KeyCode::Char('+') | KeyCode::Char('=') => self.change_rate(1),
+            KeyCode::Char('-') | KeyCode::Char('_') => self.change_rate(-1),
+            KeyCode::Char('r') => self.start(),
+            KeyCode::Char('e') => {
+                self.focus = Focus::Prompt;
+                Vec::new()
+            }
+            KeyCode::Tab => {
+                self.focus = self.focus.next();
+                Vec::new()
+            }
+            KeyCode::Up => self.scroll_cmd(-1),
+            KeyCode::Down => self.scroll_cmd(1),
+            KeyCode::PageUp => self.scroll_cmd(-10),
+            KeyCode::PageDown => self.scroll_cmd(10),
+            _ => Vec::new(),
+        }
+    }
+
+    fn on_edit_key(&mut self, key: KeyEvent) -> Vec<Command> {
+        let len = self.prompt.chars().count();
+        match key.code {
+            KeyCode::Enter => return self.start(),
+            KeyCode::Tab | KeyCode::Esc => self.focus = self.focus.next(),
+            KeyCode::Char(c) => {
+                let at = self.byte_index(self.cursor);
+                self.prompt.insert(at, c);
+                self.cursor += 1;
+            }
+            KeyCode::Backspace if self.cursor > 0 => {
+                self.cursor -= 1;
+                let at = self.byte_index(self.cursor);
+                self.prompt.remove(at);
+            }
+            KeyCode::Delete if self.cursor < len => {
+                let at = self.byte_index(self.cursor);
+                self.prompt.remove(at);
+            }
+            KeyCode::Left => self.cursor = self.cursor.saturating_sub(1),
+            KeyCode::Right => self.cursor = (self.cursor + 1).min(len),
+            KeyCode::Home => self.cursor = 0,
+            KeyCode::End => self.cursor = len,
+            _ => {}
+        }
+        Vec::new()
+    }
+
+    fn byte_index(&self, chars: usize) -> usize {
+        self.prompt.char_indices().nth(chars).map_or(self.prompt.len(), |(i, _)| i)
+    }
+
+    fn toggle_pause(&mut self) -> Vec<Command> {
+        self.paused = !self.paused;
+        let control = if self.paused { RaceControl::Pause } else { RaceControl::Resume };
+        vec![Command::Control(control)]
+    }
+
+    fn change_rate(&mut self, delta: isize) -> Vec<Command> {
+        self.rate_index = self.rate_index.saturating_add_signed(delta).min(RATES.len() - 1);
+        vec![Command::Control(RaceControl::Rate(self.rate()))]
+    }
+
+    fn scroll_cmd(&mut self, lines: i32) -> Vec<Command> {
+        self.scroll(lines);
+        Vec::new()
+    }
+
+    fn scroll(&mut self, lines: i32) {
+        let focus = self.focus;
+        let Some(run) = self.run.as_mut() else { return };
+        let lane = match focus {
+            Focus::Baseline => &mut run.baseline,
+            _ => &mut run.speed,
+        };
+        lane.scroll = lane.scroll.saturating_add_signed(lines as i16);
+    }
+
+    fn on_engine(&mut self, event: RaceEvent) {
+        let Some(run) = self.run.as_mut() else { return };
+        match event {
+            RaceEvent::Error(message) => self.error = Some(message),
+            RaceEvent::Done => run.done = true,
+            RaceEvent::Decode { lane, event } => {
+                on_decode(run, lane, &event);
+                if let Some(s) = run.speedup() {
+                    if run.speedup_history.len() == MAX_HISTORY {
+                        run.speedup_history.pop_front();
+                    }
+                    run.speedup_history.push_back(s);
+                }
+            }
+        }
+    }
+}
+
+fn on_decode(run: &mut RunView, lane: Lane, event: &DecodeEvent) {
+    match event {
+        DecodeEvent::Prefill(p) => {
+            let view = run.lane_mut(lane);
+            view.stats = RunStats::new(p.kv.len());
+            view.tokens.push(p.first.token.id);
+            view.text.push_str(&p.first.text_delta);
+            if lane == Lane::Speed {
+                run.kv.clone_from(&p.kv);
+            }
+        }
+        DecodeEvent::Step(step) => {
+            let view = run.lane_mut(lane);
+            view.stats.record(event);
+            for c in &step.committed {
+                view.tokens.push(c.token.id);
+                view.text.push_str(&c.text_delta);
+            }
+            if lane == Lane::Speed {
+                record_pipeline(run, step);
+            }
+        }
+        DecodeEvent::Finished(f) => run.lane_mut(lane).finished = Some(f.reason),
+    }
+}
+
+/// Adds the SPEED step to the pipeline view, the flip log and the KV gauges.
+fn record_pipeline(run: &mut RunView, step: &StepEvent) {
+    let passes = run.kv.len().max(step.rows.iter().map(|r| r.pass).max().unwrap_or(1));
+    let mut cells: Vec<Option<Cell>> = vec![None; passes];
+    let flushed_from = step.flushes.iter().map(|f| f.first_pos).min();
+    for row in &step.rows {
+        let flip = step.flips.iter().find(|f| f.pos == row.pos + 1 && f.pass == row.pass);
+        let kind = match (flip, flushed_from) {
+            (Some(f), _) => CellKind::Flipped { old: shown(&f.old), new: shown(&f.new) },
+            (None, Some(first)) if row.pos >= first => CellKind::Flushed,
+            _ if row.verified => CellKind::Verified,
+            _ => CellKind::Speculative,
+        };
+        cells[row.pass - 1] = Some(Cell { text: shown(&row.token), pos: row.pos, kind });
+    }
+    if run.columns.len() == MAX_COLUMNS {
+        run.columns.pop_front();
+    }
+    run.columns.push_back(StepColumn { step: step.step, cells });
+    for f in &step.flips {
+        let context: String = {
+            let words: Vec<&str> = run.speed.text.split_whitespace().collect();
+            words[words.len().saturating_sub(4)..].join(" ")
+        };
+        if run.flips.len() == MAX_FLIPS {
+            run.flips.pop_front();
+        }
+        run.flips.push_back(FlipEntry { step: step.step, pos: f.pos, pass: f.pass, old: shown(&f.old), new: shown(&f.new), context });
+    }
+    run.kv.clone_from(&step.kv);
+}
+
+/// A token's text for display; tokens with no text of their own (ids past the tokenizer's
+/// vocabulary, or lone bytes of a multi-byte character) show their id.
+fn shown(token: &Token) -> String {
+    if token.text.is_empty() || token.text == "\u{FFFD}" { format!("#{}", token.id) } else { token.text.clone() }
+}

@@ -1,0 +1,171 @@
+//! The dashboard runtime: sets up the terminal (restored on quit, error and panic), runs the
+//! race on its own thread, and loops with `tokio::select!` over terminal input, engine events
+//! and a frame timer. Once per frame it drains the engine's events into one `App::update`,
+//! then draws from state alone.
+
+pub mod app;
+pub mod ui;
+
+use std::io::{IsTerminal, Stdout};
+use std::sync::mpsc as std_mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossterm::event::{DisableMouseCapture, EnableMouseCapture, Event, EventStream};
+use crossterm::execute;
+use crossterm::terminal::{EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode};
+use futures::StreamExt;
+use ratatui::Terminal;
+use ratatui::backend::CrosstermBackend;
+use tokio::sync::mpsc;
+
+use crate::engine::race::{RaceControl, RaceEvent, run_race};
+use crate::engine::{DecodeOptions, LoadedModel};
+use app::{App, Command, ModelInfo, Msg};
+
+/// How the dashboard starts.
+#[derive(Debug, Clone)]
+pub struct DashboardOptions {
+    pub prompt: Option<String>,
+    pub decode: DecodeOptions,
+    pub info: ModelInfo,
+    pub frame_interval: Duration,
+}
+
+/// Errors unless both stdin and stdout are terminals.
+pub fn require_tty() -> Result<(), String> {
+    if std::io::stdin().is_terminal() && std::io::stdout().is_terminal() {
+        Ok(())
+    } else {
+        Err("the dashboard needs a terminal (stdin and stdout); for scripts and pipes use `spex generate --prompt TEXT`".into())
+    }
+}
+
+fn restore_terminal() {
+    let _ = disable_raw_mode();
+    let _ = execute!(std::io::stdout(), DisableMouseCapture, LeaveAlternateScreen, crossterm::cursor::Show);
+}
+
+/// Restores the terminal when dropped: on quit, on error and while a panic unwinds.
+struct TerminalGuard;
+
+impl Drop for TerminalGuard {
+    fn drop(&mut self) {
+        restore_terminal();
+    }
+}
+
+fn setup_terminal() -> std::io::Result<(TerminalGuard, Terminal<CrosstermBackend<Stdout>>)> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        restore_terminal();
+        hook(info);
+    }));
+    enable_raw_mode()?;
+    let guard = TerminalGuard;
+    execute!(std::io::stdout(), EnterAlternateScreen, EnableMouseCapture)?;
+    let terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))?;
+    Ok((guard, terminal))
+}
+
+/// The race thread of the current run and its control channel.
+struct RaceHandle {
+    control: std_mpsc::Sender<RaceControl>,
+    thread: JoinHandle<()>,
+}
+
+impl RaceHandle {
+    fn start(loaded: &LoadedModel, prompt: String, options: DecodeOptions, events: mpsc::UnboundedSender<RaceEvent>) -> Self {
+        let (control, control_rx) = std_mpsc::channel();
+        let loaded = loaded.clone();
+        let thread = std::thread::Builder::new()
+            .name("spex-race".into())
+            .spawn(move || run_race(&loaded, &prompt, options, control_rx, |ev| events.send(ev).is_ok()))
+            .expect("spawning the race thread failed: this is a bug");
+        Self { control, thread }
+    }
+
+    /// Stops the race and joins its thread.
+    fn stop(self) {
+        let _ = self.control.send(RaceControl::Stop);
+        drop(self.control);
+        let _ = self.thread.join();
+    }
+}
+
+/// Runs the dashboard until the user quits.
+pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()> {
+    require_tty().map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (_guard, mut terminal) = setup_terminal()?;
+    let size = terminal.size()?;
+    let mut app = App::new(options.info.clone(), options.prompt.clone(), (size.width, size.height));
+    runtime.block_on(event_loop(&mut terminal, &mut app, loaded, &options))
+}
+
+async fn event_loop(
+    terminal: &mut Terminal<CrosstermBackend<Stdout>>,
+    app: &mut App,
+    loaded: &LoadedModel,
+    options: &DashboardOptions,
+) -> anyhow::Result<()> {
+    let mut input = EventStream::new();
+    let mut frames = tokio::time::interval(options.frame_interval);
+    frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let (tx, mut rx) = mpsc::unbounded_channel::<RaceEvent>();
+    let mut race: Option<RaceHandle> = None;
+    let mut pending = if app.prompt.is_empty() { Vec::new() } else { app.start() };
+    terminal.draw(|f| ui::draw(f, app))?;
+    loop {
+        for command in pending.drain(..) {
+            match command {
+                Command::StartRace { prompt } => {
+                    if let Some(old) = race.take() {
+                        old.stop();
+                    }
+                    while rx.try_recv().is_ok() {}
+                    race = Some(RaceHandle::start(loaded, prompt, options.decode, tx.clone()));
+                }
+                Command::Control(c) => {
+                    if let Some(r) = &race {
+                        let _ = r.control.send(c);
+                    }
+                }
+                Command::Quit => {}
+            }
+        }
+        if app.should_quit {
+            break;
+        }
+        tokio::select! {
+            event = input.next() => {
+                let msg = match event {
+                    Some(Ok(Event::Key(k))) => Some(Msg::Key(k)),
+                    Some(Ok(Event::Mouse(m))) => Some(Msg::Mouse(m)),
+                    Some(Ok(Event::Resize(w, h))) => Some(Msg::Resize(w, h)),
+                    Some(Ok(_)) => None,
+                    Some(Err(e)) => return Err(e.into()),
+                    None => break,
+                };
+                if let Some(msg) = msg {
+                    pending = app.update(msg);
+                    terminal.draw(|f| ui::draw(f, app))?;
+                }
+            }
+            _ = frames.tick() => {
+                let mut batch = Vec::new();
+                while let Ok(ev) = rx.try_recv() {
+                    batch.push(ev);
+                }
+                if !batch.is_empty() {
+                    pending = app.update(Msg::Engine(batch));
+                }
+                terminal.draw(|f| ui::draw(f, app))?;
+            }
+        }
+    }
+    if let Some(r) = race.take() {
+        r.stop();
+    }
+    Ok(())
+}
