@@ -155,7 +155,11 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
     crate::tui::require_tty().map_err(anyhow::Error::msg)?;
     let loaded = load_model(&args.model)?;
     let name = args.model.model.clone().unwrap_or_else(|| {
-        loaded.checkpoint.dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned())
+        loaded
+            .checkpoint
+            .dir
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned())
     });
     let info = crate::tui::app::ModelInfo {
         name,
@@ -167,7 +171,10 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
     };
     let options = crate::tui::DashboardOptions {
         prompt: args.prompt.clone(),
-        decode: crate::engine::DecodeOptions { max_tokens: args.max_tokens, context: args.model.context },
+        decode: crate::engine::DecodeOptions {
+            max_tokens: args.max_tokens,
+            context: args.model.context,
+        },
         info,
         frame_interval: std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1))),
     };

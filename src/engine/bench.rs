@@ -26,7 +26,7 @@ pub struct LaneResult {
 }
 
 /// Step compute for 1 row and for R rows at the same position.
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct StepTimes {
     #[serde(rename = "one_row_us", serialize_with = "micros")]
     pub one_row: Duration,

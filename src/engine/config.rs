@@ -110,13 +110,16 @@ impl OuroConfig {
                 return Err(err(field, "must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(err(
                 "num_key_value_heads",
                 "must divide num_attention_heads",
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(err("head_dim", "must be even (rotary embedding)"));
         }
         Ok(())

@@ -15,7 +15,7 @@ use rayon::prelude::*;
 /// Rows of `x` processed together against one weight row (registers hold 2 accumulators each).
 const ROW_BLOCK: usize = 4;
 /// Weight matrices with at least this many elements are split across threads by output rows.
-const PARALLEL_MIN_ELEMENTS: usize = 1 << 18;
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 40;
 
 /// Which instruction set the matmul uses, chosen once per process at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,47 +61,93 @@ pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]
     }
 }
 
-/// One thread's share: writes `out_t[j][m]` (transposed) for the weight rows in `w`.
+/// One thread's share: writes `out_t[j][m]` (transposed) for the weight rows in `w`. Few
+/// input rows take four weight rows at a time, more take two, so that there are always 4–8
+/// independent accumulators and each input load feeds several FMAs. The grouping does not
+/// change any result: every (row, weight row) pair is computed the same way.
 fn matmul_t_serial(isa: Isa, x: &[f32], w: &[f32], rows: usize, inner: usize, out_t: &mut [f32]) {
-    for (w_row, out_col) in w.chunks_exact(inner).zip(out_t.chunks_exact_mut(rows)) {
-        for (block, out_block) in x
-            .chunks(ROW_BLOCK * inner)
-            .zip(out_col.chunks_mut(ROW_BLOCK))
-        {
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa()` returns Avx2Fma only after detecting both features at run time.
-                Isa::Avx2Fma => unsafe { avx2::dots(block, w_row, out_block) },
-                _ => portable::dots(block, w_row, out_block),
-            }
+    if rows <= 2 {
+        sweep::<4>(isa, x, w, rows, inner, out_t);
+    } else {
+        sweep::<2>(isa, x, w, rows, inner, out_t);
+    }
+}
+
+fn sweep<const J: usize>(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    inner: usize,
+    out_t: &mut [f32],
+) {
+    let mut w_groups = w.chunks_exact(J * inner);
+    let mut out_groups = out_t.chunks_exact_mut(J * rows);
+    for (wg, og) in (&mut w_groups).zip(&mut out_groups) {
+        let ws: [&[f32]; J] = std::array::from_fn(|j| &wg[j * inner..(j + 1) * inner]);
+        for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
+            dots_dispatch(isa, block, ws, og, rows, i * ROW_BLOCK);
+        }
+    }
+    let (w_rest, out_rest) = (w_groups.remainder(), out_groups.into_remainder());
+    for (w_row, o) in w_rest
+        .chunks_exact(inner)
+        .zip(out_rest.chunks_exact_mut(rows))
+    {
+        for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
+            dots_dispatch(isa, block, [w_row], o, rows, i * ROW_BLOCK);
         }
     }
 }
 
+/// Writes `out[j * stride + first + r]` = row r of `block` · `ws[j]`.
+#[inline(always)]
+fn dots_dispatch<const J: usize>(
+    isa: Isa,
+    block: &[f32],
+    ws: [&[f32]; J],
+    out: &mut [f32],
+    stride: usize,
+    first: usize,
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` returns Avx2Fma only after detecting both features at run time.
+        Isa::Avx2Fma => unsafe { avx2::dots(block, ws, out, stride, first) },
+        _ => portable::dots(block, ws, out, stride, first),
+    }
+}
+
 mod portable {
-    /// Dot products of up to `ROW_BLOCK` rows of `xs` with `w`, in 8 lanes × 2 accumulators,
-    /// the same order for every row whatever the block size.
-    pub fn dots(xs: &[f32], w: &[f32], out: &mut [f32]) {
-        let inner = w.len();
-        for (x, o) in xs.chunks_exact(inner).zip(out.iter_mut()) {
-            *o = dot(x, w);
+    /// Dot products of up to `ROW_BLOCK` rows of `xs` with each weight row in `ws`. Every
+    /// (row, weight row) pair uses one 8-lane accumulator and the same order, whatever the
+    /// block sizes.
+    pub fn dots<const J: usize>(
+        xs: &[f32],
+        ws: [&[f32]; J],
+        out: &mut [f32],
+        stride: usize,
+        first: usize,
+    ) {
+        let inner = ws[0].len();
+        for (j, w) in ws.iter().enumerate() {
+            for (r, x) in xs.chunks_exact(inner).enumerate() {
+                out[j * stride + first + r] = dot(x, w);
+            }
         }
     }
 
+    #[inline(always)]
     pub fn dot(x: &[f32], w: &[f32]) -> f32 {
-        let mut acc = [[0f32; 8]; 2];
-        let mut xc = x.chunks_exact(16);
-        let mut wc = w.chunks_exact(16);
+        let mut acc = [0f32; 8];
+        let mut xc = x.chunks_exact(8);
+        let mut wc = w.chunks_exact(8);
         for (xs, ws) in (&mut xc).zip(&mut wc) {
-            for lane in 0..8 {
-                acc[0][lane] += xs[lane] * ws[lane];
-                acc[1][lane] += xs[8 + lane] * ws[8 + lane];
+            for (a, (x, w)) in acc.iter_mut().zip(xs.iter().zip(ws)) {
+                *a += x * w;
             }
         }
-        let mut sum = 0f32;
-        for lane in 0..8 {
-            sum += acc[0][lane] + acc[1][lane];
-        }
+        let mut sum = super::hsum8(&acc);
         for (a, b) in xc.remainder().iter().zip(wc.remainder()) {
             sum += a * b;
         }
@@ -109,49 +155,183 @@ mod portable {
     }
 }
 
+/// The horizontal sum of 8 lanes, in the tree the AVX2 kernel's `reduce4` uses.
+#[inline(always)]
+fn hsum8(l: &[f32; 8]) -> f32 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// AVX2/FMA dot products of up to 4 rows with one weight row: the weight chunk is loaded
-    /// once and used by every row. Each row's arithmetic is identical for any block size.
+    /// AVX2/FMA dot products of up to 4 rows of `xs` with `J` (1 or 2) weight rows: each
+    /// weight chunk is loaded once for all rows and each row chunk once for all weight rows.
+    /// Each (row, weight row) pair has one accumulator and the same arithmetic for any block.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dots(xs: &[f32], w: &[f32], out: &mut [f32]) {
-        let inner = w.len();
-        let rows = out.len().min(xs.len() / inner);
-        let main = inner - inner % 16;
-        let mut acc = [[_mm256_setzero_ps(); 2]; super::ROW_BLOCK];
-        let wp = w.as_ptr();
+    pub unsafe fn dots<const J: usize>(
+        xs: &[f32],
+        ws: [&[f32]; J],
+        out: &mut [f32],
+        stride: usize,
+        first: usize,
+    ) {
+        let inner = ws[0].len();
+        let rows = (xs.len() / inner).min(super::ROW_BLOCK);
+        let main = inner - inner % 8;
+        let mut acc = [[_mm256_setzero_ps(); J]; super::ROW_BLOCK];
         let xp = xs.as_ptr();
         let mut k = 0;
         while k < main {
-            // SAFETY: k + 16 <= inner, and every row r < rows has `inner` elements in `xs`.
+            // SAFETY: k + 8 <= inner; every row r < rows has `inner` elements in `xs`, and
+            // every weight row has `inner` elements.
             unsafe {
-                let w0 = _mm256_loadu_ps(wp.add(k));
-                let w1 = _mm256_loadu_ps(wp.add(k + 8));
+                let w: [__m256; J] =
+                    std::array::from_fn(|j| _mm256_loadu_ps(ws[j].as_ptr().add(k)));
+                // Weight rows stream from L3: fetch the next group's rows while this one
+                // computes (a prefetch never faults, even past the end).
+                for wj in ws {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        wj.as_ptr().wrapping_add(k + J * inner) as *const i8
+                    );
+                }
                 for (r, a) in acc.iter_mut().enumerate().take(rows) {
-                    let x = xp.add(r * inner + k);
-                    a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w0, a[0]);
-                    a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8)), w1, a[1]);
+                    let x = _mm256_loadu_ps(xp.add(r * inner + k));
+                    for j in 0..J {
+                        a[j] = _mm256_fmadd_ps(x, w[j], a[j]);
+                    }
                 }
             }
-            k += 16;
+            k += 8;
         }
-        for (r, a) in acc.iter().enumerate().take(rows) {
-            let mut lanes = [0f32; 8];
-            // SAFETY: `lanes` holds exactly 8 floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(a[0], a[1])) };
-            let mut sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-                + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-            for kk in main..inner {
-                sum += xs[r * inner + kk] * w[kk];
+        // Horizontal sums four accumulators at a time; each accumulator's tree is the same
+        // whatever it is grouped with (see `reduce4`).
+        let mut sums = [[0f32; super::ROW_BLOCK]; J];
+        for j in 0..J {
+            let a = |r: usize| if r < rows { acc[r][j] } else { acc[0][j] };
+            let mut four = [0f32; 4];
+            // SAFETY: `four` holds exactly 4 floats.
+            unsafe { _mm_storeu_ps(four.as_mut_ptr(), reduce4(a(0), a(1), a(2), a(3))) };
+            sums[j] = four;
+        }
+        for j in 0..J {
+            for r in 0..rows {
+                let mut sum = sums[j][r];
+                for kk in main..inner {
+                    sum += xs[r * inner + kk] * ws[j][kk];
+                }
+                out[j * stride + first + r] = sum;
             }
-            out[r] = sum;
         }
+    }
+
+    /// e^x for 8 lanes (Cephes' expf polynomial, ~1 ulp): a vector exp, since libm's is
+    /// scalar and the per-row exps of SiLU and softmax would otherwise dominate row cost.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
+            _mm256_set1_ps(88.3),
+        );
+        let fx = _mm256_floor_ps(_mm256_fmadd_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+            _mm256_set1_ps(0.5),
+        ));
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            0.166_666_65,
+            0.5,
+        ] {
+            y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+        }
+        y = _mm256_fmadd_ps(
+            y,
+            _mm256_mul_ps(x, x),
+            _mm256_add_ps(x, _mm256_set1_ps(1.0)),
+        );
+        let pow2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(fx),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
+    }
+
+    /// `x[i] = e^(x[i] − shift)`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted(x: &mut [f32], shift: f32) {
+        let s = _mm256_set1_ps(shift);
+        let mut chunks = x.chunks_exact_mut(8);
+        for c in &mut chunks {
+            // SAFETY: `c` holds exactly 8 floats.
+            unsafe {
+                _mm256_storeu_ps(
+                    c.as_mut_ptr(),
+                    exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), s)),
+                )
+            };
+        }
+        for v in chunks.into_remainder() {
+            *v = exp1(*v - shift);
+        }
+    }
+
+    /// `gate[i] = silu(gate[i]) · up[i]`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul(gate: &mut [f32], up: &[f32]) {
+        let one = _mm256_set1_ps(1.0);
+        let mut g = gate.chunks_exact_mut(8);
+        let mut u = up.chunks_exact(8);
+        for (gc, uc) in (&mut g).zip(&mut u) {
+            // SAFETY: both chunks hold exactly 8 floats.
+            unsafe {
+                let x = _mm256_loadu_ps(gc.as_ptr());
+                let sig = _mm256_div_ps(
+                    x,
+                    _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))),
+                );
+                _mm256_storeu_ps(
+                    gc.as_mut_ptr(),
+                    _mm256_mul_ps(sig, _mm256_loadu_ps(uc.as_ptr())),
+                );
+            }
+        }
+        for (gv, uv) in g.into_remainder().iter_mut().zip(u.remainder()) {
+            *gv = *gv / (1.0 + exp1(-*gv)) * uv;
+        }
+    }
+
+    /// The same polynomial on one lane, so a row's tail matches its vector part.
+    #[target_feature(enable = "avx2,fma")]
+    fn exp1(x: f32) -> f32 {
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds exactly 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), exp8(_mm256_set1_ps(x))) };
+        lanes[0]
+    }
+
+    /// `[Σa, Σb, Σc, Σd]`, each by the tree ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn reduce4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+        let ab = _mm256_hadd_ps(a, b);
+        let cd = _mm256_hadd_ps(c, d);
+        let abcd = _mm256_hadd_ps(ab, cd);
+        _mm_add_ps(
+            _mm256_castps256_ps128(abcd),
+            _mm256_extractf128_ps::<1>(abcd),
+        )
     }
 }
 
 /// A dot product with a fixed summation order (vectorisable by the compiler).
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     portable::dot(a, b)
 }
@@ -202,6 +382,39 @@ pub fn attend_row(
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` returns Avx2Fma only after detecting both features at run time.
+        Isa::Avx2Fma => unsafe { attend_row_avx2(q, keys, values, len, shape, out, scores) },
+        _ => attend_row_impl(q, keys, values, len, shape, out, scores),
+    }
+}
+
+/// The same code compiled with AVX2 enabled: 8-wide vectors, the same per-lane arithmetic.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_row_avx2(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    len: usize,
+    shape: AttnShape,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    attend_row_impl(q, keys, values, len, shape, out, scores)
+}
+
+#[inline(always)]
+fn attend_row_impl(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    len: usize,
+    shape: AttnShape,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
     let AttnShape {
         heads,
         kv_heads,
@@ -231,13 +444,16 @@ pub fn attend_row(
 }
 
 /// Numerically stable softmax, in place.
+#[inline(always)]
 pub fn softmax_in_place(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` returns Avx2Fma only after detecting both features at run time.
+        Isa::Avx2Fma => unsafe { avx2::exp_shifted(x, max) },
+        _ => x.iter_mut().for_each(|v| *v = (*v - max).exp()),
     }
+    let sum: f32 = x.iter().sum();
     for v in x.iter_mut() {
         *v /= sum;
     }
@@ -245,8 +461,15 @@ pub fn softmax_in_place(x: &mut [f32]) {
 
 /// SiLU(gate) · up, element-wise, into `gate`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` returns Avx2Fma only after detecting both features at run time.
+        Isa::Avx2Fma => unsafe { avx2::silu_mul(gate, up) },
+        _ => {
+            for (g, u) in gate.iter_mut().zip(up) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+        }
     }
 }
 

@@ -45,6 +45,25 @@ impl RunStats {
         let DecodeEvent::Step(step) = event else {
             return;
         };
+        // Counters grow to the deepest pass seen, so a stream joined midway cannot index
+        // past them.
+        let deepest = step
+            .rows
+            .iter()
+            .map(|r| r.pass)
+            .chain(step.committed.iter().map(|c| c.accepted_depth))
+            .max()
+            .unwrap_or(0);
+        if deepest > self.passes {
+            self.passes = deepest;
+            for v in [
+                &mut self.flips_per_pass,
+                &mut self.checks_per_pass,
+                &mut self.accepted_by_depth,
+            ] {
+                v.resize(deepest, 0);
+            }
+        }
         self.steps += 1;
         self.decode_compute += step.compute;
         self.rows += step.rows.len();

@@ -258,7 +258,10 @@ impl Decoder {
             None if self.finish.is_none() => self.spawn(pos, id, true, accepted_depth),
             None => {}
         }
-        let text_delta = self.detokenizer.push(&self.tokenizer, id).unwrap_or_default();
+        let text_delta = self
+            .detokenizer
+            .push(&self.tokenizer, id)
+            .unwrap_or_default();
         Committed {
             pos,
             token: self.token(id),

@@ -7,6 +7,7 @@
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
+use super::bench::{StepTimes, measure_step_times};
 use super::checkpoint::LoadedModel;
 use super::error::Result;
 use super::events::DecodeEvent;
@@ -25,6 +26,8 @@ pub enum Lane {
 pub enum RaceEvent {
     /// One decoder event of one lane.
     Decode { lane: Lane, event: DecodeEvent },
+    /// Step compute for 1 and R rows, measured before the lanes start (the ceiling).
+    StepTimes(StepTimes),
     /// A lane failed; the race stops.
     Error(String),
     /// Both lanes finished (or the race was stopped).
@@ -60,7 +63,10 @@ impl LaneRun {
                     DecodeEvent::Step(s) => s.compute,
                     DecodeEvent::Finished(_) => Duration::ZERO,
                 };
-                Ok(sink(RaceEvent::Decode { lane: self.lane, event }))
+                Ok(sink(RaceEvent::Decode {
+                    lane: self.lane,
+                    event,
+                }))
             }
             None => {
                 self.done = true;
@@ -79,14 +85,29 @@ pub fn run_race(
     control: Receiver<RaceControl>,
     mut sink: impl FnMut(RaceEvent) -> bool,
 ) {
-    let lanes = [(Lane::Speed, PolicyKind::Speed), (Lane::Baseline, PolicyKind::Baseline)]
-        .into_iter()
-        .map(|(lane, kind)| {
-            Decoder::new(loaded, kind.build(), prompt, options).map(|decoder| LaneRun { lane, decoder, used: Duration::ZERO, done: false })
+    let lanes = [
+        (Lane::Speed, PolicyKind::Speed),
+        (Lane::Baseline, PolicyKind::Baseline),
+    ]
+    .into_iter()
+    .map(|(lane, kind)| {
+        Decoder::new(loaded, kind.build(), prompt, options).map(|decoder| LaneRun {
+            lane,
+            decoder,
+            used: Duration::ZERO,
+            done: false,
         })
-        .collect::<Result<Vec<_>>>();
+    })
+    .collect::<Result<Vec<_>>>();
     let mut lanes = match lanes {
-        Ok(l) => l,
+        Ok(l) => {
+            let pos = l[0].decoder.prompt().len();
+            match measure_step_times(&loaded.model, pos, 8) {
+                Ok(times) => sink(RaceEvent::StepTimes(times)),
+                Err(e) => sink(RaceEvent::Error(e.to_string())),
+            };
+            l
+        }
         Err(e) => {
             sink(RaceEvent::Error(e.to_string()));
             sink(RaceEvent::Done);
@@ -107,14 +128,29 @@ struct Pace {
     last_speed_step: Instant,
 }
 
-fn race_loop(lanes: &mut [LaneRun], control: &Receiver<RaceControl>, sink: &mut impl FnMut(RaceEvent) -> bool) -> Result<()> {
-    let mut pace = Pace { paused: false, single_steps: 0, rate: None, last_speed_step: Instant::now() };
+fn race_loop(
+    lanes: &mut [LaneRun],
+    control: &Receiver<RaceControl>,
+    sink: &mut impl FnMut(RaceEvent) -> bool,
+) -> Result<()> {
+    let mut pace = Pace {
+        paused: false,
+        single_steps: 0,
+        rate: None,
+        last_speed_step: Instant::now(),
+    };
     loop {
         if !apply_controls(&mut pace, control)? {
             return Ok(());
         }
         // The lane with less compute so far goes next: equal compute at every moment.
-        let Some(next) = lanes.iter().enumerate().filter(|(_, l)| !l.done).min_by_key(|(_, l)| l.used).map(|(i, _)| i) else {
+        let Some(next) = lanes
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.done)
+            .min_by_key(|(_, l)| l.used)
+            .map(|(i, _)| i)
+        else {
             return Ok(());
         };
         let catching_up = lanes.iter().any(|l| !l.done && l.used > lanes[next].used);
@@ -124,7 +160,8 @@ fn race_loop(lanes: &mut [LaneRun], control: &Receiver<RaceControl>, sink: &mut 
                 continue;
             }
             if let Some(rate) = pace.rate {
-                let wait = Duration::from_secs_f64(1.0 / rate).saturating_sub(pace.last_speed_step.elapsed());
+                let wait = Duration::from_secs_f64(1.0 / rate)
+                    .saturating_sub(pace.last_speed_step.elapsed());
                 if !wait.is_zero() {
                     std::thread::sleep(wait.min(Duration::from_millis(20)));
                     continue;

@@ -85,13 +85,19 @@ impl TrainConfig {
             message: message.into(),
         };
         let m = &config.model;
-        if m.heads == 0 || m.hidden % m.heads != 0 {
+        if m.heads == 0 || !m.hidden.is_multiple_of(m.heads) {
             return Err(err("model.hidden", "must be divisible by model.heads"));
         }
         if config.train.pass_weights.len() != m.passes {
             return Err(err(
                 "train.pass_weights",
                 "needs one weight per pass (model.passes values)",
+            ));
+        }
+        if config.train.eval_every == 0 || config.train.eval_batches == 0 {
+            return Err(err(
+                "train.eval_every",
+                "eval_every and eval_batches must be positive",
             ));
         }
         if config.train.seq_len == 0 || config.train.batch == 0 || config.train.seq_len >= m.context
@@ -482,7 +488,7 @@ impl Trainer {
                 elapsed_secs: self.state.elapsed_secs,
                 validation: None,
             };
-            if self.state.step % t.eval_every == 0 || self.state.step == t.steps {
+            if self.state.step.is_multiple_of(t.eval_every) || self.state.step == t.steps {
                 progress.validation = Some(self.validate()?);
                 self.state.history.push(progress.clone());
             }

@@ -19,7 +19,17 @@ const MAX_FLIPS: usize = 200;
 /// Points of the speedup sparkline.
 const MAX_HISTORY: usize = 400;
 /// Selectable SPEED steps per second; `None` is flat out.
-pub const RATES: [Option<f64>; 9] = [Some(1.0), Some(2.0), Some(5.0), Some(10.0), Some(20.0), Some(50.0), Some(100.0), Some(200.0), None];
+pub const RATES: [Option<f64>; 9] = [
+    Some(1.0),
+    Some(2.0),
+    Some(5.0),
+    Some(10.0),
+    Some(20.0),
+    Some(50.0),
+    Some(100.0),
+    Some(200.0),
+    None,
+];
 
 /// Input to [`App::update`].
 #[derive(Debug, Clone)]
@@ -139,6 +149,8 @@ pub struct RunView {
     pub flips: VecDeque<FlipEntry>,
     pub kv: Vec<PassOccupancy>,
     pub speedup_history: VecDeque<f64>,
+    /// R · t(1 row) / t(R rows), measured when the race started.
+    pub ceiling: Option<f64>,
     pub done: bool,
 }
 
@@ -240,9 +252,17 @@ impl App {
         }
         self.error = None;
         self.paused = false;
-        self.run = Some(RunView { prompt: self.prompt.clone(), ..RunView::default() });
+        self.run = Some(RunView {
+            prompt: self.prompt.clone(),
+            ..RunView::default()
+        });
         self.focus = Focus::Speed;
-        vec![Command::StartRace { prompt: self.prompt.clone() }, Command::Control(RaceControl::Rate(self.rate()))]
+        vec![
+            Command::StartRace {
+                prompt: self.prompt.clone(),
+            },
+            Command::Control(RaceControl::Rate(self.rate())),
+        ]
     }
 
     fn on_key(&mut self, key: KeyEvent) -> Vec<Command> {
@@ -270,7 +290,10 @@ impl App {
             KeyCode::Char(' ') => self.toggle_pause(),
             KeyCode::Char('n') => {
                 self.paused = true;
-                vec![Command::Control(RaceControl::Pause), Command::Control(RaceControl::Step)]
+                vec![
+                    Command::Control(RaceControl::Pause),
+                    Command::Control(RaceControl::Step),
+                ]
             }
             KeyCode::Char('+') | KeyCode::Char('=') => self.change_rate(1),
             KeyCode::Char('-') | KeyCode::Char('_') => self.change_rate(-1),
@@ -320,17 +343,27 @@ impl App {
     }
 
     fn byte_index(&self, chars: usize) -> usize {
-        self.prompt.char_indices().nth(chars).map_or(self.prompt.len(), |(i, _)| i)
+        self.prompt
+            .char_indices()
+            .nth(chars)
+            .map_or(self.prompt.len(), |(i, _)| i)
     }
 
     fn toggle_pause(&mut self) -> Vec<Command> {
         self.paused = !self.paused;
-        let control = if self.paused { RaceControl::Pause } else { RaceControl::Resume };
+        let control = if self.paused {
+            RaceControl::Pause
+        } else {
+            RaceControl::Resume
+        };
         vec![Command::Control(control)]
     }
 
     fn change_rate(&mut self, delta: isize) -> Vec<Command> {
-        self.rate_index = self.rate_index.saturating_add_signed(delta).min(RATES.len() - 1);
+        self.rate_index = self
+            .rate_index
+            .saturating_add_signed(delta)
+            .min(RATES.len() - 1);
         vec![Command::Control(RaceControl::Rate(self.rate()))]
     }
 
@@ -354,6 +387,7 @@ impl App {
         match event {
             RaceEvent::Error(message) => self.error = Some(message),
             RaceEvent::Done => run.done = true,
+            RaceEvent::StepTimes(times) => run.ceiling = Some(times.ceiling()),
             RaceEvent::Decode { lane, event } => {
                 on_decode(run, lane, &event);
                 if let Some(s) = run.speedup() {
@@ -395,23 +429,39 @@ fn on_decode(run: &mut RunView, lane: Lane, event: &DecodeEvent) {
 
 /// Adds the SPEED step to the pipeline view, the flip log and the KV gauges.
 fn record_pipeline(run: &mut RunView, step: &StepEvent) {
-    let passes = run.kv.len().max(step.rows.iter().map(|r| r.pass).max().unwrap_or(1));
+    let passes = run
+        .kv
+        .len()
+        .max(step.rows.iter().map(|r| r.pass).max().unwrap_or(1));
     let mut cells: Vec<Option<Cell>> = vec![None; passes];
     let flushed_from = step.flushes.iter().map(|f| f.first_pos).min();
     for row in &step.rows {
-        let flip = step.flips.iter().find(|f| f.pos == row.pos + 1 && f.pass == row.pass);
+        let flip = step
+            .flips
+            .iter()
+            .find(|f| f.pos == row.pos + 1 && f.pass == row.pass);
         let kind = match (flip, flushed_from) {
-            (Some(f), _) => CellKind::Flipped { old: shown(&f.old), new: shown(&f.new) },
+            (Some(f), _) => CellKind::Flipped {
+                old: shown(&f.old),
+                new: shown(&f.new),
+            },
             (None, Some(first)) if row.pos >= first => CellKind::Flushed,
             _ if row.verified => CellKind::Verified,
             _ => CellKind::Speculative,
         };
-        cells[row.pass - 1] = Some(Cell { text: shown(&row.token), pos: row.pos, kind });
+        cells[row.pass - 1] = Some(Cell {
+            text: shown(&row.token),
+            pos: row.pos,
+            kind,
+        });
     }
     if run.columns.len() == MAX_COLUMNS {
         run.columns.pop_front();
     }
-    run.columns.push_back(StepColumn { step: step.step, cells });
+    run.columns.push_back(StepColumn {
+        step: step.step,
+        cells,
+    });
     for f in &step.flips {
         let context: String = {
             let words: Vec<&str> = run.speed.text.split_whitespace().collect();
@@ -420,7 +470,14 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
         if run.flips.len() == MAX_FLIPS {
             run.flips.pop_front();
         }
-        run.flips.push_back(FlipEntry { step: step.step, pos: f.pos, pass: f.pass, old: shown(&f.old), new: shown(&f.new), context });
+        run.flips.push_back(FlipEntry {
+            step: step.step,
+            pos: f.pos,
+            pass: f.pass,
+            old: shown(&f.old),
+            new: shown(&f.new),
+            context,
+        });
     }
     run.kv.clone_from(&step.kv);
 }
@@ -428,5 +485,9 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
 /// A token's text for display; tokens with no text of their own (ids past the tokenizer's
 /// vocabulary, or lone bytes of a multi-byte character) show their id.
 fn shown(token: &Token) -> String {
-    if token.text.is_empty() || token.text == "\u{FFFD}" { format!("#{}", token.id) } else { token.text.clone() }
+    if token.text.is_empty() || token.text == "\u{FFFD}" {
+        format!("#{}", token.id)
+    } else {
+        token.text.clone()
+    }
 }

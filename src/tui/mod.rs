@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use crossterm::event::{DisableMouseCapture, EnableMouseCapture, Event, EventStream};
 use crossterm::execute;
-use crossterm::terminal::{EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode};
+use crossterm::terminal::{
+    EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode,
+};
 use futures::StreamExt;
 use ratatui::Terminal;
 use ratatui::backend::CrosstermBackend;
@@ -43,7 +45,12 @@ pub fn require_tty() -> Result<(), String> {
 
 fn restore_terminal() {
     let _ = disable_raw_mode();
-    let _ = execute!(std::io::stdout(), DisableMouseCapture, LeaveAlternateScreen, crossterm::cursor::Show);
+    let _ = execute!(
+        std::io::stdout(),
+        DisableMouseCapture,
+        LeaveAlternateScreen,
+        crossterm::cursor::Show
+    );
 }
 
 /// Restores the terminal when dropped: on quit, on error and while a panic unwinds.
@@ -75,12 +82,21 @@ struct RaceHandle {
 }
 
 impl RaceHandle {
-    fn start(loaded: &LoadedModel, prompt: String, options: DecodeOptions, events: mpsc::UnboundedSender<RaceEvent>) -> Self {
+    fn start(
+        loaded: &LoadedModel,
+        prompt: String,
+        options: DecodeOptions,
+        events: mpsc::UnboundedSender<RaceEvent>,
+    ) -> Self {
         let (control, control_rx) = std_mpsc::channel();
         let loaded = loaded.clone();
         let thread = std::thread::Builder::new()
             .name("spex-race".into())
-            .spawn(move || run_race(&loaded, &prompt, options, control_rx, |ev| events.send(ev).is_ok()))
+            .spawn(move || {
+                run_race(&loaded, &prompt, options, control_rx, |ev| {
+                    events.send(ev).is_ok()
+                })
+            })
             .expect("spawning the race thread failed: this is a bug");
         Self { control, thread }
     }
@@ -96,10 +112,16 @@ impl RaceHandle {
 /// Runs the dashboard until the user quits.
 pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()> {
     require_tty().map_err(anyhow::Error::msg)?;
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let (_guard, mut terminal) = setup_terminal()?;
     let size = terminal.size()?;
-    let mut app = App::new(options.info.clone(), options.prompt.clone(), (size.width, size.height));
+    let mut app = App::new(
+        options.info.clone(),
+        options.prompt.clone(),
+        (size.width, size.height),
+    );
     runtime.block_on(event_loop(&mut terminal, &mut app, loaded, &options))
 }
 
@@ -114,7 +136,11 @@ async fn event_loop(
     frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let (tx, mut rx) = mpsc::unbounded_channel::<RaceEvent>();
     let mut race: Option<RaceHandle> = None;
-    let mut pending = if app.prompt.is_empty() { Vec::new() } else { app.start() };
+    let mut pending = if app.prompt.is_empty() {
+        Vec::new()
+    } else {
+        app.start()
+    };
     terminal.draw(|f| ui::draw(f, app))?;
     loop {
         for command in pending.drain(..) {
@@ -124,7 +150,12 @@ async fn event_loop(
                         old.stop();
                     }
                     while rx.try_recv().is_ok() {}
-                    race = Some(RaceHandle::start(loaded, prompt, options.decode, tx.clone()));
+                    race = Some(RaceHandle::start(
+                        loaded,
+                        prompt,
+                        options.decode,
+                        tx.clone(),
+                    ));
                 }
                 Command::Control(c) => {
                     if let Some(r) = &race {

@@ -18,6 +18,49 @@ pub fn min_size(passes: usize) -> (u16, u16) {
     (MIN_WIDTH, 3 + 5 + (passes as u16 + 3) + 9 + 1)
 }
 
+/// The panels of the screen, each drawable on its own (the snapshot tests do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Panel {
+    Prompt,
+    Speed,
+    Baseline,
+    Pipeline,
+    Flips,
+    Kv,
+    Stats,
+    Footer,
+}
+
+/// Draws one panel into `area`.
+pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
+    let empty = RunView::default();
+    let run = app.run.as_ref().unwrap_or(&empty);
+    match panel {
+        Panel::Prompt => draw_prompt(frame, area, app),
+        Panel::Speed => draw_lane(
+            frame,
+            area,
+            "SPEED",
+            &run.speed,
+            run,
+            app.focus == Focus::Speed,
+        ),
+        Panel::Baseline => draw_lane(
+            frame,
+            area,
+            "baseline",
+            &run.baseline,
+            run,
+            app.focus == Focus::Baseline,
+        ),
+        Panel::Pipeline => draw_pipeline(frame, area, app, run),
+        Panel::Flips => draw_flips(frame, area, run, app.focus == Focus::Flips),
+        Panel::Kv => draw_kv(frame, area, run),
+        Panel::Stats => draw_stats(frame, area, run),
+        Panel::Footer => draw_footer(frame, area, app),
+    }
+}
+
 /// Draws the whole screen.
 pub fn draw(frame: &mut Frame, app: &App) {
     let area = frame.area();
@@ -34,41 +77,67 @@ pub fn draw(frame: &mut Frame, app: &App) {
         Constraint::Length(1),
     ])
     .areas(area);
-    draw_prompt(frame, prompt, app);
     let [left, right] = Layout::horizontal([Constraint::Percentage(50); 2]).areas(lanes);
-    let empty = RunView::default();
-    let run = app.run.as_ref().unwrap_or(&empty);
-    draw_lane(frame, left, "SPEED", &run.speed, run, app.focus == Focus::Speed);
-    draw_lane(frame, right, "baseline", &run.baseline, run, app.focus == Focus::Baseline);
-    draw_pipeline(frame, pipeline, app, run);
-    let [flips, kv, stats] =
-        Layout::horizontal([Constraint::Percentage(40), Constraint::Percentage(25), Constraint::Percentage(35)]).areas(bottom);
-    draw_flips(frame, flips, run, app.focus == Focus::Flips);
-    draw_kv(frame, kv, run);
-    draw_stats(frame, stats, run);
-    draw_footer(frame, footer, app);
+    let [flips, kv, stats] = Layout::horizontal([
+        Constraint::Percentage(40),
+        Constraint::Percentage(25),
+        Constraint::Percentage(35),
+    ])
+    .areas(bottom);
+    for (panel, area) in [
+        (Panel::Prompt, prompt),
+        (Panel::Speed, left),
+        (Panel::Baseline, right),
+        (Panel::Pipeline, pipeline),
+        (Panel::Flips, flips),
+        (Panel::Kv, kv),
+        (Panel::Stats, stats),
+        (Panel::Footer, footer),
+    ] {
+        draw_panel(frame, area, app, panel);
+    }
     if app.show_help {
         draw_help(frame, area);
     }
 }
 
 fn block(title: &str, focused: bool) -> Block<'static> {
-    let style = if focused { Style::new().fg(Color::Cyan) } else { Style::new().fg(Color::DarkGray) };
-    Block::new().borders(Borders::ALL).border_type(BorderType::Rounded).border_style(style).title(Span::styled(
-        format!(" {title} "),
-        Style::new().add_modifier(Modifier::BOLD),
-    ))
+    let style = if focused {
+        Style::new().fg(Color::Cyan)
+    } else {
+        Style::new().fg(Color::DarkGray)
+    };
+    Block::new()
+        .borders(Borders::ALL)
+        .border_type(BorderType::Rounded)
+        .border_style(style)
+        .title(Span::styled(
+            format!(" {title} "),
+            Style::new().add_modifier(Modifier::BOLD),
+        ))
 }
 
 fn draw_too_small(frame: &mut Frame, area: Rect, (w, h): (u16, u16)) {
-    let text = format!("spex needs a terminal of at least {w}×{h}; this one is {}×{}. Enlarge it, or press q to quit.", area.width, area.height);
-    let p = Paragraph::new(text).wrap(Wrap { trim: true }).alignment(Alignment::Center);
+    let text = format!(
+        "spex needs a terminal of at least {w}×{h}; this one is {}×{}. Enlarge it, or press q to quit.",
+        area.width, area.height
+    );
+    let p = Paragraph::new(text)
+        .wrap(Wrap { trim: true })
+        .alignment(Alignment::Center);
     frame.render_widget(p, area);
 }
 
 fn draw_prompt(frame: &mut Frame, area: Rect, app: &App) {
     let editing = app.focus == Focus::Prompt;
-    let mut b = block(if editing { "prompt — Enter runs, Tab leaves" } else { "prompt — e edits" }, editing);
+    let mut b = block(
+        if editing {
+            "prompt — Enter runs, Tab leaves"
+        } else {
+            "prompt — e edits"
+        },
+        editing,
+    );
     if let Some(err) = &app.error {
         b = b.title_bottom(Line::from(format!(" {err} ").red().bold()));
     }
@@ -85,10 +154,18 @@ fn seconds(d: std::time::Duration) -> String {
     format!("{:.2} s", d.as_secs_f64())
 }
 
-fn draw_lane(frame: &mut Frame, area: Rect, name: &str, lane: &LaneView, run: &RunView, focused: bool) {
-    let status = match lane.finished {
-        Some(reason) => format!(" · done: {}", format!("{reason:?}").to_lowercase()),
-        None => String::new(),
+fn draw_lane(
+    frame: &mut Frame,
+    area: Rect,
+    name: &str,
+    lane: &LaneView,
+    run: &RunView,
+    focused: bool,
+) {
+    let status = if lane.finished.is_some() {
+        " · done"
+    } else {
+        ""
     };
     let title = format!(
         "{name} · {:.1} tok/s · {} · {} tok{status}",
@@ -96,22 +173,40 @@ fn draw_lane(frame: &mut Frame, area: Rect, name: &str, lane: &LaneView, run: &R
         seconds(lane.stats.decode_compute),
         lane.tokens.len()
     );
-    let text = Text::from(vec![Line::from(vec![
-        Span::styled(run.prompt.clone(), Style::new().fg(Color::DarkGray)),
-        Span::raw(lane.text.clone()),
-    ])]);
-    let p = Paragraph::new(text).wrap(Wrap { trim: false }).scroll((lane.scroll, 0)).block(block(&title, focused));
+    // Prompt (dim) then output, split into lines at newlines.
+    let mut lines: Vec<Line> = Vec::new();
+    let mut current: Vec<Span> = Vec::new();
+    for (chunk, style) in [
+        (&run.prompt, Style::new().fg(Color::DarkGray)),
+        (&lane.text, Style::new()),
+    ] {
+        for (i, part) in chunk.split('\n').enumerate() {
+            if i > 0 {
+                lines.push(Line::from(std::mem::take(&mut current)));
+            }
+            current.push(Span::styled(part.to_string(), style));
+        }
+    }
+    lines.push(Line::from(current));
+    let text = Text::from(lines);
+    let p = Paragraph::new(text)
+        .wrap(Wrap { trim: false })
+        .scroll((lane.scroll, 0))
+        .block(block(&title, focused));
     frame.render_widget(p, area);
 }
 
 /// Token text made visible in a fixed-width cell: spaces as '·', newlines as '⏎'.
 fn cell_text(text: &str, width: usize) -> String {
-    let shown: String = text.chars().map(|c| match c {
-        ' ' => '·',
-        '\n' => '⏎',
-        c if c.is_control() => '?',
-        c => c,
-    }).collect();
+    let shown: String = text
+        .chars()
+        .map(|c| match c {
+            ' ' => '·',
+            '\n' => '⏎',
+            c if c.is_control() => '?',
+            c => c,
+        })
+        .collect();
     let mut out: String = shown.chars().take(width).collect();
     let used = Line::from(out.clone()).width();
     out.extend(std::iter::repeat_n(' ', width.saturating_sub(used)));
@@ -122,8 +217,13 @@ fn cell_style(kind: &CellKind) -> Style {
     match kind {
         CellKind::Verified => Style::new().fg(Color::Green),
         CellKind::Speculative => Style::new().fg(Color::Yellow),
-        CellKind::Flipped { .. } => Style::new().fg(Color::White).bg(Color::Red).add_modifier(Modifier::BOLD),
-        CellKind::Flushed => Style::new().fg(Color::DarkGray).add_modifier(Modifier::CROSSED_OUT),
+        CellKind::Flipped { .. } => Style::new()
+            .fg(Color::White)
+            .bg(Color::Red)
+            .add_modifier(Modifier::BOLD),
+        CellKind::Flushed => Style::new()
+            .fg(Color::DarkGray)
+            .add_modifier(Modifier::CROSSED_OUT),
     }
 }
 
@@ -139,19 +239,37 @@ fn draw_pipeline(frame: &mut Frame, area: Rect, app: &App, run: &RunView) {
     frame.render_widget(b, area);
     let label_width = 8u16;
     let n = ((inner.width.saturating_sub(label_width)) / CELL_WIDTH) as usize;
-    let shown: Vec<_> = run.columns.iter().skip(run.columns.len().saturating_sub(n)).collect();
+    let shown: Vec<_> = run
+        .columns
+        .iter()
+        .skip(run.columns.len().saturating_sub(n))
+        .collect();
     let w = (CELL_WIDTH - 1) as usize;
     let mut lines = Vec::with_capacity(app.info.passes + 1);
-    let mut header = vec![Span::styled(format!("{:<8}", "step"), Style::new().fg(Color::DarkGray))];
-    header.extend(shown.iter().map(|c| Span::styled(format!("{:<9}", c.step), Style::new().fg(Color::DarkGray))));
+    let mut header = vec![Span::styled(
+        format!("{:<8}", "step"),
+        Style::new().fg(Color::DarkGray),
+    )];
+    header.extend(
+        shown
+            .iter()
+            .map(|c| Span::styled(format!("{:<9}", c.step), Style::new().fg(Color::DarkGray))),
+    );
     lines.push(Line::from(header));
     for pass in (0..app.info.passes).rev() {
-        let mut spans = vec![Span::styled(format!("pass {:<3}", pass + 1), Style::new().bold())];
+        let mut spans = vec![Span::styled(
+            format!("pass {:<3}", pass + 1),
+            Style::new().bold(),
+        )];
         for col in &shown {
             let span = match col.cells.get(pass).and_then(|c| c.as_ref()) {
                 Some(cell) => {
                     let text = match &cell.kind {
-                        CellKind::Flipped { old, new } => format!("{}→{}", cell_text(old, 3).trim_end(), cell_text(new, 4).trim_end()),
+                        CellKind::Flipped { old, new } => format!(
+                            "{}→{}",
+                            cell_text(old, 3).trim_end(),
+                            cell_text(new, 4).trim_end()
+                        ),
                         _ => cell.text.clone(),
                     };
                     Span::styled(cell_text(&text, w), cell_style(&cell.kind))
@@ -176,11 +294,23 @@ fn draw_flips(frame: &mut Frame, area: Rect, run: &RunView, focused: bool) {
         .take(rows)
         .map(|f| {
             Line::from(vec![
-                Span::styled(format!("s{:<4} p{:<4} pass {} ", f.step, f.pos, f.pass), Style::new().fg(Color::DarkGray)),
-                Span::styled(cell_text(&f.old, 6).trim_end().to_string(), Style::new().fg(Color::Red)),
+                Span::styled(
+                    format!("s{:<4} p{:<4} pass {} ", f.step, f.pos, f.pass),
+                    Style::new().fg(Color::DarkGray),
+                ),
+                Span::styled(
+                    cell_text(&f.old, 6).trim_end().to_string(),
+                    Style::new().fg(Color::Red),
+                ),
                 Span::raw(" → "),
-                Span::styled(cell_text(&f.new, 6).trim_end().to_string(), Style::new().fg(Color::Green)),
-                Span::styled(format!("  …{}", f.context), Style::new().fg(Color::DarkGray)),
+                Span::styled(
+                    cell_text(&f.new, 6).trim_end().to_string(),
+                    Style::new().fg(Color::Green),
+                ),
+                Span::styled(
+                    format!("  …{}", f.context),
+                    Style::new().fg(Color::DarkGray),
+                ),
             ])
         })
         .collect();
@@ -195,7 +325,9 @@ fn draw_kv(frame: &mut Frame, area: Rect, run: &RunView) {
     for (pass, occ) in run.kv.iter().enumerate() {
         let label = format!("pass {} ", pass + 1);
         let numbers = format!(" {}+{}/{}", occ.committed, occ.speculative, occ.capacity);
-        let bar = (inner.width as usize).saturating_sub(label.len() + numbers.len()).max(1);
+        let bar = (inner.width as usize)
+            .saturating_sub(label.len() + numbers.len())
+            .max(1);
         let scale = |n: usize| (n * bar).div_ceil(occ.capacity.max(1)).min(bar);
         let committed = scale(occ.committed);
         let speculative = scale(occ.committed + occ.speculative).saturating_sub(committed);
@@ -203,11 +335,17 @@ fn draw_kv(frame: &mut Frame, area: Rect, run: &RunView) {
             Span::raw(label),
             Span::styled("█".repeat(committed), Style::new().fg(Color::Green)),
             Span::styled("█".repeat(speculative), Style::new().fg(Color::Yellow)),
-            Span::styled("░".repeat(bar - committed - speculative), Style::new().fg(Color::DarkGray)),
+            Span::styled(
+                "░".repeat(bar - committed - speculative),
+                Style::new().fg(Color::DarkGray),
+            ),
             Span::raw(numbers),
         ]));
     }
-    lines.push(Line::from(vec!["committed ".green(), "speculative".yellow()]));
+    lines.push(Line::from(vec![
+        "committed ".green(),
+        "speculative".yellow(),
+    ]));
     frame.render_widget(Paragraph::new(lines), inner);
 }
 
@@ -216,20 +354,53 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView) {
     let inner = b.inner(area);
     frame.render_widget(b, area);
     let [spark, text] = Layout::vertical([Constraint::Length(2), Constraint::Min(1)]).areas(inner);
-    let data: Vec<u64> = run.speedup_history.iter().map(|s| (s * 100.0) as u64).collect();
+    // The sparkline shows the speedup's history, scaled to its own maximum.
+    let data: Vec<u64> = run
+        .speedup_history
+        .iter()
+        .map(|s| (s * 100.0) as u64)
+        .collect();
     let shown = &data[data.len().saturating_sub(spark.width as usize)..];
-    frame.render_widget(Sparkline::default().data(shown).style(Style::new().fg(Color::Cyan)), spark);
+    frame.render_widget(
+        Sparkline::default()
+            .data(shown)
+            .style(Style::new().fg(Color::Cyan)),
+        spark,
+    );
     let s = &run.speed.stats;
-    let speedup = run.speedup().map_or("—".to_string(), |x| format!("{x:.2}×"));
-    let flips: Vec<String> = (1..=s.passes).map(|p| format!("{:.0}%", 100.0 * s.flip_rate(p))).collect();
+    let speedup = run
+        .speedup()
+        .map_or("—".to_string(), |x| format!("{x:.2}×"));
+    let flips: Vec<String> = (1..=s.passes)
+        .map(|p| format!("{:.0}%", 100.0 * s.flip_rate(p)))
+        .collect();
     let agreement = match run.agreement() {
-        Agreement::Same(n) => Span::styled(format!("✓ identical ({n} tokens)"), Style::new().fg(Color::Green).bold()),
-        Agreement::Differ(i) => Span::styled(format!("✗ lanes differ at token {i}"), Style::new().fg(Color::Red).bold()),
+        Agreement::Same(n) => Span::styled(
+            format!("✓ identical ({n} tokens)"),
+            Style::new().fg(Color::Green).bold(),
+        ),
+        Agreement::Differ(i) => Span::styled(
+            format!("✗ lanes differ at token {i}"),
+            Style::new().fg(Color::Red).bold(),
+        ),
     };
+    let ceiling = run.ceiling.map_or("—".to_string(), |c| format!("{c:.2}×"));
     let lines = vec![
-        Line::from(vec!["speedup ".into(), Span::styled(speedup, Style::new().fg(Color::Cyan).bold()), format!("  γ {:.2}", s.gamma()).into()]),
-        Line::from(format!("speed {:.1} tok/s · base {:.1} tok/s", s.tokens_per_sec(), run.baseline.stats.tokens_per_sec())),
-        Line::from(format!("flips/pass {} · wasted {:.0}%", flips.join(" "), 100.0 * s.wasted_fraction())),
+        Line::from(vec![
+            "speedup ".into(),
+            Span::styled(speedup, Style::new().fg(Color::Cyan).bold()),
+            format!(" · ceiling {ceiling} · γ {:.2}", s.gamma()).into(),
+        ]),
+        Line::from(format!(
+            "tok/s speed {:.1} · base {:.1}",
+            s.tokens_per_sec(),
+            run.baseline.stats.tokens_per_sec()
+        )),
+        Line::from(format!("flips/pass {}", flips.join(" "))),
+        Line::from(format!(
+            "wasted row-slots {:.0}%",
+            100.0 * s.wasted_fraction()
+        )),
         Line::from(agreement),
     ];
     frame.render_widget(Paragraph::new(lines), text);
@@ -243,7 +414,10 @@ fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {
         "{state} {} · R×K {}×{} · {} · {} · {} vs baseline · {rate} steps/s · ? help · q quit",
         i.name, i.passes, i.layers, i.device, i.dtype, i.policy
     );
-    frame.render_widget(Paragraph::new(text).style(Style::new().fg(Color::Black).bg(Color::Gray)), area);
+    frame.render_widget(
+        Paragraph::new(text).style(Style::new().fg(Color::Black).bg(Color::Gray)),
+        area,
+    );
 }
 
 /// Every key, for the help overlay and the README.
@@ -266,11 +440,24 @@ pub const KEYS: [(&str, &str); 13] = [
 fn draw_help(frame: &mut Frame, area: Rect) {
     let w = 66.min(area.width);
     let h = (KEYS.len() as u16 + 4).min(area.height);
-    let popup = Rect { x: area.x + (area.width - w) / 2, y: area.y + (area.height - h) / 2, width: w, height: h };
+    let popup = Rect {
+        x: area.x + (area.width - w) / 2,
+        y: area.y + (area.height - h) / 2,
+        width: w,
+        height: h,
+    };
     let lines: Vec<Line> = KEYS
         .iter()
-        .map(|(k, what)| Line::from(vec![Span::styled(format!("{k:>14}  "), Style::new().fg(Color::Cyan).bold()), Span::raw(*what)]))
+        .map(|(k, what)| {
+            Line::from(vec![
+                Span::styled(format!("{k:>14}  "), Style::new().fg(Color::Cyan).bold()),
+                Span::raw(*what),
+            ])
+        })
         .collect();
     frame.render_widget(Clear, popup);
-    frame.render_widget(Paragraph::new(lines).block(block("keys — any key closes", true)), popup);
+    frame.render_widget(
+        Paragraph::new(lines).block(block("keys — any key closes", true)),
+        popup,
+    );
 }

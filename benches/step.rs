@@ -1,0 +1,143 @@
+//! `cargo bench`: step compute by rows on random checkpoints (hidden 256 and 512, K=4, R=4,
+//! vocab 4096), with spex's CPU kernels and with candle's own ops, and the resulting ceiling
+//! R·t(1 row)/t(R rows). Prints the table the README carries.
+
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use spex::engine::LoadedModel;
+use spex::engine::model::{LoopedModel, RowInput, StepBackend, StepRow};
+use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
+
+/// Median step time for 1..=4 rows, the row counts interleaved so that machine noise hits
+/// them alike.
+fn median_steps(model: &LoopedModel, pos: usize, repeats: usize) -> Vec<Duration> {
+    let mut cache = model.new_cache(pos + 1).expect("cache");
+    for pass in 0..model.passes() {
+        cache.mark_written(pass, pos - 1);
+    }
+    let batches: Vec<Vec<StepRow>> = (1..=4)
+        .map(|rows| {
+            (0..rows)
+                .map(|pass| StepRow {
+                    pos,
+                    pass,
+                    input: RowInput::Token(5),
+                    readout: true,
+                })
+                .collect()
+        })
+        .collect();
+    let mut times = vec![Vec::with_capacity(repeats); batches.len()];
+    for i in 0..repeats + 3 {
+        for (b, batch) in batches.iter().enumerate() {
+            let t = Instant::now();
+            model.step(batch, &mut cache).expect("step");
+            if i >= 3 {
+                times[b].push(t.elapsed());
+            }
+        }
+    }
+    times
+        .into_iter()
+        .map(|mut t| {
+            t.sort_unstable();
+            t[t.len() / 2]
+        })
+        .collect()
+}
+
+/// The small-M kernel alone against candle's matmul, per weight shape and row count.
+fn kernel_table() {
+    println!("| weight (out×in) | kernel | 1 row | 2 rows | 4 rows | 4 rows / 1 row |");
+    println!("|---|---|---|---|---|---|");
+    for (outs, inner) in [(256, 256), (704, 256), (256, 704), (4096, 256), (1408, 512)] {
+        let w: Vec<f32> = (0..outs * inner)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let wt = candle_core::Tensor::from_slice(&w, (outs, inner), &Device::Cpu).expect("tensor");
+        let mut rows_times = [[Duration::ZERO; 3]; 2];
+        for (ri, rows) in [1usize, 2, 4].into_iter().enumerate() {
+            let x: Vec<f32> = (0..rows * inner).map(|i| (i % 13) as f32 / 13.0).collect();
+            let xt =
+                candle_core::Tensor::from_slice(&x, (rows, inner), &Device::Cpu).expect("tensor");
+            let mut out = vec![0f32; rows * outs];
+            let mut t_spex = Vec::new();
+            let mut t_candle = Vec::new();
+            for _ in 0..300 {
+                let t = Instant::now();
+                spex::engine::kernels::matmul_t(&x, &w, rows, inner, &mut out);
+                t_spex.push(t.elapsed());
+                let t = Instant::now();
+                let _ = xt.matmul(&wt.t().expect("t")).expect("matmul");
+                t_candle.push(t.elapsed());
+            }
+            t_spex.sort_unstable();
+            t_candle.sort_unstable();
+            rows_times[0][ri] = t_spex[150];
+            rows_times[1][ri] = t_candle[150];
+        }
+        for (name, t) in [("spex", rows_times[0]), ("candle", rows_times[1])] {
+            let us = |d: Duration| format!("{:.1} µs", d.as_secs_f64() * 1e6);
+            println!(
+                "| {outs}×{inner} | {name} | {} | {} | {} | {:.2} |",
+                us(t[0]),
+                us(t[1]),
+                us(t[2]),
+                t[2].as_secs_f64() / t[0].as_secs_f64()
+            );
+        }
+    }
+    println!();
+}
+
+fn main() {
+    kernel_table();
+    let pos = 128;
+    println!(
+        "| hidden | step path | 1 row | 2 rows | 3 rows | 4 rows | 4 rows / 1 row | ceiling R·t1/tR |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for hidden in [256, 512] {
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let spec = RandomSpec {
+            hidden,
+            layers: 4,
+            passes: 4,
+            heads: hidden / 64,
+            kv_heads: hidden / 64,
+            head_dim: 64,
+            intermediate: hidden * 11 / 4,
+            vocab: 4096,
+            context: 512,
+            pad_vocab_to: Some(4096),
+            ..RandomSpec::default()
+        };
+        write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
+        let loaded = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
+        let candle_path = LoopedModel::new(
+            loaded.model.config.clone(),
+            loaded.model.weights.clone(),
+            Device::Cpu,
+            DType::F32,
+        )
+        .expect("model")
+        .with_backend(StepBackend::Device);
+        for (name, model) in [
+            ("spex kernels", &*loaded.model),
+            ("candle ops", &candle_path),
+        ] {
+            let t = median_steps(model, pos, 200);
+            let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
+            let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
+            println!(
+                "| {hidden} | {name} | {} | {} | {} | {} | {ratio:.2} | {:.2}× |",
+                ms(t[0]),
+                ms(t[1]),
+                ms(t[2]),
+                ms(t[3]),
+                4.0 / ratio
+            );
+        }
+    }
+}

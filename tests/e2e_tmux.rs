@@ -1,0 +1,151 @@
+//! End-to-end: the real binary in a real terminal (tmux). Type a prompt, press Enter, wait for
+//! both lanes, check the pipeline rows, the speedup and the ✓, quit, and check that the
+//! terminal was restored. tmux comes from Debian's package (.ci/run installs it).
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use common::{Variant, random_model, spec};
+
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new("tmux")
+            .arg("-L")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("tmux must be installed (apt-get install tmux; .ci/run does this)")
+    }
+
+    fn capture(&self) -> String {
+        String::from_utf8_lossy(&self.run(&["capture-pane", "-p", "-t", "spex"]).stdout)
+            .into_owned()
+    }
+
+    fn wait_for(&self, what: &str, timeout: Duration, done: impl Fn(&str) -> bool) -> String {
+        let started = Instant::now();
+        loop {
+            let screen = self.capture();
+            if done(&screen) {
+                return screen;
+            }
+            assert!(
+                started.elapsed() < timeout,
+                "timed out waiting for {what}; screen:\n{screen}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.run(&["kill-server"]);
+    }
+}
+
+fn start(model: &Path, exit_file: &Path) -> Tmux {
+    let tmux = Tmux {
+        socket: format!("spex-e2e-{}", std::process::id()),
+    };
+    let cmd = format!(
+        "{} tui --model {} --max-tokens 40; echo $? > {}; sleep 30",
+        env!("CARGO_BIN_EXE_spex"),
+        model.display(),
+        exit_file.display()
+    );
+    let out = tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "spex",
+        "-x",
+        "120",
+        "-y",
+        "40",
+        &cmd,
+    ]);
+    assert!(
+        out.status.success(),
+        "tmux new-session: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    tmux
+}
+
+#[test]
+fn dashboard_runs_a_prompt_and_quits_cleanly() {
+    let (dir, _) = random_model(&spec(2, 4, Variant::Tied, 9));
+    let exit_file = dir.path().join("exit-code");
+    let tmux = start(dir.path(), &exit_file);
+    tmux.wait_for("the dashboard", Duration::from_secs(20), |s| {
+        s.contains("prompt") && s.contains("pipeline")
+    });
+    tmux.run(&["send-keys", "-t", "spex", "-l", "To be, or not to be 🎭"]);
+    tmux.run(&["send-keys", "-t", "spex", "Enter"]);
+    let screen = tmux.wait_for("both lanes to finish", Duration::from_secs(60), |s| {
+        s.matches("· done").count() == 2 && s.contains("✓ identical")
+    });
+    for pass in 1..=4 {
+        assert!(
+            screen.contains(&format!("pass {pass}")),
+            "pipeline row {pass} missing:\n{screen}"
+        );
+    }
+    assert!(
+        screen.contains("To be, or not to be 🎭"),
+        "prompt shown in the lanes:\n{screen}"
+    );
+    let speedup_line = screen
+        .lines()
+        .find(|l| l.contains("speedup "))
+        .expect("a speedup line");
+    assert!(speedup_line.contains('×'), "speedup figure: {speedup_line}");
+    assert!(screen.contains("✓ identical (40 tokens)"), "{screen}");
+    tmux.run(&["send-keys", "-t", "spex", "q"]);
+    let started = Instant::now();
+    while !exit_file.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "spex did not exit after q"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        std::fs::read_to_string(&exit_file).unwrap().trim(),
+        "0",
+        "clean exit code"
+    );
+    let alternate = tmux.run(&["display-message", "-p", "-t", "spex", "#{alternate_on}"]);
+    assert_eq!(
+        String::from_utf8_lossy(&alternate.stdout).trim(),
+        "0",
+        "alternate screen left"
+    );
+    let after = tmux.capture();
+    assert!(
+        !after.contains("pipeline"),
+        "the dashboard is gone from the restored screen:\n{after}"
+    );
+}
+
+#[test]
+fn no_tty_points_to_generate() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(["tui", "--model", &dir.path().display().to_string()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("spex generate"), "{stderr}");
+}

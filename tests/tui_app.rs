@@ -1,0 +1,303 @@
+//! Unit tests of `App::update`: every key, every engine event, and a long random sequence of
+//! keys, resizes and engine events that must never panic.
+
+mod common;
+
+use std::sync::mpsc;
+
+use common::{Variant, random_model, spec};
+use crossterm::event::{KeyCode, KeyEvent, KeyModifiers, MouseEvent, MouseEventKind};
+use spex::engine::DecodeOptions;
+use spex::engine::race::{Lane, RaceControl, RaceEvent, run_race};
+use spex::engine::random_checkpoint::SplitMix;
+use spex::tui::app::{Agreement, App, CellKind, Command, Focus, ModelInfo, Msg, RATES};
+
+fn info() -> ModelInfo {
+    ModelInfo {
+        name: "test".into(),
+        passes: 4,
+        layers: 2,
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        policy: "speed".into(),
+    }
+}
+
+fn key(code: KeyCode) -> Msg {
+    Msg::Key(KeyEvent::new(code, KeyModifiers::NONE))
+}
+
+/// A finished race's events, from a real random checkpoint.
+fn race_events(prompt: &str) -> Vec<RaceEvent> {
+    let (_dir, loaded) = random_model(&spec(2, 4, Variant::Tied, 5));
+    let (_control_tx, control_rx) = mpsc::channel();
+    let mut events = Vec::new();
+    run_race(
+        &loaded,
+        prompt,
+        DecodeOptions {
+            max_tokens: 20,
+            context: 128,
+        },
+        control_rx,
+        |e| {
+            events.push(e);
+            true
+        },
+    );
+    events
+}
+
+fn running_app() -> App {
+    let mut app = App::new(info(), None, (120, 40));
+    for c in "To be".chars() {
+        app.update(key(KeyCode::Char(c)));
+    }
+    let cmds = app.update(key(KeyCode::Enter));
+    assert_eq!(
+        cmds[0],
+        Command::StartRace {
+            prompt: "To be".into()
+        }
+    );
+    app
+}
+
+#[test]
+fn typing_and_editing_the_prompt() {
+    let mut app = App::new(info(), None, (120, 40));
+    assert_eq!(app.focus, Focus::Prompt);
+    for c in "héllo 🎭".chars() {
+        app.update(key(KeyCode::Char(c)));
+    }
+    assert_eq!(app.prompt, "héllo 🎭");
+    app.update(key(KeyCode::Left));
+    app.update(key(KeyCode::Backspace));
+    assert_eq!(app.prompt, "héllo🎭");
+    app.update(key(KeyCode::Home));
+    app.update(key(KeyCode::Delete));
+    assert_eq!(app.prompt, "éllo🎭");
+    app.update(key(KeyCode::End));
+    app.update(key(KeyCode::Char('!')));
+    assert_eq!(app.prompt, "éllo🎭!");
+    app.update(key(KeyCode::Right));
+    assert_eq!(app.cursor, 6);
+    // q types while editing; it does not quit.
+    app.update(key(KeyCode::Char('q')));
+    assert!(!app.should_quit);
+}
+
+#[test]
+fn empty_prompt_is_an_error_line_not_a_run() {
+    let mut app = App::new(info(), None, (120, 40));
+    let cmds = app.update(key(KeyCode::Enter));
+    assert!(cmds.is_empty());
+    assert!(app.error.as_deref().unwrap().contains("empty"));
+    assert!(app.run.is_none());
+}
+
+#[test]
+fn control_keys_send_race_controls() {
+    let mut app = running_app();
+    assert_eq!(app.focus, Focus::Speed);
+    assert_eq!(
+        app.update(key(KeyCode::Char(' '))),
+        vec![Command::Control(RaceControl::Pause)]
+    );
+    assert!(app.paused);
+    assert_eq!(
+        app.update(key(KeyCode::Char(' '))),
+        vec![Command::Control(RaceControl::Resume)]
+    );
+    assert_eq!(
+        app.update(key(KeyCode::Char('n'))),
+        vec![
+            Command::Control(RaceControl::Pause),
+            Command::Control(RaceControl::Step)
+        ]
+    );
+    let last = RATES.len() - 1;
+    assert_eq!(app.rate_index, last);
+    assert_eq!(
+        app.update(key(KeyCode::Char('-'))),
+        vec![Command::Control(RaceControl::Rate(RATES[last - 1]))]
+    );
+    for _ in 0..20 {
+        app.update(key(KeyCode::Char('-')));
+    }
+    assert_eq!(app.rate(), Some(1.0));
+    app.update(key(KeyCode::Char('+')));
+    assert_eq!(app.rate(), Some(2.0));
+    let cmds = app.update(key(KeyCode::Char('r')));
+    assert!(matches!(cmds[0], Command::StartRace { .. }));
+    assert_eq!(cmds[1], Command::Control(RaceControl::Rate(Some(2.0))));
+}
+
+#[test]
+fn focus_scroll_help_and_quit() {
+    let mut app = running_app();
+    app.update(key(KeyCode::Tab));
+    assert_eq!(app.focus, Focus::Baseline);
+    app.update(key(KeyCode::PageDown));
+    app.update(key(KeyCode::Down));
+    assert_eq!(app.run.as_ref().unwrap().baseline.scroll, 11);
+    app.update(key(KeyCode::Up));
+    app.update(Msg::Mouse(MouseEvent {
+        kind: MouseEventKind::ScrollDown,
+        column: 0,
+        row: 0,
+        modifiers: KeyModifiers::NONE,
+    }));
+    assert_eq!(app.run.as_ref().unwrap().baseline.scroll, 13);
+    app.update(key(KeyCode::PageUp));
+    app.update(key(KeyCode::PageUp));
+    assert_eq!(app.run.as_ref().unwrap().baseline.scroll, 0);
+    app.update(key(KeyCode::Tab));
+    assert_eq!(app.focus, Focus::Flips);
+    app.update(key(KeyCode::Tab));
+    assert_eq!(app.focus, Focus::Prompt);
+    app.update(key(KeyCode::Esc));
+    assert_eq!(app.focus, Focus::Speed);
+    app.update(key(KeyCode::Char('?')));
+    assert!(app.show_help);
+    app.update(key(KeyCode::Char('q')));
+    assert!(
+        !app.show_help && !app.should_quit,
+        "a key closes help first"
+    );
+    app.update(key(KeyCode::Char('e')));
+    assert_eq!(app.focus, Focus::Prompt);
+    app.update(Msg::Resize(50, 10));
+    assert_eq!(app.size, (50, 10));
+    let cmds = app.update(Msg::Key(KeyEvent::new(
+        KeyCode::Char('c'),
+        KeyModifiers::CONTROL,
+    )));
+    assert_eq!(cmds, vec![Command::Quit]);
+    assert!(app.should_quit);
+    let mut app = running_app();
+    assert_eq!(app.update(key(KeyCode::Char('q'))), vec![Command::Quit]);
+}
+
+#[test]
+fn engine_events_fill_lanes_pipeline_flips_and_kv() {
+    let mut app = running_app();
+    let events = race_events("To be");
+    assert!(matches!(events.last(), Some(RaceEvent::Done)));
+    app.update(Msg::Engine(events));
+    let run = app.run.as_ref().unwrap();
+    assert!(run.done);
+    assert_eq!(run.speed.tokens.len(), 20);
+    assert_eq!(run.speed.tokens, run.baseline.tokens);
+    assert_eq!(run.agreement(), Agreement::Same(20));
+    assert!(run.speed.finished.is_some() && run.baseline.finished.is_some());
+    assert!(run.speedup().unwrap() > 0.0);
+    assert!(!run.columns.is_empty());
+    assert_eq!(run.kv.len(), 4);
+    assert!(!run.flips.is_empty(), "random weights flip");
+    let kinds: Vec<&CellKind> = run
+        .columns
+        .iter()
+        .flat_map(|c| c.cells.iter().flatten().map(|cell| &cell.kind))
+        .collect();
+    assert!(kinds.iter().any(|k| matches!(k, CellKind::Flipped { .. })));
+    assert!(kinds.iter().any(|k| matches!(k, CellKind::Verified)));
+    assert!(!run.speedup_history.is_empty());
+}
+
+#[test]
+fn an_error_event_is_shown_and_ends_nothing_else() {
+    let mut app = running_app();
+    app.update(Msg::Engine(vec![
+        RaceEvent::Error("prompt: 900 tokens do not fit".into()),
+        RaceEvent::Done,
+    ]));
+    assert!(app.error.as_deref().unwrap().contains("do not fit"));
+    assert!(app.run.as_ref().unwrap().done);
+    assert!(!app.should_quit);
+}
+
+#[test]
+fn lanes_that_differ_are_reported() {
+    let mut app = running_app();
+    let mut events = race_events("Shall");
+    // Tamper with one SPEED commit to check the comparison itself.
+    for e in &mut events {
+        if let RaceEvent::Decode {
+            lane: Lane::Speed,
+            event: spex::engine::DecodeEvent::Step(s),
+        } = e
+            && let Some(c) = s.committed.first_mut()
+        {
+            c.token.id += 1;
+            break;
+        }
+    }
+    app.update(Msg::Engine(events));
+    assert!(matches!(
+        app.run.as_ref().unwrap().agreement(),
+        Agreement::Differ(_)
+    ));
+}
+
+#[test]
+fn random_keys_resizes_and_events_never_panic() {
+    let events = race_events("To be");
+    let mut rng = SplitMix(42);
+    let codes = [
+        KeyCode::Char(' '),
+        KeyCode::Char('n'),
+        KeyCode::Char('+'),
+        KeyCode::Char('-'),
+        KeyCode::Char('r'),
+        KeyCode::Char('e'),
+        KeyCode::Char('?'),
+        KeyCode::Char('x'),
+        KeyCode::Char('é'),
+        KeyCode::Tab,
+        KeyCode::Up,
+        KeyCode::Down,
+        KeyCode::PageUp,
+        KeyCode::PageDown,
+        KeyCode::Enter,
+        KeyCode::Esc,
+        KeyCode::Backspace,
+        KeyCode::Delete,
+        KeyCode::Left,
+        KeyCode::Right,
+        KeyCode::Home,
+        KeyCode::End,
+    ];
+    let backend = ratatui::backend::TestBackend::new(120, 40);
+    let mut terminal = ratatui::Terminal::new(backend).unwrap();
+    let mut app = App::new(info(), Some("To be".into()), (120, 40));
+    app.start();
+    let mut next_event = 0;
+    for i in 0..5000 {
+        let msg = match rng.next_u64() % 10 {
+            0 => Msg::Resize((rng.next_u64() % 200) as u16, (rng.next_u64() % 80) as u16),
+            1 | 2 => {
+                let n = (rng.next_u64() % 8) as usize;
+                let batch: Vec<RaceEvent> = events
+                    .iter()
+                    .cycle()
+                    .skip(next_event)
+                    .take(n)
+                    .cloned()
+                    .collect();
+                next_event = (next_event + n) % events.len();
+                Msg::Engine(batch)
+            }
+            _ => key(codes[(rng.next_u64() % codes.len() as u64) as usize]),
+        };
+        app.update(msg);
+        if i % 50 == 0 {
+            let (w, h) = (app.size.0.max(1), app.size.1.max(1));
+            terminal.backend_mut().resize(w, h);
+            terminal
+                .resize(ratatui::layout::Rect::new(0, 0, w, h))
+                .unwrap();
+            terminal.draw(|f| spex::tui::ui::draw(f, &app)).unwrap();
+        }
+    }
+}

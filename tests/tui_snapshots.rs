@@ -1,0 +1,190 @@
+//! insta snapshots of every panel and of the whole screen, drawn with ratatui's TestBackend
+//! from hand-made state: the too-small message and the help overlay included.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use ratatui::Terminal;
+use ratatui::backend::TestBackend;
+use ratatui::layout::Rect;
+use spex::engine::events::FinishReason;
+use spex::engine::kv_cache::PassOccupancy;
+use spex::engine::metrics::RunStats;
+use spex::tui::app::{
+    App, Cell, CellKind, FlipEntry, Focus, LaneView, ModelInfo, RunView, StepColumn,
+};
+use spex::tui::ui::{Panel, draw, draw_panel};
+
+fn stats(
+    tokens: usize,
+    millis: u64,
+    flips: Vec<usize>,
+    checks: Vec<usize>,
+    depth: Vec<usize>,
+) -> RunStats {
+    RunStats {
+        passes: 4,
+        tokens,
+        decode_compute: Duration::from_millis(millis),
+        steps: tokens as u64 * 2,
+        rows: tokens * 4,
+        rows_wasted: tokens / 2,
+        flips_per_pass: flips,
+        checks_per_pass: checks,
+        accepted_by_depth: depth,
+    }
+}
+
+fn cell(text: &str, pos: usize, kind: CellKind) -> Option<Cell> {
+    Some(Cell {
+        text: text.into(),
+        pos,
+        kind,
+    })
+}
+
+fn app() -> App {
+    let info = ModelInfo {
+        name: "shakespeare-r4k4".into(),
+        passes: 4,
+        layers: 4,
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        policy: "speed".into(),
+    };
+    let mut app = App::new(info, Some("To be, or not to be".into()), (100, 32));
+    app.focus = Focus::Speed;
+    let words = [" that", " is", " the", " question", ":"];
+    let columns: VecDeque<StepColumn> = (0..12u64)
+        .map(|s| {
+            let p = 10 + s as usize;
+            let w = |i: usize| words[(s as usize + i) % words.len()];
+            let mut cells = vec![
+                cell(w(0), p, CellKind::Speculative),
+                cell(w(1), p - 1, CellKind::Speculative),
+                cell(w(2), p - 2, CellKind::Speculative),
+                cell(w(3), p - 3, CellKind::Verified),
+            ];
+            if s % 5 == 3 {
+                cells[1] = cell(
+                    w(1),
+                    p - 1,
+                    CellKind::Flipped {
+                        old: " is".into(),
+                        new: " was".into(),
+                    },
+                );
+                cells[0] = cell(w(0), p, CellKind::Flushed);
+            }
+            if s % 7 == 6 {
+                cells[3] = None;
+            }
+            StepColumn {
+                step: 40 + s,
+                cells,
+            }
+        })
+        .collect();
+    let flips = (0..5)
+        .map(|i| FlipEntry {
+            step: 40 + i * 5,
+            pos: 12 + i as usize,
+            pass: 2 + (i as usize % 3),
+            old: " is".into(),
+            new: " was".into(),
+            context: "or not to be".into(),
+        })
+        .collect();
+    app.run = Some(RunView {
+        prompt: "To be, or not to be".into(),
+        speed: LaneView {
+            text: ", that is the question:\nWhether 'tis nobler in the mind to suffer".into(),
+            tokens: (0..30).collect(),
+            stats: stats(
+                29,
+                120,
+                vec![0, 3, 2, 1],
+                vec![0, 28, 29, 29],
+                vec![22, 4, 2, 1],
+            ),
+            finished: None,
+            scroll: 0,
+        },
+        baseline: LaneView {
+            text: ", that is the question:".into(),
+            tokens: (0..12).collect(),
+            stats: stats(11, 118, vec![0; 4], vec![0; 4], vec![0, 0, 0, 11]),
+            finished: Some(FinishReason::MaxTokens),
+            scroll: 0,
+        },
+        columns,
+        flips,
+        kv: (0..4)
+            .map(|p| PassOccupancy {
+                committed: 36 - p,
+                speculative: 3 - p.min(3),
+                capacity: 512,
+            })
+            .collect(),
+        speedup_history: (0..60).map(|i| 1.0 + (i as f64 / 20.0).min(1.6)).collect(),
+        ceiling: Some(2.71),
+        done: false,
+    });
+    app
+}
+
+fn render(width: u16, height: u16, f: impl FnOnce(&mut ratatui::Frame)) -> String {
+    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
+    terminal.draw(f).unwrap();
+    terminal.backend().to_string()
+}
+
+#[test]
+fn whole_screen() {
+    let app = app();
+    insta::assert_snapshot!(render(100, 32, |f| draw(f, &app)));
+}
+
+#[test]
+fn every_panel() {
+    let app = app();
+    for (panel, w, h) in [
+        (Panel::Prompt, 60, 3),
+        (Panel::Speed, 50, 7),
+        (Panel::Baseline, 50, 7),
+        (Panel::Pipeline, 100, 7),
+        (Panel::Flips, 50, 9),
+        (Panel::Kv, 30, 9),
+        (Panel::Stats, 45, 9),
+        (Panel::Footer, 100, 1),
+    ] {
+        let out = render(w, h, |f| draw_panel(f, Rect::new(0, 0, w, h), &app, panel));
+        insta::assert_snapshot!(format!("panel_{panel:?}").to_lowercase(), out);
+    }
+}
+
+#[test]
+fn too_small_message() {
+    let app = app();
+    insta::assert_snapshot!(render(60, 12, |f| draw(f, &app)));
+}
+
+#[test]
+fn help_overlay() {
+    let mut app = app();
+    app.show_help = true;
+    insta::assert_snapshot!(render(100, 32, |f| draw(f, &app)));
+}
+
+#[test]
+fn error_line_and_editing() {
+    let mut app = app();
+    app.focus = Focus::Prompt;
+    app.error = Some("prompt: 900 tokens do not fit the context of 512 positions".into());
+    insta::assert_snapshot!(render(100, 3, |f| draw_panel(
+        f,
+        Rect::new(0, 0, 100, 3),
+        &app,
+        Panel::Prompt
+    )));
+}
