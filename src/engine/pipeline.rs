@@ -43,26 +43,33 @@ struct InFlight {
     proposed_at: usize,
 }
 
-/// Argmax, its probability and its margin over the runner-up.
-fn predict(tokenizer: &TextTokenizer, logits: &[f32]) -> Prediction {
-    let (mut best, mut best_logit, mut second) = (0usize, f32::NEG_INFINITY, f32::NEG_INFINITY);
+/// The greedy decision: the id of the largest logit (the first on ties).
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
     for (i, &l) in logits.iter().enumerate() {
-        if l > best_logit {
-            second = best_logit;
+        if l > logits[best] {
             best = i;
-            best_logit = l;
-        } else if l > second {
+        }
+    }
+    best as u32
+}
+
+/// The decision `best` with its probability and its margin over the runner-up, for events.
+/// Computed outside the timed region: decoding needs only the argmax.
+fn describe(tokenizer: &TextTokenizer, logits: &[f32], best: u32) -> Prediction {
+    let top = logits[best as usize];
+    let mut second = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    for (i, &l) in logits.iter().enumerate() {
+        sum += (l - top).exp();
+        if i != best as usize && l > second {
             second = l;
         }
     }
-    let sum: f32 = logits.iter().map(|l| (l - best_logit).exp()).sum();
     Prediction {
-        token: Token {
-            id: best as u32,
-            text: tokenizer.token_text(best as u32),
-        },
+        token: Token { id: best, text: tokenizer.token_text(best) },
         prob: 1.0 / sum,
-        margin: best_logit - second,
+        margin: top - second,
     }
 }
 
@@ -224,8 +231,7 @@ impl Decoder {
         }
         let logits =
             last_logits.expect("prefill reads out the last position at pass R: this is a bug");
-        let first = predict(&self.tokenizer, &logits).token;
-        let committed = self.commit(n, first.id, passes, None);
+        let committed = self.commit(n, argmax(&logits), passes, None);
         Ok(PrefillEvent {
             prompt_tokens: n,
             first: committed,
@@ -322,6 +328,7 @@ impl Decoder {
             .collect();
         let started = Instant::now();
         let out = self.model.step(&rows, &mut self.cache)?;
+        let decisions: Vec<Option<u32>> = out.logits.iter().map(|l| l.as_deref().map(argmax)).collect();
         let compute = started.elapsed();
         self.decode_compute += compute;
         self.steps += 1;
@@ -338,8 +345,9 @@ impl Decoder {
             t.hidden = Some(hidden);
             t.passes_done += 1;
         }
-        for (index, logits) in out.logits.into_iter().enumerate() {
-            let (row, go_on) = self.walk_row(index, logits.as_deref(), &mut event);
+        for (index, (logits, best)) in out.logits.into_iter().zip(decisions).enumerate() {
+            let readout = logits.as_deref().zip(best);
+            let (row, go_on) = self.walk_row(index, readout, &mut event);
             event.rows.push(row);
             if !go_on {
                 break;
@@ -358,7 +366,7 @@ impl Decoder {
     fn walk_row(
         &mut self,
         index: usize,
-        logits: Option<&[f32]>,
+        readout: Option<(&[f32], u32)>,
         event: &mut StepEvent,
     ) -> (RowEvent, bool) {
         let passes = self.model.passes();
@@ -372,11 +380,10 @@ impl Decoder {
             prediction: None,
             checked_child: false,
         };
-        let Some(logits) = logits else {
+        let Some((logits, guess)) = readout else {
             return (row, true);
         };
-        let prediction = predict(&self.tokenizer, logits);
-        let guess = prediction.token.id;
+        let prediction = describe(&self.tokenizer, logits, guess);
         let child = self.window.get(index + 1).map(|c| (c.token, c.proposed_at));
         row.checked_child = child.is_some();
         row.prediction = Some(prediction);
