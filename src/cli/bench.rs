@@ -45,14 +45,16 @@ pub fn read_prompts(path: Option<&Path>) -> Result<Vec<String>, EngineError> {
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(args.prompts.as_deref())?;
-    let loaded = load_model(&args.model)?;
+    let session = load_model(&args.model)?;
+    let loaded = &session.loaded;
     let options = DecodeOptions {
         max_tokens: args.max_tokens,
         context: args.model.context,
     };
     let mut results = Vec::new();
     for prompt in &prompts {
-        let r = bench_prompt(&loaded, prompt, options)?;
+        let mut r = bench_prompt(loaded, &session.prompt(prompt), options)?;
+        r.prompt.clone_from(prompt);
         if !args.json {
             print_row(&r, results.is_empty(), loaded.model.passes());
         }
@@ -64,7 +66,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     if args.json {
         let report = json!({
-            "model": loaded.checkpoint.dir,
+            "model": session.name,
+            "device": session.device,
+            "dtype": session.dtype,
             "passes": loaded.model.passes(),
             "layers": loaded.model.config.num_hidden_layers,
             "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),

@@ -7,12 +7,22 @@ use crate::engine::events::DecodeEvent;
 use crate::engine::{DecodeOptions, Decoder};
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
-    let loaded = load_model(&args.model)?;
+    let session = load_model(&args.model)?;
+    let loaded = &session.loaded;
+    let policy = args
+        .policy
+        .or(session.policy)
+        .unwrap_or(crate::engine::PolicyKind::Speed);
     let options = DecodeOptions {
         max_tokens: args.max_tokens,
         context: args.model.context,
     };
-    let mut decoder = Decoder::new(&loaded, args.policy.build(), &args.prompt, options)?;
+    let mut decoder = Decoder::new(
+        loaded,
+        policy.build(),
+        &session.prompt(&args.prompt),
+        options,
+    )?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if !args.json {

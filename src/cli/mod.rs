@@ -2,13 +2,15 @@
 //! `main` calls [`run`]; the dashboard and the trainer are reached from here too.
 
 mod bench;
+pub mod device;
 mod generate;
+pub mod hub;
 pub mod models;
 mod train;
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
+use candle_core::DType;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::policy::PolicyKind;
@@ -39,17 +41,59 @@ pub enum Command {
     Train(train::TrainArgs),
     /// Open the dashboard (what `spex` with no subcommand does).
     Tui(TuiArgs),
+    /// List the models of models.toml and whether each is on this machine.
+    Models,
+    /// Download a models.toml entry (or ORG/NAME) into the hub cache.
+    Pull {
+        /// Entry name or ORG/NAME repo id.
+        name: String,
+    },
 }
 
 /// Which model to load and how.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// A checkpoint directory or a models.toml entry name (default: models.toml's default).
+    /// A models.toml entry name, a checkpoint directory or an ORG/NAME hub repo id
+    /// (default: models.toml's default entry).
     #[arg(long)]
     pub model: Option<String>,
-    /// KV cache capacity in positions.
+    /// KV cache capacity in positions (prompt plus output); sizes the cache's memory.
     #[arg(long, default_value_t = 512)]
     pub context: usize,
+    /// auto, cpu, cuda, cuda:N or metal (default: the entry's, else auto).
+    #[arg(long)]
+    pub device: Option<device::DeviceSpec>,
+    /// f32, bf16 or f16 (default: the entry's, else f32).
+    #[arg(long)]
+    pub dtype: Option<device::DTypeSpec>,
+    /// Use only the local hub cache (also HF_HUB_OFFLINE=1).
+    #[arg(long)]
+    pub offline: bool,
+    /// Wrap the prompt in the chat template (default: the entry's `chat`).
+    #[arg(long)]
+    pub chat: bool,
+}
+
+/// A loaded model with what the commands show about it.
+#[derive(Debug, Clone)]
+pub struct Session {
+    pub loaded: LoadedModel,
+    pub name: String,
+    pub device: String,
+    pub dtype: String,
+    pub chat: bool,
+    pub policy: Option<PolicyKind>,
+}
+
+impl Session {
+    /// The prompt as the model sees it: wrapped in the chat template for chat models.
+    pub fn prompt(&self, prompt: &str) -> String {
+        if self.chat {
+            crate::engine::tokenizer::chat_prompt(prompt)
+        } else {
+            prompt.to_string()
+        }
+    }
 }
 
 /// `spex generate`.
@@ -60,9 +104,9 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
-    /// speed or baseline.
-    #[arg(long, default_value = "speed")]
-    pub policy: PolicyKind,
+    /// speed or baseline (default: the entry's policy, else speed).
+    #[arg(long)]
+    pub policy: Option<PolicyKind>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
@@ -141,36 +185,122 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::RandomCheckpoint(args)) => random_checkpoint(&args),
         Some(Command::Train(args)) => train::run(&args),
         Some(Command::Tui(args)) => dashboard(&args),
+        Some(Command::Models) => list_models(),
+        Some(Command::Pull { name }) => pull(&name),
         None => dashboard(&cli.dashboard),
     }
 }
 
-/// Loads the model named by `args` on the CPU in f32.
-pub fn load_model(args: &ModelArgs) -> Result<LoadedModel, EngineError> {
-    let dir = models::resolve(args.model.as_deref())?;
-    LoadedModel::load(&dir, &Device::Cpu, DType::F32)
+/// Resolves and loads the model `args` name, on the device and dtype asked for.
+pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
+    let offline = args.offline || hub::offline_from_env();
+    let resolved = models::resolve(args.model.as_deref(), offline)?;
+    let entry = resolved.entry.as_ref();
+    let spec = args
+        .device
+        .or(entry.and_then(|e| e.device))
+        .unwrap_or(device::DeviceSpec::Auto);
+    let dtype = args
+        .dtype
+        .or(entry.and_then(|e| e.dtype))
+        .map_or(DType::F32, |d| d.0);
+    let dev = device::open(spec)?;
+    device::check_dtype(&dev, dtype)?;
+    let chat = args.chat || entry.is_some_and(|e| e.chat);
+    let mut loaded = LoadedModel::load(&resolved.dir, &dev, dtype)?;
+    if chat {
+        loaded.enable_chat_stop();
+    }
+    Ok(Session {
+        loaded,
+        name: resolved.name,
+        device: device::device_name(&dev),
+        dtype: device::dtype_name(dtype).into(),
+        chat,
+        policy: entry.and_then(|e| e.policy),
+    })
+}
+
+fn list_models() -> anyhow::Result<()> {
+    let file = models::models_file_path();
+    let models = models::ModelsFile::load(&file)?;
+    println!("{:<24} {:<8} {:>10}  source", "name", "local", "size");
+    for (name, entry) in &models.models {
+        let (dir, source) = match (&entry.path, &entry.repo) {
+            (Some(p), _) => (
+                Ok(file.parent().unwrap_or(std::path::Path::new(".")).join(p)),
+                p.display().to_string(),
+            ),
+            (None, Some(repo)) => {
+                let rev = entry.revision.as_deref().unwrap_or("main");
+                (
+                    hub::snapshot_dir(&hub::cache_root(), repo, rev, name),
+                    format!("{repo}@{rev}"),
+                )
+            }
+            (None, None) => continue,
+        };
+        let (local, size) = match dir {
+            Ok(d) if d.join("config.json").is_file() => (
+                "yes",
+                format!("{:.1} MB", hub::snapshot_size(&d) as f64 / 1e6),
+            ),
+            _ => ("no", "-".into()),
+        };
+        let default = if *name == models.default {
+            " (default)"
+        } else {
+            ""
+        };
+        println!("{:<24} {:<8} {:>10}  {source}{default}", name, local, size);
+    }
+    Ok(())
+}
+
+fn pull(name: &str) -> anyhow::Result<()> {
+    let models = models::ModelsFile::load(&models::models_file_path())?;
+    let (repo, revision) = match models.models.get(name) {
+        Some(models::ModelEntry {
+            repo: Some(repo),
+            revision,
+            ..
+        }) => (
+            repo.clone(),
+            revision.clone().unwrap_or_else(|| "main".into()),
+        ),
+        Some(_) => anyhow::bail!("`{name}` is a local model: nothing to pull"),
+        None if hub::is_repo_id(name) => (name.to_string(), "main".to_string()),
+        None => anyhow::bail!(
+            "no model entry `{name}` in {}",
+            models::models_file_path().display()
+        ),
+    };
+    if hub::offline_from_env() {
+        anyhow::bail!("HF_HUB_OFFLINE is set: `spex pull` needs the network");
+    }
+    let dir = hub::pull(&hub::cache_root(), &repo, &revision)?;
+    println!(
+        "{name}: {} ({:.1} MB)",
+        dir.display(),
+        hub::snapshot_size(&dir) as f64 / 1e6
+    );
+    Ok(())
 }
 
 fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
     crate::tui::require_tty().map_err(anyhow::Error::msg)?;
-    let loaded = load_model(&args.model)?;
-    let name = args.model.model.clone().unwrap_or_else(|| {
-        loaded
-            .checkpoint
-            .dir
-            .file_name()
-            .map_or("model".into(), |n| n.to_string_lossy().into_owned())
-    });
+    let session = load_model(&args.model)?;
     let info = crate::tui::app::ModelInfo {
-        name,
-        passes: loaded.model.passes(),
-        layers: loaded.model.config.num_hidden_layers,
-        device: "cpu".into(),
-        dtype: "f32".into(),
+        name: session.name.clone(),
+        passes: session.loaded.model.passes(),
+        layers: session.loaded.model.config.num_hidden_layers,
+        device: session.device.clone(),
+        dtype: session.dtype.clone(),
         policy: "speed".into(),
     };
     let options = crate::tui::DashboardOptions {
         prompt: args.prompt.clone(),
+        chat: session.chat,
         decode: crate::engine::DecodeOptions {
             max_tokens: args.max_tokens,
             context: args.model.context,
@@ -178,7 +308,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         info,
         frame_interval: std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1))),
     };
-    crate::tui::run(&loaded, options)
+    crate::tui::run(&session.loaded, options)
 }
 
 fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {

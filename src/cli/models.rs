@@ -1,12 +1,18 @@
-//! `models.toml`: named model entries and the default. Resolves `--model` (an entry name or a
-//! checkpoint directory) to a directory. Read by every command that loads a model.
+//! `models.toml`: named model entries (a local `path`, or an hf-hub `repo` at a pinned
+//! `revision`) with their dtype, device, chat flag and policy, and the default entry. Resolves
+//! `--model` (an entry name, a directory or an ORG/NAME repo id) to a checkpoint directory.
+//! Read by every command that loads a model, and by `spex models` / `spex pull`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use super::device::{DTypeSpec, DeviceSpec};
+use super::hub;
 use crate::engine::EngineError;
+use crate::engine::error::toml_error;
+use crate::engine::policy::PolicyKind;
 
 /// The parsed `models.toml`.
 #[derive(Debug, Clone, Deserialize)]
@@ -26,11 +32,15 @@ pub struct ModelEntry {
     pub path: Option<PathBuf>,
     /// An hf-hub repository id (ORG/NAME).
     pub repo: Option<String>,
+    /// The pinned revision (commit hash or branch) of `repo`.
     pub revision: Option<String>,
-    pub dtype: Option<String>,
-    pub device: Option<String>,
+    pub dtype: Option<DTypeSpec>,
+    pub device: Option<DeviceSpec>,
+    /// Wrap prompts in the chat template and stop at the end-of-turn token.
     #[serde(default)]
     pub chat: bool,
+    /// The policy `spex generate` uses by default.
+    pub policy: Option<PolicyKind>,
     pub description: Option<String>,
 }
 
@@ -50,26 +60,49 @@ impl ModelsFile {
     /// Parses models.toml; errors carry the file and the line.
     pub fn load(path: &Path) -> Result<Self, EngineError> {
         let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
-        toml::from_str(&text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|s| text[..s.start].lines().count().max(1))
-                .unwrap_or(0);
-            EngineError::file(
-                format!("{}:{line}", path.display()),
-                e.message().to_string(),
-            )
-        })
+        let parsed: Self = toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
+        for (name, entry) in &parsed.models {
+            if entry.path.is_some() == entry.repo.is_some() {
+                let line = text
+                    .lines()
+                    .position(|l| {
+                        l.contains(&format!("[models.{name}]"))
+                            || l.contains(&format!("[models.\"{name}\"]"))
+                    })
+                    .map_or(0, |i| i + 1);
+                return Err(EngineError::file(
+                    format!("{}:{line}", path.display()),
+                    format!("entry `{name}` needs exactly one of `path` or `repo`"),
+                ));
+            }
+        }
+        Ok(parsed)
     }
 }
 
-/// Resolves `--model`: an existing directory, or an entry of models.toml (the default entry
-/// when `None`).
-pub fn resolve(model: Option<&str>) -> Result<PathBuf, EngineError> {
+/// A model ready to load: its directory and the settings its entry asks for.
+#[derive(Debug, Clone)]
+pub struct ResolvedModel {
+    pub name: String,
+    pub dir: PathBuf,
+    pub entry: Option<ModelEntry>,
+}
+
+/// Resolves `--model`: a directory, an entry of models.toml (the default when `None`), or an
+/// ORG/NAME hub repo at `main`. Hub checkpoints come from the local cache; when missing they
+/// are downloaded unless `offline`, in which case the error names the `spex pull` to run.
+pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, EngineError> {
     if let Some(m) = model {
         let p = PathBuf::from(m);
         if p.is_dir() {
-            return Ok(p);
+            let name = p
+                .file_name()
+                .map_or(m.to_string(), |n| n.to_string_lossy().into_owned());
+            return Ok(ResolvedModel {
+                name,
+                dir: p,
+                entry: None,
+            });
         }
         if m.starts_with(['/', '.', '~']) || m.ends_with('/') || m.matches('/').count() > 1 {
             return Err(EngineError::file(p, "no such checkpoint directory"));
@@ -77,29 +110,49 @@ pub fn resolve(model: Option<&str>) -> Result<PathBuf, EngineError> {
     }
     let file = models_file_path();
     let models = ModelsFile::load(&file)?;
-    let name = model.unwrap_or(&models.default);
-    let entry = models.models.get(name).ok_or_else(|| {
-        EngineError::file(
-            &file,
-            format!(
-                "no model entry `{name}` and no such directory (entries: {})",
-                models.models.keys().cloned().collect::<Vec<_>>().join(", ")
-            ),
-        )
-    })?;
-    match (&entry.path, &entry.repo) {
-        (Some(path), _) => {
-            let base = file.parent().unwrap_or(Path::new("."));
-            Ok(base.join(path))
+    let name = model.unwrap_or(&models.default).to_string();
+    let Some(entry) = models.models.get(&name).cloned() else {
+        if hub::is_repo_id(&name) {
+            let dir = hub_dir(&name, "main", &name, offline)?;
+            return Ok(ResolvedModel {
+                name,
+                dir,
+                entry: None,
+            });
         }
-        (None, Some(repo)) => Err(EngineError::file(
+        let known = models.models.keys().cloned().collect::<Vec<_>>().join(", ");
+        return Err(EngineError::file(
             &file,
-            format!("entry `{name}` is the hub repo {repo}: hub downloads are not built yet"),
-        )),
-        (None, None) => Err(EngineError::Config {
-            path: file.clone(),
-            field: format!("models.{name}"),
-            message: "needs `path` or `repo`".into(),
-        }),
+            format!("no model entry `{name}` and no such directory (entries: {known})"),
+        ));
+    };
+    let dir = match (&entry.path, &entry.repo) {
+        (Some(path), _) => file.parent().unwrap_or(Path::new(".")).join(path),
+        (None, Some(repo)) => hub_dir(
+            repo,
+            entry.revision.as_deref().unwrap_or("main"),
+            &name,
+            offline,
+        )?,
+        (None, None) => unreachable!("ModelsFile::load checks path or repo: this is a bug"),
+    };
+    Ok(ResolvedModel {
+        name,
+        dir,
+        entry: Some(entry),
+    })
+}
+
+fn hub_dir(
+    repo: &str,
+    revision: &str,
+    pull_hint: &str,
+    offline: bool,
+) -> Result<PathBuf, EngineError> {
+    let root = hub::cache_root();
+    match hub::snapshot_dir(&root, repo, revision, pull_hint) {
+        Ok(dir) => Ok(dir),
+        Err(_) if !offline => hub::pull(&root, repo, revision),
+        Err(e) => Err(e),
     }
 }

@@ -135,6 +135,13 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
+    /// Makes generation stop at the chat end-of-turn token too.
+    pub fn enable_chat_stop(&mut self) {
+        let mut tokenizer = (*self.tokenizer).clone();
+        tokenizer.stop_at_end_of_turn();
+        self.tokenizer = Arc::new(tokenizer);
+    }
+
     /// Opens and loads the checkpoint in `dir`.
     pub fn load(dir: &Path, device: &Device, dtype: DType) -> Result<Self> {
         let checkpoint = Checkpoint::open(dir)?;

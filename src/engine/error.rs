@@ -42,5 +42,13 @@ impl EngineError {
     }
 }
 
+/// A TOML parse error as one line: `FILE:LINE: message`.
+pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> EngineError {
+    let line = e
+        .span()
+        .map_or(0, |s| text[..s.start].matches('\n').count() + 1);
+    EngineError::file(format!("{}:{line}", path.display()), e.message())
+}
+
 /// The engine's result type.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -67,7 +67,10 @@ fn describe(tokenizer: &TextTokenizer, logits: &[f32], best: u32) -> Prediction 
         }
     }
     Prediction {
-        token: Token { id: best, text: tokenizer.token_text(best) },
+        token: Token {
+            id: best,
+            text: tokenizer.token_text(best),
+        },
         prob: 1.0 / sum,
         margin: top - second,
     }
@@ -328,7 +331,11 @@ impl Decoder {
             .collect();
         let started = Instant::now();
         let out = self.model.step(&rows, &mut self.cache)?;
-        let decisions: Vec<Option<u32>> = out.logits.iter().map(|l| l.as_deref().map(argmax)).collect();
+        let decisions: Vec<Option<u32>> = out
+            .logits
+            .iter()
+            .map(|l| l.as_deref().map(argmax))
+            .collect();
         let compute = started.elapsed();
         self.decode_compute += compute;
         self.steps += 1;

@@ -55,10 +55,25 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Also ends generation at `<|im_end|>` (chat models end their turn with it).
+    pub fn stop_at_end_of_turn(&mut self) {
+        if let Some(id) = self.inner.token_to_id(SPECIAL_TOKENS[2])
+            && !self.eos.contains(&id)
+        {
+            self.eos.push(id);
+        }
+    }
+
     /// Whether `id` ends generation.
     pub fn is_eos(&self, id: u32) -> bool {
         self.eos.contains(&id)
     }
+}
+
+/// Ouro's chat format (ChatML): one user turn, then the assistant's turn begins. (spex does
+/// not render the Jinja template of tokenizer_config.json; Ouro's is this format.)
+pub fn chat_prompt(prompt: &str) -> String {
+    format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
 }
 
 /// Streams text from committed ids, emitting only complete UTF-8 text (after candle's

@@ -14,7 +14,7 @@ use candle_nn::{VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
 use super::config::OuroConfig;
-use super::error::{EngineError, Result};
+use super::error::{EngineError, Result, toml_error};
 use super::model::{LoopedModel, Weights};
 use super::random_checkpoint::{SplitMix, write_json};
 use super::tokenizer::{TextTokenizer, train_bpe};
@@ -71,23 +71,23 @@ impl TrainConfig {
     /// Reads and validates a TOML training config.
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
-        let config: Self = toml::from_str(&text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|s| text[..s.start].lines().count().max(1))
-                .unwrap_or(0);
-            EngineError::file(format!("{}:{line}", path.display()), e.message())
-        })?;
-        config.ouro_config(4096).validate(path)?;
+        let config: Self = toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
         let err = |field: &str, message: &str| EngineError::Config {
             path: path.to_path_buf(),
             field: field.into(),
             message: message.into(),
         };
         let m = &config.model;
+        if m.layers == 0 || m.passes == 0 {
+            return Err(err(
+                "model.layers",
+                "K·R (model.layers × model.passes) must be positive",
+            ));
+        }
         if m.heads == 0 || !m.hidden.is_multiple_of(m.heads) {
             return Err(err("model.hidden", "must be divisible by model.heads"));
         }
+        config.ouro_config(4096).validate(path)?;
         if config.train.pass_weights.len() != m.passes {
             return Err(err(
                 "train.pass_weights",
@@ -448,6 +448,11 @@ impl Trainer {
     /// The Ouro config of the model being trained.
     pub fn model_config(&self) -> &OuroConfig {
         &self.model.config
+    }
+
+    /// The model being trained (its weights are the optimiser's variables).
+    pub fn model(&self) -> &LoopedModel {
+        &self.model
     }
 
     /// Training and validation tokens.

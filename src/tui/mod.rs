@@ -29,6 +29,8 @@ use app::{App, Command, ModelInfo, Msg};
 #[derive(Debug, Clone)]
 pub struct DashboardOptions {
     pub prompt: Option<String>,
+    /// Wrap prompts in the chat template before decoding.
+    pub chat: bool,
     pub decode: DecodeOptions,
     pub info: ModelInfo,
     pub frame_interval: Duration,

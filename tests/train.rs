@@ -1,0 +1,215 @@
+//! `spex train`: a tiny config trains deterministically and its loss falls; a saved checkpoint
+//! reloads to identical logits; bad input is a clear error that overwrites nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{DType, Device, Tensor};
+use spex::engine::LoadedModel;
+use spex::engine::random_checkpoint::SAMPLE_TEXT;
+use spex::engine::train::Trainer;
+
+const TINY: &str = r#"
+[model]
+hidden = 32
+layers = 1
+passes = 2
+heads = 2
+kv_heads = 2
+head_dim = 16
+intermediate = 64
+vocab = 300
+context = 64
+tied = true
+
+[train]
+seq_len = 16
+batch = 4
+steps = 30
+lr = 1e-2
+min_lr = 1e-3
+warmup_steps = 3
+weight_decay = 0.0
+grad_clip = 1.0
+seed = 7
+pass_weights = [0.5, 1.0]
+validation_files = []
+eval_every = 15
+eval_batches = 1
+checkpoint_minutes = 10.0
+"#;
+
+fn setup(config: &str) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::TempDir::new().unwrap();
+    let cfg = dir.path().join("tiny.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, SAMPLE_TEXT.repeat(3)).unwrap();
+    (dir, cfg, corpus)
+}
+
+fn train(cfg: &Path, corpus: &Path, out: &Path) -> (Vec<Vec<f64>>, Trainer) {
+    let mut trainer = Trainer::prepare(cfg, &[corpus.to_path_buf()], out, false).unwrap();
+    let mut losses = Vec::new();
+    trainer
+        .run(|p| losses.push(p.loss_per_pass.clone()), || false)
+        .unwrap();
+    (losses, trainer)
+}
+
+#[test]
+fn tiny_run_learns_deterministically_and_reloads_exactly() {
+    let (dir, cfg, corpus) = setup(TINY);
+    let (a, trainer) = train(&cfg, &corpus, &dir.path().join("a"));
+    let (b, _) = train(&cfg, &corpus, &dir.path().join("b"));
+    assert_eq!(a, b, "two runs from one seed give the same losses");
+    let first: f64 = a[0].iter().sum();
+    let last: f64 = a[a.len() - 1].iter().sum();
+    assert!(last < first * 0.8, "loss falls: {first} → {last}");
+    let loaded = LoadedModel::load(&dir.path().join("a"), &Device::Cpu, DType::F32).unwrap();
+    let ids = Tensor::new(&[[1u32, 50, 60, 70, 80, 90]], &Device::Cpu).unwrap();
+    let x = trainer.model().forward_sequence(&ids).unwrap();
+    let y = loaded.model.forward_sequence(&ids).unwrap();
+    for (p, q) in x.iter().zip(&y) {
+        let diff = (p - q)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(diff, 0.0, "reloaded logits are identical");
+    }
+}
+
+fn spex_train(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .arg("train")
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn assert_fails(args: &[&str], needle: &str) {
+    let (ok, err) = spex_train(args);
+    assert!(!ok, "{args:?} should fail");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains(needle), "expected {needle:?} in {err:?}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn bad_training_input_is_a_clear_error_and_overwrites_nothing() {
+    let (dir, cfg, corpus) = setup(TINY);
+    let out = dir.path().join("out");
+    let (c, o) = (cfg.display().to_string(), out.display().to_string());
+    assert_fails(
+        &[
+            "--config",
+            &c,
+            "--corpus",
+            "/nonexistent/corpus.txt",
+            "--out",
+            &o,
+        ],
+        "/nonexistent/corpus.txt",
+    );
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "  \n").unwrap();
+    assert_fails(
+        &[
+            "--config",
+            &c,
+            "--corpus",
+            &empty.display().to_string(),
+            "--out",
+            &o,
+        ],
+        "empty corpus file",
+    );
+    assert!(!out.exists(), "nothing written");
+    for (from, to, needle) in [
+        ("passes = 2", "passes = 0", "K·R"),
+        ("layers = 1", "layers = 0", "K·R"),
+        (
+            "heads = 2\nkv_heads = 2",
+            "heads = 3\nkv_heads = 3",
+            "model.hidden",
+        ),
+    ] {
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, TINY.replace(from, to)).unwrap();
+        assert_fails(
+            &[
+                "--config",
+                &bad.display().to_string(),
+                "--corpus",
+                &corpus.display().to_string(),
+                "--out",
+                &o,
+            ],
+            needle,
+        );
+    }
+    // A finished run, then a resume with another shape: refused, files untouched.
+    let (ok, err) = spex_train(&[
+        "--config",
+        &c,
+        "--corpus",
+        &corpus.display().to_string(),
+        "--out",
+        &o,
+        "--max-steps-now",
+        "2",
+    ]);
+    assert!(ok, "{err}");
+    let before = std::fs::read(out.join("model.safetensors")).unwrap();
+    let other = dir.path().join("other.toml");
+    std::fs::write(&other, TINY.replace("hidden = 32", "hidden = 64")).unwrap();
+    let od = other.display().to_string();
+    assert_fails(
+        &[
+            "--config",
+            &od,
+            "--corpus",
+            &corpus.display().to_string(),
+            "--out",
+            &o,
+            "--resume",
+        ],
+        "resume: checkpoint has shape",
+    );
+    assert_fails(
+        &[
+            "--config",
+            &c,
+            "--corpus",
+            &corpus.display().to_string(),
+            "--out",
+            &o,
+        ],
+        "already holds a checkpoint",
+    );
+    assert_eq!(
+        before,
+        std::fs::read(out.join("model.safetensors")).unwrap(),
+        "nothing overwritten"
+    );
+    let (ok, err) = spex_train(&[
+        "--config",
+        &c,
+        "--corpus",
+        &corpus.display().to_string(),
+        "--out",
+        &o,
+        "--resume",
+        "--max-steps-now",
+        "2",
+    ]);
+    assert!(ok, "resume continues: {err}");
+}
