@@ -65,35 +65,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         results.iter().map(|r| r.step_times.ceiling()).sum::<f64>() / results.len() as f64;
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     if args.json {
-        let report = json!({
-            "model": session.name,
-            "device": session.device,
-            "dtype": session.dtype,
-            "passes": loaded.model.passes(),
-            "layers": loaded.model.config.num_hidden_layers,
-            "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
-            "prompts": results.iter().map(|r| json!({
-                "prompt": r.prompt,
-                "identical": r.mismatch.is_none(),
-                "mismatch": r.mismatch,
-                "baseline": r.baseline.stats,
-                "speed": r.speed.stats,
-                "speedup": r.speedup(),
-                "ceiling": r.step_times.ceiling(),
-                "step_times": r.step_times,
-                "gamma": r.speed.stats.gamma(),
-            })).collect::<Vec<_>>(),
-            "overall": {
-                "baseline_tokens_per_sec": base.tokens_per_sec(),
-                "speed_tokens_per_sec": speed.tokens_per_sec(),
-                "speedup": speedup(&base, &speed),
-                "ceiling": ceiling,
-                "gamma": speed.gamma(),
-                "flip_rate_per_pass": (1..=speed.passes).map(|p| speed.flip_rate(p)).collect::<Vec<_>>(),
-                "wasted_row_slots": speed.wasted_fraction(),
-                "identical": mismatches == 0,
-            }
-        });
+        let report = json_report(&session, &results, (&base, &speed), ceiling);
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_overall(&base, &speed, ceiling, mismatches, results.len());
@@ -105,6 +77,45 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The whole run as one JSON object (the `--json` output).
+fn json_report(
+    session: &super::Session,
+    results: &[PromptResult],
+    (base, speed): (&RunStats, &RunStats),
+    ceiling: f64,
+) -> serde_json::Value {
+    let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
+    json!({
+        "model": session.name,
+        "device": session.device,
+        "dtype": session.dtype,
+        "passes": session.loaded.model.passes(),
+        "layers": session.loaded.model.config.num_hidden_layers,
+        "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
+        "prompts": results.iter().map(|r| json!({
+            "prompt": r.prompt,
+            "identical": r.mismatch.is_none(),
+            "mismatch": r.mismatch,
+            "baseline": r.baseline.stats,
+            "speed": r.speed.stats,
+            "speedup": r.speedup(),
+            "ceiling": r.step_times.ceiling(),
+            "step_times": r.step_times,
+            "gamma": r.speed.stats.gamma(),
+        })).collect::<Vec<_>>(),
+        "overall": {
+            "baseline_tokens_per_sec": base.tokens_per_sec(),
+            "speed_tokens_per_sec": speed.tokens_per_sec(),
+            "speedup": speedup(base, speed),
+            "ceiling": ceiling,
+            "gamma": speed.gamma(),
+            "flip_rate_per_pass": (1..=speed.passes).map(|p| speed.flip_rate(p)).collect::<Vec<_>>(),
+            "wasted_row_slots": speed.wasted_fraction(),
+            "identical": mismatches == 0,
+        }
+    })
 }
 
 fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {

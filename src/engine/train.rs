@@ -199,6 +199,79 @@ struct TrainState {
     history: Vec<Progress>,
 }
 
+impl TrainState {
+    /// A fresh state, or, with `resume`, the saved one when its model shape matches `config`.
+    /// Refuses to start fresh over an existing checkpoint.
+    fn begin(config: &TrainConfig, config_path: &Path, out: &Path, resume: bool) -> Result<Self> {
+        if !resume {
+            if out.join("model.safetensors").exists() {
+                return Err(EngineError::file(
+                    out,
+                    "already holds a checkpoint: pass --resume or choose another --out",
+                ));
+            }
+            return Ok(Self {
+                config: config.clone(),
+                step: 0,
+                tokens_seen: 0,
+                elapsed_secs: 0.0,
+                history: Vec::new(),
+            });
+        }
+        let state_path = out.join(STATE_JSON);
+        let text =
+            std::fs::read_to_string(&state_path).map_err(|e| EngineError::file(&state_path, e))?;
+        let state: Self =
+            serde_json::from_str(&text).map_err(|e| EngineError::file(&state_path, e))?;
+        if state.config.model != config.model {
+            return Err(EngineError::file(
+                &state_path,
+                format!(
+                    "resume: checkpoint has shape {:?}, {} asks for {:?}",
+                    state.config.model,
+                    config_path.display(),
+                    config.model
+                ),
+            ));
+        }
+        Ok(Self {
+            config: config.clone(),
+            ..state
+        })
+    }
+}
+
+/// The model over a `VarMap`, seeded fresh or, when resuming at `resume_step`, loaded with the
+/// saved weights and optimiser moments from `out`.
+fn build_model(
+    ouro: OuroConfig,
+    config: &TrainConfig,
+    out: &Path,
+    resume_step: Option<usize>,
+) -> Result<(LoopedModel, VarMap, AdamW)> {
+    let mut varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let weights = Weights::load(&vb, &ouro)?;
+    match resume_step {
+        Some(_) => {
+            let path = out.join("model.safetensors");
+            varmap
+                .load(&path)
+                .map_err(|e| EngineError::file(&path, e))?;
+        }
+        None => seeded_init(&varmap, config.train.seed)?,
+    }
+    let model = LoopedModel::new(ouro, weights, Device::Cpu, DType::F32)?;
+    let mut opt = AdamW::new(&varmap)?;
+    if let Some(step) = resume_step {
+        let path = out.join(STATE_TENSORS);
+        let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| EngineError::file(&path, e))?;
+        opt.load_state(&tensors, step)?;
+    }
+    Ok((model, varmap, opt))
+}
+
 /// AdamW with decoupled weight decay (Loshchilov & Hutter), moments kept as named tensors so
 /// that a checkpoint can hold them.
 struct AdamW {
@@ -364,42 +437,7 @@ impl Trainer {
     ) -> Result<Self> {
         let config = TrainConfig::load(config_path)?;
         let texts = read_corpus(corpus_files)?;
-        let state = if resume {
-            let state_path = out.join(STATE_JSON);
-            let text = std::fs::read_to_string(&state_path)
-                .map_err(|e| EngineError::file(&state_path, e))?;
-            let state: TrainState =
-                serde_json::from_str(&text).map_err(|e| EngineError::file(&state_path, e))?;
-            if state.config.model != config.model {
-                return Err(EngineError::file(
-                    &state_path,
-                    format!(
-                        "resume: checkpoint has shape {:?}, {} asks for {:?}",
-                        state.config.model,
-                        config_path.display(),
-                        config.model
-                    ),
-                ));
-            }
-            TrainState {
-                config: config.clone(),
-                ..state
-            }
-        } else {
-            if out.join("model.safetensors").exists() {
-                return Err(EngineError::file(
-                    out,
-                    "already holds a checkpoint: pass --resume or choose another --out",
-                ));
-            }
-            TrainState {
-                config: config.clone(),
-                step: 0,
-                tokens_seen: 0,
-                elapsed_secs: 0.0,
-                history: Vec::new(),
-            }
-        };
+        let state = TrainState::begin(&config, config_path, out, resume)?;
         let tokenizer_path = out.join("tokenizer.json");
         if !resume {
             std::fs::create_dir_all(out).map_err(|e| EngineError::file(out, e))?;
@@ -416,24 +454,7 @@ impl Trainer {
         let tokenizer = TextTokenizer::load(&tokenizer_path, &[0])?;
         let corpus = tokenize_corpus(&config, &tokenizer, &texts)?;
         let ouro = config.ouro_config(config.model.vocab.max(tokenizer.vocab_size()));
-        let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-        let weights = Weights::load(&vb, &ouro)?;
-        if resume {
-            let mut vm = varmap.clone();
-            vm.load(out.join("model.safetensors"))
-                .map_err(|e| EngineError::file(out.join("model.safetensors"), e))?;
-        } else {
-            seeded_init(&varmap, config.train.seed)?;
-        }
-        let model = LoopedModel::new(ouro, weights, Device::Cpu, DType::F32)?;
-        let mut opt = AdamW::new(&varmap)?;
-        if resume {
-            let path = out.join(STATE_TENSORS);
-            let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
-                .map_err(|e| EngineError::file(&path, e))?;
-            opt.load_state(&tensors, state.step)?;
-        }
+        let (model, varmap, opt) = build_model(ouro, &config, out, resume.then_some(state.step))?;
         Ok(Self {
             config,
             out: out.to_path_buf(),

@@ -127,6 +127,65 @@ pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()
     runtime.block_on(event_loop(&mut terminal, &mut app, loaded, &options))
 }
 
+/// The race of the current run, restarted and steered by the app's commands.
+struct Races<'a> {
+    loaded: &'a LoadedModel,
+    options: &'a DashboardOptions,
+    events: mpsc::UnboundedSender<RaceEvent>,
+    current: Option<RaceHandle>,
+}
+
+impl Races<'_> {
+    fn execute(
+        &mut self,
+        commands: Vec<Command>,
+        pending: &mut mpsc::UnboundedReceiver<RaceEvent>,
+    ) {
+        for command in commands {
+            match command {
+                Command::StartRace { prompt } => {
+                    self.stop();
+                    // Events of the stopped race must not reach the new run.
+                    while pending.try_recv().is_ok() {}
+                    let prompt = if self.options.chat {
+                        crate::engine::tokenizer::chat_prompt(&prompt)
+                    } else {
+                        prompt
+                    };
+                    self.current = Some(RaceHandle::start(
+                        self.loaded,
+                        prompt,
+                        self.options.decode,
+                        self.events.clone(),
+                    ));
+                }
+                Command::Control(c) => {
+                    if let Some(r) = &self.current {
+                        let _ = r.control.send(c);
+                    }
+                }
+                Command::Quit => {}
+            }
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(r) = self.current.take() {
+            r.stop();
+        }
+    }
+}
+
+fn input_msg(event: Option<std::io::Result<Event>>) -> std::io::Result<Option<Msg>> {
+    Ok(match event {
+        Some(Ok(Event::Key(k))) => Some(Msg::Key(k)),
+        Some(Ok(Event::Mouse(m))) => Some(Msg::Mouse(m)),
+        Some(Ok(Event::Resize(w, h))) => Some(Msg::Resize(w, h)),
+        Some(Ok(_)) | None => None,
+        Some(Err(e)) => return Err(e),
+    })
+}
+
 async fn event_loop(
     terminal: &mut Terminal<CrosstermBackend<Stdout>>,
     app: &mut App,
@@ -137,55 +196,32 @@ async fn event_loop(
     let mut frames = tokio::time::interval(options.frame_interval);
     frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let (tx, mut rx) = mpsc::unbounded_channel::<RaceEvent>();
-    let mut race: Option<RaceHandle> = None;
+    let mut races = Races {
+        loaded,
+        options,
+        events: tx,
+        current: None,
+    };
     let mut pending = if app.prompt.is_empty() {
         Vec::new()
     } else {
         app.start()
     };
     terminal.draw(|f| ui::draw(f, app))?;
-    loop {
-        for command in pending.drain(..) {
-            match command {
-                Command::StartRace { prompt } => {
-                    if let Some(old) = race.take() {
-                        old.stop();
-                    }
-                    while rx.try_recv().is_ok() {}
-                    race = Some(RaceHandle::start(
-                        loaded,
-                        prompt,
-                        options.decode,
-                        tx.clone(),
-                    ));
-                }
-                Command::Control(c) => {
-                    if let Some(r) = &race {
-                        let _ = r.control.send(c);
-                    }
-                }
-                Command::Quit => {}
-            }
-        }
-        if app.should_quit {
-            break;
-        }
+    while !app.should_quit {
+        races.execute(std::mem::take(&mut pending), &mut rx);
         tokio::select! {
             event = input.next() => {
-                let msg = match event {
-                    Some(Ok(Event::Key(k))) => Some(Msg::Key(k)),
-                    Some(Ok(Event::Mouse(m))) => Some(Msg::Mouse(m)),
-                    Some(Ok(Event::Resize(w, h))) => Some(Msg::Resize(w, h)),
-                    Some(Ok(_)) => None,
-                    Some(Err(e)) => return Err(e.into()),
-                    None => break,
-                };
-                if let Some(msg) = msg {
+                if event.is_none() {
+                    break; // the terminal's input closed
+                }
+                if let Some(msg) = input_msg(event)? {
                     pending = app.update(msg);
                     terminal.draw(|f| ui::draw(f, app))?;
                 }
             }
             _ = frames.tick() => {
+                // Everything the engine sent since the last frame, in one update.
                 let mut batch = Vec::new();
                 while let Ok(ev) = rx.try_recv() {
                     batch.push(ev);
@@ -197,8 +233,6 @@ async fn event_loop(
             }
         }
     }
-    if let Some(r) = race.take() {
-        r.stop();
-    }
+    races.stop();
     Ok(())
 }

@@ -15,6 +15,17 @@ use super::config::OuroConfig;
 use super::error::Result;
 use super::kv_cache::KvCache;
 
+/// Initial values when a `VarMap`-backed builder creates weights (training): N(0, 1/fan_in).
+fn init_linear(fan_in: usize) -> candle_nn::Init {
+    candle_nn::Init::Randn {
+        mean: 0.0,
+        stdev: (1.0 / fan_in as f64).sqrt(),
+    }
+}
+
+/// Norm weights start at 1.
+const ONES: candle_nn::Init = candle_nn::Init::Const(1.0);
+
 /// The weights of one shared layer (all linear layers without bias, stored `[out, in]`).
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
@@ -31,6 +42,48 @@ pub struct LayerWeights {
     pub post_attention_layernorm_2: Tensor,
 }
 
+impl LayerWeights {
+    /// Reads (or creates) one shared layer's tensors under `vb` (`model.layers.{i}`).
+    fn load(vb: &VarBuilder, config: &OuroConfig) -> candle_core::Result<Self> {
+        let hidden = config.hidden_size;
+        let ones = ONES;
+        let attn = vb.pp("self_attn");
+        let mlp = vb.pp("mlp");
+        let q_out = config.num_attention_heads * config.head_dim;
+        let kv_out = config.kv_dim();
+        let inter = config.intermediate_size;
+        Ok(LayerWeights {
+            q_proj: attn.get_with_hints((q_out, hidden), "q_proj.weight", init_linear(hidden))?,
+            k_proj: attn.get_with_hints((kv_out, hidden), "k_proj.weight", init_linear(hidden))?,
+            v_proj: attn.get_with_hints((kv_out, hidden), "v_proj.weight", init_linear(hidden))?,
+            o_proj: attn.get_with_hints((hidden, q_out), "o_proj.weight", init_linear(q_out))?,
+            gate_proj: mlp.get_with_hints(
+                (inter, hidden),
+                "gate_proj.weight",
+                init_linear(hidden),
+            )?,
+            up_proj: mlp.get_with_hints((inter, hidden), "up_proj.weight", init_linear(hidden))?,
+            down_proj: mlp.get_with_hints(
+                (hidden, inter),
+                "down_proj.weight",
+                init_linear(inter),
+            )?,
+            input_layernorm: vb.get_with_hints(hidden, "input_layernorm.weight", ones)?,
+            input_layernorm_2: vb.get_with_hints(hidden, "input_layernorm_2.weight", ones)?,
+            post_attention_layernorm: vb.get_with_hints(
+                hidden,
+                "post_attention_layernorm.weight",
+                ones,
+            )?,
+            post_attention_layernorm_2: vb.get_with_hints(
+                hidden,
+                "post_attention_layernorm_2.weight",
+                ones,
+            )?,
+        })
+    }
+}
+
 /// Every tensor of an Ouro checkpoint that the forward pass uses.
 #[derive(Debug, Clone)]
 pub struct Weights {
@@ -45,11 +98,7 @@ impl Weights {
     /// Reads (or, for a `VarMap`-backed builder, creates) every tensor by its Ouro name.
     pub fn load(vb: &VarBuilder, config: &OuroConfig) -> candle_core::Result<Self> {
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
-        let init_linear = |fan_in: usize| candle_nn::Init::Randn {
-            mean: 0.0,
-            stdev: (1.0 / fan_in as f64).sqrt(),
-        };
-        let ones = candle_nn::Init::Const(1.0);
+        let ones = ONES;
         let embed_tokens = vb.get_with_hints(
             (vocab, hidden),
             "model.embed_tokens.weight",
@@ -59,67 +108,7 @@ impl Weights {
             },
         )?;
         let layers = (0..config.num_hidden_layers)
-            .map(|i| {
-                let vb = vb.pp(format!("model.layers.{i}"));
-                let attn = vb.pp("self_attn");
-                let mlp = vb.pp("mlp");
-                let q_out = config.num_attention_heads * config.head_dim;
-                let kv_out = config.kv_dim();
-                let inter = config.intermediate_size;
-                Ok(LayerWeights {
-                    q_proj: attn.get_with_hints(
-                        (q_out, hidden),
-                        "q_proj.weight",
-                        init_linear(hidden),
-                    )?,
-                    k_proj: attn.get_with_hints(
-                        (kv_out, hidden),
-                        "k_proj.weight",
-                        init_linear(hidden),
-                    )?,
-                    v_proj: attn.get_with_hints(
-                        (kv_out, hidden),
-                        "v_proj.weight",
-                        init_linear(hidden),
-                    )?,
-                    o_proj: attn.get_with_hints(
-                        (hidden, q_out),
-                        "o_proj.weight",
-                        init_linear(q_out),
-                    )?,
-                    gate_proj: mlp.get_with_hints(
-                        (inter, hidden),
-                        "gate_proj.weight",
-                        init_linear(hidden),
-                    )?,
-                    up_proj: mlp.get_with_hints(
-                        (inter, hidden),
-                        "up_proj.weight",
-                        init_linear(hidden),
-                    )?,
-                    down_proj: mlp.get_with_hints(
-                        (hidden, inter),
-                        "down_proj.weight",
-                        init_linear(inter),
-                    )?,
-                    input_layernorm: vb.get_with_hints(hidden, "input_layernorm.weight", ones)?,
-                    input_layernorm_2: vb.get_with_hints(
-                        hidden,
-                        "input_layernorm_2.weight",
-                        ones,
-                    )?,
-                    post_attention_layernorm: vb.get_with_hints(
-                        hidden,
-                        "post_attention_layernorm.weight",
-                        ones,
-                    )?,
-                    post_attention_layernorm_2: vb.get_with_hints(
-                        hidden,
-                        "post_attention_layernorm_2.weight",
-                        ones,
-                    )?,
-                })
-            })
+            .map(|i| LayerWeights::load(&vb.pp(format!("model.layers.{i}")), config))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = vb.get_with_hints(hidden, "model.norm.weight", ones)?;
         let lm_head = if config.tie_word_embeddings {
