@@ -313,21 +313,22 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
 
 fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
     let spec = RandomSpec {
-        hidden: args.hidden,
-        layers: args.layers,
-        passes: args.passes,
-        heads: args.heads,
-        kv_heads: args.kv_heads.unwrap_or(args.heads),
-        head_dim: args.hidden / args.heads.max(1),
-        intermediate: args.intermediate.unwrap_or(args.hidden * 11 / 4),
-        vocab: args.vocab,
-        context: args.context,
-        tied: true,
-        sharded: false,
+        shape: crate::engine::config::ModelShape {
+            hidden: args.hidden,
+            layers: args.layers,
+            passes: args.passes,
+            heads: args.heads,
+            kv_heads: args.kv_heads.unwrap_or(args.heads),
+            head_dim: args.hidden / args.heads.max(1),
+            intermediate: args.intermediate.unwrap_or(args.hidden * 11 / 4),
+            vocab: args.vocab,
+            context: args.context,
+            tied: true,
+        },
         early_exit_gate: false,
-        dtype: DType::F32,
         seed: args.seed,
         pad_vocab_to: Some(args.vocab),
+        ..RandomSpec::default()
     };
     let config = write_random_checkpoint(&args.out, &spec)?;
     println!(

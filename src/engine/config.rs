@@ -158,6 +158,48 @@ impl OuroConfig {
     }
 }
 
+/// A model's shape as spex's own configs name it (training configs, random checkpoints).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelShape {
+    pub hidden: usize,
+    /// K, the shared layers.
+    pub layers: usize,
+    /// R, the passes.
+    pub passes: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    /// Vocabulary the BPE trainer aims for (the config holds at least the tokenizer's size).
+    pub vocab: usize,
+    pub context: usize,
+    pub tied: bool,
+}
+
+impl ModelShape {
+    /// The Ouro config of this shape for a vocabulary of `vocab` rows, stored as `torch_dtype`.
+    pub fn ouro_config(&self, vocab: usize, torch_dtype: &str) -> OuroConfig {
+        OuroConfig {
+            hidden_size: self.hidden,
+            num_hidden_layers: self.layers,
+            total_ut_steps: self.passes,
+            num_attention_heads: self.heads,
+            num_key_value_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            intermediate_size: self.intermediate,
+            vocab_size: vocab,
+            max_position_embeddings: self.context,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: self.tied,
+            bos_token_id: Some(0),
+            eos_token_ids: vec![0],
+            torch_dtype: torch_dtype.to_string(),
+        }
+    }
+}
+
 struct Fields<'a> {
     map: &'a Map<String, Value>,
     path: &'a Path,

@@ -7,27 +7,17 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::config::OuroConfig;
+use super::config::{ModelShape, OuroConfig};
 use super::error::{EngineError, Result};
 use super::tokenizer::train_bpe;
 
 /// Public-domain text (Shakespeare's sonnets) to train the test tokenizers on.
 pub const SAMPLE_TEXT: &str = include_str!("../../assets/sample-text.txt");
 
-/// The shape of a random checkpoint.
+/// The shape of a random checkpoint and how to write it.
 #[derive(Debug, Clone)]
 pub struct RandomSpec {
-    pub hidden: usize,
-    pub layers: usize,
-    pub passes: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub intermediate: usize,
-    /// Vocabulary the BPE trainer aims for (the config holds at least the tokenizer's size).
-    pub vocab: usize,
-    pub context: usize,
-    pub tied: bool,
+    pub shape: ModelShape,
     /// Write the weights as two shards plus `model.safetensors.index.json`.
     pub sharded: bool,
     /// Include Ouro's early-exit gate tensors (which spex ignores).
@@ -42,16 +32,18 @@ pub struct RandomSpec {
 impl Default for RandomSpec {
     fn default() -> Self {
         Self {
-            hidden: 64,
-            layers: 2,
-            passes: 4,
-            heads: 4,
-            kv_heads: 4,
-            head_dim: 16,
-            intermediate: 128,
-            vocab: 384,
-            context: 256,
-            tied: true,
+            shape: ModelShape {
+                hidden: 64,
+                layers: 2,
+                passes: 4,
+                heads: 4,
+                kv_heads: 4,
+                head_dim: 16,
+                intermediate: 128,
+                vocab: 384,
+                context: 256,
+                tied: true,
+            },
             sharded: false,
             early_exit_gate: true,
             dtype: DType::F32,
@@ -84,28 +76,13 @@ impl SplitMix {
 impl RandomSpec {
     /// The config.json this spec writes, for a tokenizer of `tokenizer_vocab` tokens.
     pub fn config(&self, tokenizer_vocab: usize) -> OuroConfig {
-        OuroConfig {
-            hidden_size: self.hidden,
-            num_hidden_layers: self.layers,
-            total_ut_steps: self.passes,
-            num_attention_heads: self.heads,
-            num_key_value_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            intermediate_size: self.intermediate,
-            vocab_size: self.pad_vocab_to.unwrap_or(0).max(tokenizer_vocab),
-            max_position_embeddings: self.context,
-            rope_theta: 10_000.0,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: self.tied,
-            bos_token_id: Some(0),
-            eos_token_ids: vec![0],
-            torch_dtype: match self.dtype {
-                DType::BF16 => "bfloat16",
-                DType::F16 => "float16",
-                _ => "float32",
-            }
-            .to_string(),
-        }
+        let dtype = match self.dtype {
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            _ => "float32",
+        };
+        self.shape
+            .ouro_config(self.pad_vocab_to.unwrap_or(0).max(tokenizer_vocab), dtype)
     }
 }
 
@@ -113,7 +90,7 @@ impl RandomSpec {
 pub fn write_random_checkpoint(dir: &Path, spec: &RandomSpec) -> Result<OuroConfig> {
     std::fs::create_dir_all(dir).map_err(|e| EngineError::file(dir, e))?;
     let tokenizer_path = dir.join("tokenizer.json");
-    train_bpe(SAMPLE_TEXT.lines(), spec.vocab, &tokenizer_path)?;
+    train_bpe(SAMPLE_TEXT.lines(), spec.shape.vocab, &tokenizer_path)?;
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
         .map_err(|e| EngineError::file(&tokenizer_path, e))?;
     let config = spec.config(tokenizer.get_vocab_size(true));

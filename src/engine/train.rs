@@ -13,29 +13,12 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use serde::{Deserialize, Serialize};
 
+pub use super::config::ModelShape;
 use super::config::OuroConfig;
 use super::error::{EngineError, Result, toml_error};
 use super::model::{LoopedModel, Weights};
 use super::random_checkpoint::{SplitMix, write_json};
 use super::tokenizer::{TextTokenizer, train_bpe};
-
-/// The model's shape in a training config.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelShape {
-    pub hidden: usize,
-    /// K, the shared layers.
-    pub layers: usize,
-    /// R, the passes.
-    pub passes: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub intermediate: usize,
-    pub vocab: usize,
-    pub context: usize,
-    pub tied: bool,
-}
 
 /// Optimisation settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -112,24 +95,7 @@ impl TrainConfig {
 
     /// The Ouro config of the model, for a tokenizer of `vocab` tokens.
     pub fn ouro_config(&self, vocab: usize) -> OuroConfig {
-        let m = &self.model;
-        OuroConfig {
-            hidden_size: m.hidden,
-            num_hidden_layers: m.layers,
-            total_ut_steps: m.passes,
-            num_attention_heads: m.heads,
-            num_key_value_heads: m.kv_heads,
-            head_dim: m.head_dim,
-            intermediate_size: m.intermediate,
-            vocab_size: vocab,
-            max_position_embeddings: m.context,
-            rope_theta: 10_000.0,
-            rms_norm_eps: 1e-6,
-            tie_word_embeddings: m.tied,
-            bos_token_id: Some(0),
-            eos_token_ids: vec![0],
-            torch_dtype: "float32".into(),
-        }
+        self.model.ouro_config(vocab, "float32")
     }
 
     /// Learning rate at `step`: linear warm-up, then cosine decay to `min_lr`.

@@ -101,15 +101,18 @@ fn main() {
     for hidden in [256, 512] {
         let dir = tempfile::TempDir::new().expect("temp dir");
         let spec = RandomSpec {
-            hidden,
-            layers: 4,
-            passes: 4,
-            heads: hidden / 64,
-            kv_heads: hidden / 64,
-            head_dim: 64,
-            intermediate: hidden * 11 / 4,
-            vocab: 4096,
-            context: 512,
+            shape: spex::engine::config::ModelShape {
+                hidden,
+                layers: 4,
+                passes: 4,
+                heads: hidden / 64,
+                kv_heads: hidden / 64,
+                head_dim: 64,
+                intermediate: hidden * 11 / 4,
+                vocab: 4096,
+                context: 512,
+                tied: true,
+            },
             pad_vocab_to: Some(4096),
             ..RandomSpec::default()
         };

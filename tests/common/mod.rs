@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
+use spex::engine::config::ModelShape;
 use spex::engine::model::StepBackend;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use std::sync::Arc;
@@ -63,16 +64,21 @@ pub fn spec(layers: usize, passes: usize, variant: Variant, seed: u64) -> Random
         Variant::Untied => (false, 4),
         Variant::Gqa => (true, 2),
     };
-    RandomSpec {
+    let shape = ModelShape {
+        hidden: 48,
         layers,
         passes,
-        tied,
+        heads: 4,
         kv_heads,
-        seed,
-        vocab: 300,
-        hidden: 48,
         head_dim: 12,
         intermediate: 80,
+        vocab: 300,
+        context: 256,
+        tied,
+    };
+    RandomSpec {
+        shape,
+        seed,
         ..RandomSpec::default()
     }
 }
