@@ -94,6 +94,7 @@ fn json_report(
         "passes": session.loaded.model.passes(),
         "layers": session.loaded.model.config.num_hidden_layers,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
+        "peak_memory_bytes": peak_memory_bytes(),
         "prompts": results.iter().map(|r| json!({
             "prompt": r.prompt,
             "identical": r.mismatch.is_none(),
@@ -116,6 +117,14 @@ fn json_report(
             "identical": mismatches == 0,
         }
     })
+}
+
+/// The process's peak resident memory in bytes (Linux `VmHWM`), if known.
+pub fn peak_memory_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
@@ -191,8 +200,9 @@ fn print_row(r: &PromptResult, header: bool, passes: usize) {
 }
 
 fn print_overall(base: &RunStats, speed: &RunStats, ceiling: f64, mismatches: usize, n: usize) {
+    let peak = peak_memory_bytes().map_or("?".into(), |b| format!("{:.0} MB", b as f64 / 1e6));
     println!(
-        "overall: baseline {:.1} tok/s, speed {:.1} tok/s, speedup {:.2}×, ceiling {:.2}×, γ {:.2}, wasted {:.1}%, flips/pass {}, identical {}/{}",
+        "overall: baseline {:.1} tok/s, speed {:.1} tok/s, speedup {:.2}×, ceiling {:.2}×, γ {:.2}, wasted {:.1}%, flips/pass {}, identical {}/{}, peak memory {peak}",
         base.tokens_per_sec(),
         speed.tokens_per_sec(),
         speedup(base, speed),

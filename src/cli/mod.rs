@@ -175,6 +175,9 @@ pub struct RandomArgs {
     pub context: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// A separate LM head (as Ouro's released models have) instead of tied embeddings.
+    #[arg(long)]
+    pub untied: bool,
 }
 
 /// Parses the command line and runs it.
@@ -323,7 +326,7 @@ fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
             intermediate: args.intermediate.unwrap_or(args.hidden * 11 / 4),
             vocab: args.vocab,
             context: args.context,
-            tied: true,
+            tied: !args.untied,
         },
         early_exit_gate: false,
         seed: args.seed,
