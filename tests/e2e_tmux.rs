@@ -56,10 +56,10 @@ fn start(model: &Path, exit_file: &Path) -> Tmux {
         socket: format!("spex-e2e-{}", std::process::id()),
     };
     let cmd = format!(
-        "{} tui --model {} --max-tokens 40; echo $? > {}; sleep 30",
+        "{} tui --model {} --max-tokens 40; echo $? > {exit}.tmp && mv {exit}.tmp {exit}; sleep 30",
         env!("CARGO_BIN_EXE_spex"),
         model.display(),
-        exit_file.display()
+        exit = exit_file.display()
     );
     let out = tmux.run(&[
         "new-session",
