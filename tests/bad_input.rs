@@ -213,3 +213,21 @@ fn generate_json_streams_one_object_per_event() {
             .any(|l| l["event"] == "step" && l["rows"][0]["token"]["id"].is_u64())
     );
 }
+
+#[test]
+fn embedded_model_runs_anywhere_and_matches_the_shipped_files() {
+    let run = |envs: &[(&str, &str)], dir: &Path| {
+        let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+            .args(["generate", "--prompt", "ROMEO.", "--max-tokens", "12"])
+            .envs(envs.iter().copied())
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    let elsewhere = tempfile::TempDir::new().unwrap();
+    let embedded = run(&[("SPEX_MODELS", "/nonexistent/models.toml")], elsewhere.path());
+    let from_files = run(&[], Path::new(env!("CARGO_MANIFEST_DIR")));
+    assert_eq!(embedded, from_files);
+}

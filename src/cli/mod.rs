@@ -210,7 +210,10 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     let dev = device::open(spec)?;
     device::check_dtype(&dev, dtype)?;
     let chat = args.chat || entry.is_some_and(|e| e.chat);
-    let mut loaded = LoadedModel::load(&resolved.dir, &dev, dtype)?;
+    let mut loaded = match &resolved.source {
+        models::ModelSource::Dir(dir) => LoadedModel::load(dir, &dev, dtype)?,
+        models::ModelSource::Embedded => LoadedModel::from_bytes(models::EMBEDDED, &dev, dtype)?,
+    };
     if chat {
         loaded.enable_chat_stop();
     }

@@ -10,9 +10,9 @@ use serde::Deserialize;
 
 use super::device::{DTypeSpec, DeviceSpec};
 use super::hub;
-use crate::engine::EngineError;
 use crate::engine::error::toml_error;
 use crate::engine::policy::PolicyKind;
+use crate::engine::{CheckpointBytes, EngineError};
 
 /// The parsed `models.toml`.
 #[derive(Debug, Clone, Deserialize)]
@@ -80,11 +80,29 @@ impl ModelsFile {
     }
 }
 
-/// A model ready to load: its directory and the settings its entry asks for.
+/// spex's own model, built into the binary so that `spex` runs anywhere, offline, even
+/// without the source tree's `assets/` and `models.toml`.
+pub const EMBEDDED: CheckpointBytes = CheckpointBytes {
+    config: include_bytes!("../../assets/models/shakespeare-r4k4/config.json"),
+    weights: include_bytes!("../../assets/models/shakespeare-r4k4/model.safetensors"),
+    tokenizer: include_bytes!("../../assets/models/shakespeare-r4k4/tokenizer.json"),
+};
+
+/// The entry name of the embedded model.
+pub const EMBEDDED_NAME: &str = "shakespeare-r4k4";
+
+/// Where a resolved model's files are.
+#[derive(Debug, Clone)]
+pub enum ModelSource {
+    Dir(PathBuf),
+    Embedded,
+}
+
+/// A model ready to load: where it is and the settings its entry asks for.
 #[derive(Debug, Clone)]
 pub struct ResolvedModel {
     pub name: String,
-    pub dir: PathBuf,
+    pub source: ModelSource,
     pub entry: Option<ModelEntry>,
 }
 
@@ -100,7 +118,7 @@ pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, Engi
                 .map_or(m.to_string(), |n| n.to_string_lossy().into_owned());
             return Ok(ResolvedModel {
                 name,
-                dir: p,
+                source: ModelSource::Dir(p),
                 entry: None,
             });
         }
@@ -109,6 +127,10 @@ pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, Engi
         }
     }
     let file = models_file_path();
+    let wants_embedded = model.is_none_or(|m| m == EMBEDDED_NAME);
+    if wants_embedded && !file.is_file() {
+        return Ok(embedded(None));
+    }
     let models = ModelsFile::load(&file)?;
     let name = model.unwrap_or(&models.default).to_string();
     let Some(entry) = models.models.get(&name).cloned() else {
@@ -116,7 +138,7 @@ pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, Engi
             let dir = hub_dir(&name, "main", &name, offline)?;
             return Ok(ResolvedModel {
                 name,
-                dir,
+                source: ModelSource::Dir(dir),
                 entry: None,
             });
         }
@@ -136,11 +158,22 @@ pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, Engi
         )?,
         (None, None) => unreachable!("ModelsFile::load checks path or repo: this is a bug"),
     };
+    if name == EMBEDDED_NAME && !dir.is_dir() {
+        return Ok(embedded(Some(entry)));
+    }
     Ok(ResolvedModel {
         name,
-        dir,
+        source: ModelSource::Dir(dir),
         entry: Some(entry),
     })
+}
+
+fn embedded(entry: Option<ModelEntry>) -> ResolvedModel {
+    ResolvedModel {
+        name: EMBEDDED_NAME.into(),
+        source: ModelSource::Embedded,
+        entry,
+    }
 }
 
 fn hub_dir(

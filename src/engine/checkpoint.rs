@@ -131,7 +131,16 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 pub struct LoadedModel {
     pub model: Arc<LoopedModel>,
     pub tokenizer: Arc<TextTokenizer>,
-    pub checkpoint: Checkpoint,
+    /// Where it was loaded from: a directory, or "embedded".
+    pub source: String,
+}
+
+/// A checkpoint's three files held in memory (spex's own model, built into the binary).
+#[derive(Debug, Clone, Copy)]
+pub struct CheckpointBytes {
+    pub config: &'static [u8],
+    pub weights: &'static [u8],
+    pub tokenizer: &'static [u8],
 }
 
 impl LoadedModel {
@@ -147,9 +156,40 @@ impl LoadedModel {
         let checkpoint = Checkpoint::open(dir)?;
         let tokenizer = checkpoint.load_tokenizer()?;
         let model = checkpoint.load_model(device, dtype)?;
+        Self::assemble(
+            model,
+            tokenizer,
+            dir.display().to_string(),
+            &dir.join("config.json"),
+        )
+    }
+
+    /// Loads a checkpoint held in memory (the binary's embedded model).
+    pub fn from_bytes(bytes: CheckpointBytes, device: &Device, dtype: DType) -> Result<Self> {
+        let path = Path::new("<embedded>/config.json");
+        let json: serde_json::Value =
+            serde_json::from_slice(bytes.config).map_err(|e| EngineError::file(path, e))?;
+        let config = OuroConfig::from_json(&json, path)?;
+        let inner = tokenizers::Tokenizer::from_bytes(bytes.tokenizer)
+            .map_err(|e| EngineError::file("<embedded>/tokenizer.json", e))?;
+        let tokenizer = TextTokenizer::new(inner, &config.eos_token_ids);
+        let vb = VarBuilder::from_buffered_safetensors(bytes.weights.to_vec(), dtype, device)
+            .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
+        let weights = Weights::load(&vb, &config)
+            .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
+        let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
+        Self::assemble(model, tokenizer, "embedded".into(), path)
+    }
+
+    fn assemble(
+        model: LoopedModel,
+        tokenizer: TextTokenizer,
+        source: String,
+        config_path: &Path,
+    ) -> Result<Self> {
         if tokenizer.vocab_size() > model.config.vocab_size {
             return Err(EngineError::Config {
-                path: dir.join("config.json"),
+                path: config_path.to_path_buf(),
                 field: "vocab_size".into(),
                 message: format!(
                     "{} is smaller than the tokenizer's {} tokens",
@@ -161,7 +201,7 @@ impl LoadedModel {
         Ok(Self {
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
-            checkpoint,
+            source,
         })
     }
 }

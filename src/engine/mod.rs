@@ -17,7 +17,7 @@ pub mod random_checkpoint;
 pub mod tokenizer;
 pub mod train;
 
-pub use checkpoint::{Checkpoint, LoadedModel};
+pub use checkpoint::{Checkpoint, CheckpointBytes, LoadedModel};
 pub use config::OuroConfig;
 pub use error::{EngineError, Result};
 pub use events::DecodeEvent;

@@ -30,6 +30,14 @@ impl TextTokenizer {
         })
     }
 
+    /// Wraps an already loaded tokenizer.
+    pub fn new(inner: Tokenizer, eos: &[u32]) -> Self {
+        Self {
+            inner,
+            eos: eos.to_vec(),
+        }
+    }
+
     /// Token ids of `text` (no special tokens added).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         Ok(self
