@@ -14,10 +14,10 @@ use rayon::prelude::*;
 
 /// Rows of `x` processed together against one weight row (registers hold 2 accumulators each).
 const ROW_BLOCK: usize = 4;
-/// Weight matrices with at least this many elements (8 MB: Ouro-1.4B's, not the shipped
+/// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
 /// model's) are split across threads by output rows; below it, waking a second thread costs
 /// more than it saves (measured: hidden 256 steps were 15 % slower threaded).
-const PARALLEL_MIN_ELEMENTS: usize = 1 << 21;
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 22;
 
 /// Which instruction set the matmul uses, chosen once per process at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
