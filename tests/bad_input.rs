@@ -223,11 +223,18 @@ fn embedded_model_runs_anywhere_and_matches_the_shipped_files() {
             .current_dir(dir)
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         out.stdout
     };
     let elsewhere = tempfile::TempDir::new().unwrap();
-    let embedded = run(&[("SPEX_MODELS", "/nonexistent/models.toml")], elsewhere.path());
+    let embedded = run(
+        &[("SPEX_MODELS", "/nonexistent/models.toml")],
+        elsewhere.path(),
+    );
     let from_files = run(&[], Path::new(env!("CARGO_MANIFEST_DIR")));
     assert_eq!(embedded, from_files);
 }
