@@ -118,14 +118,7 @@ fn main() {
         };
         write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
         let loaded = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
-        let candle_path = LoopedModel::new(
-            loaded.model.config.clone(),
-            loaded.model.weights.clone(),
-            Device::Cpu,
-            DType::F32,
-        )
-        .expect("model")
-        .with_backend(StepBackend::Device);
+        let candle_path = loaded.model.on_backend(StepBackend::Device).expect("model");
         for (name, model) in [
             ("spex kernels", &*loaded.model),
             ("candle ops", &candle_path),

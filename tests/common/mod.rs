@@ -43,14 +43,7 @@ pub fn random_model(spec: &RandomSpec) -> (TempDir, LoadedModel) {
 
 /// The same checkpoint, its steps forced onto candle ops (the GPU code path).
 pub fn with_device_backend(loaded: &LoadedModel) -> LoadedModel {
-    let model = spex::engine::model::LoopedModel::new(
-        loaded.model.config.clone(),
-        loaded.model.weights.clone(),
-        Device::Cpu,
-        DType::F32,
-    )
-    .expect("model")
-    .with_backend(StepBackend::Device);
+    let model = loaded.model.on_backend(StepBackend::Device).expect("model");
     LoadedModel {
         model: Arc::new(model),
         ..loaded.clone()

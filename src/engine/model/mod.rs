@@ -308,6 +308,17 @@ impl LoopedModel {
         self
     }
 
+    /// The same model (sharing its weight tensors) with its steps on `backend`.
+    pub fn on_backend(&self, backend: StepBackend) -> Result<Self> {
+        Ok(Self::new(
+            self.config.clone(),
+            self.weights.clone(),
+            self.device.clone(),
+            self.dtype,
+        )?
+        .with_backend(backend))
+    }
+
     /// The implementation this model's steps run on.
     pub fn backend(&self) -> StepBackend {
         self.backend
