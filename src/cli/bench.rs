@@ -131,27 +131,10 @@ fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
     let mut base = RunStats::new(passes);
     let mut speed = RunStats::new(passes);
     for r in results {
-        merge(&mut base, &r.baseline.stats);
-        merge(&mut speed, &r.speed.stats);
+        base.add(&r.baseline.stats);
+        speed.add(&r.speed.stats);
     }
     (base, speed)
-}
-
-fn merge(into: &mut RunStats, s: &RunStats) {
-    into.tokens += s.tokens;
-    into.decode_compute += s.decode_compute;
-    into.steps += s.steps;
-    into.rows += s.rows;
-    into.rows_wasted += s.rows_wasted;
-    for (a, b) in into.flips_per_pass.iter_mut().zip(&s.flips_per_pass) {
-        *a += b;
-    }
-    for (a, b) in into.checks_per_pass.iter_mut().zip(&s.checks_per_pass) {
-        *a += b;
-    }
-    for (a, b) in into.accepted_by_depth.iter_mut().zip(&s.accepted_by_depth) {
-        *a += b;
-    }
 }
 
 fn flip_rates(s: &RunStats) -> String {

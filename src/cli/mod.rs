@@ -232,20 +232,7 @@ fn list_models() -> anyhow::Result<()> {
     let models = models::ModelsFile::load(&file)?;
     println!("{:<24} {:<8} {:>10}  source", "name", "local", "size");
     for (name, entry) in &models.models {
-        let (dir, source) = match (&entry.path, &entry.repo) {
-            (Some(p), _) => (
-                Ok(file.parent().unwrap_or(std::path::Path::new(".")).join(p)),
-                p.display().to_string(),
-            ),
-            (None, Some(repo)) => {
-                let rev = entry.revision.as_deref().unwrap_or("main");
-                (
-                    hub::snapshot_dir(&hub::cache_root(), repo, rev, name),
-                    format!("{repo}@{rev}"),
-                )
-            }
-            (None, None) => continue,
-        };
+        let (dir, source) = (entry.local_dir(&file, name), entry.source());
         let (local, size) = match dir {
             Ok(d) if d.join("config.json").is_file() => (
                 "yes",
@@ -266,14 +253,11 @@ fn list_models() -> anyhow::Result<()> {
 fn pull(name: &str) -> anyhow::Result<()> {
     let models = models::ModelsFile::load(&models::models_file_path())?;
     let (repo, revision) = match models.models.get(name) {
-        Some(models::ModelEntry {
-            repo: Some(repo),
-            revision,
-            ..
-        }) => (
-            repo.clone(),
-            revision.clone().unwrap_or_else(|| "main".into()),
-        ),
+        Some(
+            entry @ models::ModelEntry {
+                repo: Some(repo), ..
+            },
+        ) => (repo.clone(), entry.revision().to_string()),
         Some(_) => anyhow::bail!("`{name}` is a local model: nothing to pull"),
         None if hub::is_repo_id(name) => (name.to_string(), "main".to_string()),
         None => anyhow::bail!(

@@ -44,6 +44,34 @@ pub struct ModelEntry {
     pub description: Option<String>,
 }
 
+impl ModelEntry {
+    /// The hub revision (`main` when unset).
+    pub fn revision(&self) -> &str {
+        self.revision.as_deref().unwrap_or("main")
+    }
+
+    /// Where the entry's files are on this machine: its directory (relative to `models_file`),
+    /// or its snapshot in the local hub cache (an error naming `spex pull NAME` when absent).
+    pub fn local_dir(&self, models_file: &Path, name: &str) -> Result<PathBuf, EngineError> {
+        match (&self.path, &self.repo) {
+            (Some(path), _) => Ok(models_file.parent().unwrap_or(Path::new(".")).join(path)),
+            (None, Some(repo)) => {
+                hub::snapshot_dir(&hub::cache_root(), repo, self.revision(), name)
+            }
+            (None, None) => unreachable!("ModelsFile::load checks path or repo: this is a bug"),
+        }
+    }
+
+    /// The entry's source as `spex models` shows it.
+    pub fn source(&self) -> String {
+        match (&self.path, &self.repo) {
+            (Some(path), _) => path.display().to_string(),
+            (None, Some(repo)) => format!("{repo}@{}", self.revision()),
+            (None, None) => String::new(),
+        }
+    }
+}
+
 /// Where models.toml is: `$SPEX_MODELS`, else `./models.toml`, else the one in the source tree.
 pub fn models_file_path() -> PathBuf {
     if let Ok(p) = std::env::var("SPEX_MODELS") {
@@ -148,15 +176,10 @@ pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, Engi
             format!("no model entry `{name}` and no such directory (entries: {known})"),
         ));
     };
-    let dir = match (&entry.path, &entry.repo) {
-        (Some(path), _) => file.parent().unwrap_or(Path::new(".")).join(path),
-        (None, Some(repo)) => hub_dir(
-            repo,
-            entry.revision.as_deref().unwrap_or("main"),
-            &name,
-            offline,
-        )?,
-        (None, None) => unreachable!("ModelsFile::load checks path or repo: this is a bug"),
+    let dir = match (entry.local_dir(&file, &name), &entry.repo) {
+        (Ok(dir), _) => dir,
+        (Err(_), Some(repo)) if !offline => hub::pull(&hub::cache_root(), repo, entry.revision())?,
+        (Err(e), _) => return Err(e),
     };
     if name == EMBEDDED_NAME && !dir.is_dir() {
         return Ok(embedded(Some(entry)));

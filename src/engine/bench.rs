@@ -110,41 +110,53 @@ fn run_policy(
 /// Median step compute for 1 row and for R rows (every pass at once) at position `pos`.
 pub fn measure_step_times(model: &LoopedModel, pos: usize, repeats: usize) -> Result<StepTimes> {
     let passes = model.passes();
+    let t = median_step_times(model, pos, &[1, passes], repeats)?;
+    Ok(StepTimes {
+        one_row: t[0],
+        full: t[1],
+        rows: passes,
+    })
+}
+
+/// Median compute of a step of each of `row_counts` rows (rows at passes 0, 1, …, all at
+/// `pos`), the row counts interleaved so that machine noise hits them alike; two warm-up
+/// rounds are dropped. Used by the ceiling and by `cargo bench`.
+pub fn median_step_times(
+    model: &LoopedModel,
+    pos: usize,
+    row_counts: &[usize],
+    repeats: usize,
+) -> Result<Vec<Duration>> {
     let mut cache = model.new_cache(pos + 1)?;
-    for pass in 0..passes {
-        if pos > 0 {
+    if pos > 0 {
+        for pass in 0..model.passes() {
             cache.mark_written(pass, pos - 1);
         }
     }
-    let rows = |n: usize| -> Vec<StepRow> {
-        (0..n)
-            .map(|pass| StepRow {
-                pos,
-                pass,
-                input: RowInput::Token(1),
-                readout: true,
-            })
-            .collect()
-    };
-    let (one, full) = (rows(1), rows(passes));
-    let (mut t1, mut tr) = (Vec::new(), Vec::new());
-    for i in 0..repeats + 2 {
-        let started = Instant::now();
-        model.step(&one, &mut cache)?;
-        let a = started.elapsed();
-        let started = Instant::now();
-        model.step(&full, &mut cache)?;
-        let b = started.elapsed();
-        if i >= 2 {
-            t1.push(a);
-            tr.push(b);
+    let batches: Vec<Vec<StepRow>> = row_counts
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|pass| StepRow {
+                    pos,
+                    pass,
+                    input: RowInput::Token(1),
+                    readout: true,
+                })
+                .collect()
+        })
+        .collect();
+    let mut times = vec![Vec::with_capacity(repeats); batches.len()];
+    for round in 0..repeats + 2 {
+        for (batch, t) in batches.iter().zip(&mut times) {
+            let started = Instant::now();
+            model.step(batch, &mut cache)?;
+            if round >= 2 {
+                t.push(started.elapsed());
+            }
         }
     }
-    Ok(StepTimes {
-        one_row: median(&mut t1),
-        full: median(&mut tr),
-        rows: passes,
-    })
+    Ok(times.iter_mut().map(|t| median(t)).collect())
 }
 
 fn median(v: &mut [Duration]) -> Duration {

@@ -122,6 +122,7 @@ pub enum DecodeEvent {
     Finished(FinishEvent),
 }
 
-fn micros<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+/// Serialises a duration as whole microseconds (the `*_us` fields of events and stats).
+pub(crate) fn micros<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u64(d.as_micros() as u64)
 }

@@ -13,7 +13,7 @@ pub struct RunStats {
     pub passes: usize,
     /// Tokens committed by decode steps (the prefill's first token is not counted).
     pub tokens: usize,
-    #[serde(rename = "decode_compute_us", serialize_with = "micros")]
+    #[serde(rename = "decode_compute_us", serialize_with = "super::events::micros")]
     pub decode_compute: Duration,
     pub steps: u64,
     /// Rows computed by decode steps.
@@ -82,6 +82,28 @@ impl RunStats {
         }
     }
 
+    /// Adds another run's counters to these (totals over several prompts).
+    pub fn add(&mut self, other: &RunStats) {
+        self.tokens += other.tokens;
+        self.decode_compute += other.decode_compute;
+        self.steps += other.steps;
+        self.rows += other.rows;
+        self.rows_wasted += other.rows_wasted;
+        for (into, from) in [
+            (&mut self.flips_per_pass, &other.flips_per_pass),
+            (&mut self.checks_per_pass, &other.checks_per_pass),
+            (&mut self.accepted_by_depth, &other.accepted_by_depth),
+        ] {
+            if into.len() < from.len() {
+                into.resize(from.len(), 0);
+            }
+            for (a, b) in into.iter_mut().zip(from) {
+                *a += b;
+            }
+        }
+        self.passes = self.passes.max(other.passes);
+    }
+
     /// Decode tokens per second of compute.
     pub fn tokens_per_sec(&self) -> f64 {
         let secs = self.decode_compute.as_secs_f64();
@@ -129,8 +151,4 @@ impl RunStats {
             self.rows_wasted as f64 / self.rows as f64
         }
     }
-}
-
-fn micros<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_u64(d.as_micros() as u64)
 }

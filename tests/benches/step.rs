@@ -6,46 +6,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
-use spex::engine::model::{LoopedModel, RowInput, StepBackend, StepRow};
+use spex::engine::bench::median_step_times;
+use spex::engine::model::StepBackend;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
-
-/// Median step time for 1..=4 rows, the row counts interleaved so that machine noise hits
-/// them alike.
-fn median_steps(model: &LoopedModel, pos: usize, repeats: usize) -> Vec<Duration> {
-    let mut cache = model.new_cache(pos + 1).expect("cache");
-    for pass in 0..model.passes() {
-        cache.mark_written(pass, pos - 1);
-    }
-    let batches: Vec<Vec<StepRow>> = (1..=4)
-        .map(|rows| {
-            (0..rows)
-                .map(|pass| StepRow {
-                    pos,
-                    pass,
-                    input: RowInput::Token(5),
-                    readout: true,
-                })
-                .collect()
-        })
-        .collect();
-    let mut times = vec![Vec::with_capacity(repeats); batches.len()];
-    for i in 0..repeats + 3 {
-        for (b, batch) in batches.iter().enumerate() {
-            let t = Instant::now();
-            model.step(batch, &mut cache).expect("step");
-            if i >= 3 {
-                times[b].push(t.elapsed());
-            }
-        }
-    }
-    times
-        .into_iter()
-        .map(|mut t| {
-            t.sort_unstable();
-            t[t.len() / 2]
-        })
-        .collect()
-}
 
 /// The small-M kernel alone against candle's matmul, per weight shape and row count.
 fn kernel_table() {
@@ -123,7 +86,7 @@ fn main() {
             ("spex kernels", &*loaded.model),
             ("candle ops", &candle_path),
         ] {
-            let t = median_steps(model, pos, 200);
+            let t = median_step_times(model, pos, &[1, 2, 3, 4], 200).expect("steps");
             let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
             let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
             println!(
