@@ -170,3 +170,36 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn fused_training_ops_match_composed_ops_on_the_whole_model() {
+    use spex::engine::model::reference::Ops;
+    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
+        let (_dir, loaded) = random_model(&spec(2, 3, variant, 5));
+        let ids = loaded
+            .tokenizer
+            .encode("Now is the winter of our discontent made glorious summer")
+            .unwrap();
+        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let fused = loaded
+            .model
+            .hidden_per_pass_with(&input, Ops::Fused)
+            .unwrap();
+        let composed = loaded
+            .model
+            .hidden_per_pass_with(&input, Ops::Composed)
+            .unwrap();
+        for (f, c) in fused.iter().zip(&composed) {
+            let f = f.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let c = c.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(
+                max_abs_diff(&f, &c) < 1e-4,
+                "{variant:?}: {}",
+                max_abs_diff(&f, &c)
+            );
+        }
+    }
+}

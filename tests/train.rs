@@ -33,6 +33,7 @@ weight_decay = 0.0
 grad_clip = 1.0
 seed = 7
 pass_weights = [0.5, 1.0]
+agreement_weight = 0.5
 validation_files = []
 eval_every = 15
 eval_batches = 1

@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 pub use super::config::ModelShape;
 use super::config::OuroConfig;
 use super::error::{EngineError, Result, toml_error};
+use super::model::fused;
+use super::model::reference::Ops;
 use super::model::{LoopedModel, Weights};
 use super::random_checkpoint::{SplitMix, write_json};
 use super::tokenizer::{TextTokenizer, train_bpe};
@@ -35,6 +37,11 @@ pub struct TrainSettings {
     pub seed: u64,
     /// Loss weight of each pass's readout, pass 1 first (R values).
     pub pass_weights: Vec<f64>,
+    /// Share of the target that passes 1..R−1 take from pass R's (detached) distribution
+    /// instead of the next token: 0 is plain cross-entropy, 1 pure self-distillation. It
+    /// trains early passes to agree with pass R, which is what SPEED's speculation needs.
+    #[serde(default)]
+    pub agreement_weight: f64,
     /// Corpus files (by file name) held out whole for validation.
     pub validation_files: Vec<String>,
     pub eval_every: usize,
@@ -515,16 +522,32 @@ impl Trainer {
         let hidden = self.model.hidden_per_pass(&inputs)?;
         let vocab = self.model.config.vocab_size;
         let targets = targets.flatten_all()?;
-        let mut total: Option<Tensor> = None;
-        let mut per_pass = Vec::with_capacity(hidden.len());
+        let logits: Vec<Tensor> = hidden
+            .iter()
+            .map(|h| {
+                Ok(h.broadcast_matmul(&self.model.weights.lm_head.t()?)?
+                    .reshape(((), vocab))?)
+            })
+            .collect::<Result<_>>()?;
+        let last = logits.last().expect("at least one pass: this is a bug");
+        // Only read when agreement_weight > 0.
+        let teacher = if t.agreement_weight > 0.0 {
+            candle_nn::ops::softmax_last_dim(&last.detach())?
+        } else {
+            last.detach()
+        };
         let weight_sum: f64 = t.pass_weights.iter().sum();
-        for (h, w) in hidden.iter().zip(&t.pass_weights) {
-            let logits = h
-                .broadcast_matmul(&self.model.weights.lm_head.t()?)?
-                .reshape(((), vocab))?;
-            let ce = candle_nn::loss::cross_entropy(&logits, &targets)?;
-            per_pass.push(ce.to_scalar::<f32>()? as f64);
-            let term = (ce * (w / weight_sum))?;
+        let mut total: Option<Tensor> = None;
+        let mut per_pass = Vec::with_capacity(logits.len());
+        for (r, (l, w)) in logits.iter().zip(&t.pass_weights).enumerate() {
+            let alpha = if r + 1 < logits.len() {
+                t.agreement_weight
+            } else {
+                0.0
+            };
+            let (mixed, hard) = mixed_cross_entropy(l, &targets, &teacher, alpha)?;
+            per_pass.push(hard);
+            let term = (mixed * (w / weight_sum))?;
             total = Some(match total {
                 Some(acc) => (acc + term)?,
                 None => term,
@@ -600,6 +623,29 @@ impl Trainer {
             .map_err(|e| EngineError::file(out.join(STATE_JSON), e))?;
         write_json(&out.join(STATE_JSON), &state)
     }
+}
+
+/// Cross-entropy of `logits` against (1 − alpha)·one-hot(`targets`) + alpha·`soft`: the
+/// differentiable mixed loss and the plain cross-entropy's value.
+fn mixed_cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    soft: &Tensor,
+    alpha: f64,
+) -> Result<(Tensor, f64)> {
+    if Ops::for_tensor(logits) == Ops::Fused {
+        let both = fused::cross_entropy(logits, &targets.to_vec1::<u32>()?, soft, alpha)?;
+        let hard = both.get(1)?.to_scalar::<f32>()? as f64;
+        return Ok((both.get(0)?, hard));
+    }
+    let hard = candle_nn::loss::cross_entropy(logits, targets)?;
+    let value = hard.to_scalar::<f32>()? as f64;
+    if alpha == 0.0 {
+        return Ok((hard, value));
+    }
+    let log_p = candle_nn::ops::log_softmax(logits, 1)?;
+    let soft_ce = (soft * log_p)?.sum(1)?.mean(0)?.neg()?;
+    Ok((((hard * (1.0 - alpha))? + (soft_ce * alpha)?)?, value))
 }
 
 fn is_validation(config: &TrainConfig, path: &Path) -> bool {

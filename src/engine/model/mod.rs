@@ -5,6 +5,7 @@
 //! is the full-sequence forward used for training and as the tests' unbatched reference.
 
 mod device;
+pub mod fused;
 mod host;
 pub mod reference;
 
