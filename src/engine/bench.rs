@@ -25,11 +25,13 @@ pub struct LaneResult {
     pub margins: Vec<f32>,
 }
 
-/// Step compute for 1 row and for R rows at the same position.
+/// Step compute of baseline and of a full pipeline at the same position.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct StepTimes {
+    /// A baseline step: the mean of one token's R one-row steps (LM head on the last only).
     #[serde(rename = "one_row_us", serialize_with = "micros")]
     pub one_row: Duration,
+    /// One step of R rows, every row read out.
     #[serde(rename = "full_us", serialize_with = "micros")]
     pub full: Duration,
     pub rows: usize,
@@ -107,32 +109,39 @@ fn run_policy(
     })
 }
 
-/// Median step compute for 1 row and for R rows (every pass at once) at position `pos`.
+/// Step compute at position `pos`: a baseline token's R one-row steps (the LM head only on the
+/// last, as baseline decoding does) and one R-row step with every row read out (as SPEED
+/// does). Reading out every 1-row step instead would overstate the ceiling: on the shipped
+/// model the LM head is a quarter of a step's weights.
 pub fn measure_step_times(model: &LoopedModel, pos: usize, repeats: usize) -> Result<StepTimes> {
     let passes = model.passes();
-    let t = median_step_times(model, pos, &[1, passes], repeats)?;
+    let row = |pass: usize, readout: bool| StepRow {
+        pos,
+        pass,
+        input: RowInput::Token(1),
+        readout,
+    };
+    let mut batches: Vec<Vec<StepRow>> = (0..passes)
+        .map(|pass| vec![row(pass, pass + 1 == passes)])
+        .collect();
+    batches.push((0..passes).map(|pass| row(pass, true)).collect());
+    let t = median_times(model, pos, &batches, repeats)?;
+    let token: Duration = t[..passes].iter().sum();
     Ok(StepTimes {
-        one_row: t[0],
-        full: t[1],
+        one_row: token / passes as u32,
+        full: t[passes],
         rows: passes,
     })
 }
 
 /// Median compute of a step of each of `row_counts` rows (rows at passes 0, 1, …, all at
-/// `pos`), the row counts interleaved so that machine noise hits them alike; two warm-up
-/// rounds are dropped. Used by the ceiling and by `cargo bench`.
+/// `pos`, all read out). Used by `cargo bench`.
 pub fn median_step_times(
     model: &LoopedModel,
     pos: usize,
     row_counts: &[usize],
     repeats: usize,
 ) -> Result<Vec<Duration>> {
-    let mut cache = model.new_cache(pos + 1)?;
-    if pos > 0 {
-        for pass in 0..model.passes() {
-            cache.mark_written(pass, pos - 1);
-        }
-    }
     let batches: Vec<Vec<StepRow>> = row_counts
         .iter()
         .map(|&n| {
@@ -146,6 +155,23 @@ pub fn median_step_times(
                 .collect()
         })
         .collect();
+    median_times(model, pos, &batches, repeats)
+}
+
+/// Median compute of each batch of rows at `pos`, the batches interleaved so that machine
+/// noise hits them alike; two warm-up rounds are dropped.
+fn median_times(
+    model: &LoopedModel,
+    pos: usize,
+    batches: &[Vec<StepRow>],
+    repeats: usize,
+) -> Result<Vec<Duration>> {
+    let mut cache = model.new_cache(pos + 1)?;
+    if pos > 0 {
+        for pass in 0..model.passes() {
+            cache.mark_written(pass, pos - 1);
+        }
+    }
     let mut times = vec![Vec::with_capacity(repeats); batches.len()];
     for round in 0..repeats + 2 {
         for (batch, t) in batches.iter().zip(&mut times) {

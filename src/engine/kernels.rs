@@ -425,20 +425,28 @@ fn attend_row_impl(
     let kv_dim = kv_heads * head_dim;
     let group = heads / kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    for h in 0..heads {
-        let kv_off = (h / group) * head_dim;
-        let qh = &q[h * head_dim..(h + 1) * head_dim];
-        scores.clear();
-        scores.extend((0..len).map(|s| {
-            let k = &keys[s * kv_dim + kv_off..s * kv_dim + kv_off + head_dim];
-            dot(qh, k) * scale
-        }));
-        softmax_in_place(scores);
-        let oh = &mut out[h * head_dim..(h + 1) * head_dim];
-        oh.fill(0.0);
-        for (s, p) in scores.iter().enumerate() {
-            let v = &values[s * kv_dim + kv_off..s * kv_dim + kv_off + head_dim];
-            for (o, vv) in oh.iter_mut().zip(v) {
+    // Position-major loops: each cached K and V row is read once, front to back, for all
+    // heads, so the hardware prefetcher sees one sequential stream (the cache is evicted by
+    // the weights every step). Per head the arithmetic and its order are those of the
+    // head-major loop, so the results do not change.
+    scores.clear();
+    scores.resize(heads * len, 0.0);
+    for (s, k) in keys.chunks_exact(kv_dim).take(len).enumerate() {
+        for h in 0..heads {
+            let kv_off = (h / group) * head_dim;
+            let qh = &q[h * head_dim..(h + 1) * head_dim];
+            scores[h * len + s] = dot(qh, &k[kv_off..kv_off + head_dim]) * scale;
+        }
+    }
+    for head_scores in scores.chunks_exact_mut(len) {
+        softmax_in_place(head_scores);
+    }
+    out.fill(0.0);
+    for (s, v) in values.chunks_exact(kv_dim).take(len).enumerate() {
+        for (h, oh) in out.chunks_exact_mut(head_dim).take(heads).enumerate() {
+            let kv_off = (h / group) * head_dim;
+            let p = scores[h * len + s];
+            for (o, vv) in oh.iter_mut().zip(&v[kv_off..kv_off + head_dim]) {
                 *o += p * vv;
             }
         }
