@@ -6,9 +6,10 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
+
+use super::tensor_files::TensorFiles;
 
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
@@ -49,15 +50,8 @@ impl Checkpoint {
 
     /// Loads the weights on `device` in `dtype`; a wrong or missing tensor names itself.
     pub fn load_model(&self, device: &Device, dtype: DType) -> Result<LoopedModel> {
-        for file in &self.weight_files {
-            // SAFETY: the file is only read; spex never writes a checkpoint while it is loaded.
-            unsafe { MmapedSafetensors::new(file) }.map_err(|e| {
-                EngineError::file(file, format!("not a readable safetensors file: {e}"))
-            })?;
-        }
-        // SAFETY: as above.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&self.weight_files, dtype, device) }
-            .map_err(|e| EngineError::file(&self.weight_files[0], e))?;
+        let files = TensorFiles::open(&self.weight_files)?;
+        let vb = VarBuilder::from_backend(Box::new(files), dtype, device.clone());
         let weights = Weights::load(&vb, &self.config).map_err(|e| self.tensor_error(e))?;
         LoopedModel::new(self.config.clone(), weights, device.clone(), dtype)
     }

@@ -14,6 +14,7 @@ pub mod pipeline;
 pub mod policy;
 pub mod race;
 pub mod random_checkpoint;
+mod tensor_files;
 pub mod tokenizer;
 pub mod train;
 
