@@ -20,6 +20,22 @@ fn spex(args: &[&str]) -> (bool, String) {
     )
 }
 
+/// Runs spex with `envs` in `dir`, asserts it succeeded, and returns its stdout.
+fn spex_ok(args: &[&str], envs: &[(&str, &str)], dir: &Path) -> Vec<u8> {
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(args)
+        .envs(envs.iter().copied())
+        .current_dir(dir)
+        .output()
+        .expect("run spex");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 fn assert_clean_error(args: &[&str], needle: &str) {
     let (ok, stderr) = spex(args);
     assert!(!ok, "{args:?} should fail");
@@ -166,16 +182,12 @@ fn non_utf8_prompts_file() {
 fn bench_reports_identical_outputs() {
     let (dir, _) = random_model(&spec(2, 3, Variant::Gqa, 1));
     let d = dir.path().display().to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(["bench", "--model", &d, "--max-tokens", "12", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = spex_ok(
+        &["bench", "--model", &d, "--max-tokens", "12", "--json"],
+        &[],
+        Path::new("."),
     );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["overall"]["identical"], true);
     assert!(report["overall"]["ceiling"].as_f64().unwrap() > 0.0);
     assert_eq!(report["prompts"].as_array().unwrap().len(), 8);
@@ -185,8 +197,8 @@ fn bench_reports_identical_outputs() {
 fn generate_json_streams_one_object_per_event() {
     let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
     let d = dir.path().display().to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args([
+    let out = spex_ok(
+        &[
             "generate",
             "--model",
             &d,
@@ -195,11 +207,11 @@ fn generate_json_streams_one_object_per_event() {
             "--max-tokens",
             "5",
             "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        ],
+        &[],
+        Path::new("."),
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -217,18 +229,11 @@ fn generate_json_streams_one_object_per_event() {
 #[test]
 fn embedded_model_runs_anywhere_and_matches_the_shipped_files() {
     let run = |envs: &[(&str, &str)], dir: &Path| {
-        let out = Command::new(env!("CARGO_BIN_EXE_spex"))
-            .args(["generate", "--prompt", "ROMEO.", "--max-tokens", "12"])
-            .envs(envs.iter().copied())
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        out.stdout
+        spex_ok(
+            &["generate", "--prompt", "ROMEO.", "--max-tokens", "12"],
+            envs,
+            dir,
+        )
     };
     let elsewhere = tempfile::TempDir::new().unwrap();
     let embedded = run(

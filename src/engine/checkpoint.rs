@@ -9,11 +9,10 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
-use super::tensor_files::TensorFiles;
-
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
 use super::model::{LoopedModel, Weights};
+use super::tensor_files::TensorFiles;
 use super::tokenizer::TextTokenizer;
 
 /// The files of one checkpoint directory, checked to exist.

@@ -522,12 +522,11 @@ impl Trainer {
         let hidden = self.model.hidden_per_pass(&inputs)?;
         let vocab = self.model.config.vocab_size;
         let targets = targets.flatten_all()?;
-        let logits: Vec<Tensor> = hidden
+        let logits: Vec<Tensor> = self
+            .model
+            .readouts(&hidden)?
             .iter()
-            .map(|h| {
-                Ok(h.broadcast_matmul(&self.model.weights.lm_head.t()?)?
-                    .reshape(((), vocab))?)
-            })
+            .map(|l| Ok(l.reshape(((), vocab))?))
             .collect::<Result<_>>()?;
         let last = logits.last().expect("at least one pass: this is a bug");
         // Only read when agreement_weight > 0.
@@ -574,13 +573,11 @@ impl Trainer {
             let hidden = self.model.hidden_per_pass(&inputs)?;
             let targets = targets.flatten_all()?;
             let vocab = self.model.config.vocab_size;
-            let logits: Vec<Tensor> = hidden
+            let logits: Vec<Tensor> = self
+                .model
+                .readouts(&hidden)?
                 .iter()
-                .map(|h| {
-                    Ok(h.broadcast_matmul(&self.model.weights.lm_head.t()?)?
-                        .reshape(((), vocab))?
-                        .detach())
-                })
+                .map(|l| Ok(l.reshape(((), vocab))?.detach()))
                 .collect::<Result<_>>()?;
             let last = logits[passes - 1].argmax(1)?;
             for (r, l) in logits.iter().enumerate() {

@@ -51,8 +51,12 @@ impl LoopedModel {
     /// Logits after every pass for `ids` `[batch, seq]`: a vector of R tensors
     /// `[batch, seq, vocab]` (ouro-format.md, "Forward pass").
     pub fn forward_sequence(&self, ids: &Tensor) -> Result<Vec<Tensor>> {
-        let hidden_states = self.hidden_per_pass(ids)?;
-        hidden_states
+        self.readouts(&self.hidden_per_pass(ids)?)
+    }
+
+    /// The LM head on every pass's hidden state: `[.., hidden]` → `[.., vocab]` each.
+    pub fn readouts(&self, hidden_per_pass: &[Tensor]) -> Result<Vec<Tensor>> {
+        hidden_per_pass
             .iter()
             .map(|h| linear(h, &self.weights.lm_head))
             .collect()
