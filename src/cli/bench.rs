@@ -53,7 +53,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut results = Vec::new();
     for prompt in &prompts {
-        let mut r = bench_prompt(loaded, &session.prompt(prompt), options)?;
+        let mut r = bench_prompt(loaded, &session.prompt(prompt), options, args.runs as usize)?;
         r.prompt.clone_from(prompt);
         if !args.json {
             print_row(&r, results.is_empty(), loaded.model.passes());
@@ -65,7 +65,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         results.iter().map(|r| r.step_times.ceiling()).sum::<f64>() / results.len() as f64;
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     if args.json {
-        let report = json_report(&session, &results, (&base, &speed), ceiling);
+        let report = json_report(&session, &results, (&base, &speed), ceiling, args.runs);
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_overall(&base, &speed, ceiling, mismatches, results.len());
@@ -85,6 +85,7 @@ fn json_report(
     results: &[PromptResult],
     (base, speed): (&RunStats, &RunStats),
     ceiling: f64,
+    runs: u64,
 ) -> serde_json::Value {
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     json!({
@@ -94,6 +95,7 @@ fn json_report(
         "passes": session.loaded.model.passes(),
         "layers": session.loaded.model.config.num_hidden_layers,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
+        "runs_per_lane": runs,
         "peak_memory_bytes": peak_memory_bytes(),
         "prompts": results.iter().map(|r| json!({
             "prompt": r.prompt,

@@ -126,6 +126,9 @@ pub struct BenchArgs {
     /// Tokens to generate per prompt.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
+    /// Runs of each lane per prompt, alternating; each lane keeps its fastest.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub runs: u64,
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::checkpoint::LoadedModel;
-use super::error::Result;
+use super::error::{EngineError, Result};
 use super::events::DecodeEvent;
 use super::metrics::RunStats;
 use super::model::{LoopedModel, RowInput, StepRow};
@@ -190,14 +190,31 @@ fn median(v: &mut [Duration]) -> Duration {
     v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
-/// Benchmarks one prompt: baseline, then SPEED, then the step times at the run's mid position.
+/// Benchmarks one prompt: baseline and SPEED alternately `runs` times, each lane keeping its
+/// fastest run (noise from other processes only ever slows a run down), then the step times
+/// at the run's mid position.
 pub fn bench_prompt(
     loaded: &LoadedModel,
     prompt: &str,
     options: DecodeOptions,
+    runs: usize,
 ) -> Result<PromptResult> {
-    let baseline = run_lane(loaded, PolicyKind::Baseline, prompt, options)?;
-    let speed = run_lane(loaded, PolicyKind::Speed, prompt, options)?;
+    let mut baseline = run_lane(loaded, PolicyKind::Baseline, prompt, options)?;
+    let mut speed = run_lane(loaded, PolicyKind::Speed, prompt, options)?;
+    for _ in 1..runs {
+        for lane in [&mut baseline, &mut speed] {
+            let again = run_lane(loaded, lane.policy, prompt, options)?;
+            if again.tokens != lane.tokens {
+                return Err(EngineError::Invalid(format!(
+                    "{:?} decoding is not deterministic: two runs of {prompt:?} differ",
+                    lane.policy
+                )));
+            }
+            if again.stats.decode_compute < lane.stats.decode_compute {
+                *lane = again;
+            }
+        }
+    }
     let prompt_len = loaded.tokenizer.encode(prompt)?.len();
     let mid = (prompt_len + baseline.tokens.len() / 2).min(options.context.saturating_sub(1));
     let step_times = measure_step_times(&loaded.model, mid, 20)?;
