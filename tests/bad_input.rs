@@ -183,11 +183,21 @@ fn bench_reports_identical_outputs() {
     let (dir, _) = random_model(&spec(2, 3, Variant::Gqa, 1));
     let d = dir.path().display().to_string();
     let out = spex_ok(
-        &["bench", "--model", &d, "--max-tokens", "12", "--json"],
+        &[
+            "bench",
+            "--model",
+            &d,
+            "--max-tokens",
+            "12",
+            "--runs",
+            "2",
+            "--json",
+        ],
         &[],
         Path::new("."),
     );
     let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(report["runs_per_lane"], 2);
     assert_eq!(report["overall"]["identical"], true);
     assert!(report["overall"]["ceiling"].as_f64().unwrap() > 0.0);
     assert_eq!(report["prompts"].as_array().unwrap().len(), 8);

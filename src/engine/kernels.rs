@@ -187,7 +187,7 @@ fn hsum8(l: &[f32; 8]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// AVX2/FMA dot products of up to 4 rows of `xs` with `J` (1 or 2) weight rows: each
+    /// AVX2/FMA dot products of up to 4 rows of `xs` with `J` (1, 2 or 4) weight rows: each
     /// weight chunk is loaded once for all rows and each row chunk once for all weight rows.
     /// Each (row, weight row) pair has one accumulator and the same arithmetic for any block.
     #[target_feature(enable = "avx2,fma")]
