@@ -166,6 +166,13 @@ fn prompt_longer_than_context_and_empty_prompt() {
 }
 
 #[test]
+fn bad_arguments_get_one_line() {
+    assert_clean_error(&["bench", "--runs", "0"], "--runs");
+    assert_clean_error(&["generate", "--no-such-flag"], "--no-such-flag");
+    assert_clean_error(&["bench", "--max-tokens", "many"], "--max-tokens");
+}
+
+#[test]
 fn non_utf8_prompts_file() {
     let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
     let prompts = dir.path().join("prompts.txt");
