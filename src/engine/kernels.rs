@@ -430,19 +430,27 @@ mod avx512 {
             }
         }
         for (r, a) in acc.iter().enumerate() {
-            for j0 in (0..J).step_by(4) {
-                let lane = |j: usize| halves(a[(j0 + j).min(J - 1)]);
-                let mut four = [0f32; 4];
-                // SAFETY: `four` holds exactly 4 floats.
-                unsafe {
-                    _mm_storeu_ps(
-                        four.as_mut_ptr(),
-                        super::avx2::reduce4(lane(0), lane(1), lane(2), lane(3)),
-                    )
-                };
-                for (j, v) in four.iter().enumerate().take(J - j0) {
-                    out[(j0 + j) * stride + first + r] = *v;
-                }
+            store_sums(a, out, stride, first + r);
+        }
+    }
+
+    /// Writes `out[j * stride + at]` = the sum of accumulator `j`'s 16 lanes, four at a time
+    /// (a group of fewer repeats its last accumulator and drops the copies).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn store_sums<const J: usize>(acc: &[__m512; J], out: &mut [f32], stride: usize, at: usize) {
+        for j0 in (0..J).step_by(4) {
+            let lane = |j: usize| halves(acc[(j0 + j).min(J - 1)]);
+            let mut four = [0f32; 4];
+            // SAFETY: `four` holds exactly 4 floats.
+            unsafe {
+                _mm_storeu_ps(
+                    four.as_mut_ptr(),
+                    super::avx2::reduce4(lane(0), lane(1), lane(2), lane(3)),
+                )
+            };
+            for (j, v) in four.iter().enumerate().take(J - j0) {
+                out[(j0 + j) * stride + at] = *v;
             }
         }
     }
