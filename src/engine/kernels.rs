@@ -378,8 +378,8 @@ mod avx512 {
         }
     }
 
-    /// Each (row, weight row) pair has one 16-lane accumulator fed in the same order (full
-    /// chunks, then the masked tail) and the same reduction, whatever R and J are, so a row's
+    /// Each (row, weight row) pair has one 16-lane accumulator fed in the same order and the
+    /// same reduction, whatever R and J are, so a row's
     /// result does not depend on which rows or weight rows it was grouped with.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]
@@ -391,36 +391,28 @@ mod avx512 {
         first: usize,
     ) {
         let inner = ws[0].len();
-        let main = inner - inner % 16;
         let mut acc = [[_mm512_setzero_ps(); J]; R];
         let xp = xs.as_ptr();
         let mut k = 0;
-        while k < main {
-            // SAFETY: k + 16 <= inner; the R rows of `xs` and every weight row have `inner`
-            // elements; a prefetch never faults.
+        while k < inner {
+            // The last chunk of a row not a multiple of 16 long loads its tail under a mask
+            // (zeros elsewhere), so every chunk runs the same FMAs.
+            let mask: __mmask16 = if inner - k >= 16 {
+                !0
+            } else {
+                (1u16 << (inner - k)) - 1
+            };
+            // SAFETY: masked-off lanes are neither read nor faulted on and the others lie
+            // within the `inner` elements of every weight row and of the R rows of `xs`; a
+            // prefetch never faults.
             unsafe {
                 let w: [__m512; J] =
-                    std::array::from_fn(|j| _mm512_loadu_ps(ws[j].as_ptr().add(k)));
+                    std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, ws[j].as_ptr().add(k)));
                 for wj in ws {
                     _mm_prefetch::<_MM_HINT_T0>(
                         wj.as_ptr().wrapping_add(k + J * inner) as *const i8
                     );
                 }
-                for (r, a) in acc.iter_mut().enumerate() {
-                    let x = _mm512_loadu_ps(xp.add(r * inner + k));
-                    for j in 0..J {
-                        a[j] = _mm512_fmadd_ps(x, w[j], a[j]);
-                    }
-                }
-            }
-            k += 16;
-        }
-        if main < inner {
-            let mask: __mmask16 = (1u16 << (inner - main)) - 1;
-            // SAFETY: masked-off lanes are neither read nor faulted on; the rest lie in bounds.
-            unsafe {
-                let w: [__m512; J] =
-                    std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, ws[j].as_ptr().add(k)));
                 for (r, a) in acc.iter_mut().enumerate() {
                     let x = _mm512_maskz_loadu_ps(mask, xp.add(r * inner + k));
                     for j in 0..J {
@@ -428,6 +420,7 @@ mod avx512 {
                     }
                 }
             }
+            k += 16;
         }
         for (r, a) in acc.iter().enumerate() {
             store_sums(a, out, stride, first + r);
