@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::engine::kernels::SubnormalsFlushed;
 use crate::engine::train::{Progress, Trainer};
 
 /// `spex train`.
@@ -43,20 +44,6 @@ fn tune_malloc() {
     }
 }
 
-/// Flushes subnormal floats to zero (FTZ) and reads subnormal inputs as zero (DAZ) on this
-/// thread; threads spawned later (rayon's, candle's pools) inherit the setting. Subnormal
-/// gradients and moments appear as training converges, and every operation on one takes a
-/// microcode assist that costs ~100 cycles.
-fn flush_subnormals() {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: only sets the FTZ (bit 15) and DAZ (bit 6) flags of this thread's MXCSR.
-    #[allow(deprecated)]
-    unsafe {
-        use std::arch::x86_64::{_mm_getcsr, _mm_setcsr};
-        _mm_setcsr(_mm_getcsr() | (1 << 15) | (1 << 6));
-    }
-}
-
 fn describe(p: &Progress) -> String {
     let losses: Vec<String> = p.loss_per_pass.iter().map(|l| format!("{l:.3}")).collect();
     let mut msg = format!(
@@ -83,7 +70,9 @@ fn describe(p: &Progress) -> String {
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
     tune_malloc();
-    flush_subnormals();
+    // Subnormal gradients and moments appear as training converges; rayon's and candle's
+    // threads, spawned after this, inherit the mode.
+    let _flushed = SubnormalsFlushed::enter();
     let mut trainer = Trainer::prepare(&args.config, &args.corpus, &args.out, args.resume)?;
     let corpus = trainer.corpus();
     eprintln!(

@@ -64,6 +64,7 @@ pub(super) fn step(
     rows: &[StepRow],
     cache: &mut KvCache,
 ) -> Result<StepOutput> {
+    let _flushed = kernels::SubnormalsFlushed::enter();
     let cfg = &model.config;
     let hidden = cfg.hidden_size;
     let mut h = Vec::with_capacity(rows.len() * hidden);
