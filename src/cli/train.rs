@@ -31,19 +31,6 @@ pub struct TrainArgs {
     pub max_steps_now: Option<usize>,
 }
 
-/// Keeps freed memory in the process: candle allocates and frees large buffers every step,
-/// and glibc's defaults return them to the kernel, which then zeroes fresh pages (measured:
-/// ~30 % of a training step; 270 → 450 tokens/s with these settings).
-fn tune_malloc() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator thresholds; called before the run allocates.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 1 << 30);
-    }
-}
-
 fn describe(p: &Progress) -> String {
     let losses: Vec<String> = p.loss_per_pass.iter().map(|l| format!("{l:.3}")).collect();
     let mut msg = format!(
@@ -69,7 +56,6 @@ fn describe(p: &Progress) -> String {
 }
 
 pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
-    tune_malloc();
     // Subnormal gradients and moments appear as training converges; rayon's and candle's
     // threads, spawned after this, inherit the mode.
     let _flushed = SubnormalsFlushed::enter();
