@@ -60,17 +60,19 @@ pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]
     let outs = w.len() / inner;
     debug_assert_eq!(x.len(), rows * inner);
     debug_assert_eq!(out.len(), rows * outs);
-    let mut out_t = vec![0f32; outs * rows];
     let isa = isa();
-    if w.len() >= PARALLEL_MIN_ELEMENTS && rayon::current_num_threads() > 1 {
-        let chunk_outs = outs.div_ceil(rayon::current_num_threads() * 2).max(16);
-        out_t
-            .par_chunks_mut(chunk_outs * rows)
-            .zip(w.par_chunks(chunk_outs * inner))
-            .for_each(|(o, w)| matmul_t_serial(isa, x, w, rows, inner, o));
-    } else {
-        matmul_t_serial(isa, x, w, rows, inner, &mut out_t);
+    if w.len() < PARALLEL_MIN_ELEMENTS || rayon::current_num_threads() == 1 {
+        let to = OutLayout { col: 1, row: outs };
+        return matmul_t_serial(isa, x, w, rows, inner, out, to);
     }
+    // Threads own disjoint slices: the output transposed, each thread a range of weight rows.
+    let mut out_t = vec![0f32; outs * rows];
+    let chunk_outs = outs.div_ceil(rayon::current_num_threads() * 2).max(16);
+    let to = OutLayout { col: rows, row: 1 };
+    out_t
+        .par_chunks_mut(chunk_outs * rows)
+        .zip(w.par_chunks(chunk_outs * inner))
+        .for_each(|(o, w)| matmul_t_serial(isa, x, w, rows, inner, o, to));
     for (j, col) in out_t.chunks_exact(rows).enumerate() {
         for (m, v) in col.iter().enumerate() {
             out[m * outs + j] = *v;
@@ -78,17 +80,33 @@ pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]
     }
 }
 
-/// One thread's share: writes `out_t[j][m]` (transposed) for the weight rows in `w`. Few
+/// Where the kernels put the product of input row `r` and weight row `j`: `out[j·col + r·row]`
+/// (row-major `[rows × outs]` is `col` 1, `row` outs; transposed is `col` rows, `row` 1).
+#[derive(Debug, Clone, Copy)]
+struct OutLayout {
+    col: usize,
+    row: usize,
+}
+
+/// One thread's share: writes the products with the weight rows in `w` where `to` says. Few
 /// input rows take more weight rows at a time, so that there are always 4–8 (AVX2) or 8–16
 /// (AVX-512) independent accumulators and each input load feeds several FMAs. The grouping does not
 /// change any result: every (row, weight row) pair is computed the same way.
-fn matmul_t_serial(isa: Isa, x: &[f32], w: &[f32], rows: usize, inner: usize, out_t: &mut [f32]) {
+fn matmul_t_serial(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    inner: usize,
+    out: &mut [f32],
+    to: OutLayout,
+) {
     match (isa, rows) {
         // AVX-512 has 32 registers: 16 accumulators plus the weight and input chunks fit.
-        (Isa::Avx512, 1..=2) => sweep::<8>(isa, x, w, rows, inner, out_t),
-        (Isa::Avx512, _) => sweep::<4>(isa, x, w, rows, inner, out_t),
-        (_, 1..=2) => sweep::<4>(isa, x, w, rows, inner, out_t),
-        _ => sweep::<2>(isa, x, w, rows, inner, out_t),
+        (Isa::Avx512, 1..=2) => sweep::<8>(isa, x, w, inner, out, to),
+        (Isa::Avx512, _) => sweep::<4>(isa, x, w, inner, out, to),
+        (_, 1..=2) => sweep::<4>(isa, x, w, inner, out, to),
+        _ => sweep::<2>(isa, x, w, inner, out, to),
     }
 }
 
@@ -96,47 +114,51 @@ fn sweep<const J: usize>(
     isa: Isa,
     x: &[f32],
     w: &[f32],
-    rows: usize,
     inner: usize,
-    out_t: &mut [f32],
+    out: &mut [f32],
+    to: OutLayout,
 ) {
     let mut w_groups = w.chunks_exact(J * inner);
-    let mut out_groups = out_t.chunks_exact_mut(J * rows);
-    for (wg, og) in (&mut w_groups).zip(&mut out_groups) {
+    for (g, wg) in (&mut w_groups).enumerate() {
         let ws: [&[f32]; J] = std::array::from_fn(|j| &wg[j * inner..(j + 1) * inner]);
         for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
-            dots_dispatch(isa, block, ws, og, rows, i * ROW_BLOCK);
+            dots_dispatch(
+                isa,
+                block,
+                ws,
+                &mut out[g * J * to.col..],
+                to,
+                i * ROW_BLOCK,
+            );
         }
     }
-    let (w_rest, out_rest) = (w_groups.remainder(), out_groups.into_remainder());
-    for (w_row, o) in w_rest
-        .chunks_exact(inner)
-        .zip(out_rest.chunks_exact_mut(rows))
-    {
+    let done = w.len() / inner - w_groups.remainder().len() / inner;
+    for (j, w_row) in w_groups.remainder().chunks_exact(inner).enumerate() {
         for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
-            dots_dispatch(isa, block, [w_row], o, rows, i * ROW_BLOCK);
+            let o = &mut out[(done + j) * to.col..];
+            dots_dispatch(isa, block, [w_row], o, to, i * ROW_BLOCK);
         }
     }
 }
 
-/// Writes `out[j * stride + first + r]` = row r of `block` · `ws[j]`.
+/// Writes `out[j·to.col + (first + r)·to.row]` = row r of `block` · `ws[j]`.
 #[inline(always)]
 fn dots_dispatch<const J: usize>(
     isa: Isa,
     block: &[f32],
     ws: [&[f32]; J],
     out: &mut [f32],
-    stride: usize,
+    to: OutLayout,
     first: usize,
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F, AVX2 and FMA.
-        Isa::Avx512 => unsafe { avx512::dots(block, ws, out, stride, first) },
+        Isa::Avx512 => unsafe { avx512::dots(block, ws, out, to, first) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2Fma => unsafe { avx2::dots(block, ws, out, stride, first) },
-        _ => portable::dots(block, ws, out, stride, first),
+        Isa::Avx2Fma => unsafe { avx2::dots(block, ws, out, to, first) },
+        _ => portable::dots(block, ws, out, to, first),
     }
 }
 
@@ -148,13 +170,13 @@ mod portable {
         xs: &[f32],
         ws: [&[f32]; J],
         out: &mut [f32],
-        stride: usize,
+        to: super::OutLayout,
         first: usize,
     ) {
         let inner = ws[0].len();
         for (j, w) in ws.iter().enumerate() {
             for (r, x) in xs.chunks_exact(inner).enumerate() {
-                out[j * stride + first + r] = dot(x, w);
+                out[j * to.col + (first + r) * to.row] = dot(x, w);
             }
         }
     }
@@ -195,7 +217,7 @@ mod avx2 {
         xs: &[f32],
         ws: [&[f32]; J],
         out: &mut [f32],
-        stride: usize,
+        to: super::OutLayout,
         first: usize,
     ) {
         let inner = ws[0].len();
@@ -242,7 +264,7 @@ mod avx2 {
                 for kk in main..inner {
                     sum += xs[r * inner + kk] * ws[j][kk];
                 }
-                out[j * stride + first + r] = sum;
+                out[j * to.col + (first + r) * to.row] = sum;
             }
         }
     }
@@ -441,17 +463,17 @@ mod avx512 {
         xs: &[f32],
         ws: [&[f32]; J],
         out: &mut [f32],
-        stride: usize,
+        to: super::OutLayout,
         first: usize,
     ) {
         let rows = xs.len() / ws[0].len();
         // SAFETY: the caller's features; `rows` rows of `xs` exist.
         unsafe {
             match rows {
-                1 => dots_rows::<1, J>(xs, ws, out, stride, first),
-                2 => dots_rows::<2, J>(xs, ws, out, stride, first),
-                3 => dots_rows::<3, J>(xs, ws, out, stride, first),
-                _ => dots_rows::<4, J>(xs, ws, out, stride, first),
+                1 => dots_rows::<1, J>(xs, ws, out, to, first),
+                2 => dots_rows::<2, J>(xs, ws, out, to, first),
+                3 => dots_rows::<3, J>(xs, ws, out, to, first),
+                _ => dots_rows::<4, J>(xs, ws, out, to, first),
             }
         }
     }
@@ -465,7 +487,7 @@ mod avx512 {
         xs: &[f32],
         ws: [&[f32]; J],
         out: &mut [f32],
-        stride: usize,
+        to: super::OutLayout,
         first: usize,
     ) {
         let inner = ws[0].len();
@@ -501,15 +523,20 @@ mod avx512 {
             k += 16;
         }
         for (r, a) in acc.iter().enumerate() {
-            store_sums(a, out, stride, first + r);
+            store_sums(a, out, to, first + r);
         }
     }
 
-    /// Writes `out[j * stride + at]` = the sum of accumulator `j`'s 16 lanes, four at a time
+    /// Writes `out[j·to.col + at·to.row]` = the sum of accumulator `j`'s 16 lanes, four at a time
     /// (a group of fewer repeats its last accumulator and drops the copies).
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]
-    fn store_sums<const J: usize>(acc: &[__m512; J], out: &mut [f32], stride: usize, at: usize) {
+    fn store_sums<const J: usize>(
+        acc: &[__m512; J],
+        out: &mut [f32],
+        to: super::OutLayout,
+        at: usize,
+    ) {
         for j0 in (0..J).step_by(4) {
             let lane = |j: usize| halves(acc[(j0 + j).min(J - 1)]);
             let mut four = [0f32; 4];
@@ -521,7 +548,7 @@ mod avx512 {
                 )
             };
             for (j, v) in four.iter().enumerate().take(J - j0) {
-                out[(j0 + j) * stride + at] = *v;
+                out[(j0 + j) * to.col + at * to.row] = *v;
             }
         }
     }
@@ -782,6 +809,10 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
+    fn transposed(rows: usize) -> OutLayout {
+        OutLayout { col: rows, row: 1 }
+    }
+
     /// The instruction sets this CPU can run, the detected one last.
     fn supported_isas() -> Vec<Isa> {
         let mut isas = vec![Isa::Portable];
@@ -819,10 +850,11 @@ mod tests {
             let x: Vec<f32> = (0..6 * inner).map(|_| lcg(&mut seed)).collect();
             for isa in supported_isas() {
                 let mut all = vec![0f32; 6 * outs];
-                matmul_t_serial(isa, &x, &w, 6, inner, &mut all);
+                matmul_t_serial(isa, &x, &w, 6, inner, &mut all, transposed(6));
                 for rows in 1..=5 {
                     let mut some = vec![0f32; rows * outs];
-                    matmul_t_serial(isa, &x[..rows * inner], &w, rows, inner, &mut some);
+                    let to = transposed(rows);
+                    matmul_t_serial(isa, &x[..rows * inner], &w, rows, inner, &mut some, to);
                     for (j, col) in some.chunks_exact(rows).enumerate() {
                         assert_eq!(col, &all[j * 6..j * 6 + rows], "{isa:?} {inner} {rows}");
                     }
@@ -875,10 +907,10 @@ mod tests {
         let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
         let x: Vec<f32> = (0..3 * inner).map(|_| lcg(&mut seed)).collect();
         let mut a = vec![0f32; 3 * outs];
-        matmul_t_serial(Isa::Portable, &x, &w, 3, inner, &mut a);
+        matmul_t_serial(Isa::Portable, &x, &w, 3, inner, &mut a, transposed(3));
         for isa in supported_isas() {
             let mut b = vec![0f32; 3 * outs];
-            matmul_t_serial(isa, &x, &w, 3, inner, &mut b);
+            matmul_t_serial(isa, &x, &w, 3, inner, &mut b, transposed(3));
             for (p, q) in a.iter().zip(&b) {
                 assert!((p - q).abs() < 1e-4, "{isa:?}: {p} vs {q}");
             }
