@@ -15,22 +15,37 @@ const OPTIONS: DecodeOptions = DecodeOptions {
     context: 128,
 };
 
-fn assert_lanes_equal(loaded: &LoadedModel, label: &str) -> (usize, usize) {
-    let mut flips = 0;
+/// What the speculative lanes did over all prompts: runs, flips, and the second candidates
+/// `dual` started and committed.
+#[derive(Default)]
+struct Tally {
+    runs: usize,
+    flips: usize,
+    second_proposals: usize,
+    accepted_second: usize,
+}
+
+fn assert_lanes_equal(loaded: &LoadedModel, label: &str, tally: &mut Tally) {
     for prompt in PROMPTS {
         let base = run_lane(loaded, PolicyKind::Baseline, prompt, OPTIONS).expect("baseline");
-        let speed = run_lane(loaded, PolicyKind::Speed, prompt, OPTIONS).expect("speed");
-        assert_eq!(base.tokens, speed.tokens, "{label}: prompt {prompt:?}");
         assert!(!base.tokens.is_empty());
-        flips += speed.stats.flips_per_pass.iter().sum::<usize>();
+        for policy in [PolicyKind::Speed, PolicyKind::Dual] {
+            let lane = run_lane(loaded, policy, prompt, OPTIONS).expect("speculative lane");
+            assert_eq!(
+                base.tokens, lane.tokens,
+                "{label} {policy}: prompt {prompt:?}"
+            );
+            tally.runs += 1;
+            tally.flips += lane.stats.flips_per_pass.iter().sum::<usize>();
+            tally.second_proposals += lane.stats.second_proposals;
+            tally.accepted_second += lane.stats.accepted_second;
+        }
     }
-    (PROMPTS.len(), flips)
 }
 
 #[test]
 fn speed_equals_baseline_on_every_shape() {
-    let mut runs = 0;
-    let mut flips = 0;
+    let mut tally = Tally::default();
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
         for layers in [1, 2, 4] {
             for passes in [1, 2, 3, 4] {
@@ -40,27 +55,45 @@ fn speed_equals_baseline_on_every_shape() {
                     variant,
                     (layers * 10 + passes) as u64,
                 ));
-                let (n, f) =
-                    assert_lanes_equal(&loaded, &format!("{variant:?} K={layers} R={passes}"));
-                runs += n;
-                flips += f;
+                let label = format!("{variant:?} K={layers} R={passes}");
+                assert_lanes_equal(&loaded, &label, &mut tally);
             }
         }
     }
-    assert_eq!(runs, 20 * 36);
-    assert!(flips > 100, "random models should flip often, saw {flips}");
+    assert_eq!(tally.runs, 2 * 20 * 36);
+    assert!(
+        tally.flips > 100,
+        "random models should flip often, saw {}",
+        tally.flips
+    );
+    // Random models' readouts are near ties: second candidates start often and win often.
+    assert!(
+        tally.second_proposals > 100,
+        "{} second proposals",
+        tally.second_proposals
+    );
+    assert!(
+        tally.accepted_second > 20,
+        "{} accepted",
+        tally.accepted_second
+    );
 }
 
 #[test]
 fn speed_equals_baseline_on_the_device_code_path() {
+    let mut tally = Tally::default();
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
         let (_dir, loaded) = random_model(&spec(2, 4, variant, 7));
         let device = with_device_backend(&loaded);
-        assert_lanes_equal(&device, &format!("device {variant:?}"));
+        assert_lanes_equal(&device, &format!("device {variant:?}"), &mut tally);
         let host = run_lane(&loaded, PolicyKind::Baseline, PROMPTS[0], OPTIONS).unwrap();
         let dev = run_lane(&device, PolicyKind::Baseline, PROMPTS[0], OPTIONS).unwrap();
         assert_eq!(host.tokens, dev.tokens, "host and device paths agree");
     }
+    assert!(
+        tally.accepted_second > 0,
+        "no second candidate won on the device path"
+    );
 }
 
 /// Reference logits `[passes][pos][vocab]` of the full-sequence forward.
@@ -114,6 +147,7 @@ fn check_pipelined_steps(loaded: &LoadedModel) {
                 pass,
                 input: hidden[pos].take().unwrap(),
                 readout: true,
+                alternate: false,
             })
             .collect();
         let out = loaded.model.step(&rows, &mut cache).unwrap();

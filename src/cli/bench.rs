@@ -8,6 +8,7 @@ use serde_json::json;
 use super::{BenchArgs, load_model};
 use crate::engine::bench::{PromptResult, bench_prompt, speedup};
 use crate::engine::metrics::RunStats;
+use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
 
 /// Prompts used when `--prompts` is not given.
@@ -53,7 +54,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut results = Vec::new();
     for prompt in &prompts {
-        let mut r = bench_prompt(loaded, &session.prompt(prompt), options, args.runs as usize)?;
+        let lane = (args.policy, args.runs as usize);
+        let mut r = bench_prompt(loaded, &session.prompt(prompt), options, lane)?;
         r.prompt.clone_from(prompt);
         if !args.json {
             print_row(&r, results.is_empty(), loaded.model.passes());
@@ -65,15 +67,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         results.iter().map(|r| r.step_times.ceiling()).sum::<f64>() / results.len() as f64;
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     if args.json {
-        let report = json_report(&session, &results, (&base, &speed), ceiling, args.runs);
+        let report = json_report(&session, &results, (&base, &speed), ceiling, args);
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print_overall(&base, &speed, ceiling, mismatches, results.len());
+        let counts = (mismatches, results.len());
+        print_overall((&base, &speed), args.policy, ceiling, counts);
     }
     if mismatches > 0 {
         anyhow::bail!(
-            "{mismatches} of {} prompts: SPEED output differs from baseline",
-            results.len()
+            "{mismatches} of {} prompts: {} output differs from baseline",
+            results.len(),
+            args.policy
         );
     }
     Ok(())
@@ -85,7 +89,7 @@ fn json_report(
     results: &[PromptResult],
     (base, speed): (&RunStats, &RunStats),
     ceiling: f64,
-    runs: u64,
+    args: &BenchArgs,
 ) -> serde_json::Value {
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     json!({
@@ -95,7 +99,8 @@ fn json_report(
         "passes": session.loaded.model.passes(),
         "layers": session.loaded.model.config.num_hidden_layers,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
-        "runs_per_lane": runs,
+        "runs_per_lane": args.runs,
+        "policy": args.policy,
         "peak_memory_bytes": peak_memory_bytes(),
         "prompts": results.iter().map(|r| json!({
             "prompt": r.prompt,
@@ -116,6 +121,8 @@ fn json_report(
             "gamma": speed.gamma(),
             "flip_rate_per_pass": (1..=speed.passes).map(|p| speed.flip_rate(p)).collect::<Vec<_>>(),
             "wasted_row_slots": speed.wasted_fraction(),
+            "second_proposals": speed.second_proposals,
+            "accepted_second": speed.accepted_second,
             "identical": mismatches == 0,
         }
     })
@@ -152,7 +159,7 @@ fn print_row(r: &PromptResult, header: bool, passes: usize) {
             "{:<28} {:>9} {:>9} {:>8} {:>8} {:>6} {:>7}  {:<w$}  same",
             "prompt",
             "base t/s",
-            "speed t/s",
+            format!("{} t/s", r.speed.policy),
             "speedup",
             "ceiling",
             "γ",
@@ -184,10 +191,23 @@ fn print_row(r: &PromptResult, header: bool, passes: usize) {
     );
 }
 
-fn print_overall(base: &RunStats, speed: &RunStats, ceiling: f64, mismatches: usize, n: usize) {
+fn print_overall(
+    (base, speed): (&RunStats, &RunStats),
+    policy: PolicyKind,
+    ceiling: f64,
+    (mismatches, n): (usize, usize),
+) {
     let peak = peak_memory_bytes().map_or("?".into(), |b| format!("{:.0} MB", b as f64 / 1e6));
+    let second = if speed.second_proposals > 0 {
+        format!(
+            ", second proposals {} ({} committed)",
+            speed.second_proposals, speed.accepted_second
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "overall: baseline {:.1} tok/s, speed {:.1} tok/s, speedup {:.2}×, ceiling {:.2}×, γ {:.2}, wasted {:.1}%, flips/pass {}, identical {}/{}, peak memory {peak}",
+        "overall: baseline {:.1} tok/s, {policy} {:.1} tok/s, speedup {:.2}×, ceiling {:.2}×, γ {:.2}, wasted {:.1}%, flips/pass {}{second}, identical {}/{}, peak memory {peak}",
         base.tokens_per_sec(),
         speed.tokens_per_sec(),
         speedup(base, speed),

@@ -104,7 +104,7 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
-    /// speed or baseline (default: the entry's policy, else speed).
+    /// speed, dual (SPEED with a gated second proposal) or baseline (default: the entry's policy, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
@@ -129,6 +129,10 @@ pub struct BenchArgs {
     /// Runs of each lane per prompt, alternating; each lane keeps its fastest.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     pub runs: u64,
+    /// The speculative lane raced against baseline: speed, or dual (SPEED with a gated
+    /// second proposal).
+    #[arg(long, default_value = "speed")]
+    pub policy: PolicyKind,
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,

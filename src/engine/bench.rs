@@ -120,6 +120,7 @@ pub fn measure_step_times(model: &LoopedModel, pos: usize, repeats: usize) -> Re
         pass,
         input: RowInput::Token(1),
         readout,
+        alternate: false,
     };
     let mut batches: Vec<Vec<StepRow>> = (0..passes)
         .map(|pass| vec![row(pass, pass + 1 == passes)])
@@ -151,6 +152,7 @@ pub fn median_step_times(
                     pass,
                     input: RowInput::Token(1),
                     readout: true,
+                    alternate: false,
                 })
                 .collect()
         })
@@ -190,17 +192,22 @@ fn median(v: &mut [Duration]) -> Duration {
     v.get(v.len() / 2).copied().unwrap_or_default()
 }
 
-/// Benchmarks one prompt: baseline and SPEED alternately `runs` times, each lane keeping its
-/// fastest run (noise from other processes only ever slows a run down), then the step times
-/// at the run's mid position.
+/// Benchmarks one prompt: baseline and `policy` (the speculative lane, kept in the `speed`
+/// field) alternately `runs` times, each lane keeping its fastest run (noise from other
+/// processes only ever slows a run down), then the step times at the run's mid position.
 pub fn bench_prompt(
     loaded: &LoadedModel,
     prompt: &str,
     options: DecodeOptions,
-    runs: usize,
+    (policy, runs): (PolicyKind, usize),
 ) -> Result<PromptResult> {
+    if policy == PolicyKind::Baseline {
+        return Err(EngineError::Invalid(
+            "bench races baseline against a speculative policy: speed or dual".into(),
+        ));
+    }
     let mut baseline = run_lane(loaded, PolicyKind::Baseline, prompt, options)?;
-    let mut speed = run_lane(loaded, PolicyKind::Speed, prompt, options)?;
+    let mut speed = run_lane(loaded, policy, prompt, options)?;
     for _ in 1..runs {
         for lane in [&mut baseline, &mut speed] {
             let again = run_lane(loaded, lane.policy, prompt, options)?;

@@ -31,6 +31,11 @@ pub struct RowEvent {
     pub token: Token,
     /// Whether the token's id is verified (committed) or still a guess.
     pub verified: bool,
+    /// Proposed as its parent's runner-up, a second candidate (policy `dual`).
+    pub second: bool,
+    /// One of two candidates that its parent's next readout did not choose: its row is wasted
+    /// work and it left the window (no KV entries to free: the chosen one holds the slot).
+    pub dropped: bool,
     pub prediction: Option<Prediction>,
     /// Whether the prediction was checked against an existing child's guess (the
     /// denominator of the flip rate).
@@ -65,6 +70,8 @@ pub struct Committed {
     pub token: Token,
     /// The pass whose readout proposed the guess that survived (R: no speculation survived).
     pub accepted_depth: usize,
+    /// The guess that survived was a second proposal (a runner-up).
+    pub from_second: bool,
     /// Output text this token completes (multi-byte characters can span tokens).
     pub text_delta: String,
 }

@@ -31,6 +31,11 @@ enum Store {
 
 /// Per-(pass, layer) KV buffers with per-pass fill levels. Pass `r` holds its positions
 /// `0..len(r)` contiguously: a token at pass r has every older token's pass-r entry before it.
+///
+/// A second proposal (policy `dual`) puts two candidate tokens at one (pass, position). The
+/// first candidate's entries sit in the buffers; the second's wait aside, one K/V row per
+/// layer, until the parent's next readout picks one ([`KvCache::promote_alternate`] or
+/// [`KvCache::drop_alternate`]).
 #[derive(Debug, Clone)]
 pub struct KvCache {
     capacity: usize,
@@ -38,6 +43,20 @@ pub struct KvCache {
     lens: Vec<usize>,
     committed: usize,
     store: Store,
+    alternate: Alternate,
+}
+
+/// The entries set aside for a second candidate: where they belong and one K/V row per layer.
+#[derive(Debug, Clone)]
+enum AltRows {
+    Host(Vec<(Vec<f32>, Vec<f32>)>),
+    Device(Vec<Option<(Tensor, Tensor)>>),
+}
+
+#[derive(Debug, Clone)]
+struct Alternate {
+    slot: Option<(usize, usize)>,
+    rows: AltRows,
 }
 
 impl KvCache {
@@ -78,12 +97,20 @@ impl KvCache {
     }
 
     fn with_store(config: &OuroConfig, capacity: usize, store: Store) -> Self {
+        let (layers, kv_dim) = (config.num_hidden_layers, config.kv_dim());
+        let rows = match &store {
+            Store::Host { .. } => {
+                AltRows::Host(vec![(vec![0.0; kv_dim], vec![0.0; kv_dim]); layers])
+            }
+            Store::Device { .. } => AltRows::Device(vec![None; layers]),
+        };
         Self {
             capacity,
-            kv_dim: config.kv_dim(),
+            kv_dim,
             lens: vec![0; config.total_ut_steps],
             committed: 0,
             store,
+            alternate: Alternate { slot: None, rows },
         }
     }
 
@@ -141,6 +168,9 @@ impl KvCache {
     /// Frees every entry at position `from` or later, in every pass (a flush of speculative
     /// tokens). Returns the entries freed per pass.
     pub fn rollback(&mut self, from: usize) -> Vec<usize> {
+        if self.alternate.slot.is_some_and(|(_, pos)| pos >= from) {
+            self.drop_alternate();
+        }
         self.lens
             .iter_mut()
             .map(|len| {
@@ -149,6 +179,60 @@ impl KvCache {
                 freed
             })
             .collect()
+    }
+
+    /// Exchanges `layer`'s entry at (`pass`, `pos`) with the entry set aside for a second
+    /// candidate there. The step calls it around the second candidate's row in every layer, so
+    /// that the row writes and attends to its own entry in place and the first candidate's
+    /// entry is back in the buffers afterwards.
+    pub(crate) fn swap_alternate(&mut self, layer: usize, pass: usize, pos: usize) -> Result<()> {
+        self.alternate.slot = Some((pass, pos));
+        let at = self.offset(pass, pos);
+        let kv_dim = self.kv_dim;
+        match (&mut self.store, &mut self.alternate.rows) {
+            (Store::Host { keys, values }, AltRows::Host(rows)) => {
+                let (k, v) = &mut rows[layer];
+                keys[layer][at..at + kv_dim].swap_with_slice(k);
+                values[layer][at..at + kv_dim].swap_with_slice(v);
+            }
+            (Store::Device { keys, values }, AltRows::Device(rows)) => {
+                let row = pass * self.capacity + pos;
+                let current = (
+                    keys[layer].narrow(0, row, 1)?.copy()?,
+                    values[layer].narrow(0, row, 1)?.copy()?,
+                );
+                if let Some((k, v)) = rows[layer].take() {
+                    keys[layer].slice_set(&k, 0, row)?;
+                    values[layer].slice_set(&v, 0, row)?;
+                }
+                rows[layer] = Some(current);
+            }
+            _ => unreachable!("the aside rows match the store they were made for: this is a bug"),
+        }
+        Ok(())
+    }
+
+    /// The second candidate won: its entries replace the first's in every layer.
+    pub fn promote_alternate(&mut self) -> Result<()> {
+        if let Some((pass, pos)) = self.alternate.slot.take() {
+            for layer in 0..self.layers() {
+                self.swap_alternate(layer, pass, pos)?;
+            }
+            self.alternate.slot = None;
+        }
+        Ok(())
+    }
+
+    /// The first candidate won (or both were flushed): the second's entries are forgotten.
+    pub fn drop_alternate(&mut self) {
+        self.alternate.slot = None;
+    }
+
+    fn layers(&self) -> usize {
+        match &self.store {
+            Store::Host { keys, .. } => keys.len(),
+            Store::Device { keys, .. } => keys.len(),
+        }
     }
 
     /// Committed and speculative entries per pass.

@@ -26,6 +26,10 @@ pub struct RunStats {
     pub checks_per_pass: Vec<usize>,
     /// Committed tokens by the pass whose proposal survived (index r − 1).
     pub accepted_by_depth: Vec<usize>,
+    /// Second candidates started (policy `dual`).
+    pub second_proposals: usize,
+    /// Committed tokens whose surviving guess was a second proposal.
+    pub accepted_second: usize,
 }
 
 impl RunStats {
@@ -76,9 +80,13 @@ impl RunStats {
             self.flips_per_pass[flip.pass - 1] += 1;
         }
         self.rows_wasted += step.flushes.iter().map(|f| f.rows_wasted).sum::<usize>();
+        self.rows_wasted += step.rows.iter().filter(|r| r.dropped).count();
+        // A second candidate runs its first pass exactly once, whatever becomes of it.
+        self.second_proposals += step.rows.iter().filter(|r| r.second && r.pass == 1).count();
         for c in &step.committed {
             self.tokens += 1;
             self.accepted_by_depth[c.accepted_depth - 1] += 1;
+            self.accepted_second += usize::from(c.from_second);
         }
     }
 
@@ -89,6 +97,8 @@ impl RunStats {
         self.steps += other.steps;
         self.rows += other.rows;
         self.rows_wasted += other.rows_wasted;
+        self.second_proposals += other.second_proposals;
+        self.accepted_second += other.accepted_second;
         for (into, from) in [
             (&mut self.flips_per_pass, &other.flips_per_pass),
             (&mut self.checks_per_pass, &other.checks_per_pass),

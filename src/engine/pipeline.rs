@@ -41,6 +41,43 @@ struct InFlight {
     hidden: Option<Hidden>,
     /// The pass of the parent's readout that proposed this guess (speculation.md §5, γ).
     proposed_at: usize,
+    /// Proposed as the parent's runner-up (policy `dual`), for acceptance by source.
+    second: bool,
+    /// A second candidate not yet chosen between: it shares its position with the token
+    /// before it in the window, and its KV entries are set aside.
+    pending: bool,
+}
+
+/// A readout's greedy decision and what the second-proposal gate needs.
+#[derive(Debug, Clone, Copy)]
+struct TopTwo {
+    best: u32,
+    runner_up: u32,
+    /// Logit of `best` minus that of `runner_up`.
+    margin: f32,
+}
+
+/// A row's logits with their decision.
+type Readout = (Vec<f32>, TopTwo);
+
+/// The best id (the first on ties, as `argmax`) and the runner-up (the best of the others,
+/// the first on ties), in one scan.
+fn top_two(logits: &[f32]) -> TopTwo {
+    let (mut best, mut second) = (0, None::<usize>);
+    for (i, &l) in logits.iter().enumerate().skip(1) {
+        if l > logits[best] {
+            second = Some(best);
+            best = i;
+        } else if second.is_none_or(|s| l > logits[s]) {
+            second = Some(i);
+        }
+    }
+    let runner_up = second.unwrap_or(best);
+    TopTwo {
+        best: best as u32,
+        runner_up: runner_up as u32,
+        margin: second.map_or(f32::INFINITY, |s| logits[best] - logits[s]),
+    }
 }
 
 /// The greedy decision: the id of the largest logit (the first on ties).
@@ -226,6 +263,7 @@ impl Decoder {
                     pass,
                     input,
                     readout: pass + 1 == passes && pos + 1 == n,
+                    alternate: false,
                 })
                 .collect();
             let out = self.model.step(&rows, &mut self.cache)?;
@@ -262,6 +300,7 @@ impl Decoder {
         } else if pos >= self.cache.capacity() {
             self.finish = Some(FinishReason::ContextFull);
         }
+        let from_second = child.is_some_and(|index| self.window[index].second);
         match child {
             Some(index) => self.window[index].verified = true,
             None if self.finish.is_none() => self.spawn(pos, id, true, accepted_depth),
@@ -275,6 +314,7 @@ impl Decoder {
             pos,
             token: self.token(id),
             accepted_depth,
+            from_second,
             text_delta,
         }
     }
@@ -288,7 +328,16 @@ impl Decoder {
             passes_done: 0,
             hidden: None,
             proposed_at,
+            second: false,
+            pending: false,
         });
+    }
+
+    /// Starts the runner-up as a second candidate for the position just spawned.
+    fn spawn_second(&mut self, pos: usize, token: u32, proposed_at: usize) {
+        self.spawn(pos, token, false, proposed_at);
+        let t = self.window.back_mut().expect("just pushed: this is a bug");
+        (t.second, t.pending) = (true, true);
     }
 
     /// Whether a speculative child at `pos` could ever matter: inside the context, and its own
@@ -327,14 +376,15 @@ impl Decoder {
                 },
                 readout: t.passes_done + 1 == passes
                     || self.policy.speculates_at(t.passes_done + 1, passes),
+                alternate: t.pending,
             })
             .collect();
         let started = Instant::now();
         let out = self.model.step(&rows, &mut self.cache)?;
-        let decisions: Vec<Option<u32>> = out
+        let decisions: Vec<Option<TopTwo>> = out
             .logits
             .iter()
-            .map(|l| l.as_deref().map(argmax))
+            .map(|l| l.as_deref().map(top_two))
             .collect();
         let compute = started.elapsed();
         self.decode_compute += compute;
@@ -352,14 +402,8 @@ impl Decoder {
             t.hidden = Some(hidden);
             t.passes_done += 1;
         }
-        for (index, (logits, best)) in out.logits.into_iter().zip(decisions).enumerate() {
-            let readout = logits.as_deref().zip(best);
-            let (row, go_on) = self.walk_row(index, readout, &mut event);
-            event.rows.push(row);
-            if !go_on {
-                break;
-            }
-        }
+        let readouts = out.logits.into_iter().zip(decisions);
+        self.walk(readouts.map(|(l, d)| l.zip(d)).collect(), &mut event)?;
         if self.window.front().is_some_and(|t| t.passes_done == passes) {
             self.window.pop_front();
         }
@@ -367,15 +411,33 @@ impl Decoder {
         Ok(event)
     }
 
+    /// Step 3 of speculation.md §3: every row that ran, oldest first, until a flush removes
+    /// the younger ones. `readouts` stays aligned with the window.
+    fn walk(&mut self, mut readouts: Vec<Option<Readout>>, event: &mut StepEvent) -> Result<()> {
+        let mut index = 0;
+        while index < readouts.len() {
+            let readout = readouts[index].take();
+            let (row, go_on) = self.walk_row(index, readout, &mut readouts, event)?;
+            event.rows.push(row);
+            if !go_on {
+                break;
+            }
+            index += 1;
+        }
+        Ok(())
+    }
+
     /// Step 3 of speculation.md §3 for the row at `index`, which just finished its pass.
     /// Returns its event and whether the walk goes on to younger rows (not after a flush,
-    /// which removed them, nor after the run ended).
+    /// which removed them, nor after the run ended). A candidate dropped here loses its
+    /// entry in `readouts` too.
     fn walk_row(
         &mut self,
         index: usize,
-        readout: Option<(&[f32], u32)>,
+        readout: Option<Readout>,
+        readouts: &mut Vec<Option<Readout>>,
         event: &mut StepEvent,
-    ) -> (RowEvent, bool) {
+    ) -> Result<(RowEvent, bool)> {
         let passes = self.model.passes();
         let t = &self.window[index];
         let (pos, pass, id, verified) = (t.pos, t.passes_done, t.token, t.verified);
@@ -384,30 +446,38 @@ impl Decoder {
             pass,
             token: self.token(id),
             verified,
+            second: t.second,
+            dropped: false,
             prediction: None,
             checked_child: false,
         };
-        let Some((logits, guess)) = readout else {
-            return (row, true);
+        let Some((logits, top)) = readout else {
+            return Ok((row, true));
         };
-        let prediction = describe(&self.tokenizer, logits, guess);
-        let child = self.window.get(index + 1).map(|c| (c.token, c.proposed_at));
+        let guess = top.best;
+        row.prediction = Some(describe(&self.tokenizer, &logits, guess));
+        let child = self.child_of(index).map(|c| (c.token, c.proposed_at));
         row.checked_child = child.is_some();
-        row.prediction = Some(prediction);
-        let mut go_on = true;
         if let Some((old, _)) = child.filter(|&(old, _)| old != guess) {
-            // A flip (pass < R) or a misprediction found at commit (pass R): everything younger
-            // was computed from the wrong token.
+            // A flip (pass < R) or a misprediction found at commit (pass R).
             event.flips.push(Flip {
                 pos: pos + 1,
                 pass,
                 old: self.token(old),
                 new: self.token(guess),
             });
+        }
+        if self.second_candidate_of(index).is_some() {
+            self.choose_candidate(index, guess, readouts, event)?;
+        }
+        let mut go_on = true;
+        if self.child_of(index).is_some_and(|c| c.token != guess) {
+            // Everything younger was computed from the wrong token.
             event.flushes.push(self.flush_from(index + 1));
+            readouts.truncate(index + 1);
             go_on = false;
         }
-        let surviving = (self.window.len() > index + 1).then_some(index + 1);
+        let surviving = self.child_of(index).map(|_| index + 1);
         if pass == passes {
             let depth = match (surviving, child) {
                 (Some(_), Some((_, proposed_at))) => proposed_at,
@@ -422,7 +492,58 @@ impl Decoder {
             && self.may_speculate(pos + 1)
         {
             self.spawn(pos + 1, guess, false, pass);
+            if top.runner_up != guess && self.policy.second_proposal(pass, top.margin) {
+                self.spawn_second(pos + 1, top.runner_up, pass);
+            }
         }
-        (row, go_on)
+        Ok((row, go_on))
+    }
+
+    /// The in-flight token at the position after the one at `index`, if any.
+    fn child_of(&self, index: usize) -> Option<&InFlight> {
+        let pos = self.window[index].pos;
+        self.window.get(index + 1).filter(|c| c.pos == pos + 1)
+    }
+
+    /// The pending second candidate beside the child of the token at `index`, if any.
+    fn second_candidate_of(&self, index: usize) -> Option<&InFlight> {
+        self.child_of(index)?;
+        self.window.get(index + 2).filter(|c| c.pending)
+    }
+
+    /// The parent at `index` has read out `guess`: of its two candidates keep the one that
+    /// matches, or the first if neither does (the caller then flushes it as a flip). The
+    /// other leaves the window as a dropped row.
+    fn choose_candidate(
+        &mut self,
+        index: usize,
+        guess: u32,
+        readouts: &mut Vec<Option<Readout>>,
+        event: &mut StepEvent,
+    ) -> Result<()> {
+        let second_wins = self.window[index + 2].token == guess;
+        let dropped = if second_wins { index + 1 } else { index + 2 };
+        if second_wins {
+            self.cache.promote_alternate()?;
+        } else {
+            self.cache.drop_alternate();
+        }
+        let t = self
+            .window
+            .remove(dropped)
+            .expect("the candidate exists: this is a bug");
+        readouts.remove(dropped);
+        self.window[index + 1].pending = false;
+        event.rows.push(RowEvent {
+            pos: t.pos,
+            pass: t.passes_done,
+            token: self.token(t.token),
+            verified: false,
+            second: t.second,
+            dropped: true,
+            prediction: None,
+            checked_child: false,
+        });
+        Ok(())
     }
 }

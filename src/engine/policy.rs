@@ -11,6 +11,12 @@ pub trait Policy: Send + Sync + fmt::Debug {
     /// Whether a token's readout after `pass` (1-based, < `passes`) starts or re-checks its
     /// child. Pass `passes` (R) always commits and needs no permission.
     fn speculates_at(&self, pass: usize, passes: usize) -> bool;
+
+    /// Whether a readout after `pass` that starts a child also starts its runner-up as a
+    /// second candidate, given the logit margin of the best token over the runner-up.
+    fn second_proposal(&self, _pass: usize, _margin: f32) -> bool {
+        false
+    }
 }
 
 /// Ordinary greedy decoding: one token at a time through all R passes, then commit.
@@ -50,11 +56,50 @@ impl Policy for Speed {
     }
 }
 
+/// SPEED with a gated second proposal (spex's extension, in the direction of LoopSpec's
+/// second proposal, arXiv 2609.17184): when the pass-1 readout that starts a child is nearly a
+/// tie (the runner-up within `margin_below` logits of the best), the runner-up starts too, as
+/// a second candidate for the same position. The parent's pass-2 readout keeps the candidate
+/// it agrees with, so a flip to the runner-up, the most common flip, no longer empties a
+/// pipeline slot. Costs one more row in the steps where the gate opens. Greedy output is
+/// unchanged: commits still come from pass R only.
+#[derive(Debug, Clone, Copy)]
+pub struct Dual {
+    pub first_pass: usize,
+    pub margin_below: f32,
+}
+
+impl Default for Dual {
+    /// A margin of 1.0 (runner-up probability above e⁻¹ of the best's) measured best on the
+    /// shipped model: see the README's bench table.
+    fn default() -> Self {
+        Self {
+            first_pass: 1,
+            margin_below: 1.0,
+        }
+    }
+}
+
+impl Policy for Dual {
+    fn name(&self) -> &'static str {
+        "dual"
+    }
+
+    fn speculates_at(&self, pass: usize, passes: usize) -> bool {
+        pass >= self.first_pass && pass < passes
+    }
+
+    fn second_proposal(&self, pass: usize, margin: f32) -> bool {
+        pass == self.first_pass && margin < self.margin_below
+    }
+}
+
 /// The policies the CLI and the dashboard can name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PolicyKind {
     Speed,
+    Dual,
     Baseline,
 }
 
@@ -63,6 +108,7 @@ impl PolicyKind {
     pub fn build(self) -> Box<dyn Policy> {
         match self {
             Self::Speed => Box::new(Speed::default()),
+            Self::Dual => Box::new(Dual::default()),
             Self::Baseline => Box::new(Baseline),
         }
     }
@@ -74,9 +120,10 @@ impl std::str::FromStr for PolicyKind {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "speed" => Ok(Self::Speed),
+            "dual" => Ok(Self::Dual),
             "baseline" => Ok(Self::Baseline),
             other => Err(format!(
-                "unknown policy `{other}` (expected speed or baseline)"
+                "unknown policy `{other}` (expected speed, dual or baseline)"
             )),
         }
     }

@@ -150,13 +150,6 @@ fn attention(
     let mut q = linear(a, &w.q_proj, m)?;
     let mut k = linear(a, &w.k_proj, m)?;
     let v = linear(a, &w.v_proj, m)?;
-    for (i, row) in rows.iter().enumerate() {
-        let (cos, sin) = model.rope.at(row.pos);
-        kernels::rope_row(&mut q[i * q_dim..(i + 1) * q_dim], head_dim, cos, sin);
-        kernels::rope_row(&mut k[i * kv_dim..(i + 1) * kv_dim], head_dim, cos, sin);
-        let range = i * kv_dim..(i + 1) * kv_dim;
-        cache.write_host(layer, row.pass, row.pos, &k[range.clone()], &v[range]);
-    }
     let shape = AttnShape {
         heads: cfg.num_attention_heads,
         kv_heads: cfg.num_key_value_heads,
@@ -164,13 +157,27 @@ fn attention(
     };
     let mut out = vec![0f32; m * q_dim];
     let mut scores = Vec::new();
+    // Each row writes its entry and then attends, in row order: rows of one pass come in
+    // position order, so every row sees exactly the entries before its own, and a second
+    // candidate sees its own entry at the position it shares with the row before it.
     for (i, row) in rows.iter().enumerate() {
-        let (keys, values) = cache.host_pass(layer, row.pass, row.pos + 1);
+        let (cos, sin) = model.rope.at(row.pos);
         let (qi, oi) = (
-            &q[i * q_dim..(i + 1) * q_dim],
+            &mut q[i * q_dim..(i + 1) * q_dim],
             &mut out[i * q_dim..(i + 1) * q_dim],
         );
+        kernels::rope_row(qi, head_dim, cos, sin);
+        kernels::rope_row(&mut k[i * kv_dim..(i + 1) * kv_dim], head_dim, cos, sin);
+        if row.alternate {
+            cache.swap_alternate(layer, row.pass, row.pos)?;
+        }
+        let range = i * kv_dim..(i + 1) * kv_dim;
+        cache.write_host(layer, row.pass, row.pos, &k[range.clone()], &v[range]);
+        let (keys, values) = cache.host_pass(layer, row.pass, row.pos + 1);
         kernels::attend_row(qi, keys, values, row.pos + 1, shape, oi, &mut scores);
+        if row.alternate {
+            cache.swap_alternate(layer, row.pass, row.pos)?;
+        }
     }
     Ok(out)
 }

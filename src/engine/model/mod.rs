@@ -250,6 +250,9 @@ pub struct StepRow {
     pub input: RowInput,
     /// Whether to apply the LM head to this row's new state.
     pub readout: bool,
+    /// A second candidate for the (pass, position) of the row before it: its K/V entries are
+    /// set aside (`KvCache::promote_alternate` keeps them), the earlier row's stay in place.
+    pub alternate: bool,
 }
 
 /// What a batched step returns, one entry per row in input order.
@@ -340,6 +343,45 @@ impl LoopedModel {
         })
     }
 
+    /// The device path with second candidates: the other rows first, then the second
+    /// candidates with the first candidates' entries set aside around them (two sweeps of
+    /// the weights; the host kernels do it in one).
+    fn device_step_with_alternates(
+        &self,
+        rows: &[StepRow],
+        cache: &mut KvCache,
+    ) -> Result<StepOutput> {
+        let (alts, firsts): (Vec<usize>, Vec<usize>) =
+            (0..rows.len()).partition(|&i| rows[i].alternate);
+        let pick =
+            |idx: &[usize]| -> Vec<StepRow> { idx.iter().map(|&i| rows[i].clone()).collect() };
+        let first_out = device::step(self, &pick(&firsts), cache)?;
+        let layers = self.weights.layers.len();
+        let swap_all = |cache: &mut KvCache| -> Result<()> {
+            for &i in &alts {
+                for layer in 0..layers {
+                    cache.swap_alternate(layer, rows[i].pass, rows[i].pos)?;
+                }
+            }
+            Ok(())
+        };
+        swap_all(cache)?;
+        let alt_out = device::step(self, &pick(&alts), cache)?;
+        swap_all(cache)?;
+        let mut slots: Vec<Option<(Hidden, Option<Vec<f32>>)>> =
+            (0..rows.len()).map(|_| None).collect();
+        for (idx, out) in [(&firsts, first_out), (&alts, alt_out)] {
+            for ((&i, h), l) in idx.iter().zip(out.hidden).zip(out.logits) {
+                slots[i] = Some((h, l));
+            }
+        }
+        let (hidden, logits) = slots
+            .into_iter()
+            .map(|s| s.expect("every row ran in one of the two sweeps: this is a bug"))
+            .unzip();
+        Ok(StepOutput { hidden, logits })
+    }
+
     /// Runs every row through the K shared layers once, weights read once for all rows. Each
     /// row writes its K/V at (its pass, its position) and attends to its own pass's cache up to
     /// its position (speculation.md §3, step 1); rows asking for it get a readout (step 2).
@@ -356,6 +398,9 @@ impl LoopedModel {
         }
         let out = match self.backend {
             StepBackend::Host => host::step(self, rows, cache)?,
+            StepBackend::Device if rows.iter().any(|r| r.alternate) => {
+                self.device_step_with_alternates(rows, cache)?
+            }
             StepBackend::Device => device::step(self, rows, cache)?,
         };
         for row in rows {
