@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use common::{Variant, random_model, spec};
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers, MouseEvent, MouseEventKind};
 use spex::engine::DecodeOptions;
+use spex::engine::policy::PolicyKind;
 use spex::engine::race::{Lane, RaceControl, RaceEvent, run_race};
 use spex::engine::random_checkpoint::SplitMix;
 use spex::tui::app::{Agreement, App, CellKind, Command, Focus, ModelInfo, Msg, RATES};
@@ -29,16 +30,23 @@ fn key(code: KeyCode) -> Msg {
 
 /// A finished race's events, from a real random checkpoint.
 fn race_events(prompt: &str) -> Vec<RaceEvent> {
+    race_events_with(prompt, PolicyKind::Speed)
+}
+
+fn race_events_with(prompt: &str, policy: PolicyKind) -> Vec<RaceEvent> {
     let (_dir, loaded) = random_model(&spec(2, 4, Variant::Tied, 5));
     let (_control_tx, control_rx) = mpsc::channel();
     let mut events = Vec::new();
     run_race(
         &loaded,
         prompt,
-        DecodeOptions {
-            max_tokens: 20,
-            context: 128,
-        },
+        (
+            policy,
+            DecodeOptions {
+                max_tokens: 20,
+                context: 128,
+            },
+        ),
         control_rx,
         |e| {
             events.push(e);
@@ -203,6 +211,28 @@ fn engine_events_fill_lanes_pipeline_flips_and_kv() {
     assert!(kinds.iter().any(|k| matches!(k, CellKind::Flipped { .. })));
     assert!(kinds.iter().any(|k| matches!(k, CellKind::Verified)));
     assert!(!run.speedup_history.is_empty());
+}
+
+#[test]
+fn a_dual_race_shows_both_candidates_and_counts_second_proposals() {
+    let mut app = running_app();
+    app.update(Msg::Engine(race_events_with("To be", PolicyKind::Dual)));
+    let run = app.run.as_ref().unwrap();
+    assert_eq!(run.agreement(), Agreement::Same(20));
+    assert!(
+        run.speed.stats.second_proposals > 0,
+        "random weights are near ties"
+    );
+    let both = run
+        .columns
+        .iter()
+        .flat_map(|c| c.cells.iter().flatten())
+        .filter(|cell| cell.text.contains('|'))
+        .count();
+    assert!(
+        both > 0,
+        "a step with two candidates shows both in one cell"
+    );
 }
 
 #[test]

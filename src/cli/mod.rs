@@ -149,6 +149,9 @@ pub struct TuiArgs {
     /// Tokens to generate per run.
     #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
+    /// The policy raced against baseline: speed or dual (default: the entry's, else speed).
+    #[arg(long)]
+    pub policy: Option<PolicyKind>,
     /// Frames per second of the dashboard.
     #[arg(long, default_value_t = 30)]
     pub fps: u32,
@@ -287,13 +290,18 @@ fn pull(name: &str) -> anyhow::Result<()> {
 fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
     crate::tui::require_tty().map_err(anyhow::Error::msg)?;
     let session = load_model(&args.model)?;
+    let policy = args
+        .policy
+        .or(session.policy)
+        .filter(|p| *p != PolicyKind::Baseline)
+        .unwrap_or(PolicyKind::Speed);
     let info = crate::tui::app::ModelInfo {
         name: session.name.clone(),
         passes: session.loaded.model.passes(),
         layers: session.loaded.model.config.num_hidden_layers,
         device: session.device.clone(),
         dtype: session.dtype.clone(),
-        policy: "speed".into(),
+        policy: policy.to_string(),
     };
     let options = crate::tui::DashboardOptions {
         prompt: args.prompt.clone(),
@@ -302,6 +310,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
             max_tokens: args.max_tokens,
             context: args.model.context,
         },
+        policy,
         info,
         frame_interval: std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1))),
     };

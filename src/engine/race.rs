@@ -81,12 +81,12 @@ impl LaneRun {
 pub fn run_race(
     loaded: &LoadedModel,
     prompt: &str,
-    options: DecodeOptions,
+    (policy, options): (PolicyKind, DecodeOptions),
     control: Receiver<RaceControl>,
     mut sink: impl FnMut(RaceEvent) -> bool,
 ) {
     let lanes = [
-        (Lane::Speed, PolicyKind::Speed),
+        (Lane::Speed, policy),
         (Lane::Baseline, PolicyKind::Baseline),
     ]
     .into_iter()

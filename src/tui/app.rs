@@ -449,11 +449,26 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
             _ if row.verified => CellKind::Verified,
             _ => CellKind::Speculative,
         };
-        cells[row.pass - 1] = Some(Cell {
-            text: shown(&row.token),
-            pos: row.pos,
-            kind,
-        });
+        let text = shown(&row.token);
+        match &mut cells[row.pass - 1] {
+            // Two candidates for one position (policy `dual`): the cell shows both, the one
+            // dropped after the bar, and takes the kind of the one kept.
+            Some(cell) if cell.pos == row.pos => {
+                if row.dropped {
+                    cell.text = format!("{}|{text}", cell.text);
+                } else {
+                    cell.text = format!("{text}|{}", cell.text);
+                    cell.kind = kind;
+                }
+            }
+            slot => {
+                *slot = Some(Cell {
+                    text,
+                    pos: row.pos,
+                    kind,
+                })
+            }
+        }
     }
     if run.columns.len() == MAX_COLUMNS {
         run.columns.pop_front();

@@ -21,6 +21,7 @@ use ratatui::Terminal;
 use ratatui::backend::CrosstermBackend;
 use tokio::sync::mpsc;
 
+use crate::engine::policy::PolicyKind;
 use crate::engine::race::{RaceControl, RaceEvent, run_race};
 use crate::engine::{DecodeOptions, LoadedModel};
 use app::{App, Command, ModelInfo, Msg};
@@ -32,6 +33,8 @@ pub struct DashboardOptions {
     /// Wrap prompts in the chat template before decoding.
     pub chat: bool,
     pub decode: DecodeOptions,
+    /// The speculative lane's policy (speed or dual).
+    pub policy: PolicyKind,
     pub info: ModelInfo,
     pub frame_interval: Duration,
 }
@@ -87,7 +90,7 @@ impl RaceHandle {
     fn start(
         loaded: &LoadedModel,
         prompt: String,
-        options: DecodeOptions,
+        options: (PolicyKind, DecodeOptions),
         events: mpsc::UnboundedSender<RaceEvent>,
     ) -> Self {
         let (control, control_rx) = std_mpsc::channel();
@@ -155,7 +158,7 @@ impl Races<'_> {
                     self.current = Some(RaceHandle::start(
                         self.loaded,
                         prompt,
-                        self.options.decode,
+                        (self.options.policy, self.options.decode),
                         self.events.clone(),
                     ));
                 }

@@ -398,8 +398,16 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView) {
         )),
         Line::from(format!("flips/pass {}", flips.join(" "))),
         Line::from(format!(
-            "wasted row-slots {:.0}%",
-            100.0 * s.wasted_fraction()
+            "wasted row-slots {:.0}%{}",
+            100.0 * s.wasted_fraction(),
+            if s.second_proposals > 0 {
+                format!(
+                    " · 2nd proposals {} ({} won)",
+                    s.second_proposals, s.accepted_second
+                )
+            } else {
+                String::new()
+            }
         )),
         Line::from(agreement),
     ];
