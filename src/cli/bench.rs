@@ -52,9 +52,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         context: args.model.context,
     };
+    let policy = session.speculative_policy(args.policy);
     let mut results = Vec::new();
     for prompt in &prompts {
-        let lane = (args.policy, args.runs as usize);
+        let lane = (policy, args.runs as usize);
         let mut r = bench_prompt(loaded, &session.prompt(prompt), options, lane)?;
         r.prompt.clone_from(prompt);
         if !args.json {
@@ -67,17 +68,23 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         results.iter().map(|r| r.step_times.ceiling()).sum::<f64>() / results.len() as f64;
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     if args.json {
-        let report = json_report(&session, &results, (&base, &speed), ceiling, args);
+        let report = json_report(
+            &session,
+            &results,
+            (&base, &speed),
+            ceiling,
+            (policy, args.runs),
+        );
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         let counts = (mismatches, results.len());
-        print_overall((&base, &speed), args.policy, ceiling, counts);
+        print_overall((&base, &speed), policy, ceiling, counts);
     }
     if mismatches > 0 {
         anyhow::bail!(
             "{mismatches} of {} prompts: {} output differs from baseline",
             results.len(),
-            args.policy
+            policy
         );
     }
     Ok(())
@@ -89,7 +96,7 @@ fn json_report(
     results: &[PromptResult],
     (base, speed): (&RunStats, &RunStats),
     ceiling: f64,
-    args: &BenchArgs,
+    (policy, runs): (PolicyKind, u64),
 ) -> serde_json::Value {
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     json!({
@@ -99,8 +106,8 @@ fn json_report(
         "passes": session.loaded.model.passes(),
         "layers": session.loaded.model.config.num_hidden_layers,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
-        "runs_per_lane": args.runs,
-        "policy": args.policy,
+        "runs_per_lane": runs,
+        "policy": policy,
         "peak_memory_bytes": peak_memory_bytes(),
         "prompts": results.iter().map(|r| json!({
             "prompt": r.prompt,

@@ -86,6 +86,14 @@ pub struct Session {
 }
 
 impl Session {
+    /// The policy raced against baseline: `asked`, else the entry's when it speculates, else
+    /// SPEED.
+    pub fn speculative_policy(&self, asked: Option<PolicyKind>) -> PolicyKind {
+        asked
+            .or(self.policy.filter(|p| *p != PolicyKind::Baseline))
+            .unwrap_or(PolicyKind::Speed)
+    }
+
     /// The prompt as the model sees it: wrapped in the chat template for chat models.
     pub fn prompt(&self, prompt: &str) -> String {
         if self.chat {
@@ -130,9 +138,9 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     pub runs: u64,
     /// The speculative lane raced against baseline: speed, or dual (SPEED with a gated
-    /// second proposal).
-    #[arg(long, default_value = "speed")]
-    pub policy: PolicyKind,
+    /// second proposal) (default: the entry's policy, else speed).
+    #[arg(long)]
+    pub policy: Option<PolicyKind>,
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -290,11 +298,7 @@ fn pull(name: &str) -> anyhow::Result<()> {
 fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
     crate::tui::require_tty().map_err(anyhow::Error::msg)?;
     let session = load_model(&args.model)?;
-    let policy = args
-        .policy
-        .or(session.policy)
-        .filter(|p| *p != PolicyKind::Baseline)
-        .unwrap_or(PolicyKind::Speed);
+    let policy = session.speculative_policy(args.policy);
     let info = crate::tui::app::ModelInfo {
         name: session.name.clone(),
         passes: session.loaded.model.passes(),
