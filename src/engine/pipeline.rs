@@ -2,6 +2,11 @@
 //! policy: a window of in-flight tokens, oldest first, each at its own pass; one batched step
 //! per call. Baseline decoding is the same machine with a policy that never speculates.
 //!
+//! Policy `dual` adds a gated second proposal: a pass-1 readout that is nearly a tie starts
+//! its runner-up too, as a second candidate at the same position (right after the first in the
+//! window). Both run pass 1 in the next step; the parent's next readout keeps the one it agrees
+//! with (`choose_candidate`) before anything younger exists, so the window stays a chain.
+//!
 //! Callers (the CLI, the benchmark, the dashboard's race thread) pull events with
 //! [`Decoder::next_event`]: a prefill event first, then one event per step, then the finish.
 
@@ -440,17 +445,8 @@ impl Decoder {
     ) -> Result<(RowEvent, bool)> {
         let passes = self.model.passes();
         let t = &self.window[index];
-        let (pos, pass, id, verified) = (t.pos, t.passes_done, t.token, t.verified);
-        let mut row = RowEvent {
-            pos,
-            pass,
-            token: self.token(id),
-            verified,
-            second: t.second,
-            dropped: false,
-            prediction: None,
-            checked_child: false,
-        };
+        let (pos, pass) = (t.pos, t.passes_done);
+        let mut row = self.row_event(t, false);
         let Some((logits, top)) = readout else {
             return Ok((row, true));
         };
@@ -534,16 +530,21 @@ impl Decoder {
             .expect("the candidate exists: this is a bug");
         readouts.remove(dropped);
         self.window[index + 1].pending = false;
-        event.rows.push(RowEvent {
+        event.rows.push(self.row_event(&t, true));
+        Ok(())
+    }
+
+    /// The event of an in-flight token's row, before its readout is described.
+    fn row_event(&self, t: &InFlight, dropped: bool) -> RowEvent {
+        RowEvent {
             pos: t.pos,
             pass: t.passes_done,
             token: self.token(t.token),
-            verified: false,
+            verified: t.verified,
             second: t.second,
-            dropped: true,
+            dropped,
             prediction: None,
             checked_child: false,
-        });
-        Ok(())
+        }
     }
 }

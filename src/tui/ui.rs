@@ -31,6 +31,11 @@ pub enum Panel {
     Footer,
 }
 
+/// The speculative lane's title: the paper's name for SPEED, the policy's otherwise.
+fn lane_title(policy: &str) -> &str {
+    if policy == "speed" { "SPEED" } else { policy }
+}
+
 /// Draws one panel into `area`.
 pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
     let empty = RunView::default();
@@ -40,7 +45,7 @@ pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
         Panel::Speed => draw_lane(
             frame,
             area,
-            "SPEED",
+            lane_title(&app.info.policy),
             &run.speed,
             run,
             app.focus == Focus::Speed,
@@ -56,7 +61,7 @@ pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
         Panel::Pipeline => draw_pipeline(frame, area, app, run),
         Panel::Flips => draw_flips(frame, area, run, app.focus == Focus::Flips),
         Panel::Kv => draw_kv(frame, area, run),
-        Panel::Stats => draw_stats(frame, area, run),
+        Panel::Stats => draw_stats(frame, area, run, &app.info.policy),
         Panel::Footer => draw_footer(frame, area, app),
     }
 }
@@ -349,7 +354,7 @@ fn draw_kv(frame: &mut Frame, area: Rect, run: &RunView) {
     frame.render_widget(Paragraph::new(lines), inner);
 }
 
-fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView) {
+fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, run_policy: &str) {
     let b = block("stats", false);
     let inner = b.inner(area);
     frame.render_widget(b, area);
@@ -392,7 +397,8 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView) {
             format!(" · ceiling {ceiling} · γ {:.2}", s.gamma()).into(),
         ]),
         Line::from(format!(
-            "tok/s speed {:.1} · base {:.1}",
+            "tok/s {} {:.1} · base {:.1}",
+            run_policy,
             s.tokens_per_sec(),
             run.baseline.stats.tokens_per_sec()
         )),
