@@ -176,33 +176,49 @@ fn batched_step_matches_reference_forward() {
 #[test]
 fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
     use spex::engine::Decoder;
-    for variant in [Variant::Tied, Variant::Gqa] {
+    let (mut promoted, mut total_flushes) = (0, 0);
+    for (variant, prompt) in [Variant::Tied, Variant::Gqa]
+        .into_iter()
+        .flat_map(|v| PROMPTS.iter().map(move |p| (v, p)))
+    {
         let (_dir, loaded) = random_model(&spec(2, 4, variant, 11));
         let run = |policy: PolicyKind| {
-            let mut d = Decoder::new(&loaded, policy.build(), PROMPTS[2], OPTIONS).unwrap();
-            let mut flushes = 0;
+            let mut d = Decoder::new(&loaded, policy.build(), prompt, OPTIONS).unwrap();
+            let (mut flushes, mut promotions) = (0, 0);
             while let Some(ev) = d.next_event().unwrap() {
                 if let spex::engine::DecodeEvent::Step(s) = ev {
                     flushes += s.flushes.len();
+                    // A second candidate still in flight after its first pass was promoted.
+                    promotions += s.rows.iter().filter(|r| r.second && r.pass >= 2).count();
                 }
             }
-            (d, flushes)
+            (d, flushes, promotions)
         };
-        let (base, _) = run(PolicyKind::Baseline);
-        let (speed, flushes) = run(PolicyKind::Speed);
-        assert!(flushes > 0, "the run must flush to test rollback");
-        assert_eq!(base.output(), speed.output());
-        let verified = base.prompt().len() + base.output().len() - 1;
-        for layer in 0..loaded.model.config.num_hidden_layers {
-            for pass in 0..4 {
-                let a = base.cache().entries(layer, pass, verified).unwrap();
-                let b = speed.cache().entries(layer, pass, verified).unwrap();
-                let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&a.0), bits(&b.0), "keys, layer {layer}, pass {pass}");
-                assert_eq!(bits(&a.1), bits(&b.1), "values, layer {layer}, pass {pass}");
+        let (base, _, _) = run(PolicyKind::Baseline);
+        // `dual` also checks the second candidates' entries: promoted ones must be exactly
+        // what baseline wrote at that position.
+        for policy in [PolicyKind::Speed, PolicyKind::Dual] {
+            let (spec_run, flushes, promotions) = run(policy);
+            total_flushes += flushes;
+            promoted += promotions;
+            assert_eq!(base.output(), spec_run.output());
+            let verified = base.prompt().len() + base.output().len() - 1;
+            for layer in 0..loaded.model.config.num_hidden_layers {
+                for pass in 0..4 {
+                    let a = base.cache().entries(layer, pass, verified).unwrap();
+                    let b = spec_run.cache().entries(layer, pass, verified).unwrap();
+                    let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    let at = format!("{policy}, layer {layer}, pass {pass}");
+                    assert_eq!(bits(&a.0), bits(&b.0), "keys, {at}");
+                    assert_eq!(bits(&a.1), bits(&b.1), "values, {at}");
+                }
             }
         }
     }
+    assert!(
+        promoted > 0,
+        "some second candidate must win to test promotion"
+    );
 }
 
 #[test]
