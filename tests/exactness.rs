@@ -215,9 +215,10 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
             }
         }
     }
+    assert!(total_flushes > 0, "the runs must flush to test rollback");
     assert!(
         promoted > 0,
-        "some second candidate must win to test promotion"
+        "a second candidate must win to test promotion"
     );
 }
 
