@@ -17,20 +17,6 @@ use rayon::prelude::*;
 
 /// Rows of `x` processed together against one weight row (registers hold 2 accumulators each).
 const ROW_BLOCK: usize = 4;
-/// The same with AVX-512's 32 registers: 6 rows × 4 weight rows of accumulators fit, so a step
-/// with a second candidate (5 rows) still reads each weight chunk once (measured on the shipped
-/// model: a 5-row step cost 80 µs more than a 4-row one as blocks of 4 + 1, 50 µs as one block).
-const AVX512_ROW_BLOCK: usize = 6;
-
-impl Isa {
-    /// Input rows one kernel call takes.
-    fn row_block(self) -> usize {
-        match self {
-            Isa::Avx512 => AVX512_ROW_BLOCK,
-            _ => ROW_BLOCK,
-        }
-    }
-}
 /// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
 /// model's) are split across threads by output rows; below it, waking a second thread costs
 /// more than it saves (measured: hidden 256 steps were 15 % slower threaded).
@@ -132,20 +118,19 @@ fn sweep<const J: usize>(
     out: &mut [f32],
     to: OutLayout,
 ) {
-    let block_rows = isa.row_block();
     let mut w_groups = w.chunks_exact(J * inner);
     for (g, wg) in (&mut w_groups).enumerate() {
         let ws: [&[f32]; J] = std::array::from_fn(|j| &wg[j * inner..(j + 1) * inner]);
-        for (i, block) in x.chunks(block_rows * inner).enumerate() {
+        for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
             let o = &mut out[g * J * to.col..];
-            dots_dispatch(isa, block, ws, o, to, i * block_rows);
+            dots_dispatch(isa, block, ws, o, to, i * ROW_BLOCK);
         }
     }
     let done = w.len() / inner - w_groups.remainder().len() / inner;
     for (j, w_row) in w_groups.remainder().chunks_exact(inner).enumerate() {
-        for (i, block) in x.chunks(block_rows * inner).enumerate() {
+        for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
             let o = &mut out[(done + j) * to.col..];
-            dots_dispatch(isa, block, [w_row], o, to, i * block_rows);
+            dots_dispatch(isa, block, [w_row], o, to, i * ROW_BLOCK);
         }
     }
 }
@@ -465,7 +450,7 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    /// AVX-512 dot products of up to 6 rows of `xs` with `J` (1, 4 or 8) weight rows; the
+    /// AVX-512 dot products of up to 4 rows of `xs` with `J` (1, 4 or 8) weight rows; the
     /// row count becomes a constant so that every accumulator stays in a register.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn dots<const J: usize>(
@@ -482,9 +467,7 @@ mod avx512 {
                 1 => dots_rows::<1, J>(xs, ws, out, to, first),
                 2 => dots_rows::<2, J>(xs, ws, out, to, first),
                 3 => dots_rows::<3, J>(xs, ws, out, to, first),
-                4 => dots_rows::<4, J>(xs, ws, out, to, first),
-                5 => dots_rows::<5, J>(xs, ws, out, to, first),
-                _ => dots_rows::<6, J>(xs, ws, out, to, first),
+                _ => dots_rows::<4, J>(xs, ws, out, to, first),
             }
         }
     }
