@@ -170,6 +170,26 @@ fn bad_arguments_get_one_line() {
     assert_clean_error(&["bench", "--runs", "0"], "--runs");
     assert_clean_error(&["generate", "--no-such-flag"], "--no-such-flag");
     assert_clean_error(&["bench", "--max-tokens", "many"], "--max-tokens");
+    assert_clean_error(
+        &["bench", "--policy", "fastest"],
+        "expected speed, dual or baseline",
+    );
+}
+
+#[test]
+fn bench_against_itself_is_refused() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let d = dir.path().display().to_string();
+    let args = [
+        "bench",
+        "--model",
+        &d,
+        "--policy",
+        "baseline",
+        "--max-tokens",
+        "4",
+    ];
+    assert_clean_error(&args, "speculative policy: speed or dual");
 }
 
 #[test]
@@ -198,6 +218,8 @@ fn bench_reports_identical_outputs() {
             "12",
             "--runs",
             "2",
+            "--policy",
+            "dual",
             "--json",
         ],
         &[],
@@ -205,6 +227,8 @@ fn bench_reports_identical_outputs() {
     );
     let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["runs_per_lane"], 2);
+    assert_eq!(report["policy"], "dual");
+    assert!(report["overall"]["second_proposals"].as_u64().unwrap() > 0);
     assert_eq!(report["overall"]["identical"], true);
     assert!(report["overall"]["ceiling"].as_f64().unwrap() > 0.0);
     assert_eq!(report["prompts"].as_array().unwrap().len(), 8);
