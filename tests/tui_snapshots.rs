@@ -190,3 +190,22 @@ fn error_line_and_editing() {
         Panel::Prompt
     )));
 }
+
+#[test]
+fn dual_lane_with_two_candidates_in_one_cell() {
+    let mut app = app();
+    app.info.policy = "dual".into();
+    let run = app.run.as_mut().unwrap();
+    let last = run.columns.back_mut().unwrap();
+    last.cells[0] = cell(" the| a", 21, CellKind::Speculative);
+    run.speed.stats.second_proposals = 12;
+    run.speed.stats.accepted_second = 4;
+    for (panel, w, h) in [
+        (Panel::Speed, 50, 7),
+        (Panel::Pipeline, 100, 7),
+        (Panel::Stats, 60, 9),
+    ] {
+        let out = render(w, h, |f| draw_panel(f, Rect::new(0, 0, w, h), &app, panel));
+        insta::assert_snapshot!(format!("dual_{panel:?}").to_lowercase(), out);
+    }
+}
