@@ -26,12 +26,12 @@ def rope(x, theta):  # x: [heads, T, d], rotate-half layout
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def forward(cfg, w, ids):
+def pass_states(cfg, w, ids):
+    """The normed hidden state `[T, hidden]` after every pass, one per pass (a generator)."""
     h = w["model.embed_tokens.weight"][ids].astype(np.float64)
     heads, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps, t = cfg["rms_norm_eps"], len(ids)
     mask = np.triu(np.full((t, t), -np.inf), 1)
-    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     for _ in range(cfg["total_ut_steps"]):
         for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
@@ -51,7 +51,17 @@ def forward(cfg, w, ids):
             m = (g / (1 + np.exp(-g)) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
             h = h + rms(m, w[p + "post_attention_layernorm_2.weight"], eps)
         h = rms(h, w["model.norm.weight"], eps)
-    return h[-1] @ head.T
+        yield h
+
+
+def lm_head(w):
+    return w.get("lm_head.weight", w["model.embed_tokens.weight"])
+
+
+def forward(cfg, w, ids):
+    """The last position's logits after the last pass."""
+    *_, h = pass_states(cfg, w, ids)
+    return h[-1] @ lm_head(w).T
 
 
 def main():

@@ -18,38 +18,13 @@ import numpy as np
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from ouro_numpy import rms, rope
+from ouro_numpy import lm_head, pass_states
 
 
 def readouts(cfg, w, ids):
     """Logits `[pass][position][vocab]` of the full-sequence forward."""
-    h = w["model.embed_tokens.weight"][ids]
-    heads, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    eps, t = cfg["rms_norm_eps"], len(ids)
-    mask = np.triu(np.full((t, t), -np.inf), 1)
-    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-    out = []
-    for _ in range(cfg["total_ut_steps"]):
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"model.layers.{i}."
-            a = rms(h, w[p + "input_layernorm.weight"], eps)
-            q = (a @ w[p + "self_attn.q_proj.weight"].T).reshape(t, heads, hd).transpose(1, 0, 2)
-            k = (a @ w[p + "self_attn.k_proj.weight"].T).reshape(t, kvh, hd).transpose(1, 0, 2)
-            v = (a @ w[p + "self_attn.v_proj.weight"].T).reshape(t, kvh, hd).transpose(1, 0, 2)
-            q, k = rope(q, cfg["rope_theta"]), rope(k, cfg["rope_theta"])
-            k, v = np.repeat(k, heads // kvh, 0), np.repeat(v, heads // kvh, 0)
-            s = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + mask
-            s = np.exp(s - s.max(-1, keepdims=True))
-            s /= s.sum(-1, keepdims=True)
-            o = (s @ v).transpose(1, 0, 2).reshape(t, heads * hd) @ w[p + "self_attn.o_proj.weight"].T
-            h = h + rms(o, w[p + "input_layernorm_2.weight"], eps)
-            m = rms(h, w[p + "post_attention_layernorm.weight"], eps)
-            g = m @ w[p + "mlp.gate_proj.weight"].T
-            m = (g / (1 + np.exp(-g)) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-            h = h + rms(m, w[p + "post_attention_layernorm_2.weight"], eps)
-        h = rms(h, w["model.norm.weight"], eps)
-        out.append(h @ head.T)
-    return out
+    head = lm_head(w)
+    return [h @ head.T for h in pass_states(cfg, w, ids)]
 
 
 def top2(logits):
