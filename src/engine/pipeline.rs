@@ -65,22 +65,21 @@ struct TopTwo {
 /// A row's logits with their decision.
 type Readout = (Vec<f32>, TopTwo);
 
-/// The best id (the first on ties, as `argmax`) and the runner-up (the best of the others,
-/// the first on ties), in one scan.
-fn top_two(logits: &[f32]) -> TopTwo {
-    let (mut best, mut second) = (0, None::<usize>);
-    for (i, &l) in logits.iter().enumerate().skip(1) {
-        if l > logits[best] {
-            second = Some(best);
-            best = i;
-        } else if second.is_none_or(|s| l > logits[s]) {
-            second = Some(i);
+/// The greedy decision, and the runner-up (the largest of the other logits, the first on ties)
+/// only where the policy may start it: a second scan that SPEED's readouts never pay for.
+fn decide(logits: &[f32], runner_up_wanted: bool) -> TopTwo {
+    let best = argmax(logits) as usize;
+    let mut second: Option<usize> = None;
+    if runner_up_wanted {
+        for (i, &l) in logits.iter().enumerate() {
+            if i != best && second.is_none_or(|s| l > logits[s]) {
+                second = Some(i);
+            }
         }
     }
-    let runner_up = second.unwrap_or(best);
     TopTwo {
         best: best as u32,
-        runner_up: runner_up as u32,
+        runner_up: second.unwrap_or(best) as u32,
         margin: second.map_or(f32::INFINITY, |s| logits[best] - logits[s]),
     }
 }
@@ -389,7 +388,11 @@ impl Decoder {
         let decisions: Vec<Option<TopTwo>> = out
             .logits
             .iter()
-            .map(|l| l.as_deref().map(top_two))
+            .zip(&rows)
+            .map(|(l, row)| {
+                let wanted = self.policy.second_proposal_below(row.pass + 1).is_some();
+                l.as_deref().map(|l| decide(l, wanted))
+            })
             .collect();
         let compute = started.elapsed();
         self.decode_compute += compute;
@@ -488,7 +491,8 @@ impl Decoder {
             && self.may_speculate(pos + 1)
         {
             self.spawn(pos + 1, guess, false, pass);
-            if top.runner_up != guess && self.policy.second_proposal(pass, top.margin) {
+            let gate = self.policy.second_proposal_below(pass);
+            if top.runner_up != guess && gate.is_some_and(|below| top.margin < below) {
                 self.spawn_second(pos + 1, top.runner_up, pass);
             }
         }

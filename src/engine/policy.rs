@@ -12,10 +12,11 @@ pub trait Policy: Send + Sync + fmt::Debug {
     /// child. Pass `passes` (R) always commits and needs no permission.
     fn speculates_at(&self, pass: usize, passes: usize) -> bool;
 
-    /// Whether a readout after `pass` that starts a child also starts its runner-up as a
-    /// second candidate, given the logit margin of the best token over the runner-up.
-    fn second_proposal(&self, _pass: usize, _margin: f32) -> bool {
-        false
+    /// The logit margin (best over runner-up) below which a readout after `pass` that starts
+    /// a child also starts the runner-up as a second candidate; `None` where it never does
+    /// (the decoder then does not look for a runner-up at all).
+    fn second_proposal_below(&self, _pass: usize) -> Option<f32> {
+        None
     }
 }
 
@@ -90,8 +91,8 @@ impl Policy for Dual {
         pass >= self.first_pass && pass < passes
     }
 
-    fn second_proposal(&self, pass: usize, margin: f32) -> bool {
-        pass == self.first_pass && margin < self.margin_below
+    fn second_proposal_below(&self, pass: usize) -> Option<f32> {
+        (pass == self.first_pass).then_some(self.margin_below)
     }
 }
 
