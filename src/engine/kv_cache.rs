@@ -214,11 +214,11 @@ impl KvCache {
 
     /// The second candidate won: its entries replace the first's in every layer.
     pub fn promote_alternate(&mut self) -> Result<()> {
-        if let Some((pass, pos)) = self.alternate.slot.take() {
+        if let Some((pass, pos)) = self.alternate.slot {
             for layer in 0..self.layers() {
                 self.swap_alternate(layer, pass, pos)?;
             }
-            self.alternate.slot = None;
+            self.drop_alternate();
         }
         Ok(())
     }

@@ -66,7 +66,8 @@ impl Policy for Speed {
 /// unchanged: commits still come from pass R only.
 #[derive(Debug, Clone, Copy)]
 pub struct Dual {
-    pub first_pass: usize,
+    /// Where children start and are re-checked: exactly as SPEED.
+    pub speed: Speed,
     pub margin_below: f32,
 }
 
@@ -76,7 +77,7 @@ impl Default for Dual {
     /// 2.13 / 2.11× at 1.5 and 2.07× at 2.0 (runs interleaved).
     fn default() -> Self {
         Self {
-            first_pass: 1,
+            speed: Speed::default(),
             margin_below: 1.0,
         }
     }
@@ -88,11 +89,11 @@ impl Policy for Dual {
     }
 
     fn speculates_at(&self, pass: usize, passes: usize) -> bool {
-        pass >= self.first_pass && pass < passes
+        self.speed.speculates_at(pass, passes)
     }
 
     fn second_proposal_below(&self, pass: usize) -> Option<f32> {
-        (pass == self.first_pass).then_some(self.margin_below)
+        (pass == self.speed.first_pass).then_some(self.margin_below)
     }
 }
 
