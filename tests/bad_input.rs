@@ -172,7 +172,11 @@ fn bad_arguments_get_one_line() {
     assert_clean_error(&["bench", "--max-tokens", "many"], "--max-tokens");
     assert_clean_error(
         &["bench", "--policy", "fastest"],
-        "expected speed, dual or baseline",
+        "expected speed, dual, dual:MARGIN or baseline",
+    );
+    assert_clean_error(
+        &["bench", "--policy", "dual:0"],
+        "the dual margin must be a positive number of logits",
     );
 }
 
@@ -219,7 +223,7 @@ fn bench_reports_identical_outputs() {
             "--runs",
             "2",
             "--policy",
-            "dual",
+            "dual:2.5",
             "--json",
         ],
         &[],
@@ -227,7 +231,7 @@ fn bench_reports_identical_outputs() {
     );
     let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["runs_per_lane"], 2);
-    assert_eq!(report["policy"], "dual");
+    assert_eq!(report["policy"], "dual:2.5");
     assert!(report["overall"]["second_proposals"].as_u64().unwrap() > 0);
     assert_eq!(report["overall"]["identical"], true);
     assert!(report["overall"]["ceiling"].as_f64().unwrap() > 0.0);

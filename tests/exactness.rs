@@ -29,7 +29,7 @@ fn assert_lanes_equal(loaded: &LoadedModel, label: &str, tally: &mut Tally) {
     for prompt in PROMPTS {
         let base = run_lane(loaded, PolicyKind::Baseline, prompt, OPTIONS).expect("baseline");
         assert!(!base.tokens.is_empty());
-        for policy in [PolicyKind::Speed, PolicyKind::Dual] {
+        for policy in [PolicyKind::Speed, PolicyKind::DUAL] {
             let lane = run_lane(loaded, policy, prompt, OPTIONS).expect("speculative lane");
             assert_eq!(
                 base.tokens, lane.tokens,
@@ -197,7 +197,8 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
         let (base, _, _) = run(PolicyKind::Baseline);
         // `dual` also checks the second candidates' entries: promoted ones must be exactly
         // what baseline wrote at that position.
-        for policy in [PolicyKind::Speed, PolicyKind::Dual] {
+        let wide_gate = PolicyKind::Dual { margin_below: 4.0 };
+        for policy in [PolicyKind::Speed, PolicyKind::DUAL, wide_gate] {
             let (spec_run, flushes, promotions) = run(policy);
             total_flushes += flushes;
             promoted += promotions;

@@ -216,7 +216,7 @@ fn engine_events_fill_lanes_pipeline_flips_and_kv() {
 #[test]
 fn a_dual_race_shows_both_candidates_and_counts_second_proposals() {
     let mut app = running_app();
-    app.update(Msg::Engine(race_events_with("To be", PolicyKind::Dual)));
+    app.update(Msg::Engine(race_events_with("To be", PolicyKind::DUAL)));
     let run = app.run.as_ref().unwrap();
     assert_eq!(run.agreement(), Agreement::Same(20));
     assert!(

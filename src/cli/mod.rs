@@ -112,7 +112,7 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
-    /// speed, dual (SPEED with a gated second proposal) or baseline (default: the entry's policy, else speed).
+    /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits) or baseline (default: the entry's policy, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
@@ -138,7 +138,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     pub runs: u64,
     /// The speculative lane raced against baseline: speed, or dual (SPEED with a gated
-    /// second proposal) (default: the entry's policy, else speed).
+    /// second proposal; dual:MARGIN sets the gate in logits) (default: the entry's policy, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Print one JSON report instead of a table.
@@ -157,7 +157,7 @@ pub struct TuiArgs {
     /// Tokens to generate per run.
     #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
-    /// The policy raced against baseline: speed or dual (default: the entry's, else speed).
+    /// The policy raced against baseline: speed, dual or dual:MARGIN (default: the entry's, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Frames per second of the dashboard.

@@ -203,7 +203,7 @@ pub fn bench_prompt(
 ) -> Result<PromptResult> {
     if policy == PolicyKind::Baseline {
         return Err(EngineError::Invalid(
-            "bench races baseline against a speculative policy: speed or dual".into(),
+            "bench races baseline against a speculative policy: speed or dual[:MARGIN]".into(),
         ));
     }
     let mut baseline = run_lane(loaded, PolicyKind::Baseline, prompt, options)?;

@@ -71,14 +71,16 @@ pub struct Dual {
     pub margin_below: f32,
 }
 
+impl Dual {
+    /// A margin of 1.0: the runner-up's probability above e⁻¹ of the best's.
+    pub const DEFAULT_MARGIN: f32 = 1.0;
+}
+
 impl Default for Dual {
-    /// A margin of 1.0 (runner-up probability above e⁻¹ of the best's) measured best on the
-    /// shipped model: `spex bench` gave 2.14 / 2.09× at a margin of 0.5, 2.17 / 2.23× at 1.0,
-    /// 2.13 / 2.11× at 1.5 and 2.07× at 2.0 (runs interleaved).
     fn default() -> Self {
         Self {
             speed: Speed::default(),
-            margin_below: 1.0,
+            margin_below: Self::DEFAULT_MARGIN,
         }
     }
 }
@@ -97,21 +99,31 @@ impl Policy for Dual {
     }
 }
 
-/// The policies the CLI and the dashboard can name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+/// The policies the CLI, models.toml and the dashboard can name: `speed`, `baseline`, `dual`
+/// or `dual:MARGIN` (the second-proposal gate in logits; the gate's best value depends on how
+/// peaked a model's pass-1 readouts are, so it is a per-model setting).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum PolicyKind {
     Speed,
-    Dual,
+    Dual { margin_below: f32 },
     Baseline,
 }
 
 impl PolicyKind {
-    /// A boxed policy with its default parameters.
+    /// `dual` with its default gate.
+    pub const DUAL: Self = Self::Dual {
+        margin_below: Dual::DEFAULT_MARGIN,
+    };
+
+    /// A boxed policy with these parameters.
     pub fn build(self) -> Box<dyn Policy> {
         match self {
             Self::Speed => Box::new(Speed::default()),
-            Self::Dual => Box::new(Dual::default()),
+            Self::Dual { margin_below } => Box::new(Dual {
+                margin_below,
+                ..Dual::default()
+            }),
             Self::Baseline => Box::new(Baseline),
         }
     }
@@ -121,19 +133,72 @@ impl std::str::FromStr for PolicyKind {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "speed" => Ok(Self::Speed),
-            "dual" => Ok(Self::Dual),
-            "baseline" => Ok(Self::Baseline),
-            other => Err(format!(
-                "unknown policy `{other}` (expected speed, dual or baseline)"
+        match s.split_once(':') {
+            None if s == "speed" => Ok(Self::Speed),
+            None if s == "dual" => Ok(Self::DUAL),
+            None if s == "baseline" => Ok(Self::Baseline),
+            Some(("dual", margin)) => match margin.parse::<f32>() {
+                Ok(m) if m.is_finite() && m > 0.0 => Ok(Self::Dual { margin_below: m }),
+                _ => Err(format!(
+                    "policy `{s}`: the dual margin must be a positive number of logits"
+                )),
+            },
+            _ => Err(format!(
+                "unknown policy `{s}` (expected speed, dual, dual:MARGIN or baseline)"
             )),
         }
     }
 }
 
+impl TryFrom<String> for PolicyKind {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<PolicyKind> for String {
+    fn from(kind: PolicyKind) -> Self {
+        kind.to_string()
+    }
+}
+
 impl fmt::Display for PolicyKind {
+    /// The name `FromStr` reads back: the margin only where it is not the default.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.build().name())
+        match self {
+            Self::Dual { margin_below } if *margin_below != Dual::DEFAULT_MARGIN => {
+                write!(f, "dual:{margin_below}")
+            }
+            _ => f.write_str(self.build().name()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_names_round_trip_with_their_margin() {
+        for name in ["speed", "dual", "dual:0.5", "baseline"] {
+            let kind: PolicyKind = name.parse().expect("a valid policy name");
+            assert_eq!(kind.to_string(), name);
+        }
+        assert_eq!("dual:1".parse::<PolicyKind>(), Ok(PolicyKind::DUAL));
+        let margin = |k: PolicyKind| k.build().second_proposal_below(1);
+        assert_eq!(margin("dual:0.5".parse().expect("valid")), Some(0.5));
+        assert_eq!(margin(PolicyKind::Speed), None);
+    }
+
+    #[test]
+    fn bad_policy_names_say_what_is_wrong() {
+        for bad in ["dual:0", "dual:-1", "dual:x", "dual:inf", "speed:1", "fast"] {
+            let err = bad
+                .parse::<PolicyKind>()
+                .expect_err("an invalid policy name");
+            assert!(err.contains(bad), "{err}");
+        }
     }
 }

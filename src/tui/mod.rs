@@ -33,7 +33,7 @@ pub struct DashboardOptions {
     /// Wrap prompts in the chat template before decoding.
     pub chat: bool,
     pub decode: DecodeOptions,
-    /// The speculative lane's policy (speed or dual).
+    /// The speculative lane's policy (speed or dual, with its gate).
     pub policy: PolicyKind,
     pub info: ModelInfo,
     pub frame_interval: Duration,
