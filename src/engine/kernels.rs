@@ -15,6 +15,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+pub mod f16_matmul;
+
 /// Rows of `x` processed together against one weight row (registers hold 2 accumulators each).
 const ROW_BLOCK: usize = 4;
 /// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped

@@ -50,6 +50,18 @@ pub fn with_device_backend(loaded: &LoadedModel) -> LoadedModel {
     }
 }
 
+/// The same checkpoint with every readout on the f32 head (no f16 proposal head).
+pub fn with_f32_readouts(loaded: &LoadedModel) -> LoadedModel {
+    let model = loaded
+        .model
+        .on_backend(loaded.model.backend())
+        .expect("model");
+    LoadedModel {
+        model: Arc::new(model.with_f32_readouts()),
+        ..loaded.clone()
+    }
+}
+
 /// A small spec with the given shape.
 pub fn spec(layers: usize, passes: usize, variant: Variant, seed: u64) -> RandomSpec {
     let (tied, kv_heads) = match variant {

@@ -194,7 +194,17 @@ fn readouts(model: &LoopedModel, rows: &[StepRow], h: &[f32]) -> Result<Vec<Opti
         .iter()
         .flat_map(|&i| h[i * hidden..(i + 1) * hidden].iter().copied())
         .collect();
-    let all = linear(&x, &model.weights.lm_head, wanted.len())?;
+    let all = match &model.half_head {
+        // Proposals through the f16 head; rows at pass R (they commit) screened exact.
+        Some(head) => {
+            let exact: Vec<bool> = wanted
+                .iter()
+                .map(|&i| rows[i].pass + 1 == model.passes())
+                .collect();
+            head.readouts(&x, &exact, &HostView::new(&model.weights.lm_head)?)
+        }
+        None => linear(&x, &model.weights.lm_head, wanted.len())?,
+    };
     let vocab = all.len() / wanted.len();
     for (n, &i) in wanted.iter().enumerate() {
         logits[i] = Some(all[n * vocab..(n + 1) * vocab].to_vec());

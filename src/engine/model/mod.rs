@@ -6,6 +6,7 @@
 
 mod device;
 pub mod fused;
+mod half_head;
 mod host;
 pub mod reference;
 
@@ -15,6 +16,12 @@ use candle_nn::VarBuilder;
 use super::config::OuroConfig;
 use super::error::Result;
 use super::kv_cache::KvCache;
+
+/// `SPEX_F32_PROPOSALS=1` keeps every readout on the f32 head (to compare speculation with
+/// exact proposals; commits are exact either way).
+fn f32_proposals_asked() -> bool {
+    std::env::var_os("SPEX_F32_PROPOSALS").is_some_and(|v| v == "1")
+}
 
 /// Initial values when a `VarMap`-backed builder creates weights (training): N(0, 1/fan_in).
 fn init_linear(fan_in: usize) -> candle_nn::Init {
@@ -272,6 +279,8 @@ pub struct LoopedModel {
     pub device: Device,
     pub dtype: DType,
     backend: StepBackend,
+    /// The host path's f16 LM head for proposal readouts (`half_head`), where it is faster.
+    half_head: Option<half_head::HalfHead>,
 }
 
 impl LoopedModel {
@@ -290,6 +299,12 @@ impl LoopedModel {
         } else {
             StepBackend::Device
         };
+        let half_head = if backend == StepBackend::Host && !f32_proposals_asked() {
+            let head = weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
+            half_head::HalfHead::new(&head, config.hidden_size)
+        } else {
+            None
+        };
         Ok(Self {
             config,
             weights,
@@ -297,6 +312,7 @@ impl LoopedModel {
             device,
             dtype,
             backend,
+            half_head,
         })
     }
 
@@ -326,6 +342,28 @@ impl LoopedModel {
     /// The implementation this model's steps run on.
     pub fn backend(&self) -> StepBackend {
         self.backend
+    }
+
+    /// The same model with every readout on the f32 head: ordinary greedy decoding's
+    /// arithmetic, which the tests compare the screened readouts against.
+    pub fn with_f32_readouts(mut self) -> Self {
+        self.half_head = None;
+        self
+    }
+
+    /// Whether proposal readouts (before pass R) go through the f16 LM head: the host path
+    /// with AVX-512, unless `SPEX_F32_PROPOSALS=1`. Pass-R readouts are exact either way.
+    pub fn has_half_head(&self) -> bool {
+        self.backend == StepBackend::Host && self.half_head.is_some()
+    }
+
+    /// How far a proposal readout's logits may be from the f32 head's for the normed state
+    /// `state` (a step's hidden output); `None` where readouts are f32.
+    pub fn proposal_error_bound(&self, state: &[f32]) -> Option<f64> {
+        self.half_head
+            .as_ref()
+            .filter(|_| self.backend == StepBackend::Host)
+            .map(|h| h.error_bound(state))
     }
 
     /// R, the passes.
