@@ -8,6 +8,9 @@
 //! token's hidden state does not depend on which other rows shared its step: speculative and
 //! baseline decoding agree bit for bit.
 //!
+//! `f16_matmul` is the same product with f16 weights, for `model::half_head`'s proposal
+//! readouts, which need a bound on their error rather than these bits.
+//!
 //! AVX-512 runs the matmul where the CPU has it (measured on this project's Xeon: baseline
 //! decoding 6–9 % faster than with AVX2, SPEED 5 % faster); everything else uses AVX2 + FMA.
 

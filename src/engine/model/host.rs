@@ -1,5 +1,6 @@
 //! The batched step on CPU f32 memory with spex's kernels (`engine::kernels`). Weights stay in
-//! their candle tensors and are viewed in place; the KV cache is host memory.
+//! their candle tensors and are viewed in place; the KV cache is host memory. Readouts go
+//! through `half_head` where the model has one (proposals in f16, commits screened exact).
 
 use std::ops::Deref;
 
