@@ -1,31 +1,83 @@
 //! `x · wᵀ` with f16 weights widened to f32 in registers: half the bytes of an f32 matrix, for
 //! the proposal readouts of `model::half_head` (which bounds the error and screens commits).
-//! AVX-512 only; `half_head` does not use f16 weights where this would run the portable loop.
+//!
+//! The weights are repacked in panels of 64 output columns, `[inner × 64]` each, so a panel is
+//! one contiguous stream and each input element, broadcast, feeds 4 × 16 output lanes at once:
+//! no horizontal sums (one per output made a first row-major version slower than f32).
 
 use half::f16;
 
-/// Whether `matmul_t` below runs vectorised for rows of `inner` elements on this CPU.
-pub fn fast_for(inner: usize) -> bool {
-    super::isa() == super::Isa::Avx512 && inner.is_multiple_of(16)
+/// Output columns per panel: 4 AVX-512 registers.
+const PANEL: usize = 64;
+/// Input rows per block: 4 × 4 accumulators plus 4 weight registers fit in 32.
+const ROWS: usize = 4;
+
+/// Whether `PackedF16::matmul` runs vectorised on this CPU.
+pub fn fast() -> bool {
+    super::isa() == super::Isa::Avx512
 }
 
-/// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `w: [outs × inner]` in f16,
-/// `out: [rows × outs]`. Summation order is unspecified: callers use a bound, not bits.
-pub fn matmul_t(x: &[f32], w: &[f16], rows: usize, inner: usize, out: &mut [f32]) {
-    let outs = w.len() / inner;
-    debug_assert_eq!(x.len(), rows * inner);
-    debug_assert_eq!(out.len(), rows * outs);
-    #[cfg(target_arch = "x86_64")]
-    if fast_for(inner) {
-        for (block, first) in x.chunks(4 * inner).zip((0..rows).step_by(4)) {
-            // SAFETY: `fast_for` checked AVX-512F and whole 16-lane chunks per row.
-            unsafe { avx512::rows(block, w, inner, &mut out[first * outs..]) };
+/// A `[outs × inner]` matrix in f16, packed in column panels (the last one zero-padded).
+#[derive(Debug, Clone)]
+pub struct PackedF16 {
+    panels: Vec<f16>,
+    inner: usize,
+    outs: usize,
+}
+
+impl PackedF16 {
+    /// Packs `w: [outs × inner]` (row-major f32), rounding every weight to the nearest f16.
+    pub fn new(w: &[f32], inner: usize) -> Self {
+        let outs = w.len() / inner;
+        let mut panels = vec![f16::ZERO; outs.div_ceil(PANEL) * PANEL * inner];
+        for (j, row) in w.chunks_exact(inner).enumerate() {
+            let (p, c) = (j / PANEL, j % PANEL);
+            for (k, &v) in row.iter().enumerate() {
+                panels[(p * inner + k) * PANEL + c] = f16::from_f32(v);
+            }
         }
-        return;
+        Self {
+            panels,
+            inner,
+            outs,
+        }
     }
-    for (xr, or) in x.chunks_exact(inner).zip(out.chunks_exact_mut(outs)) {
-        for (o, wr) in or.iter_mut().zip(w.chunks_exact(inner)) {
-            *o = xr.iter().zip(wr).map(|(a, b)| a * b.to_f32()).sum();
+
+    /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `out: [rows × outs]`.
+    /// Each output sums its products in order of k; callers use a bound, not these bits.
+    pub fn matmul(&self, x: &[f32], rows: usize, out: &mut [f32]) {
+        debug_assert_eq!(x.len(), rows * self.inner);
+        debug_assert_eq!(out.len(), rows * self.outs);
+        let mut tile = [0f32; ROWS * PANEL];
+        for (p, panel) in self.panels.chunks_exact(self.inner * PANEL).enumerate() {
+            let cols = PANEL.min(self.outs - p * PANEL);
+            for (b, block) in x.chunks(ROWS * self.inner).enumerate() {
+                let n = block.len() / self.inner;
+                self.panel_tile(block, panel, &mut tile);
+                for r in 0..n {
+                    let at = (b * ROWS + r) * self.outs + p * PANEL;
+                    out[at..at + cols].copy_from_slice(&tile[r * PANEL..r * PANEL + cols]);
+                }
+            }
+        }
+    }
+
+    /// Up to `ROWS` rows of `x` times one panel, into `tile: [ROWS × PANEL]`.
+    fn panel_tile(&self, x: &[f32], panel: &[f16], tile: &mut [f32; ROWS * PANEL]) {
+        #[cfg(target_arch = "x86_64")]
+        if fast() {
+            // SAFETY: `fast` checked AVX-512F; `panel` is `inner × PANEL` and `x` whole rows.
+            unsafe { avx512::panel_tile(x, panel, self.inner, tile) };
+            return;
+        }
+        for (r, xr) in x.chunks_exact(self.inner).enumerate() {
+            let acc = &mut tile[r * PANEL..(r + 1) * PANEL];
+            acc.fill(0.0);
+            for (&xk, wk) in xr.iter().zip(panel.chunks_exact(PANEL)) {
+                for (a, w) in acc.iter_mut().zip(wk) {
+                    *a += xk * w.to_f32();
+                }
+            }
         }
     }
 }
@@ -36,65 +88,55 @@ mod avx512 {
 
     use half::f16;
 
-    /// Up to 4 rows of `xs` against every row of `w`, 4 weight rows at a time.
+    use super::{PANEL, ROWS};
+
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn rows(xs: &[f32], w: &[f16], inner: usize, out: &mut [f32]) {
-        // SAFETY: the caller's features; `rows` rows of `xs` exist.
+    pub unsafe fn panel_tile(
+        x: &[f32],
+        panel: &[f16],
+        inner: usize,
+        tile: &mut [f32; ROWS * PANEL],
+    ) {
+        // SAFETY: the caller's features and shapes.
         unsafe {
-            match xs.len() / inner {
-                1 => block::<1>(xs, w, inner, out),
-                2 => block::<2>(xs, w, inner, out),
-                3 => block::<3>(xs, w, inner, out),
-                _ => block::<4>(xs, w, inner, out),
+            match x.len() / inner {
+                1 => rows::<1>(x, panel, inner, tile),
+                2 => rows::<2>(x, panel, inner, tile),
+                3 => rows::<3>(x, panel, inner, tile),
+                _ => rows::<4>(x, panel, inner, tile),
             }
         }
     }
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn block<const R: usize>(xs: &[f32], w: &[f16], inner: usize, out: &mut [f32]) {
-        let outs = w.len() / inner;
-        let groups = outs / 4;
-        for g in 0..groups {
-            // SAFETY: weight rows 4g..4g+4 exist.
-            unsafe { dots::<R, 4>(xs, w, inner, 4 * g, out, outs) };
-        }
-        for j in 4 * groups..outs {
-            // SAFETY: weight row j exists.
-            unsafe { dots::<R, 1>(xs, w, inner, j, out, outs) };
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn dots<const R: usize, const J: usize>(
-        xs: &[f32],
-        w: &[f16],
+    unsafe fn rows<const R: usize>(
+        x: &[f32],
+        panel: &[f16],
         inner: usize,
-        first: usize,
-        out: &mut [f32],
-        outs: usize,
+        tile: &mut [f32; ROWS * PANEL],
     ) {
-        let mut acc = [[_mm512_setzero_ps(); J]; R];
-        let (xp, wp) = (xs.as_ptr(), w.as_ptr().wrapping_add(first * inner));
-        for k in (0..inner).step_by(16) {
-            // SAFETY: `inner` is a multiple of 16, so every 16-element load lies inside weight
-            // rows first..first+J and the R rows of `xs`; f16 is two bytes, as the load reads.
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let wp = panel.as_ptr();
+        for k in 0..inner {
+            // SAFETY: row k of the panel holds PANEL = 4 × 16 f16 values (two bytes each, as
+            // the 32-byte loads read); x has R rows of `inner`.
             unsafe {
-                let wv: [__m512; J] = std::array::from_fn(|j| {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(j * inner + k).cast()))
+                let w: [__m512; 4] = std::array::from_fn(|c| {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(k * PANEL + c * 16).cast()))
                 });
                 for (r, a) in acc.iter_mut().enumerate() {
-                    let x = _mm512_loadu_ps(xp.add(r * inner + k));
-                    for j in 0..J {
-                        a[j] = _mm512_fmadd_ps(x, wv[j], a[j]);
+                    let xk = _mm512_set1_ps(*x.get_unchecked(r * inner + k));
+                    for c in 0..4 {
+                        a[c] = _mm512_fmadd_ps(xk, w[c], a[c]);
                     }
                 }
             }
         }
         for (r, a) in acc.iter().enumerate() {
-            for (j, v) in a.iter().enumerate() {
-                out[r * outs + first + j] = _mm512_reduce_add_ps(*v);
+            for (c, v) in a.iter().enumerate() {
+                // SAFETY: r < ROWS and c < 4, so the 16 floats lie inside the tile.
+                unsafe { _mm512_storeu_ps(tile.as_mut_ptr().add(r * PANEL + c * 16), *v) };
             }
         }
     }

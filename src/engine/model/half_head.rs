@@ -9,27 +9,27 @@
 //! recomputed with the f32 kernel (the same arithmetic the f32 head uses for that pair), which
 //! makes the argmax exactly the f32 head's, ties included. Called by `model::host` only.
 
-use half::f16;
-
-use crate::engine::kernels::{self, f16_matmul};
+use crate::engine::kernels::{
+    self,
+    f16_matmul::{self, PackedF16},
+};
 
 /// The LM head in f16, with what its error bound needs.
 #[derive(Debug, Clone)]
 pub struct HalfHead {
-    weights: Vec<f16>,
+    weights: PackedF16,
     inner: usize,
+    vocab: usize,
     /// The largest L2 norm of a weight row, for Cauchy–Schwarz in `error_bound`.
     max_row_norm: f64,
 }
 
 impl HalfHead {
     /// An f16 copy of `lm_head` (`[vocab × inner]`), or `None` where it would not be faster
-    /// (no vectorised f16 kernel on this CPU for this width) or not faithful (a weight outside
-    /// f16's range, or not finite).
+    /// (no vectorised f16 kernel on this CPU) or not faithful (a weight outside f16's range,
+    /// or not finite).
     pub fn new(lm_head: &[f32], inner: usize) -> Option<Self> {
-        if !f16_matmul::fast_for(inner)
-            || lm_head.iter().any(|w| !w.is_finite() || w.abs() > 65504.0)
-        {
+        if !f16_matmul::fast() || lm_head.iter().any(|w| !w.is_finite() || w.abs() > 65504.0) {
             return None;
         }
         let max_row_norm = lm_head
@@ -42,8 +42,9 @@ impl HalfHead {
             })
             .fold(0.0, f64::max);
         Some(Self {
-            weights: lm_head.iter().map(|&w| f16::from_f32(w)).collect(),
+            weights: PackedF16::new(lm_head, inner),
             inner,
+            vocab: lm_head.len() / inner,
             max_row_norm,
         })
     }
@@ -68,10 +69,9 @@ impl HalfHead {
     /// Logits for the rows of `x` (`[rows × inner]`); rows with `exact[m]` are screened against
     /// `f32_head` so that their argmax is the f32 head's.
     pub fn readouts(&self, x: &[f32], exact: &[bool], f32_head: &[f32]) -> Vec<f32> {
-        let rows = exact.len();
-        let vocab = self.weights.len() / self.inner;
+        let (rows, vocab) = (exact.len(), self.vocab);
         let mut out = vec![0f32; rows * vocab];
-        f16_matmul::matmul_t(x, &self.weights, rows, self.inner, &mut out);
+        self.weights.matmul(x, rows, &mut out);
         for ((xr, logits), _) in x
             .chunks_exact(self.inner)
             .zip(out.chunks_exact_mut(vocab))
