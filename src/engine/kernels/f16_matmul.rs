@@ -9,6 +9,8 @@ use half::f16;
 
 /// Output columns per panel: 4 AVX-512 registers.
 const PANEL: usize = 64;
+/// f16 values in 64 bytes: the most the buffer's start can be from a 64-byte boundary.
+const ALIGN_F16: usize = 32;
 /// Input rows per block: 4 × 4 accumulators plus 4 weight registers fit in 32.
 const ROWS: usize = 4;
 
@@ -20,7 +22,10 @@ pub fn fast() -> bool {
 /// A `[outs × inner]` matrix in f16, packed in column panels (the last one zero-padded).
 #[derive(Debug, Clone)]
 pub struct PackedF16 {
-    panels: Vec<f16>,
+    /// The panels start at `offset`, the first 64-byte boundary of the buffer: a panel row
+    /// is then two cache lines, and no 32-byte load straddles two.
+    buffer: Vec<f16>,
+    offset: usize,
     inner: usize,
     outs: usize,
 }
@@ -29,7 +34,10 @@ impl PackedF16 {
     /// Packs `w: [outs × inner]` (row-major f32), rounding every weight to the nearest f16.
     pub fn new(w: &[f32], inner: usize) -> Self {
         let outs = w.len() / inner;
-        let mut panels = vec![f16::ZERO; outs.div_ceil(PANEL) * PANEL * inner];
+        let len = outs.div_ceil(PANEL) * PANEL * inner;
+        let mut buffer = vec![f16::ZERO; len + ALIGN_F16];
+        let offset = buffer.as_ptr().align_offset(64).min(ALIGN_F16);
+        let panels = &mut buffer[offset..offset + len];
         for (j, row) in w.chunks_exact(inner).enumerate() {
             let (p, c) = (j / PANEL, j % PANEL);
             for (k, &v) in row.iter().enumerate() {
@@ -37,10 +45,16 @@ impl PackedF16 {
             }
         }
         Self {
-            panels,
+            buffer,
+            offset,
             inner,
             outs,
         }
+    }
+
+    fn panels(&self) -> &[f16] {
+        let len = self.buffer.len() - ALIGN_F16;
+        &self.buffer[self.offset..self.offset + len]
     }
 
     /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `out: [rows × outs]`.
@@ -49,7 +63,7 @@ impl PackedF16 {
         debug_assert_eq!(x.len(), rows * self.inner);
         debug_assert_eq!(out.len(), rows * self.outs);
         let mut tile = [0f32; ROWS * PANEL];
-        for (p, panel) in self.panels.chunks_exact(self.inner * PANEL).enumerate() {
+        for (p, panel) in self.panels().chunks_exact(self.inner * PANEL).enumerate() {
             let cols = PANEL.min(self.outs - p * PANEL);
             for (b, block) in x.chunks(ROWS * self.inner).enumerate() {
                 let n = block.len() / self.inner;
