@@ -52,7 +52,7 @@ impl Checkpoint {
         let files = TensorFiles::open(&self.weight_files)?;
         let vb = VarBuilder::from_backend(Box::new(files), dtype, device.clone());
         let weights = Weights::load(&vb, &self.config).map_err(|e| self.tensor_error(e))?;
-        LoopedModel::new(self.config.clone(), weights, device.clone(), dtype)
+        LoopedModel::from_checkpoint(self.config.clone(), weights, device.clone(), dtype)
     }
 
     fn tensor_error(&self, e: candle_core::Error) -> EngineError {
@@ -170,7 +170,7 @@ impl LoadedModel {
             .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
         let weights = Weights::load(&vb, &config)
             .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
-        let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
+        let model = LoopedModel::from_checkpoint(config, weights, device.clone(), dtype)?;
         Self::assemble(model, tokenizer, "embedded".into(), path)
     }
 

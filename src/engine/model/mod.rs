@@ -31,6 +31,19 @@ fn init_linear(fan_in: usize) -> candle_nn::Init {
     }
 }
 
+/// A copy of CPU f32 `t` whose first element is 64-byte aligned.
+fn aligned_copy(t: &Tensor) -> candle_core::Result<Tensor> {
+    const PAD: usize = 16;
+    let data = t.flatten_all()?.to_vec1::<f32>()?;
+    let mut buffer = vec![0f32; data.len() + PAD];
+    let offset = buffer.as_ptr().align_offset(64).min(PAD);
+    buffer[offset..offset + data.len()].copy_from_slice(&data);
+    let len = buffer.len();
+    Tensor::from_vec(buffer, len, t.device())?
+        .narrow(0, offset, data.len())?
+        .reshape(t.shape())
+}
+
 /// Norm weights start at 1.
 const ONES: candle_nn::Init = candle_nn::Init::Const(1.0);
 
@@ -130,6 +143,27 @@ impl Weights {
             norm,
             lm_head,
         })
+    }
+
+    /// The same weights with every matrix the host kernels stream copied to a 64-byte
+    /// boundary (a view into a padded buffer), so that no 16-float load straddles two cache
+    /// lines: where a buffer lands otherwise differs by process, and so did step times.
+    pub fn aligned_for_host(mut self) -> candle_core::Result<Self> {
+        for layer in &mut self.layers {
+            for t in [
+                &mut layer.q_proj,
+                &mut layer.k_proj,
+                &mut layer.v_proj,
+                &mut layer.o_proj,
+                &mut layer.gate_proj,
+                &mut layer.up_proj,
+                &mut layer.down_proj,
+            ] {
+                *t = aligned_copy(t)?;
+            }
+        }
+        self.lm_head = aligned_copy(&self.lm_head)?;
+        Ok(self)
     }
 
     /// The tensors by their Ouro names, for writing a checkpoint.
@@ -314,6 +348,22 @@ impl LoopedModel {
             backend,
             half_head,
         })
+    }
+
+    /// `new` for weights read from a checkpoint (not training's variables, which must stay
+    /// the tensors the optimiser updates): on the host path, matrices move to aligned buffers.
+    pub fn from_checkpoint(
+        config: OuroConfig,
+        weights: Weights,
+        device: Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        let weights = if device.is_cpu() && dtype == DType::F32 {
+            weights.aligned_for_host()?
+        } else {
+            weights
+        };
+        Self::new(config, weights, device, dtype)
     }
 
     /// Forces a step implementation (the device path can run on CPU, which the tests use).
