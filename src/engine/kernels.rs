@@ -59,6 +59,35 @@ pub fn isa() -> Isa {
     })
 }
 
+/// Offers `buf`'s whole 2 MB pages to the kernel as transparent huge pages: before the memory
+/// is first written (`collapse` false: later faults get huge pages) or after it (`collapse`
+/// true: the kernel merges what is already there, Linux ≥ 6.1). Best effort: systems without
+/// THP, or with it off, keep 4 KB pages and lose nothing else.
+pub fn advise_huge_pages(buf: &[f32], collapse: bool) {
+    #[cfg(target_os = "linux")]
+    {
+        /// `MADV_COLLAPSE` (Linux 6.1), not in every libc crate release.
+        const MADV_COLLAPSE: libc::c_int = 25;
+        const HUGE: usize = 2 << 20;
+        let start = buf.as_ptr() as usize;
+        let first = start.next_multiple_of(HUGE);
+        let end = (start + std::mem::size_of_val(buf)) / HUGE * HUGE;
+        if end <= first {
+            return;
+        }
+        let advice = if collapse {
+            MADV_COLLAPSE
+        } else {
+            libc::MADV_HUGEPAGE
+        };
+        // SAFETY: [first, end) lies inside `buf`'s allocation and is page aligned; both advices
+        // only change how the kernel backs the pages, never their contents. Errors are ignored.
+        unsafe { libc::madvise(first as *mut libc::c_void, end - first, advice) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (buf, collapse);
+}
+
 /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `w: [outs × inner]` (a linear
 /// layer's weight as stored, no transpose), `out: [rows × outs]`.
 pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]) {

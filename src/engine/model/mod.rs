@@ -15,6 +15,7 @@ use candle_nn::VarBuilder;
 
 use super::config::OuroConfig;
 use super::error::Result;
+use super::kernels;
 use super::kv_cache::KvCache;
 
 /// `SPEX_F32_PROPOSALS=1` keeps every readout on the f32 head (to compare speculation with
@@ -31,17 +32,38 @@ fn init_linear(fan_in: usize) -> candle_nn::Init {
     }
 }
 
-/// A copy of CPU f32 `t` whose first element is 64-byte aligned.
-fn aligned_copy(t: &Tensor) -> candle_core::Result<Tensor> {
-    const PAD: usize = 16;
-    let data = t.flatten_all()?.to_vec1::<f32>()?;
-    let mut buffer = vec![0f32; data.len() + PAD];
-    let offset = buffer.as_ptr().align_offset(64).min(PAD);
-    buffer[offset..offset + data.len()].copy_from_slice(&data);
-    let len = buffer.len();
-    Tensor::from_vec(buffer, len, t.device())?
-        .narrow(0, offset, data.len())?
-        .reshape(t.shape())
+/// Copies CPU f32 matrices into one arena: it starts on a 2 MB boundary and is offered to
+/// the kernel as huge pages, and every matrix starts on a 64-byte boundary. Each tensor becomes
+/// a view into the arena.
+fn into_arena(mats: &mut [&mut Tensor]) -> candle_core::Result<()> {
+    const HUGE_F32: usize = (2 << 20) / 4;
+    let Some(device) = mats.first().map(|t| t.device().clone()) else {
+        return Ok(());
+    };
+    let slots: Vec<usize> = mats
+        .iter()
+        .map(|t| t.elem_count().div_ceil(16) * 16)
+        .collect();
+    let total: usize = slots.iter().sum();
+    let mut arena = vec![0f32; total + HUGE_F32];
+    let base = arena.as_ptr().align_offset(2 << 20).min(HUGE_F32);
+    kernels::advise_huge_pages(&arena[base..base + total], false);
+    let mut starts = Vec::with_capacity(mats.len());
+    let mut at = base;
+    for (t, slot) in mats.iter().zip(&slots) {
+        let data = t.flatten_all()?.to_vec1::<f32>()?;
+        arena[at..at + data.len()].copy_from_slice(&data);
+        starts.push(at);
+        at += slot;
+    }
+    kernels::advise_huge_pages(&arena[base..base + total], true);
+    let len = arena.len();
+    let arena = Tensor::from_vec(arena, len, &device)?;
+    for (t, start) in mats.iter_mut().zip(starts) {
+        let shape = t.shape().clone();
+        **t = arena.narrow(0, start, shape.elem_count())?.reshape(shape)?;
+    }
+    Ok(())
 }
 
 /// Norm weights start at 1.
@@ -145,12 +167,14 @@ impl Weights {
         })
     }
 
-    /// The same weights with every matrix the host kernels stream copied to a 64-byte
-    /// boundary (a view into a padded buffer), so that no 16-float load straddles two cache
-    /// lines: where a buffer lands otherwise differs by process, and so did step times.
+    /// The same weights with every matrix the host kernels stream copied into one arena of
+    /// huge pages, each on a 64-byte boundary (`into_arena`): no 16-float load straddles two
+    /// cache lines, a step's 17 MB of weights need a handful of TLB entries instead of
+    /// thousands, and step times no longer depend on where a process's allocations land.
     pub fn aligned_for_host(mut self) -> candle_core::Result<Self> {
+        let mut mats: Vec<&mut Tensor> = Vec::new();
         for layer in &mut self.layers {
-            for t in [
+            mats.extend([
                 &mut layer.q_proj,
                 &mut layer.k_proj,
                 &mut layer.v_proj,
@@ -158,11 +182,10 @@ impl Weights {
                 &mut layer.gate_proj,
                 &mut layer.up_proj,
                 &mut layer.down_proj,
-            ] {
-                *t = aligned_copy(t)?;
-            }
+            ]);
         }
-        self.lm_head = aligned_copy(&self.lm_head)?;
+        mats.push(&mut self.lm_head);
+        into_arena(&mut mats)?;
         Ok(self)
     }
 
