@@ -336,7 +336,8 @@ pub struct LoopedModel {
     pub device: Device,
     pub dtype: DType,
     backend: StepBackend,
-    /// The host path's f16 LM head for proposal readouts (`half_head`), where it is faster.
+    /// The host path's f16 LM head for proposal readouts (`half_head`), where it is faster;
+    /// built by `from_checkpoint` only, since it copies weights that must not change.
     half_head: Option<half_head::HalfHead>,
 }
 
@@ -356,12 +357,6 @@ impl LoopedModel {
         } else {
             StepBackend::Device
         };
-        let half_head = if backend == StepBackend::Host && !f32_proposals_asked() {
-            let head = weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
-            half_head::HalfHead::new(&head, config.hidden_size)
-        } else {
-            None
-        };
         Ok(Self {
             config,
             weights,
@@ -369,24 +364,31 @@ impl LoopedModel {
             device,
             dtype,
             backend,
-            half_head,
+            half_head: None,
         })
     }
 
     /// `new` for weights read from a checkpoint (not training's variables, which must stay
-    /// the tensors the optimiser updates): on the host path, matrices move to aligned buffers.
+    /// the tensors the optimiser updates and would leave a copy stale): on the host path,
+    /// matrices move to aligned buffers and proposal readouts get the f16 head.
     pub fn from_checkpoint(
         config: OuroConfig,
         weights: Weights,
         device: Device,
         dtype: DType,
     ) -> Result<Self> {
-        let weights = if device.is_cpu() && dtype == DType::F32 {
+        let host = device.is_cpu() && dtype == DType::F32;
+        let weights = if host {
             weights.aligned_for_host()?
         } else {
             weights
         };
-        Self::new(config, weights, device, dtype)
+        let mut model = Self::new(config, weights, device, dtype)?;
+        if host && !f32_proposals_asked() {
+            let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
+            model.half_head = half_head::HalfHead::new(&head, model.config.hidden_size);
+        }
+        Ok(model)
     }
 
     /// Forces a step implementation (the device path can run on CPU, which the tests use).
@@ -403,12 +405,16 @@ impl LoopedModel {
 
     /// The same model (sharing its weight tensors) with its steps on `backend`.
     pub fn on_backend(&self, backend: StepBackend) -> Result<Self> {
-        Ok(Self::new(
+        let model = Self::new(
             self.config.clone(),
             self.weights.clone(),
             self.device.clone(),
             self.dtype,
-        )?
+        )?;
+        Ok(Self {
+            half_head: self.half_head.clone(),
+            ..model
+        }
         .with_backend(backend))
     }
 
@@ -422,12 +428,6 @@ impl LoopedModel {
     pub fn with_f32_readouts(mut self) -> Self {
         self.half_head = None;
         self
-    }
-
-    /// Whether proposal readouts (before pass R) go through the f16 LM head: the host path
-    /// with AVX-512, unless `SPEX_F32_PROPOSALS=1`. Pass-R readouts are exact either way.
-    pub fn has_half_head(&self) -> bool {
-        self.backend == StepBackend::Host && self.half_head.is_some()
     }
 
     /// How far a proposal readout's logits may be from the f32 head's for the normed state
