@@ -88,6 +88,17 @@ pub fn advise_huge_pages(buf: &[f32], collapse: bool) {
     let _ = (buf, collapse);
 }
 
+/// Hands memory the allocator holds free back to the kernel. glibc raises its mmap threshold
+/// after the first large free, so weights freed one by one while loading stay resident in the
+/// heap unless trimmed. A no-op elsewhere.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free pages of the allocator's own heap to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `w: [outs × inner]` (a linear
 /// layer's weight as stored, no transpose), `out: [rows × outs]`.
 pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]) {
