@@ -100,8 +100,8 @@ pub fn write_random_checkpoint(dir: &Path, spec: &RandomSpec) -> Result<OuroConf
     Ok(config)
 }
 
-fn random_tensors(config: &OuroConfig, spec: &RandomSpec) -> Result<Vec<(String, Tensor)>> {
-    let mut rng = SplitMix(spec.seed);
+/// Every tensor's name, shape and scale (0 for norm weights) in Ouro's naming.
+fn tensor_shapes(config: &OuroConfig, spec: &RandomSpec) -> Vec<(String, Vec<usize>, f32)> {
     let (h, v, i) = (
         config.hidden_size,
         config.vocab_size,
@@ -145,6 +145,11 @@ fn random_tensors(config: &OuroConfig, spec: &RandomSpec) -> Result<Vec<(String,
         }
     }
     shapes
+}
+
+fn random_tensors(config: &OuroConfig, spec: &RandomSpec) -> Result<Vec<(String, Tensor)>> {
+    let mut rng = SplitMix(spec.seed);
+    tensor_shapes(config, spec)
         .into_iter()
         .map(|(name, shape, scale)| {
             let n: usize = shape.iter().product();

@@ -433,6 +433,19 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
         .kv
         .len()
         .max(step.rows.iter().map(|r| r.pass).max().unwrap_or(1));
+    if run.columns.len() == MAX_COLUMNS {
+        run.columns.pop_front();
+    }
+    run.columns.push_back(StepColumn {
+        step: step.step,
+        cells: step_cells(step, passes),
+    });
+    record_flips(run, step);
+    run.kv.clone_from(&step.kv);
+}
+
+/// One cell per pass for a step's column: the row's token, coloured by what became of it.
+fn step_cells(step: &StepEvent, passes: usize) -> Vec<Option<Cell>> {
     let mut cells: Vec<Option<Cell>> = vec![None; passes];
     let flushed_from = step.flushes.iter().map(|f| f.first_pos).min();
     for row in &step.rows {
@@ -470,13 +483,11 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
             }
         }
     }
-    if run.columns.len() == MAX_COLUMNS {
-        run.columns.pop_front();
-    }
-    run.columns.push_back(StepColumn {
-        step: step.step,
-        cells,
-    });
+    cells
+}
+
+/// Appends a step's flips to the flip log, each with the last words of the text before it.
+fn record_flips(run: &mut RunView, step: &StepEvent) {
     for f in &step.flips {
         let context: String = {
             let words: Vec<&str> = run.speed.text.split_whitespace().collect();
@@ -494,7 +505,6 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
             context,
         });
     }
-    run.kv.clone_from(&step.kv);
 }
 
 /// A token's text for display; tokens with no text of their own (ids past the tokenizer's

@@ -372,6 +372,11 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, run_policy: &str) {
             .style(Style::new().fg(Color::Cyan)),
         spark,
     );
+    frame.render_widget(Paragraph::new(stats_lines(run, run_policy)), text);
+}
+
+/// The stats panel's text: speedup, rates, flips per pass, waste and whether the lanes agree.
+fn stats_lines(run: &RunView, run_policy: &str) -> Vec<Line<'static>> {
     let s = &run.speed.stats;
     let speedup = run
         .speedup()
@@ -390,7 +395,7 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, run_policy: &str) {
         ),
     };
     let ceiling = run.ceiling.map_or("—".to_string(), |c| format!("{c:.2}×"));
-    let lines = vec![
+    vec![
         Line::from(vec![
             "speedup ".into(),
             Span::styled(speedup, Style::new().fg(Color::Cyan).bold()),
@@ -416,8 +421,7 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, run_policy: &str) {
             }
         )),
         Line::from(agreement),
-    ];
-    frame.render_widget(Paragraph::new(lines), text);
+    ]
 }
 
 fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {
