@@ -185,6 +185,36 @@ fn bad_training_input_is_a_clear_error_and_overwrites_nothing() {
         ],
         "resume: checkpoint has shape",
     );
+    // Starting from a checkpoint that is missing, or of another width: refused, nothing made.
+    let fresh = dir.path().join("fresh");
+    for (init, needle) in [
+        ("/nonexistent/run", "/nonexistent/run/model.safetensors"),
+        (
+            o.as_str(),
+            "train.init_from: tensor model.embed_tokens.weight has shape",
+        ),
+    ] {
+        std::fs::write(
+            &other,
+            TINY.replace("hidden = 32", "hidden = 64").replace(
+                "validation_files = []",
+                &format!("validation_files = []\ninit_from = {init:?}"),
+            ),
+        )
+        .unwrap();
+        assert_fails(
+            &[
+                "--config",
+                &od,
+                "--corpus",
+                &corpus.display().to_string(),
+                "--out",
+                &fresh.display().to_string(),
+            ],
+            needle,
+        );
+        assert!(!fresh.exists(), "nothing written for {init}");
+    }
     assert_fails(
         &[
             "--config",
@@ -213,4 +243,39 @@ fn bad_training_input_is_a_clear_error_and_overwrites_nothing() {
         "2",
     ]);
     assert!(ok, "resume continues: {err}");
+}
+
+#[test]
+fn a_grown_model_starts_as_the_trained_one() {
+    let (dir, cfg, corpus) = setup(TINY);
+    let (_, trained) = train(&cfg, &corpus, &dir.path().join("a"));
+    let grown_cfg = dir.path().join("grown.toml");
+    let init = dir.path().join("a").display().to_string();
+    let text = TINY.replace("layers = 1", "layers = 3").replace(
+        "validation_files = []",
+        &format!("validation_files = []\ninit_from = {init:?}"),
+    );
+    std::fs::write(&grown_cfg, text).unwrap();
+    let out = dir.path().join("grown");
+    let grown = Trainer::prepare(&grown_cfg, &[corpus], &out, false).unwrap();
+    assert_eq!(grown.model_config().num_hidden_layers, 3);
+    let ids = Tensor::new(&[[1u32, 50, 60, 70, 80, 90]], &Device::Cpu).unwrap();
+    let x = trained.model().forward_sequence(&ids).unwrap();
+    let y = grown.model().forward_sequence(&ids).unwrap();
+    for (p, q) in x.iter().zip(&y) {
+        let diff = (p - q)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(
+            diff, 0.0,
+            "identity layers leave every pass's logits unchanged"
+        );
+    }
+    let tokenizer = |d: &Path| std::fs::read(d.join("tokenizer.json")).unwrap();
+    assert_eq!(tokenizer(&dir.path().join("a")), tokenizer(&out));
 }

@@ -44,6 +44,12 @@ pub struct TrainSettings {
     pub agreement_weight: f64,
     /// Corpus files (by file name) held out whole for validation.
     pub validation_files: Vec<String>,
+    /// Start a fresh run from this checkpoint directory (relative to the working directory)
+    /// instead of random weights, with its tokenizer. Its tensors must match this shape's,
+    /// except that K may grow: layers past the checkpoint's start as identity blocks (their
+    /// output norms' gains zero), so a deeper model begins exactly where the trained one ended.
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
     pub eval_every: usize,
     pub eval_batches: usize,
     pub checkpoint_minutes: f64,
@@ -385,6 +391,107 @@ fn seeded_init(varmap: &VarMap, seed: u64) -> Result<()> {
     Ok(())
 }
 
+/// Trains a byte-level BPE on the training plays (not the held-out ones) into `out`.
+fn fresh_tokenizer(
+    config: &TrainConfig,
+    texts: &[(PathBuf, String)],
+    out: &Path,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(out).map_err(|e| EngineError::file(out, e))?;
+    let path = out.join("tokenizer.json");
+    let train_texts = texts
+        .iter()
+        .filter(|(p, _)| !is_validation(config, p))
+        .map(|(_, t)| t.as_str());
+    train_bpe(
+        train_texts.flat_map(|t| t.lines()),
+        config.model.vocab,
+        &path,
+    )?;
+    Ok(path)
+}
+
+/// A trained checkpoint a fresh run starts from (`train.init_from`).
+struct InitSource {
+    weights: PathBuf,
+    tokenizer: PathBuf,
+}
+
+impl InitSource {
+    fn open(dir: &Path) -> Result<Self> {
+        let source = Self {
+            weights: dir.join("model.safetensors"),
+            tokenizer: dir.join("tokenizer.json"),
+        };
+        for file in [&source.weights, &source.tokenizer] {
+            if !file.is_file() {
+                return Err(EngineError::file(file, "train.init_from: no such file"));
+            }
+        }
+        Ok(source)
+    }
+
+    /// Sets every variable to the checkpoint's tensor of the same name. Layers the checkpoint
+    /// lacks keep their seeded init except the gains of the norms on their two outputs
+    /// (Ouro's sandwich norms), which start at zero: each new layer adds nothing to the
+    /// residual stream, so a deeper model begins as the trained one (ReZero-style; zeroing
+    /// the projections instead would not do, as the RMSNorm after them scales any small
+    /// update back up to unit size).
+    fn load_into(&self, varmap: &VarMap) -> Result<()> {
+        let tensors = candle_core::safetensors::load(&self.weights, &Device::Cpu)
+            .map_err(|e| EngineError::file(&self.weights, e))?;
+        let file = |message: String| EngineError::file(&self.weights, message);
+        let source_layers = tensors.keys().filter_map(|n| layer_index(n)).max();
+        let data = varmap
+            .data()
+            .lock()
+            .expect("var map lock poisoned: this is a bug");
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        for name in names {
+            let var = &data[name];
+            let target = var.as_tensor();
+            let value = match tensors.get(name) {
+                Some(t) if t.dims() == target.dims() => t.to_dtype(DType::F32)?,
+                Some(t) => {
+                    return Err(file(format!(
+                        "train.init_from: tensor {name} has shape {:?}, the config asks for {:?}",
+                        t.dims(),
+                        target.dims()
+                    )));
+                }
+                None if layer_index(name) > source_layers => {
+                    if is_output_gain(name) {
+                        target.zeros_like()?
+                    } else {
+                        continue;
+                    }
+                }
+                None => {
+                    return Err(file(format!("train.init_from: tensor {name} is missing")));
+                }
+            };
+            var.set(&value)?;
+        }
+        Ok(())
+    }
+}
+
+/// The layer a tensor belongs to (`model.layers.{i}.…`), if any.
+fn layer_index(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The gain of a norm on a layer's output into the residual stream.
+fn is_output_gain(name: &str) -> bool {
+    name.ends_with("input_layernorm_2.weight")
+        || name.ends_with("post_attention_layernorm_2.weight")
+}
+
 /// Everything a run needs, prepared and checked before anything is written.
 pub struct Trainer {
     config: TrainConfig,
@@ -411,23 +518,26 @@ impl Trainer {
         let config = TrainConfig::load(config_path)?;
         let texts = read_corpus(corpus_files)?;
         let state = TrainState::begin(&config, config_path, out, resume)?;
-        let tokenizer_path = out.join("tokenizer.json");
-        if !resume {
-            std::fs::create_dir_all(out).map_err(|e| EngineError::file(out, e))?;
-            let train_texts = texts
-                .iter()
-                .filter(|(p, _)| !is_validation(&config, p))
-                .map(|(_, t)| t.as_str());
-            train_bpe(
-                train_texts.flat_map(|t| t.lines()),
-                config.model.vocab,
-                &tokenizer_path,
-            )?;
-        }
+        let init = match (&config.train.init_from, resume) {
+            (Some(dir), false) => Some(InitSource::open(dir)?),
+            _ => None,
+        };
+        let tokenizer_path = match &init {
+            Some(init) => init.tokenizer.clone(),
+            None if resume => out.join("tokenizer.json"),
+            None => fresh_tokenizer(&config, &texts, out)?,
+        };
         let tokenizer = TextTokenizer::load(&tokenizer_path, &[0])?;
         let corpus = tokenize_corpus(&config, &tokenizer, &texts)?;
         let ouro = config.ouro_config(config.model.vocab.max(tokenizer.vocab_size()));
         let (model, varmap, opt) = build_model(ouro, &config, out, resume.then_some(state.step))?;
+        if let Some(init) = &init {
+            // Written only once the checkpoint has proved to fit: errors leave `out` alone.
+            init.load_into(&varmap)?;
+            std::fs::create_dir_all(out).map_err(|e| EngineError::file(out, e))?;
+            let copy = out.join("tokenizer.json");
+            std::fs::copy(&init.tokenizer, &copy).map_err(|e| EngineError::file(&copy, e))?;
+        }
         Ok(Self {
             config,
             out: out.to_path_buf(),
