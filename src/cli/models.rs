@@ -111,13 +111,13 @@ impl ModelsFile {
 /// spex's own model, built into the binary so that `spex` runs anywhere, offline, even
 /// without the source tree's `assets/` and `models.toml`.
 pub const EMBEDDED: CheckpointBytes = CheckpointBytes {
-    config: include_bytes!("../../assets/models/shakespeare-r4k4/config.json"),
-    weights: include_bytes!("../../assets/models/shakespeare-r4k4/model.safetensors"),
-    tokenizer: include_bytes!("../../assets/models/shakespeare-r4k4/tokenizer.json"),
+    config: include_bytes!("../../assets/models/shakespeare-r4k6/config.json"),
+    weights: include_bytes!("../../assets/models/shakespeare-r4k6/model.safetensors"),
+    tokenizer: include_bytes!("../../assets/models/shakespeare-r4k6/tokenizer.json"),
 };
 
 /// The entry name of the embedded model.
-pub const EMBEDDED_NAME: &str = "shakespeare-r4k4";
+pub const EMBEDDED_NAME: &str = "shakespeare-r4k6";
 
 /// Where a resolved model's files are.
 #[derive(Debug, Clone)]

@@ -4,7 +4,7 @@ pass's on held-out text, broken down by how sure pass R is (its top-1 probabilit
 spex: numpy forward from ouro_numpy.py.
 
 usage: python3 agreement.py DIR TEXT_FILE... [--windows N]   (N windows of 256 tokens, default 12)
-   e.g. python3 tests/reference/agreement.py assets/models/shakespeare-r4k4 \\
+   e.g. python3 tests/reference/agreement.py assets/models/shakespeare-r4k6 \\
         assets/corpus/shakespeare/macbeth_gut.txt assets/corpus/shakespeare/twelfth_night_gut.txt
 """
 import json

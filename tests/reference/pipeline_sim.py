@@ -7,7 +7,7 @@ Step costs come from the command line (µs): a 1-row baseline step, and a specul
 exactly (1430 SPEED, 1260 dual over assets/prompts.txt at 128 tokens).
 
 usage: python3 pipeline_sim.py DIR SPEX PROMPTS N T1_US STEP_US PER_ROW_US [MARGIN...]
-   e.g. python3 tests/reference/pipeline_sim.py assets/models/shakespeare-r4k4 \\
+   e.g. python3 tests/reference/pipeline_sim.py assets/models/shakespeare-r4k6 \\
         target/release/spex assets/prompts.txt 128 540 650 53 0.5 1.0 2.0
 """
 import json
