@@ -185,36 +185,6 @@ fn bad_training_input_is_a_clear_error_and_overwrites_nothing() {
         ],
         "resume: checkpoint has shape",
     );
-    // Starting from a checkpoint that is missing, or of another width: refused, nothing made.
-    let fresh = dir.path().join("fresh");
-    for (init, needle) in [
-        ("/nonexistent/run", "/nonexistent/run/model.safetensors"),
-        (
-            o.as_str(),
-            "train.init_from: tensor model.embed_tokens.weight has shape",
-        ),
-    ] {
-        std::fs::write(
-            &other,
-            TINY.replace("hidden = 32", "hidden = 64").replace(
-                "validation_files = []",
-                &format!("validation_files = []\ninit_from = {init:?}"),
-            ),
-        )
-        .unwrap();
-        assert_fails(
-            &[
-                "--config",
-                &od,
-                "--corpus",
-                &corpus.display().to_string(),
-                "--out",
-                &fresh.display().to_string(),
-            ],
-            needle,
-        );
-        assert!(!fresh.exists(), "nothing written for {init}");
-    }
     assert_fails(
         &[
             "--config",
@@ -278,4 +248,65 @@ fn a_grown_model_starts_as_the_trained_one() {
     }
     let tokenizer = |d: &Path| std::fs::read(d.join("tokenizer.json")).unwrap();
     assert_eq!(tokenizer(&dir.path().join("a")), tokenizer(&out));
+}
+
+/// Writes TINY with `from → to` and `init_from = init` as `path`.
+fn init_config(path: &Path, from: &str, to: &str, init: &Path) {
+    let text = TINY.replace(from, to).replace(
+        "validation_files = []",
+        &format!(
+            "validation_files = []\ninit_from = {:?}",
+            init.display().to_string()
+        ),
+    );
+    std::fs::write(path, text).unwrap();
+}
+
+#[test]
+fn bad_init_sources_are_clear_errors_and_write_nothing() {
+    let (dir, _, corpus) = setup(TINY);
+    let corpus = corpus.display().to_string();
+    // A trained K=2 checkpoint, then configs that cannot start from it (or from nothing).
+    let (deep, cfg) = (dir.path().join("deep"), dir.path().join("cfg.toml"));
+    std::fs::write(&cfg, TINY.replace("layers = 1", "layers = 2")).unwrap();
+    let c = cfg.display().to_string();
+    let d = deep.display().to_string();
+    let (ok, err) = spex_train(&[
+        "--config",
+        &c,
+        "--corpus",
+        &corpus,
+        "--out",
+        &d,
+        "--max-steps-now",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let fresh = dir.path().join("fresh");
+    let f = fresh.display().to_string();
+    for (from, to, init, needle) in [
+        (
+            "layers = 1",
+            "layers = 2",
+            Path::new("/nonexistent/run"),
+            "/nonexistent/run/model.safetensors",
+        ),
+        (
+            "hidden = 32\nlayers = 1",
+            "hidden = 64\nlayers = 2",
+            deep.as_path(),
+            "train.init_from: tensor model.embed_tokens.weight has shape",
+        ),
+        // Deeper than the config: the extra layer would be dropped silently.
+        (
+            "layers = 1",
+            "layers = 1",
+            deep.as_path(),
+            "train.init_from: tensor model.layers.1.",
+        ),
+    ] {
+        init_config(&cfg, from, to, init);
+        assert_fails(&["--config", &c, "--corpus", &corpus, "--out", &f], needle);
+        assert!(!fresh.exists(), "nothing written for {needle}");
+    }
 }

@@ -2,7 +2,8 @@
 //! readout after every pass (SPEED §4's per-layer-group loss; Ouro's per-step loss), so that
 //! early passes already predict what pass R will. AdamW (our own, so its moments can be saved
 //! and resumed), warm-up + cosine schedule, gradient clipping, a fixed seed, whole held-out
-//! plays for validation, and resumable checkpoints. The CLI renders progress; this module
+//! plays for validation, and resumable checkpoints; a fresh run may start from a trained
+//! checkpoint and grow its K (`train.init_from`). The CLI renders progress; this module
 //! reports it through a callback.
 
 use std::collections::HashMap;
@@ -446,6 +447,18 @@ impl InitSource {
             .data()
             .lock()
             .expect("var map lock poisoned: this is a bug");
+        let mut unused: Vec<&String> = tensors
+            .keys()
+            .filter(|n| !data.contains_key(*n) && !n.starts_with("model.early_exit_gate."))
+            .collect();
+        unused.sort();
+        if let Some(name) = unused.first() {
+            // A deeper or untied checkpoint loaded into a smaller or tied shape would silently
+            // compute something else.
+            return Err(file(format!(
+                "train.init_from: tensor {name} has no place in this config's shape"
+            )));
+        }
         let mut names: Vec<&String> = data.keys().collect();
         names.sort();
         for name in names {
