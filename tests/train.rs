@@ -6,6 +6,7 @@ use std::process::Command;
 
 use candle_core::{DType, Device, Tensor};
 use spex::engine::LoadedModel;
+use spex::engine::model::LoopedModel;
 use spex::engine::random_checkpoint::SAMPLE_TEXT;
 use spex::engine::train::Trainer;
 
@@ -58,6 +59,24 @@ fn train(cfg: &Path, corpus: &Path, out: &Path) -> (Vec<Vec<f64>>, Trainer) {
     (losses, trainer)
 }
 
+/// Every pass's logits of `a` and `b` on one prompt are bit-for-bit equal.
+fn assert_same_logits(a: &LoopedModel, b: &LoopedModel, why: &str) {
+    let ids = Tensor::new(&[[1u32, 50, 60, 70, 80, 90]], &Device::Cpu).unwrap();
+    let x = a.forward_sequence(&ids).unwrap();
+    let y = b.forward_sequence(&ids).unwrap();
+    for (p, q) in x.iter().zip(&y) {
+        let diff = (p - q)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(diff, 0.0, "{why}");
+    }
+}
+
 #[test]
 fn tiny_run_learns_deterministically_and_reloads_exactly() {
     let (dir, cfg, corpus) = setup(TINY);
@@ -68,20 +87,11 @@ fn tiny_run_learns_deterministically_and_reloads_exactly() {
     let last: f64 = a[a.len() - 1].iter().sum();
     assert!(last < first * 0.8, "loss falls: {first} → {last}");
     let loaded = LoadedModel::load(&dir.path().join("a"), &Device::Cpu, DType::F32).unwrap();
-    let ids = Tensor::new(&[[1u32, 50, 60, 70, 80, 90]], &Device::Cpu).unwrap();
-    let x = trainer.model().forward_sequence(&ids).unwrap();
-    let y = loaded.model.forward_sequence(&ids).unwrap();
-    for (p, q) in x.iter().zip(&y) {
-        let diff = (p - q)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert_eq!(diff, 0.0, "reloaded logits are identical");
-    }
+    assert_same_logits(
+        trainer.model(),
+        &loaded.model,
+        "reloaded logits are identical",
+    );
 }
 
 fn spex_train(args: &[&str]) -> (bool, String) {
@@ -220,32 +230,20 @@ fn a_grown_model_starts_as_the_trained_one() {
     let (dir, cfg, corpus) = setup(TINY);
     let (_, trained) = train(&cfg, &corpus, &dir.path().join("a"));
     let grown_cfg = dir.path().join("grown.toml");
-    let init = dir.path().join("a").display().to_string();
-    let text = TINY.replace("layers = 1", "layers = 3").replace(
-        "validation_files = []",
-        &format!("validation_files = []\ninit_from = {init:?}"),
+    init_config(
+        &grown_cfg,
+        "layers = 1",
+        "layers = 3",
+        &dir.path().join("a"),
     );
-    std::fs::write(&grown_cfg, text).unwrap();
     let out = dir.path().join("grown");
     let grown = Trainer::prepare(&grown_cfg, &[corpus], &out, false).unwrap();
     assert_eq!(grown.model_config().num_hidden_layers, 3);
-    let ids = Tensor::new(&[[1u32, 50, 60, 70, 80, 90]], &Device::Cpu).unwrap();
-    let x = trained.model().forward_sequence(&ids).unwrap();
-    let y = grown.model().forward_sequence(&ids).unwrap();
-    for (p, q) in x.iter().zip(&y) {
-        let diff = (p - q)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert_eq!(
-            diff, 0.0,
-            "identity layers leave every pass's logits unchanged"
-        );
-    }
+    assert_same_logits(
+        trained.model(),
+        grown.model(),
+        "identity layers leave every pass's logits unchanged",
+    );
     let tokenizer = |d: &Path| std::fs::read(d.join("tokenizer.json")).unwrap();
     assert_eq!(tokenizer(&dir.path().join("a")), tokenizer(&out));
 }
