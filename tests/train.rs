@@ -92,6 +92,16 @@ fn tiny_run_learns_deterministically_and_reloads_exactly() {
         &loaded.model,
         "reloaded logits are identical",
     );
+    let saved =
+        candle_core::safetensors::load(dir.path().join("a/model.safetensors"), &Device::Cpu)
+            .unwrap();
+    let have: std::collections::BTreeSet<&String> = saved.keys().collect();
+    let want = spex::engine::format::checkpoint_tensors(&loaded.model.config);
+    let want: std::collections::BTreeSet<&String> = want.iter().map(|t| &t.name).collect();
+    assert_eq!(
+        have, want,
+        "a trained checkpoint holds exactly the format's tensors"
+    );
 }
 
 fn spex_train(args: &[&str]) -> (bool, String) {

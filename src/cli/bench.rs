@@ -6,8 +6,9 @@ use std::path::Path;
 use serde_json::json;
 
 use super::{BenchArgs, load_model};
-use crate::engine::bench::{PromptResult, bench_prompt, speedup};
+use crate::engine::bench::{PromptResult, bench_prompt};
 use crate::engine::metrics::RunStats;
+use crate::engine::metrics::speedup;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
 

@@ -41,7 +41,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
                     write!(out, "{}", c.text_delta)?;
                 }
             }
-            DecodeEvent::Finished(_) => {}
+            DecodeEvent::Finished(f) => write!(out, "{}", f.text_tail)?,
         }
         out.flush()?;
     }

@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use candle_core::DType;
 use clap::{Args, Parser, Subcommand};
 
+use crate::engine::model::LoadOptions;
 use crate::engine::policy::PolicyKind;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use crate::engine::{EngineError, LoadedModel};
@@ -72,6 +73,10 @@ pub struct ModelArgs {
     /// Wrap the prompt in the chat template (default: the entry's `chat`).
     #[arg(long)]
     pub chat: bool,
+    /// Proposal readouts through the f32 LM head instead of its f16 copy (CPU; commits are
+    /// exact either way).
+    #[arg(long)]
+    pub f32_proposals: bool,
 }
 
 /// A loaded model with what the commands show about it.
@@ -228,9 +233,14 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     let dev = device::open(spec)?;
     device::check_dtype(&dev, dtype)?;
     let chat = args.chat || entry.is_some_and(|e| e.chat);
+    let options = LoadOptions {
+        f32_proposals: args.f32_proposals,
+    };
     let mut loaded = match &resolved.source {
-        models::ModelSource::Dir(dir) => LoadedModel::load(dir, &dev, dtype)?,
-        models::ModelSource::Embedded => LoadedModel::from_bytes(models::EMBEDDED, &dev, dtype)?,
+        models::ModelSource::Dir(dir) => LoadedModel::load_with(dir, &dev, dtype, options)?,
+        models::ModelSource::Embedded => {
+            LoadedModel::from_bytes(models::EMBEDDED, &dev, dtype, options)?
+        }
     };
     if chat {
         loaded.enable_chat_stop();
@@ -335,7 +345,7 @@ fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
             context: args.context,
             tied: !args.untied,
         },
-        early_exit_gate: false,
+        random_exit_gate: false,
         seed: args.seed,
         pad_vocab_to: Some(args.vocab),
         ..RandomSpec::default()

@@ -11,7 +11,7 @@ use candle_nn::VarBuilder;
 
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
-use super::model::{LoopedModel, Weights};
+use super::model::{LoadOptions, LoopedModel, Weights};
 use super::tensor_files::TensorFiles;
 use super::tokenizer::TextTokenizer;
 
@@ -48,11 +48,16 @@ impl Checkpoint {
     }
 
     /// Loads the weights on `device` in `dtype`; a wrong or missing tensor names itself.
-    pub fn load_model(&self, device: &Device, dtype: DType) -> Result<LoopedModel> {
+    pub fn load_model(
+        &self,
+        device: &Device,
+        dtype: DType,
+        options: LoadOptions,
+    ) -> Result<LoopedModel> {
         let files = TensorFiles::open(&self.weight_files)?;
         let vb = VarBuilder::from_backend(Box::new(files), dtype, device.clone());
         let weights = Weights::load(&vb, &self.config).map_err(|e| self.tensor_error(e))?;
-        LoopedModel::from_checkpoint(self.config.clone(), weights, device.clone(), dtype)
+        LoopedModel::from_checkpoint(self.config.clone(), weights, device.clone(), dtype, options)
     }
 
     fn tensor_error(&self, e: candle_core::Error) -> EngineError {
@@ -144,11 +149,21 @@ impl LoadedModel {
         self.tokenizer = Arc::new(tokenizer);
     }
 
-    /// Opens and loads the checkpoint in `dir`.
+    /// Opens and loads the checkpoint in `dir` with the default [`LoadOptions`].
     pub fn load(dir: &Path, device: &Device, dtype: DType) -> Result<Self> {
+        Self::load_with(dir, device, dtype, LoadOptions::default())
+    }
+
+    /// Opens and loads the checkpoint in `dir`.
+    pub fn load_with(
+        dir: &Path,
+        device: &Device,
+        dtype: DType,
+        options: LoadOptions,
+    ) -> Result<Self> {
         let checkpoint = Checkpoint::open(dir)?;
         let tokenizer = checkpoint.load_tokenizer()?;
-        let model = checkpoint.load_model(device, dtype)?;
+        let model = checkpoint.load_model(device, dtype, options)?;
         Self::assemble(
             model,
             tokenizer,
@@ -158,7 +173,12 @@ impl LoadedModel {
     }
 
     /// Loads a checkpoint held in memory (the binary's embedded model).
-    pub fn from_bytes(bytes: CheckpointBytes, device: &Device, dtype: DType) -> Result<Self> {
+    pub fn from_bytes(
+        bytes: CheckpointBytes,
+        device: &Device,
+        dtype: DType,
+        options: LoadOptions,
+    ) -> Result<Self> {
         let path = Path::new("<embedded>/config.json");
         let json: serde_json::Value =
             serde_json::from_slice(bytes.config).map_err(|e| EngineError::file(path, e))?;
@@ -170,7 +190,7 @@ impl LoadedModel {
             .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
         let weights = Weights::load(&vb, &config)
             .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
-        let model = LoopedModel::from_checkpoint(config, weights, device.clone(), dtype)?;
+        let model = LoopedModel::from_checkpoint(config, weights, device.clone(), dtype, options)?;
         Self::assemble(model, tokenizer, "embedded".into(), path)
     }
 

@@ -115,6 +115,9 @@ pub struct FinishEvent {
     pub reason: FinishReason,
     pub tokens: Vec<u32>,
     pub text: String,
+    /// Output text no committed token's `text_delta` carried: where the output ends inside a
+    /// multi-byte character, its U+FFFD. A stream of deltas plus this tail ends like `text`.
+    pub text_tail: String,
     #[serde(rename = "decode_compute_us", serialize_with = "micros")]
     pub decode_compute: Duration,
     pub steps: u64,

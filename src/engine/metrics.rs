@@ -1,11 +1,14 @@
-//! Run statistics folded from the event stream, with one definition of every metric
-//! (speculation.md §5) for the CLI, the benchmark and the dashboard.
+//! One definition of every metric (speculation.md §5) for the CLI, the benchmark and the
+//! dashboard: run statistics folded from the event stream, the speedup, and the step times
+//! that give the pipeline's ceiling.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::error::Result;
 use super::events::DecodeEvent;
+use super::model::{LoopedModel, RowInput, StepRow};
 
 /// Counters of one decoding run, updated event by event.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -161,4 +164,119 @@ impl RunStats {
             self.rows_wasted as f64 / self.rows as f64
         }
     }
+}
+
+/// Baseline time per token over the policy's time per token.
+pub fn speedup(baseline: &RunStats, policy: &RunStats) -> f64 {
+    match (baseline.time_per_token(), policy.time_per_token()) {
+        (Some(b), Some(p)) if !p.is_zero() => b.as_secs_f64() / p.as_secs_f64(),
+        _ => 0.0,
+    }
+}
+
+/// Step compute of baseline and of a full pipeline at the same position.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepTimes {
+    /// A baseline step: the mean of one token's R one-row steps (LM head on the last only).
+    #[serde(rename = "one_row_us", serialize_with = "micros")]
+    pub one_row: Duration,
+    /// One step of R rows, every row read out.
+    #[serde(rename = "full_us", serialize_with = "micros")]
+    pub full: Duration,
+    pub rows: usize,
+}
+
+impl StepTimes {
+    /// R · t(1 row) / t(R rows): the speedup with no flips.
+    pub fn ceiling(&self) -> f64 {
+        self.rows as f64 * self.one_row.as_secs_f64() / self.full.as_secs_f64()
+    }
+}
+
+/// Step compute at position `pos`: a baseline token's R one-row steps (the LM head only on the
+/// last, as baseline decoding does) and one R-row step with every row read out (as SPEED
+/// does). Reading out every 1-row step instead would overstate the ceiling: on the shipped
+/// model the LM head is a quarter of a step's weights.
+pub fn measure_step_times(model: &LoopedModel, pos: usize, repeats: usize) -> Result<StepTimes> {
+    let passes = model.passes();
+    let row = |pass: usize, readout: bool| StepRow {
+        pos,
+        pass,
+        input: RowInput::Token(1),
+        readout,
+        alternate: false,
+    };
+    let mut batches: Vec<Vec<StepRow>> = (0..passes)
+        .map(|pass| vec![row(pass, pass + 1 == passes)])
+        .collect();
+    batches.push((0..passes).map(|pass| row(pass, true)).collect());
+    let t = median_times(model, pos, &batches, repeats)?;
+    let token: Duration = t[..passes].iter().sum();
+    Ok(StepTimes {
+        one_row: token / passes as u32,
+        full: t[passes],
+        rows: passes,
+    })
+}
+
+/// Median compute of a step of each of `row_counts` rows (rows at passes 0, 1, …, all at
+/// `pos`, all read out). Used by `cargo bench`.
+pub fn median_step_times(
+    model: &LoopedModel,
+    pos: usize,
+    row_counts: &[usize],
+    repeats: usize,
+) -> Result<Vec<Duration>> {
+    let batches: Vec<Vec<StepRow>> = row_counts
+        .iter()
+        .map(|&n| {
+            (0..n)
+                .map(|pass| StepRow {
+                    pos,
+                    pass,
+                    input: RowInput::Token(1),
+                    readout: true,
+                    alternate: false,
+                })
+                .collect()
+        })
+        .collect();
+    median_times(model, pos, &batches, repeats)
+}
+
+/// Median compute of each batch of rows at `pos`, the batches interleaved so that machine
+/// noise hits them alike; two warm-up rounds are dropped.
+fn median_times(
+    model: &LoopedModel,
+    pos: usize,
+    batches: &[Vec<StepRow>],
+    repeats: usize,
+) -> Result<Vec<Duration>> {
+    let mut cache = model.new_cache(pos + 1)?;
+    if pos > 0 {
+        for pass in 0..model.passes() {
+            cache.mark_written(pass, pos - 1);
+        }
+    }
+    let mut times = vec![Vec::with_capacity(repeats); batches.len()];
+    for round in 0..repeats + 2 {
+        for (batch, t) in batches.iter().zip(&mut times) {
+            let started = Instant::now();
+            model.step(batch, &mut cache)?;
+            if round >= 2 {
+                t.push(started.elapsed());
+            }
+        }
+    }
+    Ok(times.iter_mut().map(|t| median(t)).collect())
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// Serialises a duration as fractional microseconds (step times are tens of microseconds).
+fn micros<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1e6)
 }

@@ -233,11 +233,12 @@ impl Decoder {
         self.finish.get_or_insert(FinishReason::Cancelled);
     }
 
-    fn finish_event(&self, reason: FinishReason) -> FinishEvent {
+    fn finish_event(&mut self, reason: FinishReason) -> FinishEvent {
         FinishEvent {
             reason,
             tokens: self.output.clone(),
             text: self.tokenizer.decode(&self.output),
+            text_tail: self.detokenizer.finish(&self.tokenizer),
             decode_compute: self.decode_compute,
             steps: self.steps,
         }

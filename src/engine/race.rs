@@ -7,10 +7,10 @@
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-use super::bench::{StepTimes, measure_step_times};
 use super::checkpoint::LoadedModel;
 use super::error::Result;
 use super::events::DecodeEvent;
+use super::metrics::{StepTimes, measure_step_times};
 use super::pipeline::{DecodeOptions, Decoder};
 use super::policy::PolicyKind;
 

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::{ModelShape, OuroConfig};
 use super::error::{EngineError, Result};
+use super::format::{Role, checkpoint_tensors, neutral_exit_gate};
 use super::tokenizer::train_bpe;
 
 /// Public-domain text (Shakespeare's sonnets) to train the test tokenizers on.
@@ -20,8 +21,10 @@ pub struct RandomSpec {
     pub shape: ModelShape,
     /// Write the weights as two shards plus `model.safetensors.index.json`.
     pub sharded: bool,
-    /// Include Ouro's early-exit gate tensors (which spex ignores).
-    pub early_exit_gate: bool,
+    /// Draw Ouro's early-exit gate (which spex ignores) from the generator like the other
+    /// weights, as the tests' checkpoints do; otherwise write the neutral gate
+    /// (`format::neutral_exit_gate`), drawing nothing.
+    pub random_exit_gate: bool,
     pub dtype: DType,
     pub seed: u64,
     /// Pad the config's vocab_size to this (a small corpus caps the tokenizer's size; real
@@ -45,7 +48,7 @@ impl Default for RandomSpec {
                 tied: true,
             },
             sharded: false,
-            early_exit_gate: true,
+            random_exit_gate: true,
             dtype: DType::F32,
             seed: 1,
             pad_vocab_to: None,
@@ -95,56 +98,31 @@ pub fn write_random_checkpoint(dir: &Path, spec: &RandomSpec) -> Result<OuroConf
         .map_err(|e| EngineError::file(&tokenizer_path, e))?;
     let config = spec.config(tokenizer.get_vocab_size(true));
     write_json(&dir.join("config.json"), &config.to_json())?;
-    let tensors = random_tensors(&config, spec)?;
+    let mut tensors = random_tensors(&config, spec)?;
+    if !spec.random_exit_gate {
+        tensors.extend(neutral_exit_gate(&config, spec.dtype)?);
+    }
     write_weights(dir, tensors, spec.sharded)?;
     Ok(config)
 }
 
-/// Every tensor's name, shape and scale (0 for norm weights) in Ouro's naming.
+/// The name, shape and scale (0 for norm weights) of every tensor drawn at random, from
+/// `format`'s table: all but the exit gate unless the spec draws it too.
 fn tensor_shapes(config: &OuroConfig, spec: &RandomSpec) -> Vec<(String, Vec<usize>, f32)> {
-    let (h, v, i) = (
-        config.hidden_size,
-        config.vocab_size,
-        config.intermediate_size,
-    );
-    let (q, kv) = (
-        config.num_attention_heads * config.head_dim,
-        config.kv_dim(),
-    );
-    let mut shapes: Vec<(String, Vec<usize>, f32)> = vec![
-        ("model.embed_tokens.weight".into(), vec![v, h], 1.0),
-        ("model.norm.weight".into(), vec![h], 0.0),
-    ];
-    if !config.tie_word_embeddings {
-        shapes.push(("lm_head.weight".into(), vec![v, h], 1.0 / (h as f32).sqrt()));
-    }
-    if spec.early_exit_gate {
-        shapes.push(("model.early_exit_gate.weight".into(), vec![1, h], 0.1));
-        shapes.push(("model.early_exit_gate.bias".into(), vec![1], 0.1));
-    }
-    for l in 0..config.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        for (name, shape, fan_in) in [
-            ("self_attn.q_proj.weight", vec![q, h], h),
-            ("self_attn.k_proj.weight", vec![kv, h], h),
-            ("self_attn.v_proj.weight", vec![kv, h], h),
-            ("self_attn.o_proj.weight", vec![h, q], q),
-            ("mlp.gate_proj.weight", vec![i, h], h),
-            ("mlp.up_proj.weight", vec![i, h], h),
-            ("mlp.down_proj.weight", vec![h, i], i),
-        ] {
-            shapes.push((format!("{p}.{name}"), shape, 1.7 / (fan_in as f32).sqrt()));
-        }
-        for name in [
-            "input_layernorm",
-            "input_layernorm_2",
-            "post_attention_layernorm",
-            "post_attention_layernorm_2",
-        ] {
-            shapes.push((format!("{p}.{name}.weight"), vec![h], 0.0));
-        }
-    }
-    shapes
+    checkpoint_tensors(config)
+        .into_iter()
+        .filter(|t| spec.random_exit_gate || t.role != Role::ExitGate)
+        .map(|t| {
+            let scale = match t.role {
+                Role::Embedding => 1.0,
+                Role::LmHead { fan_in } => 1.0 / (fan_in as f32).sqrt(),
+                Role::Linear { fan_in } => 1.7 / (fan_in as f32).sqrt(),
+                Role::Norm => 0.0,
+                Role::ExitGate => 0.1,
+            };
+            (t.name, t.shape, scale)
+        })
+        .collect()
 }
 
 fn random_tensors(config: &OuroConfig, spec: &RandomSpec) -> Result<Vec<(String, Tensor)>> {

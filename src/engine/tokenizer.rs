@@ -108,6 +108,17 @@ impl Detokenizer {
             None
         }
     }
+
+    /// The text of the ids no `push` has returned yet, as the full decode shows it: where the
+    /// output ends inside a multi-byte character, that is U+FFFD (as HF tokenizers and the
+    /// finish event's text show it). Streamed deltas plus this tail equal the whole decode.
+    pub fn finish(&mut self, tokenizer: &TextTokenizer) -> String {
+        let prev_text = tokenizer.decode(&self.ids[self.prev_index..self.current_index]);
+        let text = tokenizer.decode(&self.ids[self.prev_index..]);
+        self.prev_index = self.current_index;
+        self.current_index = self.ids.len();
+        text.get(prev_text.len()..).unwrap_or_default().to_string()
+    }
 }
 
 /// Trains a byte-level BPE tokenizer of about `vocab_size` tokens on `texts` and writes it as

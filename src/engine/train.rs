@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 pub use super::config::ModelShape;
 use super::config::OuroConfig;
 use super::error::{EngineError, Result, toml_error};
+use super::format;
 use super::model::fused;
 use super::model::reference::Ops;
 use super::model::{LoopedModel, Weights};
@@ -442,14 +443,14 @@ impl InitSource {
         let tensors = candle_core::safetensors::load(&self.weights, &Device::Cpu)
             .map_err(|e| EngineError::file(&self.weights, e))?;
         let file = |message: String| EngineError::file(&self.weights, message);
-        let source_layers = tensors.keys().filter_map(|n| layer_index(n)).max();
+        let source_layers = tensors.keys().filter_map(|n| format::layer_of(n)).max();
         let data = varmap
             .data()
             .lock()
             .expect("var map lock poisoned: this is a bug");
         let mut unused: Vec<&String> = tensors
             .keys()
-            .filter(|n| !data.contains_key(*n) && !n.starts_with("model.early_exit_gate."))
+            .filter(|n| !data.contains_key(*n) && !format::is_exit_gate(n))
             .collect();
         unused.sort();
         if let Some(name) = unused.first() {
@@ -473,8 +474,8 @@ impl InitSource {
                         target.dims()
                     )));
                 }
-                None if layer_index(name) > source_layers => {
-                    if is_output_gain(name) {
+                None if format::layer_of(name) > source_layers => {
+                    if format::layer_tensor_of(name).is_some_and(|t| t.is_output_gain()) {
                         target.zeros_like()?
                     } else {
                         continue;
@@ -488,21 +489,6 @@ impl InitSource {
         }
         Ok(())
     }
-}
-
-/// The layer a tensor belongs to (`model.layers.{i}.…`), if any.
-fn layer_index(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// The gain of a norm on a layer's output into the residual stream.
-fn is_output_gain(name: &str) -> bool {
-    name.ends_with("input_layernorm_2.weight")
-        || name.ends_with("post_attention_layernorm_2.weight")
 }
 
 /// Everything a run needs, prepared and checked before anything is written.
@@ -729,9 +715,16 @@ impl Trainer {
     pub fn save(&self) -> Result<()> {
         let out = &self.out;
         let tmp = out.join("model.safetensors.tmp");
-        self.varmap
-            .save(&tmp)
-            .map_err(|e| EngineError::file(&tmp, e))?;
+        let mut tensors: HashMap<String, Tensor> = self
+            .varmap
+            .data()
+            .lock()
+            .expect("var map lock poisoned: this is a bug")
+            .iter()
+            .map(|(name, var)| (name.clone(), var.as_tensor().clone()))
+            .collect();
+        tensors.extend(format::neutral_exit_gate(&self.model.config, DType::F32)?);
+        candle_core::safetensors::save(&tensors, &tmp).map_err(|e| EngineError::file(&tmp, e))?;
         std::fs::rename(&tmp, out.join("model.safetensors"))
             .map_err(|e| EngineError::file(out, e))?;
         let tmp = out.join("train-state.safetensors.tmp");

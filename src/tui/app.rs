@@ -6,10 +6,10 @@ use std::collections::VecDeque;
 
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers, MouseEvent, MouseEventKind};
 
-use crate::engine::bench::speedup;
 use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
 use crate::engine::kv_cache::PassOccupancy;
 use crate::engine::metrics::RunStats;
+use crate::engine::metrics::speedup;
 use crate::engine::race::{Lane, RaceControl, RaceEvent};
 
 /// Steps of the pipeline view kept in memory (the view shows as many as fit).
@@ -423,7 +423,11 @@ fn on_decode(run: &mut RunView, lane: Lane, event: &DecodeEvent) {
                 record_pipeline(run, step);
             }
         }
-        DecodeEvent::Finished(f) => run.lane_mut(lane).finished = Some(f.reason),
+        DecodeEvent::Finished(f) => {
+            let view = run.lane_mut(lane);
+            view.text.push_str(&f.text_tail);
+            view.finished = Some(f.reason);
+        }
     }
 }
 

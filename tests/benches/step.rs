@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
-use spex::engine::bench::median_step_times;
+use spex::engine::metrics::median_step_times;
 use spex::engine::model::StepBackend;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 

@@ -11,7 +11,7 @@
 
 use crate::engine::kernels::{
     self,
-    f16_matmul::{self, PackedF16},
+    f16::{self, PackedF16},
 };
 
 /// The LM head in f16, with what its error bound needs.
@@ -29,7 +29,7 @@ impl HalfHead {
     /// (no vectorised f16 kernel on this CPU) or not faithful (a weight outside f16's range,
     /// or not finite).
     pub fn new(lm_head: &[f32], inner: usize) -> Option<Self> {
-        if !f16_matmul::fast() || lm_head.iter().any(|w| !w.is_finite() || w.abs() > 65504.0) {
+        if !f16::fast() || lm_head.iter().any(|w| !w.is_finite() || w.abs() > 65504.0) {
             return None;
         }
         let max_row_norm = lm_head

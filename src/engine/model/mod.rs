@@ -15,62 +15,29 @@ use candle_nn::VarBuilder;
 
 use super::config::OuroConfig;
 use super::error::Result;
-use super::kernels;
+use super::format::{self, LayerTensor, Role};
 use super::kv_cache::KvCache;
+use super::memory;
 
-/// `SPEX_F32_PROPOSALS=1` keeps every readout on the f32 head (to compare speculation with
-/// exact proposals; commits are exact either way).
-fn f32_proposals_asked() -> bool {
-    std::env::var_os("SPEX_F32_PROPOSALS").is_some_and(|v| v == "1")
+/// How a checkpoint's weights are prepared for decoding.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Every readout through the f32 LM head, no f16 proposal head (to compare speculation
+    /// with exact proposals; commits are exact either way). CLI: `--f32-proposals`.
+    pub f32_proposals: bool,
 }
 
-/// Initial values when a `VarMap`-backed builder creates weights (training): N(0, 1/fan_in).
-fn init_linear(fan_in: usize) -> candle_nn::Init {
-    candle_nn::Init::Randn {
-        mean: 0.0,
-        stdev: (1.0 / fan_in as f64).sqrt(),
+/// Initial values when a `VarMap`-backed builder creates weights (training): projections
+/// N(0, 1/fan_in), the LM head N(0, 1/hidden), the embedding N(0, 0.02²), norm gains 1.
+fn init_for(role: Role) -> candle_nn::Init {
+    let randn = |stdev: f64| candle_nn::Init::Randn { mean: 0.0, stdev };
+    match role {
+        Role::Embedding => randn(0.02),
+        Role::Linear { fan_in } | Role::LmHead { fan_in } => randn((1.0 / fan_in as f64).sqrt()),
+        Role::ExitGate => candle_nn::Init::Const(0.0),
+        Role::Norm => candle_nn::Init::Const(1.0),
     }
 }
-
-/// Copies CPU f32 matrices into one arena: it starts on a 2 MB boundary and is offered to
-/// the kernel as huge pages, and every matrix starts on a 64-byte boundary. Each tensor becomes
-/// a view into the arena.
-fn into_arena(mats: &mut [&mut Tensor]) -> candle_core::Result<()> {
-    const HUGE_F32: usize = (2 << 20) / 4;
-    let Some(device) = mats.first().map(|t| t.device().clone()) else {
-        return Ok(());
-    };
-    let slots: Vec<usize> = mats
-        .iter()
-        .map(|t| t.elem_count().div_ceil(16) * 16)
-        .collect();
-    let total: usize = slots.iter().sum();
-    let mut arena = vec![0f32; total + HUGE_F32];
-    let base = arena.as_ptr().align_offset(2 << 20).min(HUGE_F32);
-    kernels::advise_huge_pages(&arena[base..base + total], false);
-    let mut placed = Vec::with_capacity(mats.len());
-    let mut at = base;
-    for (t, slot) in mats.iter_mut().zip(&slots) {
-        let data = t.flatten_all()?.to_vec1::<f32>()?;
-        arena[at..at + data.len()].copy_from_slice(&data);
-        placed.push((at, t.shape().clone()));
-        // Drop the original now, not after the loop: loading then holds the weights about
-        // once plus one matrix, not twice (a 1.4B model on CPU is 5.6 GB of f32).
-        **t = Tensor::zeros((), DType::F32, &device)?;
-        kernels::release_free_memory();
-        at += slot;
-    }
-    kernels::advise_huge_pages(&arena[base..base + total], true);
-    let len = arena.len();
-    let arena = Tensor::from_vec(arena, len, &device)?;
-    for (t, (start, shape)) in mats.iter_mut().zip(placed) {
-        **t = arena.narrow(0, start, shape.elem_count())?.reshape(shape)?;
-    }
-    Ok(())
-}
-
-/// Norm weights start at 1.
-const ONES: candle_nn::Init = candle_nn::Init::Const(1.0);
 
 /// The weights of one shared layer (all linear layers without bias, stored `[out, in]`).
 #[derive(Debug, Clone)]
@@ -89,43 +56,45 @@ pub struct LayerWeights {
 }
 
 impl LayerWeights {
-    /// Reads (or creates) one shared layer's tensors under `vb` (`model.layers.{i}`).
-    fn load(vb: &VarBuilder, config: &OuroConfig) -> candle_core::Result<Self> {
-        let hidden = config.hidden_size;
-        let ones = ONES;
-        let attn = vb.pp("self_attn");
-        let mlp = vb.pp("mlp");
-        let q_out = config.num_attention_heads * config.head_dim;
-        let kv_out = config.kv_dim();
-        let inter = config.intermediate_size;
+    /// Reads (or creates) layer `index`'s tensors by their names in `format`'s table.
+    fn load(vb: &VarBuilder, config: &OuroConfig, index: usize) -> candle_core::Result<Self> {
+        let tensors = LayerTensor::ALL
+            .map(|t| {
+                let (shape, role) = t.shape_and_role(config);
+                vb.get_with_hints(shape, &t.name(index), init_for(role))
+            })
+            .into_iter()
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let Ok(
+            [
+                q_proj,
+                k_proj,
+                v_proj,
+                o_proj,
+                gate_proj,
+                up_proj,
+                down_proj,
+                input_layernorm,
+                input_layernorm_2,
+                post_attention_layernorm,
+                post_attention_layernorm_2,
+            ],
+        ) = <[Tensor; 11]>::try_from(tensors)
+        else {
+            unreachable!("LayerTensor::ALL has eleven entries: this is a bug")
+        };
         Ok(LayerWeights {
-            q_proj: attn.get_with_hints((q_out, hidden), "q_proj.weight", init_linear(hidden))?,
-            k_proj: attn.get_with_hints((kv_out, hidden), "k_proj.weight", init_linear(hidden))?,
-            v_proj: attn.get_with_hints((kv_out, hidden), "v_proj.weight", init_linear(hidden))?,
-            o_proj: attn.get_with_hints((hidden, q_out), "o_proj.weight", init_linear(q_out))?,
-            gate_proj: mlp.get_with_hints(
-                (inter, hidden),
-                "gate_proj.weight",
-                init_linear(hidden),
-            )?,
-            up_proj: mlp.get_with_hints((inter, hidden), "up_proj.weight", init_linear(hidden))?,
-            down_proj: mlp.get_with_hints(
-                (hidden, inter),
-                "down_proj.weight",
-                init_linear(inter),
-            )?,
-            input_layernorm: vb.get_with_hints(hidden, "input_layernorm.weight", ones)?,
-            input_layernorm_2: vb.get_with_hints(hidden, "input_layernorm_2.weight", ones)?,
-            post_attention_layernorm: vb.get_with_hints(
-                hidden,
-                "post_attention_layernorm.weight",
-                ones,
-            )?,
-            post_attention_layernorm_2: vb.get_with_hints(
-                hidden,
-                "post_attention_layernorm_2.weight",
-                ones,
-            )?,
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            gate_proj,
+            up_proj,
+            down_proj,
+            input_layernorm,
+            input_layernorm_2,
+            post_attention_layernorm,
+            post_attention_layernorm_2,
         })
     }
 }
@@ -141,26 +110,27 @@ pub struct Weights {
 }
 
 impl Weights {
-    /// Reads (or, for a `VarMap`-backed builder, creates) every tensor by its Ouro name.
+    /// Reads (or, for a `VarMap`-backed builder, creates) every tensor the forward pass uses
+    /// by its Ouro name (`format`); the exit gate is not read.
     pub fn load(vb: &VarBuilder, config: &OuroConfig) -> candle_core::Result<Self> {
         let (hidden, vocab) = (config.hidden_size, config.vocab_size);
-        let ones = ONES;
         let embed_tokens = vb.get_with_hints(
             (vocab, hidden),
-            "model.embed_tokens.weight",
-            candle_nn::Init::Randn {
-                mean: 0.0,
-                stdev: 0.02,
-            },
+            format::EMBED_TOKENS,
+            init_for(Role::Embedding),
         )?;
         let layers = (0..config.num_hidden_layers)
-            .map(|i| LayerWeights::load(&vb.pp(format!("model.layers.{i}")), config))
+            .map(|i| LayerWeights::load(vb, config, i))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let norm = vb.get_with_hints(hidden, "model.norm.weight", ones)?;
+        let norm = vb.get_with_hints(hidden, format::FINAL_NORM, init_for(Role::Norm))?;
         let lm_head = if config.tie_word_embeddings {
             embed_tokens.clone()
         } else {
-            vb.get_with_hints((vocab, hidden), "lm_head.weight", init_linear(hidden))?
+            vb.get_with_hints(
+                (vocab, hidden),
+                format::LM_HEAD,
+                init_for(Role::LmHead { fan_in: hidden }),
+            )?
         };
         Ok(Self {
             embed_tokens,
@@ -188,47 +158,8 @@ impl Weights {
             ]);
         }
         mats.push(&mut self.lm_head);
-        into_arena(&mut mats)?;
+        memory::into_arena(&mut mats)?;
         Ok(self)
-    }
-
-    /// The tensors by their Ouro names, for writing a checkpoint.
-    pub fn named(&self, config: &OuroConfig) -> Vec<(String, Tensor)> {
-        let mut out = vec![
-            (
-                "model.embed_tokens.weight".to_string(),
-                self.embed_tokens.clone(),
-            ),
-            ("model.norm.weight".to_string(), self.norm.clone()),
-        ];
-        if !config.tie_word_embeddings {
-            out.push(("lm_head.weight".to_string(), self.lm_head.clone()));
-        }
-        for (i, l) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{i}");
-            for (name, t) in [
-                ("self_attn.q_proj.weight", &l.q_proj),
-                ("self_attn.k_proj.weight", &l.k_proj),
-                ("self_attn.v_proj.weight", &l.v_proj),
-                ("self_attn.o_proj.weight", &l.o_proj),
-                ("mlp.gate_proj.weight", &l.gate_proj),
-                ("mlp.up_proj.weight", &l.up_proj),
-                ("mlp.down_proj.weight", &l.down_proj),
-                ("input_layernorm.weight", &l.input_layernorm),
-                ("input_layernorm_2.weight", &l.input_layernorm_2),
-                (
-                    "post_attention_layernorm.weight",
-                    &l.post_attention_layernorm,
-                ),
-                (
-                    "post_attention_layernorm_2.weight",
-                    &l.post_attention_layernorm_2,
-                ),
-            ] {
-                out.push((format!("{p}.{name}"), t.clone()));
-            }
-        }
-        out
     }
 }
 
@@ -379,6 +310,7 @@ impl LoopedModel {
         weights: Weights,
         device: Device,
         dtype: DType,
+        options: LoadOptions,
     ) -> Result<Self> {
         let host = device.is_cpu() && dtype == DType::F32;
         let weights = if host {
@@ -387,7 +319,7 @@ impl LoopedModel {
             weights
         };
         let mut model = Self::new(config, weights, device, dtype)?;
-        if host && !f32_proposals_asked() {
+        if host && !options.f32_proposals {
             let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
             model.half_head = half_head::HalfHead::new(&head, model.config.hidden_size);
         }

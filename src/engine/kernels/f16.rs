@@ -104,6 +104,11 @@ mod avx512 {
 
     use super::{PANEL, ROWS};
 
+    /// One panel's products with up to `ROWS` rows of `x` into `tile`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `panel` holds `inner × PANEL` values and `x` whole rows
+    /// of `inner`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn panel_tile(
         x: &[f32],
@@ -122,6 +127,8 @@ mod avx512 {
         }
     }
 
+    /// # Safety
+    /// As [`panel_tile`], and `x` holds at least `R` rows.
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn rows<const R: usize>(

@@ -1,0 +1,188 @@
+//! The tensors of an Ouro checkpoint (ouro-format.md, "Tensors"): one table of names, shapes
+//! and roles. Loading (`model::Weights`), random checkpoints (`random_checkpoint`) and
+//! training's saves and growth (`train`) all read it; no other file spells a tensor name.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::OuroConfig;
+
+/// The token embedding, `[vocab, hidden]`.
+pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
+/// The norm after the last layer of every pass, `[hidden]`.
+pub const FINAL_NORM: &str = "model.norm.weight";
+/// The LM head, `[vocab, hidden]`; absent when the checkpoint ties it to the embedding.
+pub const LM_HEAD: &str = "lm_head.weight";
+/// Ouro's early-exit gate, `[1, hidden]` weight and `[1]` bias (unused by spex's decoding).
+pub const EXIT_GATE_WEIGHT: &str = "model.early_exit_gate.weight";
+pub const EXIT_GATE_BIAS: &str = "model.early_exit_gate.bias";
+const LAYER_PREFIX: &str = "model.layers.";
+
+/// The exit gate's bias in every checkpoint spex writes: with a zero weight, every pass's
+/// exit probability is sigmoid(−10) ≈ 4.5e-5, so an Ouro implementation that honours the gate
+/// runs all R passes at any threshold above ~2e-4 (and at Ouro's default 1.0, as spex
+/// does): it computes the R-pass model spex trained. spex's training has no exit loss.
+pub const NEUTRAL_EXIT_GATE_BIAS: f32 = -10.0;
+
+/// One of the eleven tensors of a shared layer, in file and creation order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerTensor {
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    GateProj,
+    UpProj,
+    DownProj,
+    InputNorm,
+    InputNorm2,
+    PostAttentionNorm,
+    PostAttentionNorm2,
+}
+
+impl LayerTensor {
+    /// Every layer tensor, projections first, then the four sandwich norms.
+    pub const ALL: [Self; 11] = [
+        Self::QProj,
+        Self::KProj,
+        Self::VProj,
+        Self::OProj,
+        Self::GateProj,
+        Self::UpProj,
+        Self::DownProj,
+        Self::InputNorm,
+        Self::InputNorm2,
+        Self::PostAttentionNorm,
+        Self::PostAttentionNorm2,
+    ];
+
+    /// The name after `model.layers.{i}.`.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Self::QProj => "self_attn.q_proj.weight",
+            Self::KProj => "self_attn.k_proj.weight",
+            Self::VProj => "self_attn.v_proj.weight",
+            Self::OProj => "self_attn.o_proj.weight",
+            Self::GateProj => "mlp.gate_proj.weight",
+            Self::UpProj => "mlp.up_proj.weight",
+            Self::DownProj => "mlp.down_proj.weight",
+            Self::InputNorm => "input_layernorm.weight",
+            Self::InputNorm2 => "input_layernorm_2.weight",
+            Self::PostAttentionNorm => "post_attention_layernorm.weight",
+            Self::PostAttentionNorm2 => "post_attention_layernorm_2.weight",
+        }
+    }
+
+    /// The full name of this tensor in layer `layer`.
+    pub fn name(self, layer: usize) -> String {
+        format!("{LAYER_PREFIX}{layer}.{}", self.suffix())
+    }
+
+    /// Its shape (`[out, in]` for projections) and role.
+    pub fn shape_and_role(self, c: &OuroConfig) -> (Vec<usize>, Role) {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let (q, kv) = (c.num_attention_heads * c.head_dim, c.kv_dim());
+        let linear = |out: usize, fan_in: usize| (vec![out, fan_in], Role::Linear { fan_in });
+        match self {
+            Self::QProj => linear(q, h),
+            Self::KProj | Self::VProj => linear(kv, h),
+            Self::OProj => linear(h, q),
+            Self::GateProj | Self::UpProj => linear(i, h),
+            Self::DownProj => linear(h, i),
+            _ => (vec![h], Role::Norm),
+        }
+    }
+
+    /// The gains of the norms on a layer's two outputs into the residual stream (Ouro's
+    /// sandwich norms): at zero, the layer adds nothing.
+    pub fn is_output_gain(self) -> bool {
+        matches!(self, Self::InputNorm2 | Self::PostAttentionNorm2)
+    }
+}
+
+/// What a tensor is, for initialising it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Embedding,
+    /// The untied LM head, `[vocab, fan_in]`.
+    LmHead {
+        fan_in: usize,
+    },
+    /// A projection stored `[out, in]`.
+    Linear {
+        fan_in: usize,
+    },
+    Norm,
+    ExitGate,
+}
+
+/// One tensor of a checkpoint: its name, shape and role.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub role: Role,
+}
+
+/// Every tensor a checkpoint of `config` holds, the exit gate included, in file order.
+pub fn checkpoint_tensors(config: &OuroConfig) -> Vec<TensorSpec> {
+    let (h, v) = (config.hidden_size, config.vocab_size);
+    let spec = |name: &str, shape: Vec<usize>, role| TensorSpec {
+        name: name.to_string(),
+        shape,
+        role,
+    };
+    let mut out = vec![
+        spec(EMBED_TOKENS, vec![v, h], Role::Embedding),
+        spec(FINAL_NORM, vec![h], Role::Norm),
+    ];
+    if !config.tie_word_embeddings {
+        out.push(spec(LM_HEAD, vec![v, h], Role::LmHead { fan_in: h }));
+    }
+    out.push(spec(EXIT_GATE_WEIGHT, vec![1, h], Role::ExitGate));
+    out.push(spec(EXIT_GATE_BIAS, vec![1], Role::ExitGate));
+    for layer in 0..config.num_hidden_layers {
+        for t in LayerTensor::ALL {
+            let (shape, role) = t.shape_and_role(config);
+            out.push(TensorSpec {
+                name: t.name(layer),
+                shape,
+                role,
+            });
+        }
+    }
+    out
+}
+
+/// The layer a tensor belongs to (`model.layers.{i}.…`), if any.
+pub fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix(LAYER_PREFIX)?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Which layer tensor `name` is, if it is one.
+pub fn layer_tensor_of(name: &str) -> Option<LayerTensor> {
+    let layer = layer_of(name)?;
+    LayerTensor::ALL.into_iter().find(|t| t.name(layer) == name)
+}
+
+/// Whether `name` is one of the exit gate's two tensors.
+pub fn is_exit_gate(name: &str) -> bool {
+    name == EXIT_GATE_WEIGHT || name == EXIT_GATE_BIAS
+}
+
+/// The exit gate spex writes into its checkpoints: zero weight, bias
+/// [`NEUTRAL_EXIT_GATE_BIAS`] (never exits early), in `dtype`.
+pub fn neutral_exit_gate(
+    config: &OuroConfig,
+    dtype: DType,
+) -> candle_core::Result<[(String, Tensor); 2]> {
+    let weight = Tensor::zeros((1, config.hidden_size), dtype, &Device::Cpu)?;
+    let bias = Tensor::new(&[NEUTRAL_EXIT_GATE_BIAS], &Device::Cpu)?.to_dtype(dtype)?;
+    Ok([
+        (EXIT_GATE_WEIGHT.to_string(), weight),
+        (EXIT_GATE_BIAS.to_string(), bias),
+    ])
+}

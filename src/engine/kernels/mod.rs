@@ -1,0 +1,266 @@
+//! CPU kernels for the decode step on f32 host memory: a small-M matmul that reads each weight
+//! row once for all M rows, RMSNorm, rotary embedding, single-query attention, SiLU, softmax.
+//! Called by `model::host` only; GPU devices use candle's own kernels instead.
+//!
+//! Why a kernel of our own: candle's CPU matmul for 2–6 rows costs ~5× its 1-row time, which
+//! erases SPEED's gain (speculation.md §6). Here every output element of row `m` is computed
+//! with the same arithmetic whatever M is and however the work is split between threads, so a
+//! token's hidden state does not depend on which other rows shared its step: speculative and
+//! baseline decoding agree bit for bit.
+//!
+//! `f16` is the same product with f16 weights, for `model::half_head`'s proposal
+//! readouts, which need a bound on their error rather than these bits.
+//!
+//! AVX-512 runs the matmul where the CPU has it (measured on this project's Xeon: baseline
+//! decoding 6–9 % faster than with AVX2, SPEED 5 % faster); everything else uses AVX2 + FMA.
+
+//! One file per role: this one detects the ISA once and dispatches (the safe API), then
+//! `portable`, `avx2`, `avx512`, `f16` (the proposal head's matmul) and `subnormals` (the
+//! FTZ/DAZ guard).
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub mod f16;
+mod portable;
+mod subnormals;
+#[cfg(test)]
+mod tests;
+
+pub use subnormals::SubnormalsFlushed;
+
+/// Rows of `x` processed together against one weight row (registers hold 2 accumulators each).
+const ROW_BLOCK: usize = 4;
+/// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
+/// model's) are split across threads by output rows; below it, waking a second thread costs
+/// more than it saves (measured: hidden 256 steps were 15 % slower threaded).
+const PARALLEL_MIN_ELEMENTS: usize = 1 << 22;
+
+/// Which instruction set the kernels use, chosen once per process at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512F for the matmul (16 lanes, 32 registers), AVX2 + FMA for everything else.
+    Avx512,
+    Avx2Fma,
+    Portable,
+}
+
+impl Isa {
+    /// Whether the AVX2 + FMA kernels may run (true for every x86 level above the fallback).
+    fn has_avx2(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Avx2Fma)
+    }
+}
+
+/// The instruction set detected on this CPU: AVX-512F, AVX2 + FMA, or the portable fallback.
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            return Isa::Avx2Fma;
+        }
+        Isa::Portable
+    })
+}
+
+/// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `w: [outs × inner]` (a linear
+/// layer's weight as stored, no transpose), `out: [rows × outs]`.
+pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]) {
+    let outs = w.len() / inner;
+    debug_assert_eq!(x.len(), rows * inner);
+    debug_assert_eq!(out.len(), rows * outs);
+    let isa = isa();
+    if w.len() < PARALLEL_MIN_ELEMENTS || rayon::current_num_threads() == 1 {
+        let to = OutLayout { col: 1, row: outs };
+        return matmul_t_serial(isa, x, w, rows, inner, out, to);
+    }
+    // Threads own disjoint slices: the output transposed, each thread a range of weight rows.
+    let mut out_t = vec![0f32; outs * rows];
+    let chunk_outs = outs.div_ceil(rayon::current_num_threads() * 2).max(16);
+    let to = OutLayout { col: rows, row: 1 };
+    out_t
+        .par_chunks_mut(chunk_outs * rows)
+        .zip(w.par_chunks(chunk_outs * inner))
+        .for_each(|(o, w)| matmul_t_serial(isa, x, w, rows, inner, o, to));
+    for (j, col) in out_t.chunks_exact(rows).enumerate() {
+        for (m, v) in col.iter().enumerate() {
+            out[m * outs + j] = *v;
+        }
+    }
+}
+
+/// Where the kernels put the product of input row `r` and weight row `j`: `out[j·col + r·row]`
+/// (row-major `[rows × outs]` is `col` 1, `row` outs; transposed is `col` rows, `row` 1).
+#[derive(Debug, Clone, Copy)]
+struct OutLayout {
+    col: usize,
+    row: usize,
+}
+
+/// One thread's share: writes the products with the weight rows in `w` where `to` says. Few
+/// input rows take more weight rows at a time, so that there are always 4–8 (AVX2) or 8–16
+/// (AVX-512) independent accumulators and each input load feeds several FMAs. The grouping does not
+/// change any result: every (row, weight row) pair is computed the same way.
+fn matmul_t_serial(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    inner: usize,
+    out: &mut [f32],
+    to: OutLayout,
+) {
+    match (isa, rows) {
+        // AVX-512 has 32 registers: 16 accumulators plus the weight and input chunks fit.
+        (Isa::Avx512, 1..=2) => sweep::<8>(isa, x, w, inner, out, to),
+        (Isa::Avx512, _) => sweep::<4>(isa, x, w, inner, out, to),
+        (_, 1..=2) => sweep::<4>(isa, x, w, inner, out, to),
+        _ => sweep::<2>(isa, x, w, inner, out, to),
+    }
+}
+
+fn sweep<const J: usize>(
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    inner: usize,
+    out: &mut [f32],
+    to: OutLayout,
+) {
+    let mut w_groups = w.chunks_exact(J * inner);
+    for (g, wg) in (&mut w_groups).enumerate() {
+        let ws: [&[f32]; J] = std::array::from_fn(|j| &wg[j * inner..(j + 1) * inner]);
+        for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
+            let o = &mut out[g * J * to.col..];
+            dots_dispatch(isa, block, ws, o, to, i * ROW_BLOCK);
+        }
+    }
+    let done = w.len() / inner - w_groups.remainder().len() / inner;
+    for (j, w_row) in w_groups.remainder().chunks_exact(inner).enumerate() {
+        for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
+            let o = &mut out[(done + j) * to.col..];
+            dots_dispatch(isa, block, [w_row], o, to, i * ROW_BLOCK);
+        }
+    }
+}
+
+/// Writes `out[j·to.col + (first + r)·to.row]` = row r of `block` · `ws[j]`.
+#[inline(always)]
+fn dots_dispatch<const J: usize>(
+    isa: Isa,
+    block: &[f32],
+    ws: [&[f32]; J],
+    out: &mut [f32],
+    to: OutLayout,
+    first: usize,
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F, AVX2 and FMA.
+        Isa::Avx512 => unsafe { avx512::dots(block, ws, out, to, first) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for AVX2 and FMA.
+        Isa::Avx2Fma => unsafe { avx2::dots(block, ws, out, to, first) },
+        _ => portable::dots(block, ws, out, to, first),
+    }
+}
+
+/// A dot product with a fixed summation order (vectorisable by the compiler).
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    portable::dot(a, b)
+}
+
+/// RMSNorm of each `weight.len()`-wide row of `x` into `out`: x / sqrt(mean(x²) + eps) · weight.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = weight.len();
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let inv = 1.0 / (mean_sq + eps).sqrt();
+        for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * inv * w;
+        }
+    }
+}
+
+/// Rotary embedding in the rotate-half ("NeoX") layout, in place, on every head of one row.
+/// `cos`/`sin` hold `head_dim / 2` values for the row's position.
+pub fn rope_row(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        let (x1, x2) = head.split_at_mut(half);
+        for i in 0..half {
+            let (a, b) = (x1[i], x2[i]);
+            x1[i] = a * cos[i] - b * sin[i];
+            x2[i] = b * cos[i] + a * sin[i];
+        }
+    }
+}
+
+/// Shapes for one row's attention over its pass's cache.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Causal single-query attention of one row: `q` [heads·head_dim] against the first `len`
+/// positions of `keys`/`values` ([positions × kv_heads·head_dim]); GQA maps head h to kv head
+/// h / (heads / kv_heads). `scores` is scratch space.
+pub fn attend_row(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    len: usize,
+    shape: AttnShape,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
+        i if i.has_avx2() => unsafe { avx2::attend_row(q, keys, values, len, shape, out, scores) },
+        _ => portable::attend_row(q, keys, values, len, shape, out, scores),
+    }
+}
+
+/// Numerically stable softmax, in place.
+#[inline(always)]
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
+        i if i.has_avx2() => unsafe { avx2::exp_shifted(x, max) },
+        _ => x.iter_mut().for_each(|v| *v = (*v - max).exp()),
+    }
+    let sum: f32 = x.iter().sum();
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// SiLU(gate) · up, element-wise, into `gate`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
+        i if i.has_avx2() => unsafe { avx2::silu_mul(gate, up) },
+        _ => {
+            for (g, u) in gate.iter_mut().zip(up) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+        }
+    }
+}

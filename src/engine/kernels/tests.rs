@@ -1,0 +1,160 @@
+//! Kernel tests: row invariance on every ISA this CPU runs, agreement with candle and the
+//! portable loops.
+
+use super::*;
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+}
+
+fn transposed(rows: usize) -> OutLayout {
+    OutLayout { col: rows, row: 1 }
+}
+
+/// The instruction sets this CPU can run, the detected one last.
+fn supported_isas() -> Vec<Isa> {
+    let mut isas = vec![Isa::Portable];
+    if isa().has_avx2() {
+        isas.push(Isa::Avx2Fma);
+    }
+    if isa() == Isa::Avx512 {
+        isas.push(Isa::Avx512);
+    }
+    isas
+}
+
+#[test]
+fn matmul_is_row_invariant() {
+    let mut seed = 7;
+    let (inner, outs) = (37, 300_000 / 37 + 5);
+    let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+    let x: Vec<f32> = (0..6 * inner).map(|_| lcg(&mut seed)).collect();
+    let mut all = vec![0f32; 6 * outs];
+    matmul_t(&x, &w, 6, inner, &mut all);
+    for m in 0..6 {
+        let mut one = vec![0f32; outs];
+        matmul_t(&x[m * inner..(m + 1) * inner], &w, 1, inner, &mut one);
+        assert_eq!(one, all[m * outs..(m + 1) * outs], "row {m}");
+    }
+}
+
+#[test]
+fn every_isa_is_row_invariant_on_tails_and_odd_groups() {
+    let mut seed = 11;
+    // 13 weight rows leave remainders for every group size; 203 and 40 leave lane tails.
+    for inner in [203, 40, 16, 5] {
+        let outs = 13;
+        let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+        let x: Vec<f32> = (0..8 * inner).map(|_| lcg(&mut seed)).collect();
+        for isa in supported_isas() {
+            let mut all = vec![0f32; 8 * outs];
+            matmul_t_serial(isa, &x, &w, 8, inner, &mut all, transposed(8));
+            for rows in 1..=7 {
+                let mut some = vec![0f32; rows * outs];
+                let to = transposed(rows);
+                matmul_t_serial(isa, &x[..rows * inner], &w, rows, inner, &mut some, to);
+                for (j, col) in some.chunks_exact(rows).enumerate() {
+                    assert_eq!(col, &all[j * 8..j * 8 + rows], "{isa:?} {inner} {rows}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_candle_on_odd_shapes() {
+    use candle_core::{Device, Tensor};
+    let mut seed = 3;
+    for &(rows, inner, outs) in &[
+        (1, 1, 1),
+        (1, 7, 5),
+        (2, 17, 33),
+        (3, 31, 9),
+        (4, 64, 64),
+        (5, 100, 3),
+        (7, 257, 129),
+        (13, 15, 1000),
+        (4, 256, 1100),
+    ] {
+        let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+        let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
+        let mut out = vec![0f32; rows * outs];
+        matmul_t(&x, &w, rows, inner, &mut out);
+        let xt = Tensor::from_slice(&x, (rows, inner), &Device::Cpu).unwrap();
+        let wt = Tensor::from_slice(&w, (outs, inner), &Device::Cpu).unwrap();
+        let expect: Vec<f32> = xt
+            .matmul(&wt.t().unwrap())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (a, b) in out.iter().zip(&expect) {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                "{rows}x{inner}x{outs}: {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_isa_agrees_closely_with_portable() {
+    let mut seed = 5;
+    let (inner, outs) = (203, 17);
+    let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+    let x: Vec<f32> = (0..3 * inner).map(|_| lcg(&mut seed)).collect();
+    let mut a = vec![0f32; 3 * outs];
+    matmul_t_serial(Isa::Portable, &x, &w, 3, inner, &mut a, transposed(3));
+    for isa in supported_isas() {
+        let mut b = vec![0f32; 3 * outs];
+        matmul_t_serial(isa, &x, &w, 3, inner, &mut b, transposed(3));
+        for (p, q) in a.iter().zip(&b) {
+            assert!((p - q).abs() < 1e-4, "{isa:?}: {p} vs {q}");
+        }
+    }
+}
+
+#[test]
+fn attention_kernels_agree_closely_with_the_portable_loops() {
+    let mut seed = 13;
+    for head_dim in [64, 128, 32] {
+        for (heads, kv_heads) in [(4, 4), (4, 2)] {
+            for len in [1, 7, 8, 9, 33] {
+                let shape = AttnShape {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                };
+                let mut random = |n: usize| (0..n).map(|_| 4.0 * lcg(&mut seed)).collect();
+                let q: Vec<f32> = random(heads * head_dim);
+                let keys: Vec<f32> = random(len * kv_heads * head_dim);
+                let values: Vec<f32> = random(len * kv_heads * head_dim);
+                let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+                portable::attend_row(&q, &keys, &values, len, shape, &mut a, &mut Vec::new());
+                attend_row(&q, &keys, &values, len, shape, &mut b, &mut Vec::new());
+                for (x, y) in a.iter().zip(&b) {
+                    assert!((x - y).abs() < 1e-5, "{shape:?} len {len}: {x} vs {y}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_over_one_position_returns_its_value() {
+    let shape = AttnShape {
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+    };
+    let q = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0];
+    let k = [0.5, 0.5, 0.5, 0.5];
+    let v = [1.0, 2.0, 3.0, 4.0];
+    let mut out = [0f32; 8];
+    attend_row(&q, &k, &v, 1, shape, &mut out, &mut Vec::new());
+    assert_eq!(out, [1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]);
+}

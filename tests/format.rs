@@ -1,0 +1,134 @@
+//! Every checkpoint spex writes or ships holds exactly the Ouro format's tensor set, exit gate
+//! included (so strict loaders such as mlx-lm's accept it); and streamed text ends like the
+//! finish event's text, U+FFFD included where the output ends inside a character.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+
+use candle_core::Device;
+use spex::engine::events::DecodeEvent;
+use spex::engine::format::{self, NEUTRAL_EXIT_GATE_BIAS};
+use spex::engine::{DecodeOptions, Decoder, OuroConfig, PolicyKind};
+
+/// The tensor names in `dir/model.safetensors` and the names the format asks for.
+fn names_in(dir: &Path) -> (BTreeSet<String>, BTreeSet<String>) {
+    let config = OuroConfig::load(&dir.join("config.json")).expect("config.json");
+    let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
+        .expect("model.safetensors");
+    let want = format::checkpoint_tensors(&config)
+        .into_iter()
+        .map(|t| {
+            let shape = tensors.get(&t.name).map(|x| x.dims().to_vec());
+            assert_eq!(
+                shape.as_ref(),
+                Some(&t.shape),
+                "{}: {}",
+                dir.display(),
+                t.name
+            );
+            t.name
+        })
+        .collect();
+    (tensors.into_keys().collect(), want)
+}
+
+/// The exit gate in `dir` is the neutral one: zero weight, bias −10.
+fn assert_neutral_gate(dir: &Path) {
+    let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
+        .expect("model.safetensors");
+    let values = |name: &str| -> Vec<f32> {
+        tensors[name]
+            .flatten_all()
+            .and_then(|t| t.to_vec1())
+            .expect("f32 tensor")
+    };
+    assert!(values(format::EXIT_GATE_WEIGHT).iter().all(|&w| w == 0.0));
+    assert_eq!(values(format::EXIT_GATE_BIAS), [NEUTRAL_EXIT_GATE_BIAS]);
+}
+
+#[test]
+fn shipped_checkpoints_hold_exactly_the_format_tensors() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets");
+    for dir in [
+        "models/shakespeare-r4k6",
+        "models/shakespeare-r4k4",
+        "train/run",
+    ] {
+        let dir = root.join(dir);
+        let (have, want) = names_in(&dir);
+        assert_eq!(have, want, "{}", dir.display());
+        assert_neutral_gate(&dir);
+    }
+}
+
+#[test]
+fn random_checkpoints_hold_exactly_the_format_tensors() {
+    let tmp = tempfile::TempDir::new().expect("temp dir");
+    for untied in [false, true] {
+        let out = tmp.path().join(format!("untied-{untied}"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_spex"));
+        cmd.args(["random-checkpoint", "--hidden", "32", "--layers", "2"])
+            .args(["--heads", "2", "--vocab", "300", "--out"])
+            .arg(&out);
+        if untied {
+            cmd.arg("--untied");
+        }
+        let status = cmd.status().expect("spex runs");
+        assert!(status.success());
+        let (have, want) = names_in(&out);
+        assert_eq!(have, want, "untied {untied}");
+        assert_neutral_gate(&out);
+    }
+    for spec in [
+        common::spec(2, 3, common::Variant::Untied, 4),
+        common::spec(1, 2, common::Variant::Gqa, 5),
+    ] {
+        let (dir, _) = common::random_model(&spec);
+        let (have, want) = names_in(dir.path());
+        assert_eq!(have, want);
+    }
+}
+
+/// Streams every committed token's delta and the finish event's tail.
+fn streamed(decoder: &mut Decoder) -> (String, String) {
+    let mut text = String::new();
+    loop {
+        match decoder.next_event().expect("decodes") {
+            Some(DecodeEvent::Prefill(p)) => text.push_str(&p.first.text_delta),
+            Some(DecodeEvent::Step(s)) => s.committed.iter().for_each(|c| {
+                text.push_str(&c.text_delta);
+            }),
+            Some(DecodeEvent::Finished(f)) => {
+                text.push_str(&f.text_tail);
+                return (text, f.text);
+            }
+            None => unreachable!("the finish event comes before the end"),
+        }
+    }
+}
+
+#[test]
+fn streamed_text_ends_like_the_finish_text_even_mid_character() {
+    let (_dir, loaded) = common::random_model(&common::spec(2, 3, common::Variant::Tied, 7));
+    let mut mid_character = 0;
+    for prompt in common::PROMPTS {
+        for max_tokens in 1..=12 {
+            let options = DecodeOptions {
+                max_tokens,
+                context: 128,
+            };
+            let policy = PolicyKind::Speed.build();
+            let mut decoder = Decoder::new(&loaded, policy, prompt, options).expect("decoder");
+            let (streamed, finished) = streamed(&mut decoder);
+            assert_eq!(streamed, finished, "{prompt:?}, {max_tokens} tokens");
+            mid_character += usize::from(finished.ends_with('\u{FFFD}'));
+        }
+    }
+    assert!(
+        mid_character > 0,
+        "some run ends inside a multi-byte character"
+    );
+}
