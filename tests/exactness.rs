@@ -238,7 +238,8 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
 
 #[test]
 fn fused_training_ops_match_composed_ops_on_the_whole_model() {
-    use spex::engine::model::reference::Ops;
+    use spex::engine::model::reference::Composed;
+    use spex::train::Fused;
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
         let (_dir, loaded) = random_model(&spec(2, 3, variant, 5));
         let ids = loaded
@@ -249,13 +250,10 @@ fn fused_training_ops_match_composed_ops_on_the_whole_model() {
             .unwrap()
             .unsqueeze(0)
             .unwrap();
-        let fused = loaded
-            .model
-            .hidden_per_pass_with(&input, Ops::Fused)
-            .unwrap();
+        let fused = loaded.model.hidden_per_pass_with(&input, &Fused).unwrap();
         let composed = loaded
             .model
-            .hidden_per_pass_with(&input, Ops::Composed)
+            .hidden_per_pass_with(&input, &Composed)
             .unwrap();
         for (f, c) in fused.iter().zip(&composed) {
             let f = f.flatten_all().unwrap().to_vec1::<f32>().unwrap();

@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use spex::engine::LoadedModel;
 use spex::engine::model::LoopedModel;
 use spex::engine::random_checkpoint::SAMPLE_TEXT;
-use spex::engine::train::Trainer;
+use spex::train::Trainer;
 
 const TINY: &str = r#"
 [model]

@@ -10,7 +10,7 @@ use crossterm::event::{KeyCode, KeyEvent, KeyModifiers, MouseEvent, MouseEventKi
 use spex::engine::DecodeOptions;
 use spex::engine::policy::PolicyKind;
 use spex::engine::race::{Lane, RaceControl, RaceEvent, run_race};
-use spex::engine::random_checkpoint::SplitMix;
+use spex::engine::rng::SplitMix;
 use spex::tui::app::{Agreement, App, CellKind, Command, Focus, ModelInfo, Msg, RATES};
 
 fn info() -> ModelInfo {

@@ -9,7 +9,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::engine::kernels::SubnormalsFlushed;
-use crate::engine::train::{Progress, Trainer};
+use crate::train::{Progress, Trainer};
 
 /// `spex train`.
 #[derive(Debug, Args)]

@@ -1,6 +1,7 @@
 //! Finding and loading an Ouro checkpoint directory: `config.json`, one or more memory-mapped
 //! `*.safetensors` (with `model.safetensors.index.json` when sharded) and `tokenizer.json`.
-//! Used by the CLI, the dashboard and the tests; every failure names the file at fault.
+//! Used by the CLI, the dashboard and the tests; every failure names the file at fault. Also
+//! the JSON writer for the `config.json` files spex writes.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -217,4 +218,10 @@ impl LoadedModel {
             source,
         })
     }
+}
+
+/// Writes pretty JSON to `path`.
+pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| EngineError::file(path, e))?;
+    std::fs::write(path, text + "\n").map_err(|e| EngineError::file(path, e))
 }

@@ -1,5 +1,6 @@
 //! The inference engine: the looped model, its KV cache, CPU kernels, the SPEED scheduler,
-//! policies, events, metrics and checkpoint I/O. Imports nothing from the dashboard.
+//! policies, events, metrics and checkpoint I/O. Imports nothing from the dashboard or from
+//! training (`crate::train`).
 
 pub mod bench;
 pub mod checkpoint;
@@ -16,9 +17,9 @@ pub mod pipeline;
 pub mod policy;
 pub mod race;
 pub mod random_checkpoint;
+pub mod rng;
 mod tensor_files;
 pub mod tokenizer;
-pub mod train;
 
 pub use checkpoint::{Checkpoint, CheckpointBytes, LoadedModel};
 pub use config::OuroConfig;

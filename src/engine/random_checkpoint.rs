@@ -7,9 +7,11 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::checkpoint::write_json;
 use super::config::{ModelShape, OuroConfig};
 use super::error::{EngineError, Result};
 use super::format::{Role, checkpoint_tensors, neutral_exit_gate};
+use super::rng::SplitMix;
 use super::tokenizer::train_bpe;
 
 /// Public-domain text (Shakespeare's sonnets) to train the test tokenizers on.
@@ -53,26 +55,6 @@ impl Default for RandomSpec {
             seed: 1,
             pad_vocab_to: None,
         }
-    }
-}
-
-/// A small deterministic generator (SplitMix64) for reproducible weights.
-#[derive(Debug, Clone)]
-pub struct SplitMix(pub u64);
-
-impl SplitMix {
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 }
 
@@ -174,10 +156,4 @@ pub fn write_weights(dir: &Path, tensors: Vec<(String, Tensor)>, sharded: bool) 
         &dir.join("model.safetensors.index.json"),
         &serde_json::json!({ "metadata": {}, "weight_map": weight_map }),
     )
-}
-
-/// Writes pretty JSON to `path`.
-pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(value).map_err(|e| EngineError::file(path, e))?;
-    std::fs::write(path, text + "\n").map_err(|e| EngineError::file(path, e))
 }

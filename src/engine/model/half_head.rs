@@ -105,7 +105,7 @@ impl HalfHead {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::random_checkpoint::SplitMix;
+    use crate::engine::rng::SplitMix;
 
     fn normal(rng: &mut SplitMix, n: usize, scale: f32) -> Vec<f32> {
         (0..n)

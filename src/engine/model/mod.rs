@@ -5,7 +5,6 @@
 //! is the full-sequence forward used for training and as the tests' unbatched reference.
 
 mod device;
-pub mod fused;
 mod half_head;
 mod host;
 pub mod reference;

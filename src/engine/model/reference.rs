@@ -1,30 +1,43 @@
 //! The full-sequence forward pass: every position of a batch of sequences through all R
-//! passes with a causal mask, built only from differentiable ops. The trainer backpropagates
-//! through it; the tests use it as the unbatched reference for the step. On CPU f32 it uses
-//! the fused ops of `fused.rs` (same values, much less memory traffic); elsewhere, candle's
-//! primitive ops.
+//! passes with a causal mask, built only from differentiable ops. The tests use it as the
+//! unbatched reference (the oracle) for the batched step, with candle's primitive ops; the
+//! trainer backpropagates through it with its own fused ops (`crate::train::Fused`, same
+//! values, much less memory traffic), passed in as a [`SequenceOps`].
 
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{D, Tensor};
 
-use super::{LayerWeights, LoopedModel, fused};
+use super::{LayerWeights, LoopedModel, Rope};
 use crate::engine::error::Result;
 
-/// Which implementation of the elementwise ops a forward pass uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ops {
-    /// `fused.rs`: CPU f32 only.
-    Fused,
-    /// candle's primitive ops: any device and dtype.
-    Composed,
+/// The elementwise ops of the sequence forward, the part an implementation may fuse.
+pub trait SequenceOps: Sync {
+    /// RMSNorm over the last dimension.
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor>;
+    /// Rotary embedding of `[batch, heads, seq, head_dim]` at positions `0..seq`.
+    fn rope(&self, x: &Tensor, rope: &Rope) -> Result<Tensor>;
+    /// Softmax of `scores · scale` over the last dimension under the causal `mask`.
+    fn causal_softmax(&self, scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor>;
 }
 
-impl Ops {
-    /// The fused ops where they run (CPU f32), the composed ones elsewhere.
-    pub fn for_tensor(t: &Tensor) -> Self {
-        match (t.device(), t.dtype()) {
-            (Device::Cpu, DType::F32) => Self::Fused,
-            _ => Self::Composed,
-        }
+/// candle's primitive ops: any device and dtype, differentiable.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Composed;
+
+impl SequenceOps for Composed {
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+        rms_norm(x, weight, eps)
+    }
+
+    fn rope(&self, x: &Tensor, rope: &Rope) -> Result<Tensor> {
+        let (_, _, seq, _) = x.dims4()?;
+        let cos = rope.cos_t.narrow(0, 0, seq)?;
+        let sin = rope.sin_t.narrow(0, 0, seq)?;
+        Ok(candle_nn::rotary_emb::rope_slow(x, &cos, &sin)?)
+    }
+
+    fn causal_softmax(&self, scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor> {
+        let scores = (scores * scale)?.broadcast_add(mask)?;
+        Ok(candle_nn::ops::softmax(&scores, D::Minus1)?)
     }
 }
 
@@ -33,13 +46,6 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let mean_sq = x.sqr()?.mean_keepdim(D::Minus1)?;
     Ok(x.broadcast_div(&(mean_sq + eps)?.sqrt()?)?
         .broadcast_mul(weight)?)
-}
-
-fn norm(ops: Ops, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    match ops {
-        Ops::Fused => Ok(fused::rms_norm(x, weight, eps)?),
-        Ops::Composed => rms_norm(x, weight, eps),
-    }
 }
 
 /// `[.., in] · wᵀ` for a batched input.
@@ -64,11 +70,11 @@ impl LoopedModel {
 
     /// The normed hidden state after every pass, `[batch, seq, hidden]` each.
     pub fn hidden_per_pass(&self, ids: &Tensor) -> Result<Vec<Tensor>> {
-        self.hidden_per_pass_with(ids, Ops::for_tensor(&self.weights.norm))
+        self.hidden_per_pass_with(ids, &Composed)
     }
 
     /// `hidden_per_pass` with a chosen implementation of the elementwise ops.
-    pub fn hidden_per_pass_with(&self, ids: &Tensor, ops: Ops) -> Result<Vec<Tensor>> {
+    pub fn hidden_per_pass_with(&self, ids: &Tensor, ops: &dyn SequenceOps) -> Result<Vec<Tensor>> {
         let (batch, seq) = ids.dims2()?;
         let mut h = self
             .weights
@@ -84,22 +90,10 @@ impl LoopedModel {
             for layer in &self.weights.layers {
                 h = self.layer_sequence(layer, &h, &mask, ops)?;
             }
-            h = norm(ops, &h, &self.weights.norm, self.config.rms_norm_eps)?;
+            h = ops.rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
             out.push(h.clone());
         }
         Ok(out)
-    }
-
-    fn rope(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
-        let (_, _, seq, _) = x.dims4()?;
-        Ok(match ops {
-            Ops::Fused => fused::rope(x, &self.rope.cos, &self.rope.sin, self.rope.half)?,
-            Ops::Composed => {
-                let cos = self.rope.cos_t.narrow(0, 0, seq)?;
-                let sin = self.rope.sin_t.narrow(0, 0, seq)?;
-                candle_nn::rotary_emb::rope_slow(x, &cos, &sin)?
-            }
-        })
     }
 
     /// Causal attention of `q` over `k`, `v` (`[batch, heads, seq, head_dim]`, GQA expanded).
@@ -109,18 +103,11 @@ impl LoopedModel {
         k: &Tensor,
         v: &Tensor,
         mask: &Tensor,
-        ops: Ops,
+        ops: &dyn SequenceOps,
     ) -> Result<Tensor> {
         let (_, _, _, head_dim) = q.dims4()?;
         let scale = 1.0 / (head_dim as f64).sqrt();
-        let scores = q.matmul(&k.t()?)?;
-        let probs = match ops {
-            Ops::Fused => fused::causal_softmax(&scores, scale)?,
-            Ops::Composed => {
-                let scores = (scores * scale)?.broadcast_add(mask)?;
-                candle_nn::ops::softmax(&scores, D::Minus1)?
-            }
-        };
+        let probs = ops.causal_softmax(&q.matmul(&k.t()?)?, scale, mask)?;
         Ok(probs.matmul(&v.contiguous()?)?)
     }
 
@@ -129,7 +116,7 @@ impl LoopedModel {
         w: &LayerWeights,
         h: &Tensor,
         mask: &Tensor,
-        ops: Ops,
+        ops: &dyn SequenceOps,
     ) -> Result<Tensor> {
         let cfg = &self.config;
         let eps = cfg.rms_norm_eps;
@@ -139,14 +126,14 @@ impl LoopedModel {
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let a = norm(ops, h, &w.input_layernorm, eps)?;
+        let a = ops.rms_norm(h, &w.input_layernorm, eps)?;
         let split = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((batch, seq, n, head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?)
         };
-        let q = self.rope(&split(linear(&a, &w.q_proj)?, heads)?, ops)?;
-        let k = self.rope(&split(linear(&a, &w.k_proj)?, kv_heads)?, ops)?;
+        let q = ops.rope(&split(linear(&a, &w.q_proj)?, heads)?, &self.rope)?;
+        let k = ops.rope(&split(linear(&a, &w.k_proj)?, kv_heads)?, &self.rope)?;
         let v = split(linear(&a, &w.v_proj)?, kv_heads)?;
         let group = heads / kv_heads;
         let repeat = |t: Tensor| -> Result<Tensor> {
@@ -162,12 +149,12 @@ impl LoopedModel {
             .attention(&q, &k, &v, mask, ops)?
             .transpose(1, 2)?
             .reshape((batch, seq, heads * head_dim))?;
-        let o = norm(ops, &linear(&attn, &w.o_proj)?, &w.input_layernorm_2, eps)?;
+        let o = ops.rms_norm(&linear(&attn, &w.o_proj)?, &w.input_layernorm_2, eps)?;
         let h = (h + o)?;
-        let x = norm(ops, &h, &w.post_attention_layernorm, eps)?;
+        let x = ops.rms_norm(&h, &w.post_attention_layernorm, eps)?;
         let gate = candle_nn::ops::silu(&linear(&x, &w.gate_proj)?)?;
         let down = linear(&(gate * linear(&x, &w.up_proj)?)?, &w.down_proj)?;
-        let down = norm(ops, &down, &w.post_attention_layernorm_2, eps)?;
+        let down = ops.rms_norm(&down, &w.post_attention_layernorm_2, eps)?;
         Ok((h + down)?)
     }
 }

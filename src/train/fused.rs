@@ -2,17 +2,51 @@
 //! causal softmax of attention and a cross-entropy against a mix of hard and soft targets.
 //! candle's composed versions make one full-size temporary per primitive op, forward and
 //! backward; at training shapes that elementwise traffic cost more than the matmuls (issue 3:
-//! the gemm microkernel was under a third of a training step). `reference.rs` uses these on
-//! CPU f32 and the composed ops on other devices; the tests check both give the same values
+//! the gemm microkernel was under a third of a training step). Training's sequence forward uses them on
+//! CPU f32 ([`Fused`], a `SequenceOps`) and the composed ops on other devices; the tests check both give the same values
 //! and gradients. Rows are processed in parallel in fixed chunks, and reductions across rows
 //! are summed in chunk order, so training stays deterministic.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+use crate::engine::error::Result;
 use crate::engine::kernels;
+use crate::engine::model::Rope as RopeTables;
+use crate::engine::model::reference::{Composed, SequenceOps};
 
 type CResult<T> = candle_core::Result<T>;
+
+/// The fused ops as the sequence forward's elementwise ops (CPU f32 only).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fused;
+
+impl Fused {
+    /// Whether the fused ops run on `t`'s device and dtype (CPU f32).
+    pub fn runs_on(t: &Tensor) -> bool {
+        t.device().is_cpu() && t.dtype() == candle_core::DType::F32
+    }
+
+    /// The fused ops where they run (`t` on CPU in f32), candle's composed ones elsewhere.
+    pub fn where_they_run(t: &Tensor) -> &'static dyn SequenceOps {
+        if Self::runs_on(t) { &Fused } else { &Composed }
+    }
+}
+
+impl SequenceOps for Fused {
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+        Ok(rms_norm(x, weight, eps)?)
+    }
+
+    fn rope(&self, x: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+        Ok(self::rope(x, &rope.cos, &rope.sin, rope.half)?)
+    }
+
+    /// The mask is implied: the fused softmax is causal by construction.
+    fn causal_softmax(&self, scores: &Tensor, scale: f64, _mask: &Tensor) -> Result<Tensor> {
+        Ok(causal_softmax(scores, scale)?)
+    }
+}
 
 /// Rows handed to one rayon task: big enough that scheduling costs nothing next to the work.
 const ROWS_PER_TASK: usize = 64;

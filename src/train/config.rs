@@ -1,0 +1,111 @@
+//! The training config file (TOML): the model's shape and the optimisation settings,
+//! validated as a whole before anything runs.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::engine::config::ModelShape;
+use crate::engine::config::OuroConfig;
+use crate::engine::error::{EngineError, Result, toml_error};
+
+/// Optimisation settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSettings {
+    pub seq_len: usize,
+    pub batch: usize,
+    pub steps: usize,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: usize,
+    pub weight_decay: f64,
+    pub grad_clip: f64,
+    pub seed: u64,
+    /// Loss weight of each pass's readout, pass 1 first (R values).
+    pub pass_weights: Vec<f64>,
+    /// Share of the target that passes 1..R−1 take from pass R's (detached) distribution
+    /// instead of the next token: 0 is plain cross-entropy, 1 pure self-distillation. It
+    /// trains early passes to agree with pass R, which is what SPEED's speculation needs.
+    #[serde(default)]
+    pub agreement_weight: f64,
+    /// Corpus files (by file name) held out whole for validation.
+    pub validation_files: Vec<String>,
+    /// Start a fresh run from this checkpoint directory (relative to the working directory)
+    /// instead of random weights, with its tokenizer. Its tensors must match this shape's,
+    /// except that K may grow: layers past the checkpoint's start as identity blocks (their
+    /// output norms' gains zero), so a deeper model begins exactly where the trained one ended.
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
+    pub eval_every: usize,
+    pub eval_batches: usize,
+    pub checkpoint_minutes: f64,
+}
+
+/// A training config file (TOML).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    pub model: ModelShape,
+    pub train: TrainSettings,
+}
+
+impl TrainConfig {
+    /// Reads and validates a TOML training config.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
+        let config: Self = toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
+        let err = |field: &str, message: &str| EngineError::Config {
+            path: path.to_path_buf(),
+            field: field.into(),
+            message: message.into(),
+        };
+        let m = &config.model;
+        if m.layers == 0 || m.passes == 0 {
+            return Err(err(
+                "model.layers",
+                "K·R (model.layers × model.passes) must be positive",
+            ));
+        }
+        if m.heads == 0 || !m.hidden.is_multiple_of(m.heads) {
+            return Err(err("model.hidden", "must be divisible by model.heads"));
+        }
+        config.ouro_config(4096).validate(path)?;
+        if config.train.pass_weights.len() != m.passes {
+            return Err(err(
+                "train.pass_weights",
+                "needs one weight per pass (model.passes values)",
+            ));
+        }
+        if config.train.eval_every == 0 || config.train.eval_batches == 0 {
+            return Err(err(
+                "train.eval_every",
+                "eval_every and eval_batches must be positive",
+            ));
+        }
+        if config.train.seq_len == 0 || config.train.batch == 0 || config.train.seq_len >= m.context
+        {
+            return Err(err(
+                "train.seq_len",
+                "must be positive and below model.context",
+            ));
+        }
+        Ok(config)
+    }
+
+    /// The Ouro config of the model, for a tokenizer of `vocab` tokens.
+    pub fn ouro_config(&self, vocab: usize) -> OuroConfig {
+        self.model.ouro_config(vocab, "float32")
+    }
+
+    /// Learning rate at `step`: linear warm-up, then cosine decay to `min_lr`.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        let t = &self.train;
+        if step < t.warmup_steps {
+            return t.lr * (step + 1) as f64 / t.warmup_steps as f64;
+        }
+        let progress = (step - t.warmup_steps) as f64 / (t.steps - t.warmup_steps).max(1) as f64;
+        t.min_lr
+            + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos())
+    }
+}
