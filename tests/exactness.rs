@@ -6,7 +6,8 @@ mod common;
 use candle_core::{Device, Tensor};
 use common::{PROMPTS, Variant, random_model, spec, with_device_backend, with_f32_readouts};
 use spex::engine::bench::run_lane;
-use spex::engine::model::{Hidden, RowInput, StepRow};
+use spex::engine::kv_cache::KvCache;
+use spex::engine::model::{Backend, RowInput, RowSlot, StepBackend, StepRow};
 use spex::engine::policy::PolicyKind;
 use spex::engine::{DecodeOptions, LoadedModel};
 
@@ -106,7 +107,7 @@ fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>> {
         .unsqueeze(0)
         .unwrap();
     loaded
-        .model
+        .model()
         .forward_sequence(&input)
         .unwrap()
         .into_iter()
@@ -125,14 +126,21 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// so every step mixes rows of different passes and positions. Every readout is compared with
 /// the reference.
 fn check_pipelined_steps(loaded: &LoadedModel) {
+    match &loaded.backend {
+        Backend::Host(b) => check_pipelined_steps_on(&**b, loaded),
+        Backend::Device(b) => check_pipelined_steps_on(&**b, loaded),
+    }
+}
+
+fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
     let ids = loaded
         .tokenizer
         .encode("Shall I compare thee to a summer's day? Thou art more")
         .unwrap();
     let reference = reference_logits(loaded, &ids);
-    let passes = loaded.model.passes();
-    let mut cache = loaded.model.new_cache(64).unwrap();
-    let mut hidden: Vec<Option<RowInput>> =
+    let passes = loaded.model().passes();
+    let mut cache = KvCache::new(backend.new_store(64).unwrap(), passes, 64);
+    let mut hidden: Vec<Option<RowInput<B::Hidden>>> =
         ids.iter().map(|&id| Some(RowInput::Token(id))).collect();
     let mut worst = 0f32;
     for step in 0..ids.len() + passes - 1 {
@@ -143,28 +151,24 @@ fn check_pipelined_steps(loaded: &LoadedModel) {
                     .map(|p| (p, r))
             })
             .collect();
-        let rows: Vec<StepRow> = members
+        let rows: Vec<StepRow<B::Hidden>> = members
             .iter()
             .map(|&(pos, pass)| StepRow {
-                pos,
-                pass,
+                slot: RowSlot {
+                    pos,
+                    pass,
+                    readout: true,
+                    second: false,
+                },
                 input: hidden[pos].take().unwrap(),
-                readout: true,
-                alternate: false,
             })
             .collect();
-        let out = loaded.model.step(&rows, &mut cache).unwrap();
+        let out = spex::engine::model::step(backend, rows, &mut cache).unwrap();
         for ((&(pos, pass), h), logits) in members.iter().zip(out.hidden).zip(out.logits) {
             let diff = max_abs_diff(&logits.unwrap(), &reference[pass][pos]);
             // Readouts may come from the f16 head, within its bound (at pass R only the logits
             // that could be the argmax are recomputed exactly).
-            let state = match &h {
-                Hidden::Host(state) => Some(state.as_slice()),
-                Hidden::Device(_) => None,
-            };
-            let allowed = state
-                .and_then(|s| loaded.model.proposal_error_bound(s))
-                .unwrap_or(0.0);
+            let allowed = backend.proposal_error_bound(&h).unwrap_or(0.0);
             worst = worst.max(diff - allowed as f32);
             hidden[pos] = Some(RowInput::Hidden(h));
         }
@@ -217,10 +221,10 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
             promoted += promotions;
             assert_eq!(base.output(), spec_run.output());
             let verified = base.prompt().len() + base.output().len() - 1;
-            for layer in 0..loaded.model.config.num_hidden_layers {
+            for layer in 0..loaded.model().config.num_hidden_layers {
                 for pass in 0..4 {
-                    let a = base.cache().entries(layer, pass, verified).unwrap();
-                    let b = spec_run.cache().entries(layer, pass, verified).unwrap();
+                    let a = base.kv_entries(layer, pass, verified).unwrap();
+                    let b = spec_run.kv_entries(layer, pass, verified).unwrap();
                     let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     let at = format!("{policy}, layer {layer}, pass {pass}");
                     assert_eq!(bits(&a.0), bits(&b.0), "keys, {at}");
@@ -250,9 +254,9 @@ fn fused_training_ops_match_composed_ops_on_the_whole_model() {
             .unwrap()
             .unsqueeze(0)
             .unwrap();
-        let fused = loaded.model.hidden_per_pass_with(&input, &Fused).unwrap();
+        let fused = loaded.model().hidden_per_pass_with(&input, &Fused).unwrap();
         let composed = loaded
-            .model
+            .model()
             .hidden_per_pass_with(&input, &Composed)
             .unwrap();
         for (f, c) in fused.iter().zip(&composed) {

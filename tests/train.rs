@@ -89,14 +89,14 @@ fn tiny_run_learns_deterministically_and_reloads_exactly() {
     let loaded = LoadedModel::load(&dir.path().join("a"), &Device::Cpu, DType::F32).unwrap();
     assert_same_logits(
         trainer.model(),
-        &loaded.model,
+        loaded.model(),
         "reloaded logits are identical",
     );
     let saved =
         candle_core::safetensors::load(dir.path().join("a/model.safetensors"), &Device::Cpu)
             .unwrap();
     let have: std::collections::BTreeSet<&String> = saved.keys().collect();
-    let want = spex::engine::format::checkpoint_tensors(&loaded.model.config);
+    let want = spex::engine::format::checkpoint_tensors(&loaded.model().config);
     let want: std::collections::BTreeSet<&String> = want.iter().map(|t| &t.name).collect();
     assert_eq!(
         have, want,

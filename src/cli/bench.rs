@@ -60,11 +60,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let mut r = bench_prompt(loaded, &session.prompt(prompt), options, lane)?;
         r.prompt.clone_from(prompt);
         if !args.json {
-            print_row(&r, results.is_empty(), loaded.model.passes());
+            print_row(&r, results.is_empty(), loaded.model().passes());
         }
         results.push(r);
     }
-    let (base, speed) = totals(&results, loaded.model.passes());
+    let (base, speed) = totals(&results, loaded.model().passes());
     let ceiling =
         results.iter().map(|r| r.step_times.ceiling()).sum::<f64>() / results.len() as f64;
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
@@ -104,8 +104,8 @@ fn json_report(
         "model": session.name,
         "device": session.device,
         "dtype": session.dtype,
-        "passes": session.loaded.model.passes(),
-        "layers": session.loaded.model.config.num_hidden_layers,
+        "passes": session.loaded.model().passes(),
+        "layers": session.loaded.model().config.num_hidden_layers,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
         "runs_per_lane": runs,
         "policy": policy,

@@ -311,8 +311,8 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
     let policy = session.speculative_policy(args.policy);
     let info = crate::tui::app::ModelInfo {
         name: session.name.clone(),
-        passes: session.loaded.model.passes(),
-        layers: session.loaded.model.config.num_hidden_layers,
+        passes: session.loaded.model().passes(),
+        layers: session.loaded.model().config.num_hidden_layers,
         device: session.device.clone(),
         dtype: session.dtype.clone(),
         policy: policy.to_string(),

@@ -5,10 +5,11 @@
 use serde::Serialize;
 
 use super::checkpoint::LoadedModel;
+use super::decoder::Decoder;
 use super::error::{EngineError, Result};
 use super::events::DecodeEvent;
 use super::metrics::{RunStats, StepTimes, measure_step_times, speedup};
-use super::pipeline::{DecodeOptions, Decoder};
+use super::pipeline::DecodeOptions;
 use super::policy::{Policy, PolicyKind};
 
 /// One policy's run of one prompt.
@@ -58,13 +59,16 @@ fn run_policy(
     options: DecodeOptions,
 ) -> Result<LaneResult> {
     let mut decoder = Decoder::new(loaded, policy, prompt, options)?;
-    let mut stats = RunStats::new(loaded.model.passes());
+    let mut stats = RunStats::new(loaded.model().passes());
     let mut margins = Vec::new();
     let mut tokens = Vec::new();
     while let Some(event) = decoder.next_event()? {
         stats.record(&event);
         if let DecodeEvent::Step(step) = &event {
-            let last_pass = step.rows.iter().filter(|r| r.pass == loaded.model.passes());
+            let last_pass = step
+                .rows
+                .iter()
+                .filter(|r| r.pass == loaded.model().passes());
             margins.extend(last_pass.filter_map(|r| r.prediction.as_ref().map(|p| p.margin)));
         }
         if let DecodeEvent::Finished(finish) = event {
@@ -111,7 +115,7 @@ pub fn bench_prompt(
     }
     let prompt_len = loaded.tokenizer.encode(prompt)?.len();
     let mid = (prompt_len + baseline.tokens.len() / 2).min(options.context.saturating_sub(1));
-    let step_times = measure_step_times(&loaded.model, mid, 20)?;
+    let step_times = measure_step_times(&loaded.backend, mid, 20)?;
     let mismatch = baseline
         .tokens
         .iter()

@@ -12,7 +12,7 @@ use candle_nn::VarBuilder;
 
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
-use super::model::{LoadOptions, LoopedModel, Weights};
+use super::model::{Backend, LoadOptions, LoopedModel, Weights};
 use super::tensor_files::TensorFiles;
 use super::tokenizer::TextTokenizer;
 
@@ -48,17 +48,18 @@ impl Checkpoint {
         })
     }
 
-    /// Loads the weights on `device` in `dtype`; a wrong or missing tensor names itself.
+    /// Loads the weights on `device` in `dtype` with the backend that suits them; a wrong or
+    /// missing tensor names itself.
     pub fn load_model(
         &self,
         device: &Device,
         dtype: DType,
         options: LoadOptions,
-    ) -> Result<LoopedModel> {
+    ) -> Result<Backend> {
         let files = TensorFiles::open(&self.weight_files)?;
         let vb = VarBuilder::from_backend(Box::new(files), dtype, device.clone());
         let weights = Weights::load(&vb, &self.config).map_err(|e| self.tensor_error(e))?;
-        LoopedModel::from_checkpoint(self.config.clone(), weights, device.clone(), dtype, options)
+        Backend::for_weights(self.config.clone(), weights, device, dtype, options)
     }
 
     fn tensor_error(&self, e: candle_core::Error) -> EngineError {
@@ -125,10 +126,11 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// A loaded model with its tokenizer, shared by every decoder thread.
+/// A loaded model on the backend chosen for it, with its tokenizer, shared by every decoder
+/// thread.
 #[derive(Debug, Clone)]
 pub struct LoadedModel {
-    pub model: Arc<LoopedModel>,
+    pub backend: Backend,
     pub tokenizer: Arc<TextTokenizer>,
     /// Where it was loaded from: a directory, or "embedded".
     pub source: String,
@@ -164,9 +166,9 @@ impl LoadedModel {
     ) -> Result<Self> {
         let checkpoint = Checkpoint::open(dir)?;
         let tokenizer = checkpoint.load_tokenizer()?;
-        let model = checkpoint.load_model(device, dtype, options)?;
+        let backend = checkpoint.load_model(device, dtype, options)?;
         Self::assemble(
-            model,
+            backend,
             tokenizer,
             dir.display().to_string(),
             &dir.join("config.json"),
@@ -191,16 +193,22 @@ impl LoadedModel {
             .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
         let weights = Weights::load(&vb, &config)
             .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
-        let model = LoopedModel::from_checkpoint(config, weights, device.clone(), dtype, options)?;
-        Self::assemble(model, tokenizer, "embedded".into(), path)
+        let backend = Backend::for_weights(config, weights, device, dtype, options)?;
+        Self::assemble(backend, tokenizer, "embedded".into(), path)
+    }
+
+    /// The model, whatever its backend.
+    pub fn model(&self) -> &Arc<LoopedModel> {
+        self.backend.model()
     }
 
     fn assemble(
-        model: LoopedModel,
+        backend: Backend,
         tokenizer: TextTokenizer,
         source: String,
         config_path: &Path,
     ) -> Result<Self> {
+        let model = backend.model();
         if tokenizer.vocab_size() > model.config.vocab_size {
             return Err(EngineError::Config {
                 path: config_path.to_path_buf(),
@@ -213,7 +221,7 @@ impl LoadedModel {
             });
         }
         Ok(Self {
-            model: Arc::new(model),
+            backend,
             tokenizer: Arc::new(tokenizer),
             source,
         })

@@ -8,7 +8,8 @@ use serde::Serialize;
 
 use super::error::Result;
 use super::events::DecodeEvent;
-use super::model::{LoopedModel, RowInput, StepRow};
+use super::kv_cache::KvCache;
+use super::model::{Backend, RowInput, RowSlot, StepBackend, StepRow, step};
 
 /// Counters of one decoding run, updated event by event.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -197,20 +198,19 @@ impl StepTimes {
 /// last, as baseline decoding does) and one R-row step with every row read out (as SPEED
 /// does). Reading out every 1-row step instead would overstate the ceiling: on the shipped
 /// model the LM head is a quarter of a step's weights.
-pub fn measure_step_times(model: &LoopedModel, pos: usize, repeats: usize) -> Result<StepTimes> {
-    let passes = model.passes();
-    let row = |pass: usize, readout: bool| StepRow {
+pub fn measure_step_times(backend: &Backend, pos: usize, repeats: usize) -> Result<StepTimes> {
+    let passes = backend.model().passes();
+    let slot = |pass: usize, readout: bool| RowSlot {
         pos,
         pass,
-        input: RowInput::Token(1),
         readout,
-        alternate: false,
+        second: false,
     };
-    let mut batches: Vec<Vec<StepRow>> = (0..passes)
-        .map(|pass| vec![row(pass, pass + 1 == passes)])
+    let mut batches: Vec<Vec<RowSlot>> = (0..passes)
+        .map(|pass| vec![slot(pass, pass + 1 == passes)])
         .collect();
-    batches.push((0..passes).map(|pass| row(pass, true)).collect());
-    let t = median_times(model, pos, &batches, repeats)?;
+    batches.push((0..passes).map(|pass| slot(pass, true)).collect());
+    let t = median_times(backend, pos, &batches, repeats)?;
     let token: Duration = t[..passes].iter().sum();
     Ok(StepTimes {
         one_row: token / passes as u32,
@@ -222,47 +222,67 @@ pub fn measure_step_times(model: &LoopedModel, pos: usize, repeats: usize) -> Re
 /// Median compute of a step of each of `row_counts` rows (rows at passes 0, 1, …, all at
 /// `pos`, all read out). Used by `cargo bench`.
 pub fn median_step_times(
-    model: &LoopedModel,
+    backend: &Backend,
     pos: usize,
     row_counts: &[usize],
     repeats: usize,
 ) -> Result<Vec<Duration>> {
-    let batches: Vec<Vec<StepRow>> = row_counts
+    let batches: Vec<Vec<RowSlot>> = row_counts
         .iter()
         .map(|&n| {
             (0..n)
-                .map(|pass| StepRow {
+                .map(|pass| RowSlot {
                     pos,
                     pass,
-                    input: RowInput::Token(1),
                     readout: true,
-                    alternate: false,
+                    second: false,
                 })
                 .collect()
         })
         .collect();
-    median_times(model, pos, &batches, repeats)
+    median_times(backend, pos, &batches, repeats)
 }
 
-/// Median compute of each batch of rows at `pos`, the batches interleaved so that machine
-/// noise hits them alike; two warm-up rounds are dropped.
+/// Median compute of each batch of rows at `pos`, on the backend the model was loaded with.
 fn median_times(
-    model: &LoopedModel,
+    backend: &Backend,
     pos: usize,
-    batches: &[Vec<StepRow>],
+    batches: &[Vec<RowSlot>],
     repeats: usize,
 ) -> Result<Vec<Duration>> {
-    let mut cache = model.new_cache(pos + 1)?;
+    match backend {
+        Backend::Host(b) => median_times_on(&**b, pos, batches, repeats),
+        Backend::Device(b) => median_times_on(&**b, pos, batches, repeats),
+    }
+}
+
+/// Median compute of each batch of rows at `pos` (every row's input a token), the batches
+/// interleaved so that machine noise hits them alike; two warm-up rounds are dropped.
+fn median_times_on<B: StepBackend>(
+    backend: &B,
+    pos: usize,
+    batches: &[Vec<RowSlot>],
+    repeats: usize,
+) -> Result<Vec<Duration>> {
+    let passes = backend.model().passes();
+    let mut cache = KvCache::new(backend.new_store(pos + 1)?, passes, pos + 1);
     if pos > 0 {
-        for pass in 0..model.passes() {
+        for pass in 0..passes {
             cache.mark_written(pass, pos - 1);
         }
     }
     let mut times = vec![Vec::with_capacity(repeats); batches.len()];
     for round in 0..repeats + 2 {
         for (batch, t) in batches.iter().zip(&mut times) {
+            let rows = batch
+                .iter()
+                .map(|&slot| StepRow {
+                    slot,
+                    input: RowInput::Token(1),
+                })
+                .collect();
             let started = Instant::now();
-            model.step(batch, &mut cache)?;
+            step(backend, rows, &mut cache)?;
             if round >= 2 {
                 t.push(started.elapsed());
             }

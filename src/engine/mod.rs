@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod decoder;
 pub mod error;
 pub mod events;
 pub mod format;
@@ -23,7 +24,8 @@ pub mod tokenizer;
 
 pub use checkpoint::{Checkpoint, CheckpointBytes, LoadedModel};
 pub use config::OuroConfig;
+pub use decoder::Decoder;
 pub use error::{EngineError, Result};
 pub use events::DecodeEvent;
-pub use pipeline::{DecodeOptions, Decoder};
+pub use pipeline::DecodeOptions;
 pub use policy::{Policy, PolicyKind};

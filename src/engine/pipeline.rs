@@ -7,21 +7,20 @@
 //! window). Both run pass 1 in the next step; the parent's next readout keeps the one it agrees
 //! with (`choose_candidate`) before anything younger exists, so the window stays a chain.
 //!
-//! Callers (the CLI, the benchmark, the dashboard's race thread) pull events with
-//! [`Decoder::next_event`]: a prefill event first, then one event per step, then the finish.
+//! Generic over the step backend; callers hold it as an `engine::Decoder` and pull events with
+//! [`Pipeline::next_event`]: a prefill event first, then one event per step, then the finish.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::checkpoint::LoadedModel;
 use super::error::{EngineError, Result};
 use super::events::{
     Committed, DecodeEvent, FinishEvent, FinishReason, Flip, Flush, Prediction, PrefillEvent,
     RowEvent, StepEvent, Token,
 };
 use super::kv_cache::KvCache;
-use super::model::{Hidden, LoopedModel, RowInput, StepRow};
+use super::model::{RowInput, RowSlot, StepBackend, StepRow, step};
 use super::policy::Policy;
 use super::tokenizer::{Detokenizer, TextTokenizer};
 
@@ -36,21 +35,21 @@ pub struct DecodeOptions {
 
 /// A token in the pipeline window.
 #[derive(Debug)]
-struct InFlight {
+struct InFlight<H> {
     pos: usize,
     token: u32,
     /// Its id is committed (its parent finished all R passes and agreed).
     verified: bool,
     /// Passes completed so far (the next pass to run, 0-based).
     passes_done: usize,
-    hidden: Option<Hidden>,
+    hidden: Option<H>,
     /// The pass of the parent's readout that proposed this guess (speculation.md §5, γ).
     proposed_at: usize,
     /// Proposed as the parent's runner-up (policy `dual`), for acceptance by source.
     second: bool,
     /// A second candidate not yet chosen between: it shares its position with the token
     /// before it in the window, and its KV entries are set aside.
-    pending: bool,
+    unchosen: bool,
 }
 
 /// A readout's greedy decision and what the second-proposal gate needs.
@@ -117,16 +116,16 @@ fn describe(tokenizer: &TextTokenizer, logits: &[f32], best: u32) -> Prediction 
     }
 }
 
-/// One decoding run: prompt, policy, KV cache and the in-flight window.
+/// One decoding run on backend `B`: prompt, policy, KV cache and the in-flight window.
 #[derive(Debug)]
-pub struct Decoder {
-    model: Arc<LoopedModel>,
+pub struct Pipeline<B: StepBackend> {
+    backend: Arc<B>,
     tokenizer: Arc<TextTokenizer>,
     policy: Box<dyn Policy>,
     options: DecodeOptions,
     prompt: Vec<u32>,
-    cache: KvCache,
-    window: VecDeque<InFlight>,
+    cache: KvCache<B::Kv>,
+    window: VecDeque<InFlight<B::Hidden>>,
     output: Vec<u32>,
     detokenizer: Detokenizer,
     steps: u64,
@@ -135,21 +134,11 @@ pub struct Decoder {
     done: bool,
 }
 
-impl Decoder {
-    /// Tokenizes `prompt` and checks it fits the context; no compute yet.
+impl<B: StepBackend> Pipeline<B> {
+    /// A run of `prompt` (token ids) on `backend`, checked to fit the context; no compute yet.
     pub fn new(
-        loaded: &LoadedModel,
-        policy: Box<dyn Policy>,
-        prompt: &str,
-        options: DecodeOptions,
-    ) -> Result<Self> {
-        let ids = loaded.tokenizer.encode(prompt)?;
-        Self::from_ids(loaded, policy, ids, options)
-    }
-
-    /// As [`Decoder::new`], from token ids.
-    pub fn from_ids(
-        loaded: &LoadedModel,
+        backend: Arc<B>,
+        tokenizer: Arc<TextTokenizer>,
         policy: Box<dyn Policy>,
         prompt: Vec<u32>,
         options: DecodeOptions,
@@ -159,9 +148,8 @@ impl Decoder {
                 "empty: type at least one character".into(),
             ));
         }
-        let context = options
-            .context
-            .min(loaded.model.config.max_position_embeddings);
+        let model = backend.model();
+        let context = options.context.min(model.config.max_position_embeddings);
         if prompt.len() >= context {
             return Err(EngineError::Prompt(format!(
                 "{} tokens do not fit the context of {context} positions",
@@ -171,10 +159,11 @@ impl Decoder {
         if options.max_tokens == 0 {
             return Err(EngineError::Invalid("max tokens must be at least 1".into()));
         }
+        let cache = KvCache::new(backend.new_store(context)?, model.passes(), context);
         Ok(Self {
-            cache: loaded.model.new_cache(context)?,
-            model: loaded.model.clone(),
-            tokenizer: loaded.tokenizer.clone(),
+            cache,
+            backend,
+            tokenizer,
             policy,
             options,
             prompt,
@@ -186,6 +175,11 @@ impl Decoder {
             finish: None,
             done: false,
         })
+    }
+
+    /// R, the passes.
+    fn passes(&self) -> usize {
+        self.backend.model().passes()
     }
 
     /// The policy's name.
@@ -204,7 +198,7 @@ impl Decoder {
     }
 
     /// The KV cache (tests compare it between policies).
-    pub fn cache(&self) -> &KvCache {
+    pub fn cache(&self) -> &KvCache<B::Kv> {
         &self.cache
     }
 
@@ -255,23 +249,26 @@ impl Decoder {
     /// readout is the first output token, verified, which enters the window at pass 1.
     fn prefill(&mut self) -> Result<PrefillEvent> {
         let started = Instant::now();
-        let passes = self.model.passes();
+        let passes = self.passes();
         let n = self.prompt.len();
-        let mut inputs: Vec<RowInput> = self.prompt.iter().map(|&id| RowInput::Token(id)).collect();
+        let mut inputs: Vec<RowInput<B::Hidden>> =
+            self.prompt.iter().map(|&id| RowInput::Token(id)).collect();
         let mut last_logits = None;
         for pass in 0..passes {
-            let rows: Vec<StepRow> = inputs
+            let rows: Vec<StepRow<B::Hidden>> = inputs
                 .drain(..)
                 .enumerate()
                 .map(|(pos, input)| StepRow {
-                    pos,
-                    pass,
+                    slot: RowSlot {
+                        pos,
+                        pass,
+                        readout: pass + 1 == passes && pos + 1 == n,
+                        second: false,
+                    },
                     input,
-                    readout: pass + 1 == passes && pos + 1 == n,
-                    alternate: false,
                 })
                 .collect();
-            let out = self.model.step(&rows, &mut self.cache)?;
+            let out = step(&*self.backend, rows, &mut self.cache)?;
             inputs = out.hidden.into_iter().map(RowInput::Hidden).collect();
             last_logits = out.logits.into_iter().next_back().flatten();
         }
@@ -334,7 +331,7 @@ impl Decoder {
             hidden: None,
             proposed_at,
             second: false,
-            pending: false,
+            unchosen: false,
         });
     }
 
@@ -342,7 +339,7 @@ impl Decoder {
     fn spawn_second(&mut self, pos: usize, token: u32, proposed_at: usize) {
         self.spawn(pos, token, false, proposed_at);
         let t = self.window.back_mut().expect("just pushed: this is a bug");
-        (t.second, t.pending) = (true, true);
+        (t.second, t.unchosen) = (true, true);
     }
 
     /// Whether a speculative child at `pos` could ever matter: inside the context, and its own
@@ -353,7 +350,7 @@ impl Decoder {
 
     /// Drops the window from `index` on and rolls their KV entries back in every pass.
     fn flush_from(&mut self, index: usize) -> Flush {
-        let flushed: Vec<InFlight> = self.window.drain(index..).collect();
+        let flushed: Vec<InFlight<B::Hidden>> = self.window.drain(index..).collect();
         let first_pos = flushed
             .first()
             .expect("flush of an empty tail: this is a bug")
@@ -368,30 +365,33 @@ impl Decoder {
 
     /// One batched step over the whole window, then the walk from oldest to newest.
     fn step(&mut self) -> Result<StepEvent> {
-        let passes = self.model.passes();
-        let rows: Vec<StepRow> = self
+        let passes = self.passes();
+        let rows: Vec<StepRow<B::Hidden>> = self
             .window
             .iter_mut()
             .map(|t| StepRow {
-                pos: t.pos,
-                pass: t.passes_done,
+                slot: RowSlot {
+                    pos: t.pos,
+                    pass: t.passes_done,
+                    readout: t.passes_done + 1 == passes
+                        || self.policy.speculates_at(t.passes_done + 1, passes),
+                    second: t.unchosen,
+                },
                 input: match t.hidden.take() {
                     Some(h) => RowInput::Hidden(h),
                     None => RowInput::Token(t.token),
                 },
-                readout: t.passes_done + 1 == passes
-                    || self.policy.speculates_at(t.passes_done + 1, passes),
-                alternate: t.pending,
             })
             .collect();
+        let passes_run: Vec<usize> = rows.iter().map(|r| r.slot.pass).collect();
         let started = Instant::now();
-        let out = self.model.step(&rows, &mut self.cache)?;
+        let out = step(&*self.backend, rows, &mut self.cache)?;
         let decisions: Vec<Option<TopTwo>> = out
             .logits
             .iter()
-            .zip(&rows)
-            .map(|(l, row)| {
-                let wanted = self.policy.second_proposal_below(row.pass + 1).is_some();
+            .zip(&passes_run)
+            .map(|(l, &pass)| {
+                let wanted = self.policy.second_proposal_below(pass + 1).is_some();
                 l.as_deref().map(|l| decide(l, wanted))
             })
             .collect();
@@ -400,7 +400,7 @@ impl Decoder {
         self.steps += 1;
         let mut event = StepEvent {
             step: self.steps,
-            rows: Vec::with_capacity(rows.len()),
+            rows: Vec::with_capacity(passes_run.len()),
             flips: Vec::new(),
             flushes: Vec::new(),
             committed: Vec::new(),
@@ -447,7 +447,7 @@ impl Decoder {
         readouts: &mut Vec<Option<Readout>>,
         event: &mut StepEvent,
     ) -> Result<(RowEvent, bool)> {
-        let passes = self.model.passes();
+        let passes = self.passes();
         let t = &self.window[index];
         let (pos, pass) = (t.pos, t.passes_done);
         let mut row = self.row_event(t, false);
@@ -501,15 +501,15 @@ impl Decoder {
     }
 
     /// The in-flight token at the position after the one at `index`, if any.
-    fn child_of(&self, index: usize) -> Option<&InFlight> {
+    fn child_of(&self, index: usize) -> Option<&InFlight<B::Hidden>> {
         let pos = self.window[index].pos;
         self.window.get(index + 1).filter(|c| c.pos == pos + 1)
     }
 
-    /// The pending second candidate beside the child of the token at `index`, if any.
-    fn second_candidate_of(&self, index: usize) -> Option<&InFlight> {
+    /// The unchosen second candidate beside the child of the token at `index`, if any.
+    fn second_candidate_of(&self, index: usize) -> Option<&InFlight<B::Hidden>> {
         self.child_of(index)?;
-        self.window.get(index + 2).filter(|c| c.pending)
+        self.window.get(index + 2).filter(|c| c.unchosen)
     }
 
     /// The parent at `index` has read out `guess`: of its two candidates keep the one that
@@ -525,22 +525,22 @@ impl Decoder {
         let second_wins = self.window[index + 2].token == guess;
         let dropped = if second_wins { index + 1 } else { index + 2 };
         if second_wins {
-            self.cache.promote_alternate()?;
+            self.cache.promote_second()?;
         } else {
-            self.cache.drop_alternate();
+            self.cache.drop_second();
         }
         let t = self
             .window
             .remove(dropped)
             .expect("the candidate exists: this is a bug");
         readouts.remove(dropped);
-        self.window[index + 1].pending = false;
+        self.window[index + 1].unchosen = false;
         event.rows.push(self.row_event(&t, true));
         Ok(())
     }
 
     /// The event of an in-flight token's row, before its readout is described.
-    fn row_event(&self, t: &InFlight, dropped: bool) -> RowEvent {
+    fn row_event(&self, t: &InFlight<B::Hidden>, dropped: bool) -> RowEvent {
         RowEvent {
             pos: t.pos,
             pass: t.passes_done,

@@ -8,10 +8,11 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use super::checkpoint::LoadedModel;
+use super::decoder::Decoder;
 use super::error::Result;
 use super::events::DecodeEvent;
 use super::metrics::{StepTimes, measure_step_times};
-use super::pipeline::{DecodeOptions, Decoder};
+use super::pipeline::DecodeOptions;
 use super::policy::PolicyKind;
 
 /// The two lanes of a race.
@@ -102,7 +103,7 @@ pub fn run_race(
     let mut lanes = match lanes {
         Ok(l) => {
             let pos = l[0].decoder.prompt().len();
-            match measure_step_times(&loaded.model, pos, 8) {
+            match measure_step_times(&loaded.backend, pos, 8) {
                 Ok(times) => sink(RaceEvent::StepTimes(times)),
                 Err(e) => sink(RaceEvent::Error(e.to_string())),
             };

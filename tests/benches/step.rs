@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
 use spex::engine::metrics::median_step_times;
-use spex::engine::model::StepBackend;
+use spex::engine::model::Backend;
+use spex::engine::model::device::DeviceBackend;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
+use std::sync::Arc;
 
 /// The small-M kernel alone against candle's matmul, per weight shape and row count.
 fn kernel_table() {
@@ -81,12 +83,12 @@ fn main() {
         };
         write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
         let loaded = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
-        let candle_path = loaded.model.on_backend(StepBackend::Device).expect("model");
-        for (name, model) in [
-            ("spex kernels", &*loaded.model),
-            ("candle ops", &candle_path),
+        let candle_ops = Backend::Device(Arc::new(DeviceBackend::new(loaded.model().clone())));
+        for (name, backend) in [
+            ("spex kernels", &loaded.backend),
+            ("candle ops", &candle_ops),
         ] {
-            let t = median_step_times(model, pos, &[1, 2, 3, 4], 200).expect("steps");
+            let t = median_step_times(backend, pos, &[1, 2, 3, 4], 200).expect("steps");
             let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
             let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
             println!(

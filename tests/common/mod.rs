@@ -4,7 +4,9 @@
 use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
 use spex::engine::config::ModelShape;
-use spex::engine::model::StepBackend;
+use spex::engine::model::device::DeviceBackend;
+use spex::engine::model::host::HostBackend;
+use spex::engine::model::{Backend, LoadOptions};
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use std::sync::Arc;
 use tempfile::TempDir;
@@ -43,21 +45,27 @@ pub fn random_model(spec: &RandomSpec) -> (TempDir, LoadedModel) {
 
 /// The same checkpoint, its steps forced onto candle ops (the GPU code path).
 pub fn with_device_backend(loaded: &LoadedModel) -> LoadedModel {
-    let model = loaded.model.on_backend(StepBackend::Device).expect("model");
+    let backend = DeviceBackend::new(loaded.model().clone());
     LoadedModel {
-        model: Arc::new(model),
+        backend: Backend::Device(Arc::new(backend)),
         ..loaded.clone()
     }
 }
 
 /// The same checkpoint with every readout on the f32 head (no f16 proposal head).
 pub fn with_f32_readouts(loaded: &LoadedModel) -> LoadedModel {
-    let model = loaded
-        .model
-        .on_backend(loaded.model.backend())
-        .expect("model");
+    let backend = match &loaded.backend {
+        Backend::Host(_) => {
+            let options = LoadOptions {
+                f32_proposals: true,
+            };
+            let host = HostBackend::new(loaded.model().clone(), options).expect("host backend");
+            Backend::Host(Arc::new(host))
+        }
+        device => device.clone(),
+    };
     LoadedModel {
-        model: Arc::new(model.with_f32_readouts()),
+        backend,
         ..loaded.clone()
     }
 }

@@ -1,92 +1,129 @@
-//! The batched step with candle ops on the model's device and dtype: the GPU path. It also
+//! The device step backend: candle ops on the model's device and dtype, the GPU path. It also
 //! runs on CPU (the tests drive it there), so the code a GPU executes is exercised here.
+
+use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use candle_nn::ops::{rms_norm, softmax_last_dim};
 use candle_nn::rotary_emb::rope;
 
-use super::{Hidden, LayerWeights, LoopedModel, RowInput, StepOutput, StepRow};
+use super::backend::StepBackend;
+use super::{LayerWeights, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kv_cache::KvCache;
+use crate::engine::kv_cache::{KvCache, KvStore};
 
-pub(super) fn step(
-    model: &LoopedModel,
-    rows: &[StepRow],
-    cache: &mut KvCache,
-) -> Result<StepOutput> {
-    let cfg = &model.config;
-    let dev = &model.device;
-    let mut h = embed_rows(model, rows)?;
-    let positions: Vec<u32> = rows.iter().map(|r| r.pos as u32).collect();
-    let positions = Tensor::new(positions.as_slice(), dev)?;
-    let cos = model.rope.cos_t.index_select(&positions, 0)?;
-    let sin = model.rope.sin_t.index_select(&positions, 0)?;
-    for (index, layer) in model.weights.layers.iter().enumerate() {
-        h = layer_forward(model, layer, index, rows, &h, (&cos, &sin), cache)?;
+/// candle ops on the model's device and dtype.
+#[derive(Debug)]
+pub struct DeviceBackend {
+    model: Arc<LoopedModel>,
+}
+
+impl DeviceBackend {
+    /// candle ops over `model`, on its device and dtype.
+    pub fn new(model: Arc<LoopedModel>) -> Self {
+        Self { model }
     }
-    let h = rms_norm(&h, &model.weights.norm, cfg.rms_norm_eps as f32)?;
-    let wanted: Vec<u32> = (0..rows.len() as u32)
-        .filter(|&i| rows[i as usize].readout)
-        .collect();
-    let mut logits: Vec<Option<Vec<f32>>> = vec![None; rows.len()];
-    if !wanted.is_empty() {
-        let sel = h.index_select(&Tensor::new(wanted.as_slice(), dev)?, 0)?;
-        let all = sel
-            .matmul(&model.weights.lm_head.t()?)?
+
+    /// The model, shared.
+    pub fn shared_model(&self) -> &Arc<LoopedModel> {
+        &self.model
+    }
+
+    /// Cos and sin rows at each row's position.
+    fn rope_rows(&self, slots: &[RowSlot]) -> Result<(Tensor, Tensor)> {
+        let positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
+        let positions = Tensor::new(positions.as_slice(), &self.model.device)?;
+        Ok((
+            self.model.rope.cos_t.index_select(&positions, 0)?,
+            self.model.rope.sin_t.index_select(&positions, 0)?,
+        ))
+    }
+}
+
+impl StepBackend for DeviceBackend {
+    type Hidden = Tensor;
+    type Act = Tensor;
+    type Kv = DeviceKv;
+    type StepGuard = ();
+    const SECOND_CANDIDATES_IN_ONE_SWEEP: bool = false;
+
+    fn model(&self) -> &LoopedModel {
+        &self.model
+    }
+
+    fn new_store(&self, capacity: usize) -> Result<DeviceKv> {
+        DeviceKv::new(&self.model, capacity)
+    }
+
+    fn enter_step(&self) {}
+
+    /// `[rows, hidden]`: embeddings for pass-1 rows, carried states for the others.
+    fn embed(&self, inputs: Vec<RowInput<Tensor>>) -> Result<Tensor> {
+        let parts = inputs
+            .into_iter()
+            .map(|input| match input {
+                RowInput::Token(id) if id as usize >= self.model.config.vocab_size => Err(
+                    EngineError::Invalid(format!("token id {id} is outside the vocabulary")),
+                ),
+                RowInput::Token(id) => {
+                    Ok(self.model.weights.embed_tokens.narrow(0, id as usize, 1)?)
+                }
+                RowInput::Hidden(t) => Ok(t),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        Ok(rms_norm(x, weight, self.model.config.rms_norm_eps as f32)?)
+    }
+
+    fn linear(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        Ok(x.matmul(&weight.t()?)?)
+    }
+
+    fn add(&self, h: Tensor, delta: &Tensor) -> Result<Tensor> {
+        Ok((h + delta)?)
+    }
+
+    fn silu_mul(&self, gate: Tensor, up: &Tensor) -> Result<Tensor> {
+        Ok((candle_nn::ops::silu(&gate)? * up)?)
+    }
+
+    fn attention(
+        &self,
+        w: &LayerWeights,
+        layer: usize,
+        slots: &[RowSlot],
+        a: &Tensor,
+        cache: &mut KvCache<DeviceKv>,
+    ) -> Result<Tensor> {
+        attention(self, w, layer, slots, a, cache)
+    }
+
+    fn readouts(&self, slots: &[RowSlot], h: &Tensor) -> Result<Vec<Option<Vec<f32>>>> {
+        let wanted: Vec<u32> = (0..slots.len() as u32)
+            .filter(|&i| slots[i as usize].readout)
+            .collect();
+        let mut logits: Vec<Option<Vec<f32>>> = vec![None; slots.len()];
+        if wanted.is_empty() {
+            return Ok(logits);
+        }
+        let sel = h.index_select(&Tensor::new(wanted.as_slice(), &self.model.device)?, 0)?;
+        let all = self
+            .linear(&sel, &self.model.weights.lm_head)?
             .to_dtype(DType::F32)?
             .to_vec2::<f32>()?;
         for (&i, l) in wanted.iter().zip(all) {
             logits[i as usize] = Some(l);
         }
+        Ok(logits)
     }
-    let hidden = (0..rows.len())
-        .map(|i| Ok(Hidden::Device(h.narrow(0, i, 1)?)))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(StepOutput { hidden, logits })
-}
 
-/// `[rows, hidden]`: embeddings for pass-1 rows, carried states for the others.
-fn embed_rows(model: &LoopedModel, rows: &[StepRow]) -> Result<Tensor> {
-    let parts = rows
-        .iter()
-        .map(|row| match &row.input {
-            RowInput::Token(id) => {
-                if *id as usize >= model.config.vocab_size {
-                    return Err(EngineError::Invalid(format!(
-                        "token id {id} is outside the vocabulary"
-                    )));
-                }
-                Ok(model.weights.embed_tokens.narrow(0, *id as usize, 1)?)
-            }
-            RowInput::Hidden(Hidden::Device(t)) => Ok(t.clone()),
-            RowInput::Hidden(Hidden::Host(v)) => {
-                Ok(Tensor::from_slice(v, (1, v.len()), &model.device)?.to_dtype(model.dtype)?)
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Tensor::cat(&parts, 0)?)
-}
-
-fn layer_forward(
-    model: &LoopedModel,
-    w: &LayerWeights,
-    layer: usize,
-    rows: &[StepRow],
-    h: &Tensor,
-    rope_rows: (&Tensor, &Tensor),
-    cache: &mut KvCache,
-) -> Result<Tensor> {
-    let eps = model.config.rms_norm_eps as f32;
-    let a = rms_norm(h, &w.input_layernorm, eps)?;
-    let attn = attention(model, w, layer, rows, &a, rope_rows, cache)?;
-    let o = rms_norm(&attn.matmul(&w.o_proj.t()?)?, &w.input_layernorm_2, eps)?;
-    let h = (h + o)?;
-    let x = rms_norm(&h, &w.post_attention_layernorm, eps)?;
-    let gate = candle_nn::ops::silu(&x.matmul(&w.gate_proj.t()?)?)?;
-    let up = x.matmul(&w.up_proj.t()?)?;
-    let down = (gate * up)?.matmul(&w.down_proj.t()?)?;
-    let down = rms_norm(&down, &w.post_attention_layernorm_2, eps)?;
-    Ok((h + down)?)
+    fn row_states(&self, h: Tensor) -> Result<Vec<Tensor>> {
+        let (rows, _) = h.dims2()?;
+        (0..rows).map(|i| Ok(h.narrow(0, i, 1)?)).collect()
+    }
 }
 
 /// `[rows, heads, head_dim]` → rotary embedding at each row's own position.
@@ -106,42 +143,43 @@ fn rotate(
         .reshape((m, heads * head_dim))?)
 }
 
+/// Q/K/V projections, RoPE, cache writes, then attention grouped by pass: rows of one pass
+/// (a prefill chunk) attend together under a causal mask; rows of different passes read
+/// different cache slices.
 fn attention(
-    model: &LoopedModel,
+    b: &DeviceBackend,
     w: &LayerWeights,
     layer: usize,
-    rows: &[StepRow],
+    slots: &[RowSlot],
     a: &Tensor,
-    rope_rows: (&Tensor, &Tensor),
-    cache: &mut KvCache,
+    cache: &mut KvCache<DeviceKv>,
 ) -> Result<Tensor> {
-    let cfg = &model.config;
+    let cfg = &b.model.config;
     let (heads, kv_heads, head_dim) = (
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
         cfg.head_dim,
     );
-    let q = rotate(&a.matmul(&w.q_proj.t()?)?, heads, head_dim, rope_rows)?;
-    let k = rotate(&a.matmul(&w.k_proj.t()?)?, kv_heads, head_dim, rope_rows)?;
-    let v = a.matmul(&w.v_proj.t()?)?;
-    for (i, row) in rows.iter().enumerate() {
-        cache.write_device(
-            layer,
-            row.pass,
-            row.pos,
-            &k.narrow(0, i, 1)?,
-            &v.narrow(0, i, 1)?,
-        )?;
+    let rope_rows = b.rope_rows(slots)?;
+    let rope_rows = (&rope_rows.0, &rope_rows.1);
+    let q = rotate(&b.linear(a, &w.q_proj)?, heads, head_dim, rope_rows)?;
+    let k = rotate(&b.linear(a, &w.k_proj)?, kv_heads, head_dim, rope_rows)?;
+    let v = b.linear(a, &w.v_proj)?;
+    for (i, slot) in slots.iter().enumerate() {
+        let (ki, vi) = (k.narrow(0, i, 1)?, v.narrow(0, i, 1)?);
+        cache
+            .store_mut()
+            .write(layer, slot.pass, slot.pos, &ki, &vi)?;
     }
-    // Rows of one pass (a prefill chunk) attend together under a causal mask; rows of
-    // different passes read different cache slices.
-    let mut outputs: Vec<Option<Tensor>> = vec![None; rows.len()];
-    let mut passes: Vec<usize> = rows.iter().map(|r| r.pass).collect();
+    let mut outputs: Vec<Option<Tensor>> = vec![None; slots.len()];
+    let mut passes: Vec<usize> = slots.iter().map(|s| s.pass).collect();
     passes.sort_unstable();
     passes.dedup();
     for pass in passes {
-        let idx: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].pass == pass).collect();
-        let out = attend_group(model, layer, pass, rows, &idx, &q, cache)?;
+        let idx: Vec<usize> = (0..slots.len())
+            .filter(|&i| slots[i].pass == pass)
+            .collect();
+        let out = attend_group(b, layer, pass, slots, &idx, &q, cache.store())?;
         for (n, &i) in idx.iter().enumerate() {
             outputs[i] = Some(out.narrow(0, n, 1)?);
         }
@@ -155,25 +193,24 @@ fn attention(
 
 /// Attention of the rows `idx` (all at `pass`) over that pass's cache, causal by position.
 fn attend_group(
-    model: &LoopedModel,
+    b: &DeviceBackend,
     layer: usize,
     pass: usize,
-    rows: &[StepRow],
+    slots: &[RowSlot],
     idx: &[usize],
     q: &Tensor,
-    cache: &KvCache,
+    store: &DeviceKv,
 ) -> Result<Tensor> {
+    let model = &b.model;
     let cfg = &model.config;
     let (heads, kv_heads, head_dim) = (
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
         cfg.head_dim,
     );
-    let len = idx.iter().map(|&i| rows[i].pos + 1).max().unwrap_or(0);
-    let (keys, values) = cache
-        .device_layer(layer)
-        .expect("device step needs a device cache: this is a bug");
-    let start = pass * cache.capacity();
+    let len = idx.iter().map(|&i| slots[i].pos + 1).max().unwrap_or(0);
+    let (keys, values) = (&store.keys[layer], &store.values[layer]);
+    let start = pass * store.capacity;
     let per_head = |t: &Tensor| -> Result<Tensor> {
         let t = t
             .narrow(0, start, len)?
@@ -200,7 +237,7 @@ fn attend_group(
         .iter()
         .flat_map(|&i| {
             (0..len).map(move |s| {
-                if s > rows[i].pos {
+                if s > slots[i].pos {
                     f32::NEG_INFINITY
                 } else {
                     0.0
@@ -212,4 +249,75 @@ fn attend_group(
     let probs = softmax_last_dim(&scores.broadcast_add(&mask)?)?;
     let out = probs.matmul(&v.contiguous()?)?; // [heads, g, head_dim]
     Ok(out.transpose(0, 1)?.reshape((g, heads * head_dim))?)
+}
+
+/// Device K/V buffers, one `[passes·capacity, kv_dim]` tensor pair per layer, and the K/V
+/// rows set aside for a second candidate.
+#[derive(Debug, Clone)]
+pub struct DeviceKv {
+    capacity: usize,
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    aside: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl DeviceKv {
+    fn new(model: &LoopedModel, capacity: usize) -> Result<Self> {
+        let cfg = &model.config;
+        let shape = (cfg.total_ut_steps * capacity, cfg.kv_dim());
+        let zeros = |_| Tensor::zeros(shape, model.dtype, &model.device);
+        let layers = cfg.num_hidden_layers;
+        Ok(Self {
+            capacity,
+            keys: (0..layers).map(zeros).collect::<candle_core::Result<_>>()?,
+            values: (0..layers).map(zeros).collect::<candle_core::Result<_>>()?,
+            aside: vec![None; layers],
+        })
+    }
+
+    /// Writes one K/V row (`[1, kv_dim]` tensors) at (`layer`, `pass`, `pos`).
+    fn write(
+        &mut self,
+        layer: usize,
+        pass: usize,
+        pos: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
+        let row = pass * self.capacity + pos;
+        self.keys[layer].slice_set(&k.contiguous()?, 0, row)?;
+        self.values[layer].slice_set(&v.contiguous()?, 0, row)?;
+        Ok(())
+    }
+}
+
+impl KvStore for DeviceKv {
+    fn swap_aside(&mut self, layer: usize, pass: usize, pos: usize) -> Result<()> {
+        let row = pass * self.capacity + pos;
+        let (keys, values) = (&self.keys[layer], &self.values[layer]);
+        let current = (
+            keys.narrow(0, row, 1)?.copy()?,
+            values.narrow(0, row, 1)?.copy()?,
+        );
+        if let Some((k, v)) = self.aside[layer].take() {
+            keys.slice_set(&k, 0, row)?;
+            values.slice_set(&v, 0, row)?;
+        }
+        self.aside[layer] = Some(current);
+        Ok(())
+    }
+
+    fn entries(&self, layer: usize, pass: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let read = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.narrow(0, pass * self.capacity, len)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?)
+        };
+        Ok((read(&self.keys[layer])?, read(&self.values[layer])?))
+    }
+
+    fn layers(&self) -> usize {
+        self.keys.len()
+    }
 }

@@ -1,15 +1,19 @@
-//! The batched step on CPU f32 memory with spex's kernels (`engine::kernels`). Weights stay in
-//! their candle tensors and are viewed in place; the KV cache is host memory. Readouts go
-//! through `half_head` where the model has one (proposals in f16, commits screened exact).
+//! The host step backend: spex's CPU kernels (`engine::kernels`) on f32 host memory. Weights
+//! stay in their candle tensors and are viewed in place; the KV cache is host memory.
+//! Readouts go through `half_head` where there is one (proposals in f16, commits screened
+//! exact).
 
 use std::ops::Deref;
+use std::sync::Arc;
 
-use candle_core::{CpuStorage, Storage, StorageRef, Tensor};
+use candle_core::{CpuStorage, DType, Storage, StorageRef, Tensor};
 
-use super::{Hidden, LayerWeights, LoopedModel, RowInput, StepOutput, StepRow};
+use super::backend::StepBackend;
+use super::half_head::HalfHead;
+use super::{LayerWeights, LoadOptions, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::{self, AttnShape};
-use crate::engine::kv_cache::KvCache;
+use crate::engine::kernels::{self, AttnShape, SubnormalsFlushed};
+use crate::engine::kv_cache::{KvCache, KvStore};
 
 /// A read view of a contiguous CPU f32 tensor's elements.
 struct HostView<'a> {
@@ -44,171 +48,299 @@ impl Deref for HostView<'_> {
     }
 }
 
-/// `x [rows × in] · wᵀ` with the small-M kernel.
-fn linear(x: &[f32], w: &Tensor, rows: usize) -> Result<Vec<f32>> {
-    let w = HostView::new(w)?;
-    let inner = x.len() / rows;
-    let mut out = vec![0f32; rows * (w.len() / inner)];
-    kernels::matmul_t(x, &w, rows, inner, &mut out);
-    Ok(out)
+/// A step's activations: `rows` rows of equal width, row-major.
+#[derive(Debug, Clone)]
+pub struct HostRows {
+    data: Vec<f32>,
+    rows: usize,
 }
 
-fn rms_norm(x: &[f32], w: &Tensor, eps: f32) -> Result<Vec<f32>> {
-    let w = HostView::new(w)?;
-    let mut out = vec![0f32; x.len()];
-    kernels::rms_norm(x, &w, eps, &mut out);
-    Ok(out)
+impl HostRows {
+    fn width(&self) -> usize {
+        self.data.len() / self.rows.max(1)
+    }
 }
 
-pub(super) fn step(
-    model: &LoopedModel,
-    rows: &[StepRow],
-    cache: &mut KvCache,
-) -> Result<StepOutput> {
-    let _flushed = kernels::SubnormalsFlushed::enter();
-    let cfg = &model.config;
-    let hidden = cfg.hidden_size;
-    let mut h = Vec::with_capacity(rows.len() * hidden);
-    {
-        let embed = HostView::new(&model.weights.embed_tokens)?;
-        for row in rows {
-            match &row.input {
+/// spex's kernels on CPU f32 weights, with the f16 proposal head where it is faster.
+#[derive(Debug)]
+pub struct HostBackend {
+    model: Arc<LoopedModel>,
+    half_head: Option<HalfHead>,
+}
+
+impl HostBackend {
+    /// The host kernels over `model`, whose weights must be CPU f32 (a one-line error
+    /// otherwise); builds the f16 proposal head unless `options` ask for f32 proposals.
+    pub fn new(model: Arc<LoopedModel>, options: LoadOptions) -> Result<Self> {
+        if !model.device.is_cpu() || model.dtype != DType::F32 {
+            return Err(EngineError::Invalid(format!(
+                "the host kernels need CPU f32 weights, not {:?} {:?}",
+                model.device, model.dtype
+            )));
+        }
+        let half_head = if options.f32_proposals {
+            None
+        } else {
+            let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
+            HalfHead::new(&head, model.config.hidden_size)
+        };
+        Ok(Self { model, half_head })
+    }
+
+    /// The model, shared.
+    pub fn shared_model(&self) -> &Arc<LoopedModel> {
+        &self.model
+    }
+
+    fn eps(&self) -> f32 {
+        self.model.config.rms_norm_eps as f32
+    }
+
+    /// One row's K/V write and attention, in row order: rows of one pass come in position
+    /// order, so every row sees exactly the entries before its own, and a second candidate
+    /// sees its own entry at the position it shares with the row before it.
+    fn attend(
+        &self,
+        layer: usize,
+        slot: RowSlot,
+        (q, k, v): (&mut [f32], &[f32], &[f32]),
+        out: &mut [f32],
+        scores: &mut Vec<f32>,
+        cache: &mut KvCache<HostKv>,
+    ) -> Result<()> {
+        let cfg = &self.model.config;
+        let shape = AttnShape {
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+        };
+        if slot.second {
+            cache.swap_second(layer, slot.pass, slot.pos)?;
+        }
+        cache.store_mut().write(layer, slot.pass, slot.pos, k, v);
+        let (keys, values) = cache.store().pass(layer, slot.pass, slot.pos + 1);
+        kernels::attend_row(q, keys, values, slot.pos + 1, shape, out, scores);
+        if slot.second {
+            cache.swap_second(layer, slot.pass, slot.pos)?;
+        }
+        Ok(())
+    }
+}
+
+impl StepBackend for HostBackend {
+    type Hidden = Vec<f32>;
+    type Act = HostRows;
+    type Kv = HostKv;
+    type StepGuard = SubnormalsFlushed;
+    const SECOND_CANDIDATES_IN_ONE_SWEEP: bool = true;
+
+    fn model(&self) -> &LoopedModel {
+        &self.model
+    }
+
+    fn new_store(&self, capacity: usize) -> Result<HostKv> {
+        Ok(HostKv::new(&self.model, capacity))
+    }
+
+    fn enter_step(&self) -> SubnormalsFlushed {
+        SubnormalsFlushed::enter()
+    }
+
+    fn embed(&self, inputs: Vec<RowInput<Vec<f32>>>) -> Result<HostRows> {
+        let (hidden, vocab) = (self.model.config.hidden_size, self.model.config.vocab_size);
+        let embed = HostView::new(&self.model.weights.embed_tokens)?;
+        let mut data = Vec::with_capacity(inputs.len() * hidden);
+        for input in &inputs {
+            match input {
+                RowInput::Token(id) if *id as usize >= vocab => {
+                    return Err(EngineError::Invalid(format!(
+                        "token id {id} is outside the vocabulary"
+                    )));
+                }
                 RowInput::Token(id) => {
                     let id = *id as usize;
-                    if id >= cfg.vocab_size {
-                        return Err(EngineError::Invalid(format!(
-                            "token id {id} is outside the vocabulary"
-                        )));
-                    }
-                    h.extend_from_slice(&embed[id * hidden..(id + 1) * hidden]);
+                    data.extend_from_slice(&embed[id * hidden..(id + 1) * hidden]);
                 }
-                RowInput::Hidden(Hidden::Host(state)) => h.extend_from_slice(state),
-                RowInput::Hidden(Hidden::Device(_)) => {
-                    return Err(EngineError::Invalid(
-                        "device hidden state given to the host step: this is a bug".into(),
-                    ));
-                }
+                RowInput::Hidden(state) => data.extend_from_slice(state),
             }
         }
+        Ok(HostRows {
+            data,
+            rows: inputs.len(),
+        })
     }
-    for (index, layer) in model.weights.layers.iter().enumerate() {
-        layer_forward(model, layer, index, rows, &mut h, cache)?;
+
+    fn rms_norm(&self, x: &HostRows, weight: &Tensor) -> Result<HostRows> {
+        let w = HostView::new(weight)?;
+        let mut data = vec![0f32; x.data.len()];
+        kernels::rms_norm(&x.data, &w, self.eps(), &mut data);
+        Ok(HostRows { data, ..*x })
     }
-    let h = rms_norm(&h, &model.weights.norm, cfg.rms_norm_eps as f32)?;
-    let logits = readouts(model, rows, &h)?;
-    let hidden_out = h
-        .chunks_exact(hidden)
-        .map(|r| Hidden::Host(r.to_vec()))
-        .collect();
-    Ok(StepOutput {
-        hidden: hidden_out,
-        logits,
-    })
-}
 
-/// One shared layer (Ouro's sandwich norms) on every row, in place on `h`.
-fn layer_forward(
-    model: &LoopedModel,
-    w: &LayerWeights,
-    layer: usize,
-    rows: &[StepRow],
-    h: &mut [f32],
-    cache: &mut KvCache,
-) -> Result<()> {
-    let cfg = &model.config;
-    let (m, eps) = (rows.len(), cfg.rms_norm_eps as f32);
-    let a = rms_norm(h, &w.input_layernorm, eps)?;
-    let attn = attention(model, w, layer, rows, &a, cache)?;
-    let o = linear(&attn, &w.o_proj, m)?;
-    let o = rms_norm(&o, &w.input_layernorm_2, eps)?;
-    h.iter_mut().zip(&o).for_each(|(x, d)| *x += d);
-    let x = rms_norm(h, &w.post_attention_layernorm, eps)?;
-    let mut gate = linear(&x, &w.gate_proj, m)?;
-    let up = linear(&x, &w.up_proj, m)?;
-    kernels::silu_mul(&mut gate, &up);
-    let down = linear(&gate, &w.down_proj, m)?;
-    let down = rms_norm(&down, &w.post_attention_layernorm_2, eps)?;
-    h.iter_mut().zip(&down).for_each(|(x, d)| *x += d);
-    Ok(())
-}
+    fn linear(&self, x: &HostRows, weight: &Tensor) -> Result<HostRows> {
+        let w = HostView::new(weight)?;
+        let inner = x.width();
+        let mut data = vec![0f32; x.rows * (w.len() / inner)];
+        kernels::matmul_t(&x.data, &w, x.rows, inner, &mut data);
+        Ok(HostRows { data, ..*x })
+    }
 
-/// Q/K/V projections, per-row RoPE, cache writes, then each row attends to its own pass.
-fn attention(
-    model: &LoopedModel,
-    w: &LayerWeights,
-    layer: usize,
-    rows: &[StepRow],
-    a: &[f32],
-    cache: &mut KvCache,
-) -> Result<Vec<f32>> {
-    let cfg = &model.config;
-    let m = rows.len();
-    let (q_dim, kv_dim, head_dim) = (
-        cfg.num_attention_heads * cfg.head_dim,
-        cfg.kv_dim(),
-        cfg.head_dim,
-    );
-    let mut q = linear(a, &w.q_proj, m)?;
-    let mut k = linear(a, &w.k_proj, m)?;
-    let v = linear(a, &w.v_proj, m)?;
-    let shape = AttnShape {
-        heads: cfg.num_attention_heads,
-        kv_heads: cfg.num_key_value_heads,
-        head_dim,
-    };
-    let mut out = vec![0f32; m * q_dim];
-    let mut scores = Vec::new();
-    // Each row writes its entry and then attends, in row order: rows of one pass come in
-    // position order, so every row sees exactly the entries before its own, and a second
-    // candidate sees its own entry at the position it shares with the row before it.
-    for (i, row) in rows.iter().enumerate() {
-        let (cos, sin) = model.rope.at(row.pos);
-        let (qi, oi) = (
-            &mut q[i * q_dim..(i + 1) * q_dim],
-            &mut out[i * q_dim..(i + 1) * q_dim],
+    fn add(&self, mut h: HostRows, delta: &HostRows) -> Result<HostRows> {
+        h.data
+            .iter_mut()
+            .zip(&delta.data)
+            .for_each(|(x, d)| *x += d);
+        Ok(h)
+    }
+
+    fn silu_mul(&self, mut gate: HostRows, up: &HostRows) -> Result<HostRows> {
+        kernels::silu_mul(&mut gate.data, &up.data);
+        Ok(gate)
+    }
+
+    fn attention(
+        &self,
+        w: &LayerWeights,
+        layer: usize,
+        slots: &[RowSlot],
+        a: &HostRows,
+        cache: &mut KvCache<HostKv>,
+    ) -> Result<HostRows> {
+        let cfg = &self.model.config;
+        let (q_dim, kv_dim, head_dim) = (
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.kv_dim(),
+            cfg.head_dim,
         );
-        kernels::rope_row(qi, head_dim, cos, sin);
-        kernels::rope_row(&mut k[i * kv_dim..(i + 1) * kv_dim], head_dim, cos, sin);
-        if row.alternate {
-            cache.swap_alternate(layer, row.pass, row.pos)?;
+        let mut q = self.linear(a, &w.q_proj)?.data;
+        let mut k = self.linear(a, &w.k_proj)?.data;
+        let v = self.linear(a, &w.v_proj)?.data;
+        let mut out = vec![0f32; a.rows * q_dim];
+        let mut scores = Vec::new();
+        for (i, &slot) in slots.iter().enumerate() {
+            let (cos, sin) = self.model.rope.at(slot.pos);
+            let (qi, oi) = (
+                &mut q[i * q_dim..(i + 1) * q_dim],
+                &mut out[i * q_dim..(i + 1) * q_dim],
+            );
+            let (ki, vi) = (
+                &mut k[i * kv_dim..(i + 1) * kv_dim],
+                &v[i * kv_dim..(i + 1) * kv_dim],
+            );
+            kernels::rope_row(qi, head_dim, cos, sin);
+            kernels::rope_row(ki, head_dim, cos, sin);
+            self.attend(layer, slot, (qi, ki, vi), oi, &mut scores, cache)?;
         }
-        let range = i * kv_dim..(i + 1) * kv_dim;
-        cache.write_host(layer, row.pass, row.pos, &k[range.clone()], &v[range]);
-        let (keys, values) = cache.host_pass(layer, row.pass, row.pos + 1);
-        kernels::attend_row(qi, keys, values, row.pos + 1, shape, oi, &mut scores);
-        if row.alternate {
-            cache.swap_alternate(layer, row.pass, row.pos)?;
-        }
+        Ok(HostRows {
+            data: out,
+            rows: a.rows,
+        })
     }
-    Ok(out)
+
+    /// The LM head on the rows that asked for a readout, all in one matmul: through the f16
+    /// head where there is one, rows at pass R (they commit) screened exact.
+    fn readouts(&self, slots: &[RowSlot], h: &HostRows) -> Result<Vec<Option<Vec<f32>>>> {
+        let hidden = h.width();
+        let wanted: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].readout).collect();
+        let mut logits: Vec<Option<Vec<f32>>> = vec![None; slots.len()];
+        if wanted.is_empty() {
+            return Ok(logits);
+        }
+        let x: Vec<f32> = wanted
+            .iter()
+            .flat_map(|&i| h.data[i * hidden..(i + 1) * hidden].iter().copied())
+            .collect();
+        let x = HostRows {
+            data: x,
+            rows: wanted.len(),
+        };
+        let lm_head = &self.model.weights.lm_head;
+        let all = match &self.half_head {
+            Some(head) => {
+                let passes = self.model.passes();
+                let exact: Vec<bool> = wanted
+                    .iter()
+                    .map(|&i| slots[i].pass + 1 == passes)
+                    .collect();
+                head.readouts(&x.data, &exact, &HostView::new(lm_head)?)
+            }
+            None => self.linear(&x, lm_head)?.data,
+        };
+        let vocab = all.len() / wanted.len();
+        for (n, &i) in wanted.iter().enumerate() {
+            logits[i] = Some(all[n * vocab..(n + 1) * vocab].to_vec());
+        }
+        Ok(logits)
+    }
+
+    fn row_states(&self, h: HostRows) -> Result<Vec<Vec<f32>>> {
+        let width = h.width();
+        Ok(h.data.chunks_exact(width).map(<[f32]>::to_vec).collect())
+    }
+
+    fn proposal_error_bound(&self, state: &Vec<f32>) -> Option<f64> {
+        self.half_head.as_ref().map(|h| h.error_bound(state))
+    }
 }
 
-/// LM head on the rows that asked for a readout, all in one matmul.
-fn readouts(model: &LoopedModel, rows: &[StepRow], h: &[f32]) -> Result<Vec<Option<Vec<f32>>>> {
-    let hidden = model.config.hidden_size;
-    let wanted: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].readout).collect();
-    let mut logits: Vec<Option<Vec<f32>>> = vec![None; rows.len()];
-    if wanted.is_empty() {
-        return Ok(logits);
-    }
-    let x: Vec<f32> = wanted
-        .iter()
-        .flat_map(|&i| h[i * hidden..(i + 1) * hidden].iter().copied())
-        .collect();
-    let all = match &model.half_head {
-        // Proposals through the f16 head; rows at pass R (they commit) screened exact.
-        Some(head) => {
-            let exact: Vec<bool> = wanted
-                .iter()
-                .map(|&i| rows[i].pass + 1 == model.passes())
-                .collect();
-            head.readouts(&x, &exact, &HostView::new(&model.weights.lm_head)?)
+/// Host K/V buffers, one `[passes, capacity, kv_dim]` pair per layer, and one K/V row per
+/// layer set aside for a second candidate.
+#[derive(Debug, Clone)]
+pub struct HostKv {
+    capacity: usize,
+    kv_dim: usize,
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    aside: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+impl HostKv {
+    fn new(model: &LoopedModel, capacity: usize) -> Self {
+        let cfg = &model.config;
+        let (layers, kv_dim) = (cfg.num_hidden_layers, cfg.kv_dim());
+        let size = cfg.total_ut_steps * capacity * kv_dim;
+        Self {
+            capacity,
+            kv_dim,
+            keys: vec![vec![0f32; size]; layers],
+            values: vec![vec![0f32; size]; layers],
+            aside: vec![(vec![0.0; kv_dim], vec![0.0; kv_dim]); layers],
         }
-        None => linear(&x, &model.weights.lm_head, wanted.len())?,
-    };
-    let vocab = all.len() / wanted.len();
-    for (n, &i) in wanted.iter().enumerate() {
-        logits[i] = Some(all[n * vocab..(n + 1) * vocab].to_vec());
     }
-    Ok(logits)
+
+    fn offset(&self, pass: usize, pos: usize) -> usize {
+        (pass * self.capacity + pos) * self.kv_dim
+    }
+
+    /// The first `len` entries of `pass` in `layer`: (keys, values).
+    fn pass(&self, layer: usize, pass: usize, len: usize) -> (&[f32], &[f32]) {
+        let range = self.offset(pass, 0)..self.offset(pass, len);
+        (&self.keys[layer][range.clone()], &self.values[layer][range])
+    }
+
+    /// Writes one K/V row at (`layer`, `pass`, `pos`).
+    fn write(&mut self, layer: usize, pass: usize, pos: usize, k: &[f32], v: &[f32]) {
+        let at = self.offset(pass, pos);
+        self.keys[layer][at..at + self.kv_dim].copy_from_slice(k);
+        self.values[layer][at..at + self.kv_dim].copy_from_slice(v);
+    }
+}
+
+impl KvStore for HostKv {
+    fn swap_aside(&mut self, layer: usize, pass: usize, pos: usize) -> Result<()> {
+        let at = self.offset(pass, pos);
+        let (k, v) = &mut self.aside[layer];
+        self.keys[layer][at..at + self.kv_dim].swap_with_slice(k);
+        self.values[layer][at..at + self.kv_dim].swap_with_slice(v);
+        Ok(())
+    }
+
+    fn entries(&self, layer: usize, pass: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (k, v) = self.pass(layer, pass, len);
+        Ok((k.to_vec(), v.to_vec()))
+    }
+
+    fn layers(&self) -> usize {
+        self.keys.len()
+    }
 }

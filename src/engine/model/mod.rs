@@ -1,13 +1,20 @@
 //! The looped (Ouro-format) decoder: K shared layers applied R times, a readout after every
 //! pass. The model is immutable; all decode state lives in the `KvCache` and the hidden states
-//! the caller passes in. Two implementations of the batched step share this interface: `host`
-//! (CPU, f32, spex's own kernels) and `device` (candle ops, any device and dtype). `reference`
-//! is the full-sequence forward used for training and as the tests' unbatched reference.
+//! the caller passes in (`step(&backend, rows, &mut cache)`). `step` is the batched step,
+//! written once over a [`StepBackend`]'s operations; `host` (CPU, f32, spex's own kernels,
+//! proposals through `half_head`) and `device` (candle ops, any device and dtype) implement
+//! them, and [`Backend`] is the choice made at load time. `reference` is the full-sequence
+//! forward used for training and as the tests' unbatched reference.
 
-mod device;
+pub mod backend;
+pub mod device;
 mod half_head;
-mod host;
+pub mod host;
 pub mod reference;
+mod step;
+
+pub use backend::{Backend, StepBackend};
+pub use step::{RowInput, RowSlot, StepOutput, StepRow, step};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -15,7 +22,6 @@ use candle_nn::VarBuilder;
 use super::config::OuroConfig;
 use super::error::Result;
 use super::format::{self, LayerTensor, Role};
-use super::kv_cache::KvCache;
 use super::memory;
 
 /// How a checkpoint's weights are prepared for decoding.
@@ -207,6 +213,11 @@ impl Rope {
         })
     }
 
+    /// Positions the tables cover.
+    pub fn positions(&self) -> usize {
+        self.cos.len() / self.half.max(1)
+    }
+
     /// Host cos and sin values for one position.
     pub fn at(&self, pos: usize) -> (&[f32], &[f32]) {
         let range = pos * self.half..(pos + 1) * self.half;
@@ -214,53 +225,8 @@ impl Rope {
     }
 }
 
-/// Which implementation runs the batched step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepBackend {
-    /// spex's CPU kernels on host f32 memory.
-    Host,
-    /// candle ops on the model's device and dtype (GPUs; also runs on CPU for tests).
-    Device,
-}
-
-/// A token's state between passes: the normed hidden state after its last pass.
-#[derive(Debug, Clone)]
-pub enum Hidden {
-    Host(Vec<f32>),
-    Device(Tensor),
-}
-
-/// What a row starts its pass from.
-#[derive(Debug, Clone)]
-pub enum RowInput {
-    /// Pass 1: the token's embedding.
-    Token(u32),
-    /// Later passes: the hidden state the previous pass left.
-    Hidden(Hidden),
-}
-
-/// One row of a batched step: a token at `pos` running pass `pass` (0-based).
-#[derive(Debug, Clone)]
-pub struct StepRow {
-    pub pos: usize,
-    pub pass: usize,
-    pub input: RowInput,
-    /// Whether to apply the LM head to this row's new state.
-    pub readout: bool,
-    /// A second candidate for the (pass, position) of the row before it: its K/V entries are
-    /// set aside (`KvCache::promote_alternate` keeps them), the earlier row's stay in place.
-    pub alternate: bool,
-}
-
-/// What a batched step returns, one entry per row in input order.
-#[derive(Debug)]
-pub struct StepOutput {
-    pub hidden: Vec<Hidden>,
-    /// Logits over the vocabulary for rows that asked for a readout.
-    pub logits: Vec<Option<Vec<f32>>>,
-}
-
-/// An immutable looped model, ready to run batched steps.
+/// An immutable looped model: its config, weights and rotary tables. Steps run on a
+/// [`StepBackend`] that holds it; the sequence forward (`reference`) runs on it directly.
 #[derive(Debug)]
 pub struct LoopedModel {
     pub config: OuroConfig,
@@ -268,14 +234,10 @@ pub struct LoopedModel {
     pub rope: Rope,
     pub device: Device,
     pub dtype: DType,
-    backend: StepBackend,
-    /// The host path's f16 LM head for proposal readouts (`half_head`), where it is faster;
-    /// built by `from_checkpoint` only, since it copies weights that must not change.
-    half_head: Option<half_head::HalfHead>,
 }
 
 impl LoopedModel {
-    /// Wraps loaded weights; picks the host kernels on CPU in f32, candle ops otherwise.
+    /// Wraps loaded (or, for training, created) weights.
     pub fn new(config: OuroConfig, weights: Weights, device: Device, dtype: DType) -> Result<Self> {
         let positions = config.max_position_embeddings.min(1 << 16);
         let rope = Rope::new(
@@ -285,172 +247,17 @@ impl LoopedModel {
             &device,
             dtype,
         )?;
-        let backend = if device.is_cpu() && dtype == DType::F32 {
-            StepBackend::Host
-        } else {
-            StepBackend::Device
-        };
         Ok(Self {
             config,
             weights,
             rope,
             device,
             dtype,
-            backend,
-            half_head: None,
         })
-    }
-
-    /// `new` for weights read from a checkpoint (not training's variables, which must stay
-    /// the tensors the optimiser updates and would leave a copy stale): on the host path,
-    /// matrices move to aligned buffers and proposal readouts get the f16 head.
-    pub fn from_checkpoint(
-        config: OuroConfig,
-        weights: Weights,
-        device: Device,
-        dtype: DType,
-        options: LoadOptions,
-    ) -> Result<Self> {
-        let host = device.is_cpu() && dtype == DType::F32;
-        let weights = if host {
-            weights.aligned_for_host()?
-        } else {
-            weights
-        };
-        let mut model = Self::new(config, weights, device, dtype)?;
-        if host && !options.f32_proposals {
-            let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
-            model.half_head = half_head::HalfHead::new(&head, model.config.hidden_size);
-        }
-        Ok(model)
-    }
-
-    /// Forces a step implementation (the device path can run on CPU, which the tests use).
-    pub fn with_backend(mut self, backend: StepBackend) -> Self {
-        if backend == StepBackend::Host {
-            assert!(
-                self.device.is_cpu() && self.dtype == DType::F32,
-                "host kernels need CPU f32 weights: this is a bug"
-            );
-        }
-        self.backend = backend;
-        self
-    }
-
-    /// The same model (sharing its weight tensors) with its steps on `backend`.
-    pub fn on_backend(&self, backend: StepBackend) -> Result<Self> {
-        let model = Self::new(
-            self.config.clone(),
-            self.weights.clone(),
-            self.device.clone(),
-            self.dtype,
-        )?;
-        Ok(Self {
-            half_head: self.half_head.clone(),
-            ..model
-        }
-        .with_backend(backend))
-    }
-
-    /// The implementation this model's steps run on.
-    pub fn backend(&self) -> StepBackend {
-        self.backend
-    }
-
-    /// The same model with every readout on the f32 head: ordinary greedy decoding's
-    /// arithmetic, which the tests compare the screened readouts against.
-    pub fn with_f32_readouts(mut self) -> Self {
-        self.half_head = None;
-        self
-    }
-
-    /// How far a proposal readout's logits may be from the f32 head's for the normed state
-    /// `state` (a step's hidden output); `None` where readouts are f32.
-    pub fn proposal_error_bound(&self, state: &[f32]) -> Option<f64> {
-        self.half_head
-            .as_ref()
-            .filter(|_| self.backend == StepBackend::Host)
-            .map(|h| h.error_bound(state))
     }
 
     /// R, the passes.
     pub fn passes(&self) -> usize {
         self.config.total_ut_steps
-    }
-
-    /// An empty KV cache of `capacity` positions that suits this model's step backend.
-    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
-        Ok(match self.backend {
-            StepBackend::Host => KvCache::new_host(&self.config, capacity),
-            StepBackend::Device => {
-                KvCache::new_device(&self.config, capacity, &self.device, self.dtype)?
-            }
-        })
-    }
-
-    /// The device path with second candidates: the other rows first, then the second
-    /// candidates with the first candidates' entries set aside around them (two sweeps of
-    /// the weights; the host kernels do it in one).
-    fn device_step_with_alternates(
-        &self,
-        rows: &[StepRow],
-        cache: &mut KvCache,
-    ) -> Result<StepOutput> {
-        let (alts, firsts): (Vec<usize>, Vec<usize>) =
-            (0..rows.len()).partition(|&i| rows[i].alternate);
-        let pick =
-            |idx: &[usize]| -> Vec<StepRow> { idx.iter().map(|&i| rows[i].clone()).collect() };
-        let first_out = device::step(self, &pick(&firsts), cache)?;
-        let layers = self.weights.layers.len();
-        let swap_all = |cache: &mut KvCache| -> Result<()> {
-            for &i in &alts {
-                for layer in 0..layers {
-                    cache.swap_alternate(layer, rows[i].pass, rows[i].pos)?;
-                }
-            }
-            Ok(())
-        };
-        swap_all(cache)?;
-        let alt_out = device::step(self, &pick(&alts), cache)?;
-        swap_all(cache)?;
-        let mut slots: Vec<Option<(Hidden, Option<Vec<f32>>)>> =
-            (0..rows.len()).map(|_| None).collect();
-        for (idx, out) in [(&firsts, first_out), (&alts, alt_out)] {
-            for ((&i, h), l) in idx.iter().zip(out.hidden).zip(out.logits) {
-                slots[i] = Some((h, l));
-            }
-        }
-        let (hidden, logits) = slots
-            .into_iter()
-            .map(|s| s.expect("every row ran in one of the two sweeps: this is a bug"))
-            .unzip();
-        Ok(StepOutput { hidden, logits })
-    }
-
-    /// Runs every row through the K shared layers once, weights read once for all rows. Each
-    /// row writes its K/V at (its pass, its position) and attends to its own pass's cache up to
-    /// its position (speculation.md §3, step 1); rows asking for it get a readout (step 2).
-    pub fn step(&self, rows: &[StepRow], cache: &mut KvCache) -> Result<StepOutput> {
-        let slots: Vec<(usize, usize)> = rows.iter().map(|r| (r.pass, r.pos)).collect();
-        cache.check_slots(&slots)?;
-        for row in rows {
-            if row.pos >= self.rope.cos.len() / self.rope.half.max(1) {
-                return Err(super::error::EngineError::CacheFull {
-                    position: row.pos,
-                    capacity: self.config.max_position_embeddings,
-                });
-            }
-        }
-        let out = match self.backend {
-            StepBackend::Host => host::step(self, rows, cache)?,
-            StepBackend::Device if rows.iter().any(|r| r.alternate) => {
-                self.device_step_with_alternates(rows, cache)?
-            }
-            StepBackend::Device => device::step(self, rows, cache)?,
-        };
-        for row in rows {
-            cache.mark_written(row.pass, row.pos);
-        }
-        Ok(out)
     }
 }

@@ -1,0 +1,132 @@
+//! The step backend: the small set of operations a batched step needs, implemented once per
+//! place the step can run (`host`: spex's CPU kernels on f32 host memory; `device`: candle ops
+//! on any device and dtype, the GPU path). Each backend has its own activation, hidden-state
+//! and KV-buffer types, so parts of two backends cannot meet. The step itself, Ouro's
+//! sandwich layer included, is written once over these operations (`model::step`).
+//!
+//! [`Backend`] is the choice, made once when a model is loaded.
+
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::device::DeviceBackend;
+use super::host::HostBackend;
+use super::{LayerWeights, LoadOptions, LoopedModel, RowSlot, Weights};
+use crate::engine::config::OuroConfig;
+use crate::engine::error::Result;
+use crate::engine::kv_cache::{KvCache, KvStore};
+
+/// One implementation of the batched step's operations.
+pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
+    /// A token's state between passes: the normed hidden state after its last pass.
+    type Hidden: Clone + Send + fmt::Debug;
+    /// The activations of a step's rows, `[rows × width]`.
+    type Act;
+    /// The K/V buffers.
+    type Kv: KvStore;
+    /// Held while a step runs (the host flushes subnormals).
+    type StepGuard;
+    /// Whether a second candidate can run in the same sweep as the first candidate at its
+    /// (pass, position): the host writes and attends row by row, so it swaps the entries
+    /// around the row; candle's batched attention cannot, so the step runs second
+    /// candidates in a sweep of their own.
+    const SECOND_CANDIDATES_IN_ONE_SWEEP: bool;
+
+    /// The model whose weights the operations read.
+    fn model(&self) -> &LoopedModel;
+
+    /// Empty K/V buffers for `capacity` positions of every pass.
+    fn new_store(&self, capacity: usize) -> Result<Self::Kv>;
+
+    /// Enters a step.
+    fn enter_step(&self) -> Self::StepGuard;
+
+    /// Each row's input: a token's embedding (pass 1) or the state its last pass left.
+    fn embed(&self, inputs: Vec<super::RowInput<Self::Hidden>>) -> Result<Self::Act>;
+
+    /// RMSNorm of every row with gains `weight`.
+    fn rms_norm(&self, x: &Self::Act, weight: &Tensor) -> Result<Self::Act>;
+
+    /// `x · wᵀ` for a linear layer's weight stored `[out, in]`.
+    fn linear(&self, x: &Self::Act, weight: &Tensor) -> Result<Self::Act>;
+
+    /// `h + delta` (the residual stream), reusing `h`.
+    fn add(&self, h: Self::Act, delta: &Self::Act) -> Result<Self::Act>;
+
+    /// `silu(gate) · up`, reusing `gate`.
+    fn silu_mul(&self, gate: Self::Act, up: &Self::Act) -> Result<Self::Act>;
+
+    /// Attention of layer `layer`: the Q/K/V projections of `a`, RoPE at each row's position,
+    /// each row's K/V written at (its pass, its position), and each row's causal attention
+    /// over its own pass's entries up to its position. `[rows × heads·head_dim]`.
+    fn attention(
+        &self,
+        w: &LayerWeights,
+        layer: usize,
+        slots: &[RowSlot],
+        a: &Self::Act,
+        cache: &mut KvCache<Self::Kv>,
+    ) -> Result<Self::Act>;
+
+    /// The LM head on the rows that ask for a readout (logits over the vocabulary, f32).
+    fn readouts(&self, slots: &[RowSlot], h: &Self::Act) -> Result<Vec<Option<Vec<f32>>>>;
+
+    /// Each row's state, to carry into its next pass.
+    fn row_states(&self, h: Self::Act) -> Result<Vec<Self::Hidden>>;
+
+    /// How far a proposal readout's logits may be from the f32 head's for a row whose new
+    /// state is `state`; `None` where readouts are the f32 head's.
+    fn proposal_error_bound(&self, _state: &Self::Hidden) -> Option<f64> {
+        None
+    }
+}
+
+/// The backend a model was loaded with: chosen once, from its device and dtype.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// spex's CPU kernels (CPU, f32).
+    Host(Arc<HostBackend>),
+    /// candle ops on the model's device and dtype.
+    Device(Arc<DeviceBackend>),
+}
+
+impl Backend {
+    /// The host kernels on CPU in f32 (their weights copied to aligned huge pages first),
+    /// candle ops everywhere else.
+    pub fn for_weights(
+        config: OuroConfig,
+        weights: Weights,
+        device: &Device,
+        dtype: DType,
+        options: LoadOptions,
+    ) -> Result<Self> {
+        if device.is_cpu() && dtype == DType::F32 {
+            let weights = weights.aligned_for_host()?;
+            let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
+            return Ok(Self::Host(Arc::new(HostBackend::new(
+                Arc::new(model),
+                options,
+            )?)));
+        }
+        let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
+        Ok(Self::Device(Arc::new(DeviceBackend::new(Arc::new(model)))))
+    }
+
+    /// The model the backend steps.
+    pub fn model(&self) -> &Arc<LoopedModel> {
+        match self {
+            Self::Host(b) => b.shared_model(),
+            Self::Device(b) => b.shared_model(),
+        }
+    }
+
+    /// Its name, for reports.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Host(_) => "host kernels",
+            Self::Device(_) => "candle ops",
+        }
+    }
+}

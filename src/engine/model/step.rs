@@ -1,0 +1,157 @@
+//! The batched step, written once for every backend (speculation.md §3, steps 1–2): M rows,
+//! each its own position and pass, through the K shared layers once, weights read once for
+//! all rows; then a readout for the rows that ask. Ouro's sandwich layer lives here and
+//! nowhere else (ouro-format.md, "Forward pass"); `reference.rs` is the independent oracle.
+
+use super::LayerWeights;
+use super::backend::StepBackend;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::kv_cache::KvCache;
+
+/// What a row starts its pass from.
+#[derive(Debug, Clone)]
+pub enum RowInput<H> {
+    /// Pass 1: the token's embedding.
+    Token(u32),
+    /// Later passes: the hidden state the previous pass left.
+    Hidden(H),
+}
+
+/// Where a row runs: a token at `pos` running pass `pass` (0-based).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowSlot {
+    pub pos: usize,
+    pub pass: usize,
+    /// Whether to apply the LM head to this row's new state.
+    pub readout: bool,
+    /// A second candidate for the (pass, position) of the row before it: its K/V entries are
+    /// set aside (`KvCache::promote_second` keeps them), the earlier row's stay in place.
+    pub second: bool,
+}
+
+/// One row of a batched step.
+#[derive(Debug, Clone)]
+pub struct StepRow<H> {
+    pub slot: RowSlot,
+    pub input: RowInput<H>,
+}
+
+/// What a batched step returns, one entry per row in input order.
+#[derive(Debug)]
+pub struct StepOutput<H> {
+    pub hidden: Vec<H>,
+    /// Logits over the vocabulary for rows that asked for a readout.
+    pub logits: Vec<Option<Vec<f32>>>,
+}
+
+/// Runs every row through the K shared layers once. Each row writes its K/V at (its pass, its
+/// position) and attends to its own pass's cache up to its position (speculation.md §3, step
+/// 1); rows asking for it get a readout (step 2).
+pub fn step<B: StepBackend>(
+    backend: &B,
+    rows: Vec<StepRow<B::Hidden>>,
+    cache: &mut KvCache<B::Kv>,
+) -> Result<StepOutput<B::Hidden>> {
+    let slots: Vec<RowSlot> = rows.iter().map(|r| r.slot).collect();
+    let passes_and_positions: Vec<(usize, usize)> = slots.iter().map(|s| (s.pass, s.pos)).collect();
+    cache.check_slots(&passes_and_positions)?;
+    let model = backend.model();
+    if let Some(row) = slots.iter().find(|s| s.pos >= model.rope.positions()) {
+        return Err(EngineError::CacheFull {
+            position: row.pos,
+            capacity: model.config.max_position_embeddings,
+        });
+    }
+    let out = if !B::SECOND_CANDIDATES_IN_ONE_SWEEP && slots.iter().any(|s| s.second) {
+        two_sweeps(backend, rows, cache)?
+    } else {
+        sweep(backend, rows, cache)?
+    };
+    for slot in &slots {
+        cache.mark_written(slot.pass, slot.pos);
+    }
+    Ok(out)
+}
+
+/// One read of the weights for all `rows`.
+fn sweep<B: StepBackend>(
+    backend: &B,
+    rows: Vec<StepRow<B::Hidden>>,
+    cache: &mut KvCache<B::Kv>,
+) -> Result<StepOutput<B::Hidden>> {
+    let _guard = backend.enter_step();
+    let model = backend.model();
+    let (slots, inputs): (Vec<RowSlot>, Vec<_>) =
+        rows.into_iter().map(|r| (r.slot, r.input)).unzip();
+    let mut h = backend.embed(inputs)?;
+    for (index, layer) in model.weights.layers.iter().enumerate() {
+        h = layer_forward(backend, layer, index, &slots, h, cache)?;
+    }
+    let h = backend.rms_norm(&h, &model.weights.norm)?;
+    let logits = backend.readouts(&slots, &h)?;
+    Ok(StepOutput {
+        hidden: backend.row_states(h)?,
+        logits,
+    })
+}
+
+/// One shared layer with Ouro's sandwich norms (ouro-format.md, "Forward pass").
+fn layer_forward<B: StepBackend>(
+    b: &B,
+    w: &LayerWeights,
+    index: usize,
+    slots: &[RowSlot],
+    h: B::Act,
+    cache: &mut KvCache<B::Kv>,
+) -> Result<B::Act> {
+    let a = b.rms_norm(&h, &w.input_layernorm)?;
+    let attn = b.attention(w, index, slots, &a, cache)?;
+    let o = b.rms_norm(&b.linear(&attn, &w.o_proj)?, &w.input_layernorm_2)?;
+    let h = b.add(h, &o)?;
+    let x = b.rms_norm(&h, &w.post_attention_layernorm)?;
+    let gate = b.linear(&x, &w.gate_proj)?;
+    let up = b.linear(&x, &w.up_proj)?;
+    let down = b.linear(&b.silu_mul(gate, &up)?, &w.down_proj)?;
+    let down = b.rms_norm(&down, &w.post_attention_layernorm_2)?;
+    b.add(h, &down)
+}
+
+/// A step with second candidates on a backend that cannot run them beside their first
+/// candidates: the other rows first, then the second candidates with their entries swapped
+/// into place around them (two reads of the weights; the host does it in one).
+fn two_sweeps<B: StepBackend>(
+    backend: &B,
+    rows: Vec<StepRow<B::Hidden>>,
+    cache: &mut KvCache<B::Kv>,
+) -> Result<StepOutput<B::Hidden>> {
+    let order: Vec<bool> = rows.iter().map(|r| r.slot.second).collect();
+    let (seconds, firsts): (Vec<_>, Vec<_>) = rows.into_iter().partition(|r| r.slot.second);
+    let second_slots: Vec<RowSlot> = seconds.iter().map(|r| r.slot).collect();
+    let first_out = sweep(backend, firsts, cache)?;
+    let layers = backend.model().weights.layers.len();
+    let swap_all = |cache: &mut KvCache<B::Kv>| -> Result<()> {
+        for slot in &second_slots {
+            for layer in 0..layers {
+                cache.swap_second(layer, slot.pass, slot.pos)?;
+            }
+        }
+        Ok(())
+    };
+    swap_all(cache)?;
+    let second_out = sweep(backend, seconds, cache)?;
+    swap_all(cache)?;
+    let mut firsts = first_out.hidden.into_iter().zip(first_out.logits);
+    let mut seconds = second_out.hidden.into_iter().zip(second_out.logits);
+    let (hidden, logits) = order
+        .into_iter()
+        .map(|second| {
+            let next = if second {
+                seconds.next()
+            } else {
+                firsts.next()
+            };
+            next.expect("each sweep returns one output per row it ran: this is a bug")
+        })
+        .unzip();
+    Ok(StepOutput { hidden, logits })
+}
