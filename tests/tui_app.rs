@@ -331,3 +331,65 @@ fn random_keys_resizes_and_events_never_panic() {
         }
     }
 }
+
+/// What a key changed in the panes: the commands it returned and the state keys steer.
+fn key_effect(code: KeyCode) -> (Vec<Command>, Focus, bool, bool, usize, bool, u16) {
+    let mut app = running_app();
+    // Scrolled a little, so that scrolling either way shows.
+    app.run.as_mut().expect("a run").speed.scroll = 20;
+    let commands = app.update(key(code));
+    let scroll = app.run.as_ref().map_or(0, |r| r.speed.scroll);
+    (
+        commands,
+        app.focus,
+        app.show_help,
+        app.paused,
+        app.rate_index,
+        app.should_quit,
+        scroll,
+    )
+}
+
+#[test]
+fn every_bound_key_is_listed_and_every_key_that_acts_is_bound() {
+    use spex::tui::keymap::{self, BINDINGS, Mode};
+    for binding in BINDINGS {
+        for (k, _) in binding.keys.iter().filter(|(k, _)| k.listed) {
+            let name = keymap::key_name(k);
+            assert!(
+                binding.label.contains(&name),
+                "{name} is missing from {:?}",
+                binding.label
+            );
+        }
+    }
+    let nothing = key_effect(KeyCode::Null);
+    let mut codes: Vec<KeyCode> = (' '..='~').map(KeyCode::Char).collect();
+    codes.extend([
+        KeyCode::Enter,
+        KeyCode::Esc,
+        KeyCode::Tab,
+        KeyCode::BackTab,
+        KeyCode::Backspace,
+        KeyCode::Delete,
+        KeyCode::Insert,
+        KeyCode::Home,
+        KeyCode::End,
+        KeyCode::Left,
+        KeyCode::Right,
+        KeyCode::Up,
+        KeyCode::Down,
+        KeyCode::PageUp,
+        KeyCode::PageDown,
+    ]);
+    codes.extend((1..=12).map(KeyCode::F));
+    for code in codes {
+        let bound = keymap::action(Mode::Panes, KeyEvent::new(code, KeyModifiers::NONE));
+        let acts = key_effect(code) != nothing;
+        assert_eq!(
+            acts,
+            bound.is_some(),
+            "{code:?}: acts {acts}, bound {bound:?}"
+        );
+    }
+}

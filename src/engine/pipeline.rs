@@ -1,11 +1,14 @@
 //! The SPEED scheduler (speculation.md §3; Hooper et al., arXiv 2310.12072 §3), shared by every
 //! policy: a window of in-flight tokens, oldest first, each at its own pass; one batched step
-//! per call. Baseline decoding is the same machine with a policy that never speculates.
+//! per call, then the walk from oldest to newest. The policy answers the walk's questions
+//! (`engine::policy`): what a readout decides, where it starts children, and how it settles
+//! the candidates in flight (keep one, or reject them all). Baseline decoding is the same
+//! machine with a policy that never speculates.
 //!
-//! Policy `dual` adds a gated second proposal: a pass-1 readout that is nearly a tie starts
-//! its runner-up too, as a second candidate at the same position (right after the first in the
-//! window). Both run pass 1 in the next step; the parent's next readout keeps the one it agrees
-//! with (`choose_candidate`) before anything younger exists, so the window stays a chain.
+//! A readout may start a second candidate (policy `dual`: pass 1's runner-up when it is nearly
+//! a tie), at the same position right after the first in the window. Both run pass 1 in the
+//! next step; the parent's next readout settles them before anything younger exists, so the
+//! window stays a chain.
 //!
 //! Generic over the step backend; callers hold it as an `engine::Decoder` and pull events with
 //! [`Pipeline::next_event`]: a prefill event first, then one event per step, then the finish.
@@ -21,7 +24,7 @@ use super::events::{
 };
 use super::kv_cache::KvCache;
 use super::model::{RowInput, RowSlot, StepBackend, StepRow, step};
-use super::policy::Policy;
+use super::policy::{Decision, Policy, Verdict};
 use super::tokenizer::{Detokenizer, TextTokenizer};
 
 /// Limits of one run.
@@ -52,47 +55,8 @@ struct InFlight<H> {
     unchosen: bool,
 }
 
-/// A readout's greedy decision and what the second-proposal gate needs.
-#[derive(Debug, Clone, Copy)]
-struct TopTwo {
-    best: u32,
-    runner_up: u32,
-    /// Logit of `best` minus that of `runner_up`.
-    margin: f32,
-}
-
-/// A row's logits with their decision.
-type Readout = (Vec<f32>, TopTwo);
-
-/// The greedy decision, and the runner-up (the largest of the other logits, the first on ties)
-/// only where the policy may start it: a second scan that SPEED's readouts never pay for.
-fn decide(logits: &[f32], runner_up_wanted: bool) -> TopTwo {
-    let best = argmax(logits) as usize;
-    let mut second: Option<usize> = None;
-    if runner_up_wanted {
-        for (i, &l) in logits.iter().enumerate() {
-            if i != best && second.is_none_or(|s| l > logits[s]) {
-                second = Some(i);
-            }
-        }
-    }
-    TopTwo {
-        best: best as u32,
-        runner_up: second.unwrap_or(best) as u32,
-        margin: second.map_or(f32::INFINITY, |s| logits[best] - logits[s]),
-    }
-}
-
-/// The greedy decision: the id of the largest logit (the first on ties).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// A row's logits with the policy's decision on them.
+type Readout = (Vec<f32>, Decision);
 
 /// The decision `best` with its probability and its margin over the runner-up, for events.
 /// Computed outside the timed region: decoding needs only the argmax.
@@ -274,7 +238,8 @@ impl<B: StepBackend> Pipeline<B> {
         }
         let logits =
             last_logits.expect("prefill reads out the last position at pass R: this is a bug");
-        let committed = self.commit(n, argmax(&logits), passes, None);
+        let first = self.policy.decide(&logits, passes).best;
+        let committed = self.commit(n, first, passes, None);
         Ok(PrefillEvent {
             prompt_tokens: n,
             first: committed,
@@ -386,14 +351,11 @@ impl<B: StepBackend> Pipeline<B> {
         let passes_run: Vec<usize> = rows.iter().map(|r| r.slot.pass).collect();
         let started = Instant::now();
         let out = step(&*self.backend, rows, &mut self.cache)?;
-        let decisions: Vec<Option<TopTwo>> = out
+        let decisions: Vec<Option<Decision>> = out
             .logits
             .iter()
             .zip(&passes_run)
-            .map(|(l, &pass)| {
-                let wanted = self.policy.second_proposal_below(pass + 1).is_some();
-                l.as_deref().map(|l| decide(l, wanted))
-            })
+            .map(|(l, &pass)| l.as_deref().map(|l| self.policy.decide(l, pass + 1)))
             .collect();
         let compute = started.elapsed();
         self.decode_compute += compute;
@@ -451,53 +413,82 @@ impl<B: StepBackend> Pipeline<B> {
         let t = &self.window[index];
         let (pos, pass) = (t.pos, t.passes_done);
         let mut row = self.row_event(t, false);
-        let Some((logits, top)) = readout else {
+        let Some((logits, decision)) = readout else {
             return Ok((row, true));
         };
-        let guess = top.best;
-        row.prediction = Some(describe(&self.tokenizer, &logits, guess));
-        let child = self.child_of(index).map(|c| (c.token, c.proposed_at));
-        row.checked_child = child.is_some();
-        if let Some((old, _)) = child.filter(|&(old, _)| old != guess) {
-            // A flip (pass < R) or a misprediction found at commit (pass R).
-            event.flips.push(Flip {
-                pos: pos + 1,
-                pass,
-                old: self.token(old),
-                new: self.token(guess),
-            });
-        }
-        if self.second_candidate_of(index).is_some() {
-            self.choose_candidate(index, guess, readouts, event)?;
-        }
+        row.prediction = Some(describe(&self.tokenizer, &logits, decision.best));
+        let candidates = self.candidates_of(index);
+        row.checked_child = !candidates.is_empty();
         let mut go_on = true;
-        if self.child_of(index).is_some_and(|c| c.token != guess) {
-            // Everything younger was computed from the wrong token.
-            event.flushes.push(self.flush_from(index + 1));
-            readouts.truncate(index + 1);
-            go_on = false;
+        if !candidates.is_empty() {
+            let verdict = self.policy.settle(&decision, &candidates);
+            go_on = self.apply(index, verdict, &decision, &candidates, readouts, event)?;
         }
         let surviving = self.child_of(index).map(|_| index + 1);
         if pass == passes {
-            let depth = match (surviving, child) {
-                (Some(_), Some((_, proposed_at))) => proposed_at,
-                _ => passes,
+            let (token, depth) = match surviving {
+                Some(child) => (self.window[child].token, self.window[child].proposed_at),
+                None => (decision.best, passes),
             };
             event
                 .committed
-                .push(self.commit(pos + 1, guess, depth, surviving));
+                .push(self.commit(pos + 1, token, depth, surviving));
             go_on &= self.finish.is_none();
         } else if surviving.is_none()
             && self.policy.speculates_at(pass, passes)
             && self.may_speculate(pos + 1)
         {
-            self.spawn(pos + 1, guess, false, pass);
-            let gate = self.policy.second_proposal_below(pass);
-            if top.runner_up != guess && gate.is_some_and(|below| top.margin < below) {
-                self.spawn_second(pos + 1, top.runner_up, pass);
+            self.spawn(pos + 1, decision.best, false, pass);
+            if let Some(second) = decision.second {
+                self.spawn_second(pos + 1, second, pass);
             }
         }
         Ok((row, go_on))
+    }
+
+    /// Carries out the policy's verdict on the candidates of the token at `index`: a first
+    /// candidate found wrong is a flip (pass < R) or a misprediction found at commit (pass
+    /// R); of two candidates one leaves the window; a rejection flushes everything younger,
+    /// which was computed from a wrong token. Returns whether the walk goes on.
+    fn apply(
+        &mut self,
+        index: usize,
+        verdict: Verdict,
+        decision: &Decision,
+        candidates: &[u32],
+        readouts: &mut Vec<Option<Readout>>,
+        event: &mut StepEvent,
+    ) -> Result<bool> {
+        let t = &self.window[index];
+        if verdict != Verdict::Keep(0) {
+            let new = match verdict {
+                Verdict::Keep(i) => candidates[i],
+                Verdict::Reject => decision.best,
+            };
+            event.flips.push(Flip {
+                pos: t.pos + 1,
+                pass: t.passes_done,
+                old: self.token(candidates[0]),
+                new: self.token(new),
+            });
+        }
+        if candidates.len() > 1 {
+            self.choose_candidate(index, verdict == Verdict::Keep(1), readouts, event)?;
+        }
+        if verdict == Verdict::Reject {
+            event.flushes.push(self.flush_from(index + 1));
+            readouts.truncate(index + 1);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// The tokens in flight for the position after the one at `index`: its child, then an
+    /// unchosen second candidate.
+    fn candidates_of(&self, index: usize) -> Vec<u32> {
+        let first = self.child_of(index).map(|c| c.token);
+        let second = self.second_candidate_of(index).map(|c| c.token);
+        first.into_iter().chain(second).collect()
     }
 
     /// The in-flight token at the position after the one at `index`, if any.
@@ -512,17 +503,16 @@ impl<B: StepBackend> Pipeline<B> {
         self.window.get(index + 2).filter(|c| c.unchosen)
     }
 
-    /// The parent at `index` has read out `guess`: of its two candidates keep the one that
-    /// matches, or the first if neither does (the caller then flushes it as a flip). The
-    /// other leaves the window as a dropped row.
+    /// Of the two candidates of the token at `index` keeps the second if `second_wins`,
+    /// else the first (which a rejection then flushes). The other leaves the window as a
+    /// dropped row.
     fn choose_candidate(
         &mut self,
         index: usize,
-        guess: u32,
+        second_wins: bool,
         readouts: &mut Vec<Option<Readout>>,
         event: &mut StepEvent,
     ) -> Result<()> {
-        let second_wins = self.window[index + 2].token == guess;
         let dropped = if second_wins { index + 1 } else { index + 2 };
         if second_wins {
             self.cache.promote_second()?;

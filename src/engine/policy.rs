@@ -1,23 +1,66 @@
-//! Decoding policies: where a token's readouts start children and get re-checked. The
-//! scheduler in `pipeline` is the same for every policy; a policy only answers questions.
+//! Decoding policies: where a token's readouts start children, which candidates they start,
+//! and how a readout settles the candidates in flight for the next position. The scheduler
+//! in `pipeline` is the same for every policy and asks only these questions; a new policy is
+//! a new implementation, and touches neither the walk nor the dashboard.
 
 use std::fmt;
 
-/// What a policy decides for the scheduler.
+/// What one readout decides, computed while the step is timed: the token it favours and,
+/// where the policy's gate opens, a second candidate to start beside the first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    /// The token this readout favours: what it proposes, and what it commits at pass R.
+    pub best: u32,
+    /// A second candidate for the next position, when the readout starts children.
+    pub second: Option<u32>,
+}
+
+/// How a readout settles the candidates already in flight for the next position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The candidate at this index (0: the first) survives; any other is dropped.
+    Keep(usize),
+    /// Every candidate is wrong: they and everything younger are flushed. At pass R the
+    /// decision's `best` is committed instead; before it, the readout proposes anew.
+    Reject,
+}
+
+/// What a policy decides for the scheduler. Passes are 1-based here (pass R is the last).
 pub trait Policy: Send + Sync + fmt::Debug {
     /// Its name in the CLI, events and the dashboard.
     fn name(&self) -> &'static str;
 
-    /// Whether a token's readout after `pass` (1-based, < `passes`) starts or re-checks its
-    /// child. Pass `passes` (R) always commits and needs no permission.
+    /// Whether a token's readout after `pass` (< `passes`) starts or re-checks its children.
+    /// Pass `passes` (R) always reads out: it commits.
     fn speculates_at(&self, pass: usize, passes: usize) -> bool;
 
-    /// The logit margin (best over runner-up) below which a readout after `pass` that starts
-    /// a child also starts the runner-up as a second candidate; `None` where it never does
-    /// (the decoder then does not look for a runner-up at all).
-    fn second_proposal_below(&self, _pass: usize) -> Option<f32> {
-        None
+    /// The decision of a readout after `pass`: greedy, the argmax (the first on ties).
+    fn decide(&self, logits: &[f32], _pass: usize) -> Decision {
+        Decision {
+            best: argmax(logits),
+            second: None,
+        }
     }
+
+    /// How the readout that made `decision` settles `candidates` (the first candidate, then
+    /// any second): greedy keeps the candidate equal to its best token.
+    fn settle(&self, decision: &Decision, candidates: &[u32]) -> Verdict {
+        candidates
+            .iter()
+            .position(|&c| c == decision.best)
+            .map_or(Verdict::Reject, Verdict::Keep)
+    }
+}
+
+/// The greedy decision: the id of the largest logit (the first on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 /// Ordinary greedy decoding: one token at a time through all R passes, then commit.
@@ -58,12 +101,12 @@ impl Policy for Speed {
 }
 
 /// SPEED with a gated second proposal (spex's extension, in the direction of LoopSpec's
-/// second proposal, arXiv 2609.17184): when the pass-1 readout that starts a child is nearly a
-/// tie (the runner-up within `margin_below` logits of the best), the runner-up starts too, as
-/// a second candidate for the same position. The parent's pass-2 readout keeps the candidate
-/// it agrees with, so a flip to the runner-up, the most common flip, no longer empties a
-/// pipeline slot. Costs one more row in the steps where the gate opens. Greedy output is
-/// unchanged: commits still come from pass R only.
+/// second proposal, arXiv 2609.17184): when the readout at `first_pass` that starts a child is
+/// nearly a tie (the runner-up within `margin_below` logits of the best), the runner-up starts
+/// too, as a second candidate for the same position. The parent's next readout keeps the
+/// candidate it agrees with, so a flip to the runner-up, the most common flip, no longer
+/// empties a pipeline slot. Costs one more row in the steps where the gate opens. Greedy
+/// output is unchanged: commits still come from pass R only.
 #[derive(Debug, Clone, Copy)]
 pub struct Dual {
     /// Where children start and are re-checked: exactly as SPEED.
@@ -94,8 +137,24 @@ impl Policy for Dual {
         self.speed.speculates_at(pass, passes)
     }
 
-    fn second_proposal_below(&self, pass: usize) -> Option<f32> {
-        (pass == self.speed.first_pass).then_some(self.margin_below)
+    /// The argmax, and at `first_pass` the runner-up (the largest of the other logits, the
+    /// first on ties) when its logit is within the gate: a second scan that only the readouts
+    /// at `first_pass` pay for.
+    fn decide(&self, logits: &[f32], pass: usize) -> Decision {
+        let best = argmax(logits);
+        if pass != self.speed.first_pass {
+            return Decision { best, second: None };
+        }
+        let mut runner_up: Option<usize> = None;
+        for (i, &l) in logits.iter().enumerate() {
+            if i != best as usize && runner_up.is_none_or(|s| l > logits[s]) {
+                runner_up = Some(i);
+            }
+        }
+        let second = runner_up
+            .filter(|&s| logits[best as usize] - logits[s] < self.margin_below)
+            .map(|s| s as u32);
+        Decision { best, second }
     }
 }
 
@@ -187,9 +246,30 @@ mod tests {
             assert_eq!(kind.to_string(), name);
         }
         assert_eq!("dual:1".parse::<PolicyKind>(), Ok(PolicyKind::DUAL));
-        let margin = |k: PolicyKind| k.build().second_proposal_below(1);
-        assert_eq!(margin("dual:0.5".parse().expect("valid")), Some(0.5));
-        assert_eq!(margin(PolicyKind::Speed), None);
+        // A runner-up 0.75 logits below the best: inside a 1.0 gate, outside a 0.5 one.
+        let logits = [0.0, 2.0, 1.25];
+        let second = |k: PolicyKind, pass| k.build().decide(&logits, pass).second;
+        assert_eq!(second(PolicyKind::DUAL, 1), Some(2));
+        assert_eq!(second(PolicyKind::DUAL, 2), None);
+        assert_eq!(second("dual:0.5".parse().expect("valid"), 1), None);
+        assert_eq!(second(PolicyKind::Speed, 1), None);
+    }
+
+    #[test]
+    fn greedy_readouts_keep_the_candidate_they_agree_with_or_reject_all() {
+        let decision = Decision {
+            best: 7,
+            second: None,
+        };
+        for kind in [PolicyKind::Speed, PolicyKind::DUAL, PolicyKind::Baseline] {
+            let policy = kind.build();
+            assert_eq!(policy.settle(&decision, &[7]), Verdict::Keep(0));
+            assert_eq!(policy.settle(&decision, &[3, 7]), Verdict::Keep(1));
+            assert_eq!(policy.settle(&decision, &[7, 3]), Verdict::Keep(0));
+            assert_eq!(policy.settle(&decision, &[3]), Verdict::Reject);
+            assert_eq!(policy.settle(&decision, &[3, 4]), Verdict::Reject);
+        }
+        assert_eq!(Speed::default().decide(&[1.0, 3.0, 3.0], 1).best, 1);
     }
 
     #[test]

@@ -4,7 +4,9 @@
 
 use std::collections::VecDeque;
 
-use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers, MouseEvent, MouseEventKind};
+use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, MouseEvent, MouseEventKind};
+
+use super::keymap::{self, Action, Mode};
 
 use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
 use crate::engine::kv_cache::PassOccupancy;
@@ -265,60 +267,60 @@ impl App {
         ]
     }
 
+    /// A key, looked up in the keymap (`keymap::BINDINGS`, which the help lists too).
     fn on_key(&mut self, key: KeyEvent) -> Vec<Command> {
-        let ctrl = key.modifiers.contains(KeyModifiers::CONTROL);
-        if ctrl && matches!(key.code, KeyCode::Char('c')) {
-            self.should_quit = true;
-            return vec![Command::Quit];
+        if keymap::action(Mode::Always, key) == Some(Action::Quit) {
+            return self.act(Action::Quit);
         }
         if self.show_help {
             self.show_help = false;
             return Vec::new();
         }
         if self.focus == Focus::Prompt {
-            return self.on_edit_key(key);
+            return match keymap::action(Mode::Prompt, key) {
+                Some(action) => self.act(action),
+                None => {
+                    self.on_edit_key(key);
+                    Vec::new()
+                }
+            };
         }
-        match key.code {
-            KeyCode::Char('q') => {
-                self.should_quit = true;
-                vec![Command::Quit]
-            }
-            KeyCode::Char('?') => {
-                self.show_help = true;
-                Vec::new()
-            }
-            KeyCode::Char(' ') => self.toggle_pause(),
-            KeyCode::Char('n') => {
-                self.paused = true;
-                vec![
-                    Command::Control(RaceControl::Pause),
-                    Command::Control(RaceControl::Step),
-                ]
-            }
-            KeyCode::Char('+') | KeyCode::Char('=') => self.change_rate(1),
-            KeyCode::Char('-') | KeyCode::Char('_') => self.change_rate(-1),
-            KeyCode::Char('r') => self.start(),
-            KeyCode::Char('e') => {
-                self.focus = Focus::Prompt;
-                Vec::new()
-            }
-            KeyCode::Tab => {
-                self.focus = self.focus.next();
-                Vec::new()
-            }
-            KeyCode::Up => self.scroll_cmd(-1),
-            KeyCode::Down => self.scroll_cmd(1),
-            KeyCode::PageUp => self.scroll_cmd(-10),
-            KeyCode::PageDown => self.scroll_cmd(10),
-            _ => Vec::new(),
-        }
+        keymap::action(Mode::Panes, key).map_or_else(Vec::new, |action| self.act(action))
     }
 
-    fn on_edit_key(&mut self, key: KeyEvent) -> Vec<Command> {
+    /// What each action does.
+    fn act(&mut self, action: Action) -> Vec<Command> {
+        match action {
+            Action::Quit => {
+                self.should_quit = true;
+                return vec![Command::Quit];
+            }
+            Action::Help => self.show_help = true,
+            Action::TogglePause => return self.toggle_pause(),
+            Action::SingleStep => {
+                self.paused = true;
+                return vec![
+                    Command::Control(RaceControl::Pause),
+                    Command::Control(RaceControl::Step),
+                ];
+            }
+            Action::Faster => return self.change_rate(1),
+            Action::Slower => return self.change_rate(-1),
+            Action::Rerun | Action::RunPrompt => return self.start(),
+            Action::EditPrompt => self.focus = Focus::Prompt,
+            Action::NextFocus | Action::LeavePrompt => self.focus = self.focus.next(),
+            Action::ScrollUp => return self.scroll_cmd(-1),
+            Action::ScrollDown => return self.scroll_cmd(1),
+            Action::PageUp => return self.scroll_cmd(-10),
+            Action::PageDown => return self.scroll_cmd(10),
+        }
+        Vec::new()
+    }
+
+    /// A key typed into the prompt editor.
+    fn on_edit_key(&mut self, key: KeyEvent) {
         let len = self.prompt.chars().count();
         match key.code {
-            KeyCode::Enter => return self.start(),
-            KeyCode::Tab | KeyCode::Esc => self.focus = self.focus.next(),
             KeyCode::Char(c) => {
                 let at = self.byte_index(self.cursor);
                 self.prompt.insert(at, c);
@@ -339,7 +341,6 @@ impl App {
             KeyCode::End => self.cursor = len,
             _ => {}
         }
-        Vec::new()
     }
 
     fn byte_index(&self, chars: usize) -> usize {

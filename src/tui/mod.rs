@@ -4,6 +4,7 @@
 //! then draws from state alone.
 
 pub mod app;
+pub mod keymap;
 pub mod ui;
 
 use std::io::{IsTerminal, Stdout};

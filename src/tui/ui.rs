@@ -8,6 +8,7 @@ use ratatui::text::{Line, Span, Text};
 use ratatui::widgets::{Block, BorderType, Borders, Clear, Paragraph, Sparkline, Wrap};
 
 use super::app::{Agreement, App, CellKind, Focus, LaneView, RunView};
+use super::keymap::BINDINGS;
 
 /// Width of one pipeline column (token text plus a space).
 const CELL_WIDTH: u16 = 9;
@@ -438,38 +439,25 @@ fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {
     );
 }
 
-/// Every key, for the help overlay and the README.
-pub const KEYS: [(&str, &str); 13] = [
-    ("Enter", "run the prompt (while editing)"),
-    ("e", "edit the prompt"),
-    ("Space", "pause / resume"),
-    ("n", "single step (pauses)"),
-    ("+ / -", "more / fewer steps per second (down to 1)"),
-    ("r", "rerun the prompt"),
-    ("Tab", "move focus: prompt, SPEED, baseline, flips"),
-    ("↑ ↓ PgUp PgDn", "scroll the focused text"),
-    ("mouse wheel", "scroll the focused text"),
-    ("?", "this help"),
-    ("Esc", "leave the prompt / close help"),
-    ("q", "quit"),
-    ("Ctrl-C", "quit"),
-];
-
+/// The keymap's lines over the dashboard, any key closing it.
 fn draw_help(frame: &mut Frame, area: Rect) {
     let w = 66.min(area.width);
-    let h = (KEYS.len() as u16 + 4).min(area.height);
+    let h = (BINDINGS.len() as u16 + 4).min(area.height);
     let popup = Rect {
         x: area.x + (area.width - w) / 2,
         y: area.y + (area.height - h) / 2,
         width: w,
         height: h,
     };
-    let lines: Vec<Line> = KEYS
+    let lines: Vec<Line> = BINDINGS
         .iter()
-        .map(|(k, what)| {
+        .map(|b| {
             Line::from(vec![
-                Span::styled(format!("{k:>14}  "), Style::new().fg(Color::Cyan).bold()),
-                Span::raw(*what),
+                Span::styled(
+                    format!("{:>14}  ", b.label),
+                    Style::new().fg(Color::Cyan).bold(),
+                ),
+                Span::raw(b.help),
             ])
         })
         .collect();
