@@ -107,7 +107,7 @@ fn empty_prompt_is_an_error_line_not_a_run() {
 #[test]
 fn control_keys_send_race_controls() {
     let mut app = running_app();
-    assert_eq!(app.focus, Focus::Speed);
+    assert_eq!(app.focus, Focus::Speculative);
     assert_eq!(
         app.update(key(KeyCode::Char(' '))),
         vec![Command::Control(RaceControl::Pause)]
@@ -165,7 +165,7 @@ fn focus_scroll_help_and_quit() {
     app.update(key(KeyCode::Tab));
     assert_eq!(app.focus, Focus::Prompt);
     app.update(key(KeyCode::Esc));
-    assert_eq!(app.focus, Focus::Speed);
+    assert_eq!(app.focus, Focus::Speculative);
     app.update(key(KeyCode::Char('?')));
     assert!(app.show_help);
     app.update(key(KeyCode::Char('q')));
@@ -195,10 +195,10 @@ fn engine_events_fill_lanes_pipeline_flips_and_kv() {
     app.update(Msg::Engine(events));
     let run = app.run.as_ref().unwrap();
     assert!(run.done);
-    assert_eq!(run.speed.tokens.len(), 20);
-    assert_eq!(run.speed.tokens, run.baseline.tokens);
+    assert_eq!(run.speculative.tokens.len(), 20);
+    assert_eq!(run.speculative.tokens, run.baseline.tokens);
     assert_eq!(run.agreement(), Agreement::Same(20));
-    assert!(run.speed.finished.is_some() && run.baseline.finished.is_some());
+    assert!(run.speculative.finished.is_some() && run.baseline.finished.is_some());
     assert!(run.speedup().unwrap() > 0.0);
     assert!(!run.columns.is_empty());
     assert_eq!(run.kv.len(), 4);
@@ -220,7 +220,7 @@ fn a_dual_race_shows_both_candidates_and_counts_second_proposals() {
     let run = app.run.as_ref().unwrap();
     assert_eq!(run.agreement(), Agreement::Same(20));
     assert!(
-        run.speed.stats.second_proposals > 0,
+        run.speculative.stats.second_proposals > 0,
         "random weights are near ties"
     );
     let both = run
@@ -254,7 +254,7 @@ fn lanes_that_differ_are_reported() {
     // Tamper with one SPEED commit to check the comparison itself.
     for e in &mut events {
         if let RaceEvent::Decode {
-            lane: Lane::Speed,
+            lane: Lane::Speculative,
             event: spex::engine::DecodeEvent::Step(s),
         } = e
             && let Some(c) = s.committed.first_mut()
@@ -336,9 +336,9 @@ fn random_keys_resizes_and_events_never_panic() {
 fn key_effect(code: KeyCode) -> (Vec<Command>, Focus, bool, bool, usize, bool, u16) {
     let mut app = running_app();
     // Scrolled a little, so that scrolling either way shows.
-    app.run.as_mut().expect("a run").speed.scroll = 20;
+    app.run.as_mut().expect("a run").speculative.scroll = 20;
     let commands = app.update(key(code));
-    let scroll = app.run.as_ref().map_or(0, |r| r.speed.scroll);
+    let scroll = app.run.as_ref().map_or(0, |r| r.speculative.scroll);
     (
         commands,
         app.focus,

@@ -55,7 +55,7 @@ fn app() -> App {
         policy: "speed".into(),
     };
     let mut app = App::new(info, Some("To be, or not to be".into()), (100, 32));
-    app.focus = Focus::Speed;
+    app.focus = Focus::Speculative;
     let words = [" that", " is", " the", " question", ":"];
     let columns: VecDeque<StepColumn> = (0..12u64)
         .map(|s| {
@@ -99,7 +99,7 @@ fn app() -> App {
         .collect();
     app.run = Some(RunView {
         prompt: "To be, or not to be".into(),
-        speed: LaneView {
+        speculative: LaneView {
             text: ", that is the question:\nWhether 'tis nobler in the mind to suffer".into(),
             tokens: (0..30).collect(),
             stats: stats(
@@ -152,7 +152,7 @@ fn every_panel() {
     let app = app();
     for (panel, w, h) in [
         (Panel::Prompt, 60, 3),
-        (Panel::Speed, 50, 7),
+        (Panel::Speculative, 50, 7),
         (Panel::Baseline, 50, 7),
         (Panel::Pipeline, 100, 7),
         (Panel::Flips, 50, 9),
@@ -198,10 +198,10 @@ fn dual_lane_with_two_candidates_in_one_cell() {
     let run = app.run.as_mut().unwrap();
     let last = run.columns.back_mut().unwrap();
     last.cells[0] = cell(" the| a", 21, CellKind::Speculative);
-    run.speed.stats.second_proposals = 12;
-    run.speed.stats.accepted_second = 4;
+    run.speculative.stats.second_proposals = 12;
+    run.speculative.stats.accepted_second = 4;
     for (panel, w, h) in [
-        (Panel::Speed, 50, 7),
+        (Panel::Speculative, 50, 7),
         (Panel::Pipeline, 100, 7),
         (Panel::Stats, 60, 9),
     ] {

@@ -115,11 +115,11 @@ fn json_report(
             "identical": r.mismatch.is_none(),
             "mismatch": r.mismatch,
             "baseline": r.baseline.stats,
-            "speed": r.speed.stats,
+            "speculative": r.speculative.stats,
             "speedup": r.speedup(),
             "ceiling": r.step_times.ceiling(),
             "step_times": r.step_times,
-            "gamma": r.speed.stats.gamma(),
+            "gamma": r.speculative.stats.gamma(),
         })).collect::<Vec<_>>(),
         "overall": {
             "baseline_tokens_per_sec": base.tokens_per_sec(),
@@ -149,7 +149,7 @@ fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
     let mut speed = RunStats::new(passes);
     for r in results {
         base.add(&r.baseline.stats);
-        speed.add(&r.speed.stats);
+        speed.add(&r.speculative.stats);
     }
     (base, speed)
 }
@@ -167,7 +167,7 @@ fn print_row(r: &PromptResult, header: bool, passes: usize) {
             "{:<28} {:>9} {:>9} {:>8} {:>8} {:>6} {:>7}  {:<w$}  same",
             "prompt",
             "base t/s",
-            format!("{} t/s", r.speed.policy),
+            format!("{} t/s", r.speculative.policy),
             "speedup",
             "ceiling",
             "γ",
@@ -189,12 +189,12 @@ fn print_row(r: &PromptResult, header: bool, passes: usize) {
         "{:<28} {:>9.1} {:>9.1} {:>7.2}× {:>7.2}× {:>6.2} {:>6.1}%  {:<w$}  {same}",
         p,
         r.baseline.stats.tokens_per_sec(),
-        r.speed.stats.tokens_per_sec(),
+        r.speculative.stats.tokens_per_sec(),
         r.speedup(),
         r.step_times.ceiling(),
-        r.speed.stats.gamma(),
-        100.0 * r.speed.stats.wasted_fraction(),
-        flip_rates(&r.speed.stats),
+        r.speculative.stats.gamma(),
+        100.0 * r.speculative.stats.wasted_fraction(),
+        flip_rates(&r.speculative.stats),
         w = passes * 4
     );
 }

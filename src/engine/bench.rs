@@ -28,7 +28,7 @@ pub struct LaneResult {
 pub struct PromptResult {
     pub prompt: String,
     pub baseline: LaneResult,
-    pub speed: LaneResult,
+    pub speculative: LaneResult,
     pub step_times: StepTimes,
     /// The first output index where the lanes differ, with the baseline's logit margin there.
     pub mismatch: Option<(usize, f32)>,
@@ -37,7 +37,7 @@ pub struct PromptResult {
 impl PromptResult {
     /// Baseline decode time / SPEED decode time (same tokens, prefill excluded).
     pub fn speedup(&self) -> f64 {
-        speedup(&self.baseline.stats, &self.speed.stats)
+        speedup(&self.baseline.stats, &self.speculative.stats)
     }
 }
 
@@ -83,7 +83,7 @@ fn run_policy(
     })
 }
 
-/// Benchmarks one prompt: baseline and `policy` (the speculative lane, kept in the `speed`
+/// Benchmarks one prompt: baseline and `policy` (the speculative lane, kept in the `speculative`
 /// field) alternately `runs` times, each lane keeping its fastest run (noise from other
 /// processes only ever slows a run down), then the step times at the run's mid position.
 pub fn bench_prompt(
@@ -98,9 +98,9 @@ pub fn bench_prompt(
         ));
     }
     let mut baseline = run_lane(loaded, PolicyKind::Baseline, prompt, options)?;
-    let mut speed = run_lane(loaded, policy, prompt, options)?;
+    let mut speculative = run_lane(loaded, policy, prompt, options)?;
     for _ in 1..runs {
-        for lane in [&mut baseline, &mut speed] {
+        for lane in [&mut baseline, &mut speculative] {
             let again = run_lane(loaded, lane.policy, prompt, options)?;
             if again.tokens != lane.tokens {
                 return Err(EngineError::Invalid(format!(
@@ -119,11 +119,11 @@ pub fn bench_prompt(
     let mismatch = baseline
         .tokens
         .iter()
-        .zip(&speed.tokens)
+        .zip(&speculative.tokens)
         .position(|(a, b)| a != b)
         .or_else(|| {
-            (baseline.tokens.len() != speed.tokens.len())
-                .then(|| baseline.tokens.len().min(speed.tokens.len()))
+            (baseline.tokens.len() != speculative.tokens.len())
+                .then(|| baseline.tokens.len().min(speculative.tokens.len()))
         })
         .map(|i| {
             (
@@ -137,7 +137,7 @@ pub fn bench_prompt(
     Ok(PromptResult {
         prompt: prompt.to_string(),
         baseline,
-        speed,
+        speculative,
         step_times,
         mismatch,
     })

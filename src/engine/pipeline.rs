@@ -55,6 +55,27 @@ struct InFlight<H> {
     unchosen: bool,
 }
 
+/// Where a run is: each call of `next_event` emits the event of its phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Next: all R passes over the prompt.
+    Prefill,
+    /// Next: one batched step.
+    Decoding,
+    /// Next: the finish event, for this reason.
+    Finishing(FinishReason),
+    /// Every event has been emitted.
+    Done,
+}
+
+/// A walked row's event, and whether the walk goes on to younger rows.
+#[derive(Debug)]
+enum Walked {
+    GoOn(RowEvent),
+    /// A flush removed the younger rows, or the run ended.
+    Stop(RowEvent),
+}
+
 /// A row's logits with the policy's decision on them.
 type Readout = (Vec<f32>, Decision);
 
@@ -94,8 +115,7 @@ pub struct Pipeline<B: StepBackend> {
     detokenizer: Detokenizer,
     steps: u64,
     decode_compute: Duration,
-    finish: Option<FinishReason>,
-    done: bool,
+    phase: Phase,
 }
 
 impl<B: StepBackend> Pipeline<B> {
@@ -136,14 +156,18 @@ impl<B: StepBackend> Pipeline<B> {
             detokenizer: Detokenizer::default(),
             steps: 0,
             decode_compute: Duration::ZERO,
-            finish: None,
-            done: false,
+            phase: Phase::Prefill,
         })
     }
 
     /// R, the passes.
     fn passes(&self) -> usize {
         self.backend.model().passes()
+    }
+
+    /// Whether the run still decodes (it has not begun to finish).
+    fn is_running(&self) -> bool {
+        matches!(self.phase, Phase::Prefill | Phase::Decoding)
     }
 
     /// The policy's name.
@@ -173,22 +197,22 @@ impl<B: StepBackend> Pipeline<B> {
 
     /// The next event: prefill, then steps, then one finish event; `None` after that.
     pub fn next_event(&mut self) -> Result<Option<DecodeEvent>> {
-        if self.done {
-            return Ok(None);
-        }
-        if let Some(reason) = self.finish {
-            self.done = true;
-            return Ok(Some(DecodeEvent::Finished(self.finish_event(reason))));
-        }
-        if self.steps == 0 && self.output.is_empty() {
-            return Ok(Some(DecodeEvent::Prefill(self.prefill()?)));
-        }
-        Ok(Some(DecodeEvent::Step(self.step()?)))
+        Ok(Some(match self.phase {
+            Phase::Prefill => DecodeEvent::Prefill(self.prefill()?),
+            Phase::Decoding => DecodeEvent::Step(self.step()?),
+            Phase::Finishing(reason) => {
+                self.phase = Phase::Done;
+                DecodeEvent::Finished(self.finish_event(reason))
+            }
+            Phase::Done => return Ok(None),
+        }))
     }
 
     /// Stops the run early; the next event is the finish.
     pub fn cancel(&mut self) {
-        self.finish.get_or_insert(FinishReason::Cancelled);
+        if self.is_running() {
+            self.phase = Phase::Finishing(FinishReason::Cancelled);
+        }
     }
 
     fn finish_event(&mut self, reason: FinishReason) -> FinishEvent {
@@ -239,6 +263,7 @@ impl<B: StepBackend> Pipeline<B> {
         let logits =
             last_logits.expect("prefill reads out the last position at pass R: this is a bug");
         let first = self.policy.decide(&logits, passes).best;
+        self.phase = Phase::Decoding;
         let committed = self.commit(n, first, passes, None);
         Ok(PrefillEvent {
             prompt_tokens: n,
@@ -260,17 +285,22 @@ impl<B: StepBackend> Pipeline<B> {
         self.output.push(id);
         self.cache
             .set_committed(self.prompt.len() + self.output.len());
-        if self.tokenizer.is_eos(id) {
-            self.finish = Some(FinishReason::EndOfText);
+        let ending = if self.tokenizer.is_eos(id) {
+            Some(FinishReason::EndOfText)
         } else if self.output.len() >= self.options.max_tokens {
-            self.finish = Some(FinishReason::MaxTokens);
+            Some(FinishReason::MaxTokens)
         } else if pos >= self.cache.capacity() {
-            self.finish = Some(FinishReason::ContextFull);
+            Some(FinishReason::ContextFull)
+        } else {
+            None
+        };
+        if let Some(reason) = ending {
+            self.phase = Phase::Finishing(reason);
         }
         let from_second = child.is_some_and(|index| self.window[index].second);
         match child {
             Some(index) => self.window[index].verified = true,
-            None if self.finish.is_none() => self.spawn(pos, id, true, accepted_depth),
+            None if self.is_running() => self.spawn(pos, id, true, accepted_depth),
             None => {}
         }
         let text_delta = self
@@ -388,10 +418,12 @@ impl<B: StepBackend> Pipeline<B> {
         let mut index = 0;
         while index < readouts.len() {
             let readout = readouts[index].take();
-            let (row, go_on) = self.walk_row(index, readout, &mut readouts, event)?;
-            event.rows.push(row);
-            if !go_on {
-                break;
+            match self.walk_row(index, readout, &mut readouts, event)? {
+                Walked::GoOn(row) => event.rows.push(row),
+                Walked::Stop(row) => {
+                    event.rows.push(row);
+                    break;
+                }
             }
             index += 1;
         }
@@ -408,13 +440,13 @@ impl<B: StepBackend> Pipeline<B> {
         readout: Option<Readout>,
         readouts: &mut Vec<Option<Readout>>,
         event: &mut StepEvent,
-    ) -> Result<(RowEvent, bool)> {
+    ) -> Result<Walked> {
         let passes = self.passes();
         let t = &self.window[index];
         let (pos, pass) = (t.pos, t.passes_done);
         let mut row = self.row_event(t, false);
         let Some((logits, decision)) = readout else {
-            return Ok((row, true));
+            return Ok(Walked::GoOn(row));
         };
         row.prediction = Some(describe(&self.tokenizer, &logits, decision.best));
         let candidates = self.candidates_of(index);
@@ -433,7 +465,7 @@ impl<B: StepBackend> Pipeline<B> {
             event
                 .committed
                 .push(self.commit(pos + 1, token, depth, surviving));
-            go_on &= self.finish.is_none();
+            go_on &= self.is_running();
         } else if surviving.is_none()
             && self.policy.speculates_at(pass, passes)
             && self.may_speculate(pos + 1)
@@ -443,7 +475,11 @@ impl<B: StepBackend> Pipeline<B> {
                 self.spawn_second(pos + 1, second, pass);
             }
         }
-        Ok((row, go_on))
+        Ok(if go_on {
+            Walked::GoOn(row)
+        } else {
+            Walked::Stop(row)
+        })
     }
 
     /// Carries out the policy's verdict on the candidates of the token at `index`: a first

@@ -18,7 +18,7 @@ use super::policy::PolicyKind;
 /// The two lanes of a race.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Lane {
-    Speed,
+    Speculative,
     Baseline,
 }
 
@@ -87,7 +87,7 @@ pub fn run_race(
     mut sink: impl FnMut(RaceEvent) -> bool,
 ) {
     let lanes = [
-        (Lane::Speed, policy),
+        (Lane::Speculative, policy),
         (Lane::Baseline, PolicyKind::Baseline),
     ]
     .into_iter()

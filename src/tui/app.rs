@@ -55,7 +55,7 @@ pub enum Command {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Focus {
     Prompt,
-    Speed,
+    Speculative,
     Baseline,
     Flips,
 }
@@ -63,8 +63,8 @@ pub enum Focus {
 impl Focus {
     fn next(self) -> Self {
         match self {
-            Self::Prompt => Self::Speed,
-            Self::Speed => Self::Baseline,
+            Self::Prompt => Self::Speculative,
+            Self::Speculative => Self::Baseline,
             Self::Baseline => Self::Flips,
             Self::Flips => Self::Prompt,
         }
@@ -145,7 +145,7 @@ pub enum Agreement {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RunView {
     pub prompt: String,
-    pub speed: LaneView,
+    pub speculative: LaneView,
     pub baseline: LaneView,
     pub columns: VecDeque<StepColumn>,
     pub flips: VecDeque<FlipEntry>,
@@ -159,20 +159,20 @@ pub struct RunView {
 impl RunView {
     fn lane_mut(&mut self, lane: Lane) -> &mut LaneView {
         match lane {
-            Lane::Speed => &mut self.speed,
+            Lane::Speculative => &mut self.speculative,
             Lane::Baseline => &mut self.baseline,
         }
     }
 
     /// Baseline time per token over SPEED time per token, as `spex bench` computes it.
     pub fn speedup(&self) -> Option<f64> {
-        let s = speedup(&self.baseline.stats, &self.speed.stats);
+        let s = speedup(&self.baseline.stats, &self.speculative.stats);
         (s > 0.0).then_some(s)
     }
 
     /// The identical-output check over the tokens both lanes have committed.
     pub fn agreement(&self) -> Agreement {
-        let (a, b) = (&self.speed.tokens, &self.baseline.tokens);
+        let (a, b) = (&self.speculative.tokens, &self.baseline.tokens);
         match a.iter().zip(b).position(|(x, y)| x != y) {
             Some(i) => Agreement::Differ(i),
             None => Agreement::Same(a.len().min(b.len())),
@@ -258,7 +258,7 @@ impl App {
             prompt: self.prompt.clone(),
             ..RunView::default()
         });
-        self.focus = Focus::Speed;
+        self.focus = Focus::Speculative;
         vec![
             Command::StartRace {
                 prompt: self.prompt.clone(),
@@ -378,7 +378,7 @@ impl App {
         let Some(run) = self.run.as_mut() else { return };
         let lane = match focus {
             Focus::Baseline => &mut run.baseline,
-            _ => &mut run.speed,
+            _ => &mut run.speculative,
         };
         lane.scroll = lane.scroll.saturating_add_signed(lines as i16);
     }
@@ -409,7 +409,7 @@ fn on_decode(run: &mut RunView, lane: Lane, event: &DecodeEvent) {
             view.stats = RunStats::new(p.kv.len());
             view.tokens.push(p.first.token.id);
             view.text.push_str(&p.first.text_delta);
-            if lane == Lane::Speed {
+            if lane == Lane::Speculative {
                 run.kv.clone_from(&p.kv);
             }
         }
@@ -420,7 +420,7 @@ fn on_decode(run: &mut RunView, lane: Lane, event: &DecodeEvent) {
                 view.tokens.push(c.token.id);
                 view.text.push_str(&c.text_delta);
             }
-            if lane == Lane::Speed {
+            if lane == Lane::Speculative {
                 record_pipeline(run, step);
             }
         }
@@ -495,7 +495,7 @@ fn step_cells(step: &StepEvent, passes: usize) -> Vec<Option<Cell>> {
 fn record_flips(run: &mut RunView, step: &StepEvent) {
     for f in &step.flips {
         let context: String = {
-            let words: Vec<&str> = run.speed.text.split_whitespace().collect();
+            let words: Vec<&str> = run.speculative.text.split_whitespace().collect();
             words[words.len().saturating_sub(4)..].join(" ")
         };
         if run.flips.len() == MAX_FLIPS {

@@ -23,7 +23,7 @@ pub fn min_size(passes: usize) -> (u16, u16) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Panel {
     Prompt,
-    Speed,
+    Speculative,
     Baseline,
     Pipeline,
     Flips,
@@ -43,13 +43,13 @@ pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
     let run = app.run.as_ref().unwrap_or(&empty);
     match panel {
         Panel::Prompt => draw_prompt(frame, area, app),
-        Panel::Speed => draw_lane(
+        Panel::Speculative => draw_lane(
             frame,
             area,
             lane_title(&app.info.policy),
-            &run.speed,
+            &run.speculative,
             run,
-            app.focus == Focus::Speed,
+            app.focus == Focus::Speculative,
         ),
         Panel::Baseline => draw_lane(
             frame,
@@ -92,7 +92,7 @@ pub fn draw(frame: &mut Frame, app: &App) {
     .areas(bottom);
     for (panel, area) in [
         (Panel::Prompt, prompt),
-        (Panel::Speed, left),
+        (Panel::Speculative, left),
         (Panel::Baseline, right),
         (Panel::Pipeline, pipeline),
         (Panel::Flips, flips),
@@ -378,7 +378,7 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, run_policy: &str) {
 
 /// The stats panel's text: speedup, rates, flips per pass, waste and whether the lanes agree.
 fn stats_lines(run: &RunView, run_policy: &str) -> Vec<Line<'static>> {
-    let s = &run.speed.stats;
+    let s = &run.speculative.stats;
     let speedup = run
         .speedup()
         .map_or("—".to_string(), |x| format!("{x:.2}×"));
