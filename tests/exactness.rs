@@ -156,7 +156,7 @@ fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
             .map(|&(pos, pass)| StepRow {
                 slot: RowSlot {
                     pos,
-                    pass,
+                    pass: spex::engine::Pass::from_index(pass),
                     readout: true,
                     second: false,
                 },
@@ -206,7 +206,11 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
                 if let spex::engine::DecodeEvent::Step(s) = ev {
                     flushes += s.flushes.len();
                     // A second candidate still in flight after its first pass was promoted.
-                    promotions += s.rows.iter().filter(|r| r.second && r.pass >= 2).count();
+                    promotions += s
+                        .rows
+                        .iter()
+                        .filter(|r| r.second && r.pass.number() >= 2)
+                        .count();
                 }
             }
             (d, flushes, promotions)
@@ -222,7 +226,7 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
             assert_eq!(base.output(), spec_run.output());
             let verified = base.prompt().len() + base.output().len() - 1;
             for layer in 0..loaded.model().config.num_hidden_layers {
-                for pass in 0..4 {
+                for pass in spex::engine::Pass::all(4) {
                     let a = base.kv_entries(layer, pass, verified).unwrap();
                     let b = spec_run.kv_entries(layer, pass, verified).unwrap();
                     let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

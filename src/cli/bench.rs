@@ -127,7 +127,7 @@ fn json_report(
             "speedup": speedup(base, speed),
             "ceiling": ceiling,
             "gamma": speed.gamma(),
-            "flip_rate_per_pass": (1..=speed.passes).map(|p| speed.flip_rate(p)).collect::<Vec<_>>(),
+            "flip_rate_per_pass": speed.flip_rates(),
             "wasted_row_slots": speed.wasted_fraction(),
             "second_proposals": speed.second_proposals,
             "accepted_second": speed.accepted_second,
@@ -155,8 +155,9 @@ fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
 }
 
 fn flip_rates(s: &RunStats) -> String {
-    (1..=s.passes)
-        .map(|p| format!("{:.0}%", 100.0 * s.flip_rate(p)))
+    s.flip_rates()
+        .iter()
+        .map(|r| format!("{:.0}%", 100.0 * r))
         .collect::<Vec<_>>()
         .join(" ")
 }

@@ -68,7 +68,7 @@ fn run_policy(
             let last_pass = step
                 .rows
                 .iter()
-                .filter(|r| r.pass == loaded.model().passes());
+                .filter(|r| r.pass.is_last(loaded.model().passes()));
             margins.extend(last_pass.filter_map(|r| r.prediction.as_ref().map(|p| p.margin)));
         }
         if let DecodeEvent::Finished(finish) = event {

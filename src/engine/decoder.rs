@@ -9,6 +9,7 @@ use super::checkpoint::LoadedModel;
 use super::error::Result;
 use super::events::DecodeEvent;
 use super::model::{Backend, StepBackend};
+use super::pass::Pass;
 use super::pipeline::{DecodeOptions, Pipeline};
 use super::policy::Policy;
 
@@ -20,7 +21,7 @@ trait Run: Send + fmt::Debug {
     fn output(&self) -> &[u32];
     fn prompt(&self) -> &[u32];
     fn decode_compute(&self) -> Duration;
-    fn kv_entries(&self, layer: usize, pass: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)>;
+    fn kv_entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)>;
 }
 
 impl<B: StepBackend> Run for Pipeline<B> {
@@ -42,7 +43,7 @@ impl<B: StepBackend> Run for Pipeline<B> {
     fn decode_compute(&self) -> Duration {
         Pipeline::decode_compute(self)
     }
-    fn kv_entries(&self, layer: usize, pass: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn kv_entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         self.cache().entries(layer, pass, len)
     }
 }
@@ -125,12 +126,7 @@ impl Decoder {
 
     /// Copies of the K and V cache entries at (`layer`, `pass`) for positions `0..len`, as
     /// f32 (tests compare them between policies).
-    pub fn kv_entries(
-        &self,
-        layer: usize,
-        pass: usize,
-        len: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn kv_entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         self.run.kv_entries(layer, pass, len)
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::kv_cache::PassOccupancy;
+use super::pass::Pass;
 
 /// A token id with its text, as shown to people.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -23,11 +24,11 @@ pub struct Prediction {
     pub margin: f32,
 }
 
-/// One row of a step: the token at `pos` running pass `pass` (1-based).
+/// One row of a step: the token at `pos` that ran pass `pass`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RowEvent {
     pub pos: usize,
-    pub pass: usize,
+    pub pass: Pass,
     pub token: Token,
     /// Whether the token's id is verified (committed) or still a guess.
     pub verified: bool,
@@ -46,7 +47,7 @@ pub struct RowEvent {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Flip {
     pub pos: usize,
-    pub pass: usize,
+    pub pass: Pass,
     pub old: Token,
     pub new: Token,
 }
@@ -69,7 +70,7 @@ pub struct Committed {
     pub pos: usize,
     pub token: Token,
     /// The pass whose readout proposed the guess that survived (R: no speculation survived).
-    pub accepted_depth: usize,
+    pub accepted_depth: Pass,
     /// The guess that survived was a second proposal (a runner-up).
     pub from_second: bool,
     /// Output text this token completes (multi-byte characters can span tokens).

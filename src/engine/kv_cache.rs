@@ -8,6 +8,7 @@
 use std::fmt;
 
 use super::error::{EngineError, Result};
+use super::pass::Pass;
 
 /// Entries held in one pass's cache, split by whether their token is verified.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -20,9 +21,9 @@ pub struct PassOccupancy {
 /// A step backend's K/V buffers, with one K/V row per layer set aside for a second candidate.
 pub trait KvStore: Send + fmt::Debug {
     /// Exchanges `layer`'s entry at (`pass`, `pos`) with the entry set aside there.
-    fn swap_aside(&mut self, layer: usize, pass: usize, pos: usize) -> Result<()>;
+    fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()>;
     /// Copies of `layer`'s K and V entries at `pass` for positions `0..len`, as f32.
-    fn entries(&self, layer: usize, pass: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)>;
+    fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)>;
     /// The layers it holds buffers for.
     fn layers(&self) -> usize;
 }
@@ -40,7 +41,7 @@ pub struct KvCache<S> {
     lens: Vec<usize>,
     committed: usize,
     /// The (pass, position) of the second candidate whose entries are set aside.
-    second: Option<(usize, usize)>,
+    second: Option<(Pass, usize)>,
     store: S,
 }
 
@@ -61,9 +62,9 @@ impl<S: KvStore> KvCache<S> {
         self.capacity
     }
 
-    /// Filled positions of pass `pass` (0-based).
-    pub fn len(&self, pass: usize) -> usize {
-        self.lens[pass]
+    /// Filled positions of pass `pass`.
+    pub fn len(&self, pass: Pass) -> usize {
+        self.lens[pass.index()]
     }
 
     /// True when no pass holds any entry.
@@ -84,7 +85,7 @@ impl<S: KvStore> KvCache<S> {
     /// Errors unless every (pass, position) slot of one step may be written: inside the
     /// capacity, and each pass's entries stay contiguous (a slot at most one past the pass's
     /// last entry, counting the step's own earlier positions).
-    pub fn check_slots(&self, slots: &[(usize, usize)]) -> Result<()> {
+    pub fn check_slots(&self, slots: &[(Pass, usize)]) -> Result<()> {
         let mut sorted = slots.to_vec();
         sorted.sort_unstable();
         let mut frontier = self.lens.clone();
@@ -95,21 +96,21 @@ impl<S: KvStore> KvCache<S> {
                     capacity: self.capacity,
                 });
             }
-            if pos > frontier[pass] {
+            let filled = &mut frontier[pass.index()];
+            if pos > *filled {
                 return Err(EngineError::Invalid(format!(
-                    "kv cache: pass {} has {} entries, cannot write position {pos}: this is a bug",
-                    pass + 1,
-                    frontier[pass]
+                    "kv cache: pass {pass} has {filled} entries, cannot write position {pos}: this is a bug"
                 )));
             }
-            frontier[pass] = frontier[pass].max(pos + 1);
+            *filled = (*filled).max(pos + 1);
         }
         Ok(())
     }
 
     /// Records that `pos` at `pass` now holds an entry (after all layers wrote it).
-    pub fn mark_written(&mut self, pass: usize, pos: usize) {
-        self.lens[pass] = self.lens[pass].max(pos + 1);
+    pub fn mark_written(&mut self, pass: Pass, pos: usize) {
+        let len = &mut self.lens[pass.index()];
+        *len = (*len).max(pos + 1);
     }
 
     /// Declares positions `0..positions` verified (prompt plus committed tokens).
@@ -137,7 +138,7 @@ impl<S: KvStore> KvCache<S> {
     /// candidate there. The step calls it around the second candidate's row in every layer, so
     /// that the row writes and attends to its own entry in place and the first candidate's
     /// entry is back in the buffers afterwards.
-    pub(crate) fn swap_second(&mut self, layer: usize, pass: usize, pos: usize) -> Result<()> {
+    pub(crate) fn swap_second(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
         self.second = Some((pass, pos));
         self.store.swap_aside(layer, pass, pos)
     }
@@ -171,7 +172,7 @@ impl<S: KvStore> KvCache<S> {
     }
 
     /// Copies of the K and V entries at (`layer`, `pass`) for positions `0..len`, as f32.
-    pub fn entries(&self, layer: usize, pass: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         self.store.entries(layer, pass, len)
     }
 }

@@ -10,6 +10,7 @@ use super::error::Result;
 use super::events::DecodeEvent;
 use super::kv_cache::KvCache;
 use super::model::{Backend, RowInput, RowSlot, StepBackend, StepRow, step};
+use super::pass::Pass;
 
 /// Counters of one decoding run, updated event by event.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -58,8 +59,8 @@ impl RunStats {
         let deepest = step
             .rows
             .iter()
-            .map(|r| r.pass)
-            .chain(step.committed.iter().map(|c| c.accepted_depth))
+            .map(|r| r.pass.number())
+            .chain(step.committed.iter().map(|c| c.accepted_depth.number()))
             .max()
             .unwrap_or(0);
         if deepest > self.passes {
@@ -77,19 +78,23 @@ impl RunStats {
         self.rows += step.rows.len();
         for row in &step.rows {
             if row.checked_child {
-                self.checks_per_pass[row.pass - 1] += 1;
+                self.checks_per_pass[row.pass.index()] += 1;
             }
         }
         for flip in &step.flips {
-            self.flips_per_pass[flip.pass - 1] += 1;
+            self.flips_per_pass[flip.pass.index()] += 1;
         }
         self.rows_wasted += step.flushes.iter().map(|f| f.rows_wasted).sum::<usize>();
         self.rows_wasted += step.rows.iter().filter(|r| r.dropped).count();
         // A second candidate runs its first pass exactly once, whatever becomes of it.
-        self.second_proposals += step.rows.iter().filter(|r| r.second && r.pass == 1).count();
+        self.second_proposals += step
+            .rows
+            .iter()
+            .filter(|r| r.second && r.pass == Pass::FIRST)
+            .count();
         for c in &step.committed {
             self.tokens += 1;
-            self.accepted_by_depth[c.accepted_depth - 1] += 1;
+            self.accepted_by_depth[c.accepted_depth.index()] += 1;
             self.accepted_second += usize::from(c.from_second);
         }
     }
@@ -147,14 +152,19 @@ impl RunStats {
         (self.tokens * self.passes) as f64 / depth_sum as f64
     }
 
-    /// Flips at pass `pass` (1-based) over the readouts there that had a child.
-    pub fn flip_rate(&self, pass: usize) -> f64 {
-        let checks = self.checks_per_pass[pass - 1];
+    /// Flips at pass `pass` over the readouts there that had a child.
+    pub fn flip_rate(&self, pass: Pass) -> f64 {
+        let checks = self.checks_per_pass[pass.index()];
         if checks == 0 {
             0.0
         } else {
-            self.flips_per_pass[pass - 1] as f64 / checks as f64
+            self.flips_per_pass[pass.index()] as f64 / checks as f64
         }
+    }
+
+    /// The flip rate of every pass, pass 1 first.
+    pub fn flip_rates(&self) -> Vec<f64> {
+        Pass::all(self.passes).map(|p| self.flip_rate(p)).collect()
     }
 
     /// Share of computed rows that were later flushed.
@@ -200,16 +210,16 @@ impl StepTimes {
 /// model the LM head is a quarter of a step's weights.
 pub fn measure_step_times(backend: &Backend, pos: usize, repeats: usize) -> Result<StepTimes> {
     let passes = backend.model().passes();
-    let slot = |pass: usize, readout: bool| RowSlot {
+    let slot = |pass: Pass, readout: bool| RowSlot {
         pos,
         pass,
         readout,
         second: false,
     };
-    let mut batches: Vec<Vec<RowSlot>> = (0..passes)
-        .map(|pass| vec![slot(pass, pass + 1 == passes)])
+    let mut batches: Vec<Vec<RowSlot>> = Pass::all(passes)
+        .map(|pass| vec![slot(pass, pass.is_last(passes))])
         .collect();
-    batches.push((0..passes).map(|pass| slot(pass, true)).collect());
+    batches.push(Pass::all(passes).map(|pass| slot(pass, true)).collect());
     let t = median_times(backend, pos, &batches, repeats)?;
     let token: Duration = t[..passes].iter().sum();
     Ok(StepTimes {
@@ -219,7 +229,7 @@ pub fn measure_step_times(backend: &Backend, pos: usize, repeats: usize) -> Resu
     })
 }
 
-/// Median compute of a step of each of `row_counts` rows (rows at passes 0, 1, …, all at
+/// Median compute of a step of each of `row_counts` rows (rows at passes 1, 2, …, all at
 /// `pos`, all read out). Used by `cargo bench`.
 pub fn median_step_times(
     backend: &Backend,
@@ -230,7 +240,7 @@ pub fn median_step_times(
     let batches: Vec<Vec<RowSlot>> = row_counts
         .iter()
         .map(|&n| {
-            (0..n)
+            Pass::all(n)
                 .map(|pass| RowSlot {
                     pos,
                     pass,
@@ -267,7 +277,7 @@ fn median_times_on<B: StepBackend>(
     let passes = backend.model().passes();
     let mut cache = KvCache::new(backend.new_store(pos + 1)?, passes, pos + 1);
     if pos > 0 {
-        for pass in 0..passes {
+        for pass in Pass::all(passes) {
             cache.mark_written(pass, pos - 1);
         }
     }

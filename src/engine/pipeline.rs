@@ -24,6 +24,7 @@ use super::events::{
 };
 use super::kv_cache::KvCache;
 use super::model::{RowInput, RowSlot, StepBackend, StepRow, step};
+use super::pass::Pass;
 use super::policy::{Decision, Policy, Verdict};
 use super::tokenizer::{Detokenizer, TextTokenizer};
 
@@ -43,16 +44,28 @@ struct InFlight<H> {
     token: u32,
     /// Its id is committed (its parent finished all R passes and agreed).
     verified: bool,
-    /// Passes completed so far (the next pass to run, 0-based).
+    /// Passes completed so far (a count: the rows computed for this token).
     passes_done: usize,
     hidden: Option<H>,
     /// The pass of the parent's readout that proposed this guess (speculation.md §5, γ).
-    proposed_at: usize,
+    proposed_at: Pass,
     /// Proposed as the parent's runner-up (policy `dual`), for acceptance by source.
     second: bool,
     /// A second candidate not yet chosen between: it shares its position with the token
     /// before it in the window, and its KV entries are set aside.
     unchosen: bool,
+}
+
+impl<H> InFlight<H> {
+    /// The pass this token runs in the next step.
+    fn next_pass(&self) -> Pass {
+        Pass::from_index(self.passes_done)
+    }
+
+    /// The pass it ran last, whose readout the walk is looking at.
+    fn last_pass(&self) -> Pass {
+        Pass::new(self.passes_done).expect("asked only of a token that ran a pass: this is a bug")
+    }
 }
 
 /// Where a run is: each call of `next_event` emits the event of its phase.
@@ -242,7 +255,7 @@ impl<B: StepBackend> Pipeline<B> {
         let mut inputs: Vec<RowInput<B::Hidden>> =
             self.prompt.iter().map(|&id| RowInput::Token(id)).collect();
         let mut last_logits = None;
-        for pass in 0..passes {
+        for pass in Pass::all(passes) {
             let rows: Vec<StepRow<B::Hidden>> = inputs
                 .drain(..)
                 .enumerate()
@@ -250,7 +263,7 @@ impl<B: StepBackend> Pipeline<B> {
                     slot: RowSlot {
                         pos,
                         pass,
-                        readout: pass + 1 == passes && pos + 1 == n,
+                        readout: pass.is_last(passes) && pos + 1 == n,
                         second: false,
                     },
                     input,
@@ -262,9 +275,10 @@ impl<B: StepBackend> Pipeline<B> {
         }
         let logits =
             last_logits.expect("prefill reads out the last position at pass R: this is a bug");
-        let first = self.policy.decide(&logits, passes).best;
+        let last = Pass::last(passes);
+        let first = self.policy.decide(&logits, last).best;
         self.phase = Phase::Decoding;
-        let committed = self.commit(n, first, passes, None);
+        let committed = self.commit(n, first, last, None);
         Ok(PrefillEvent {
             prompt_tokens: n,
             first: committed,
@@ -279,7 +293,7 @@ impl<B: StepBackend> Pipeline<B> {
         &mut self,
         pos: usize,
         id: u32,
-        accepted_depth: usize,
+        accepted_depth: Pass,
         child: Option<usize>,
     ) -> Committed {
         self.output.push(id);
@@ -317,7 +331,7 @@ impl<B: StepBackend> Pipeline<B> {
     }
 
     /// Starts a token at `pos`; it runs pass 1 in the next step.
-    fn spawn(&mut self, pos: usize, token: u32, verified: bool, proposed_at: usize) {
+    fn spawn(&mut self, pos: usize, token: u32, verified: bool, proposed_at: Pass) {
         self.window.push_back(InFlight {
             pos,
             token,
@@ -331,7 +345,7 @@ impl<B: StepBackend> Pipeline<B> {
     }
 
     /// Starts the runner-up as a second candidate for the position just spawned.
-    fn spawn_second(&mut self, pos: usize, token: u32, proposed_at: usize) {
+    fn spawn_second(&mut self, pos: usize, token: u32, proposed_at: Pass) {
         self.spawn(pos, token, false, proposed_at);
         let t = self.window.back_mut().expect("just pushed: this is a bug");
         (t.second, t.unchosen) = (true, true);
@@ -367,9 +381,9 @@ impl<B: StepBackend> Pipeline<B> {
             .map(|t| StepRow {
                 slot: RowSlot {
                     pos: t.pos,
-                    pass: t.passes_done,
-                    readout: t.passes_done + 1 == passes
-                        || self.policy.speculates_at(t.passes_done + 1, passes),
+                    pass: t.next_pass(),
+                    readout: t.next_pass().is_last(passes)
+                        || self.policy.speculates_at(t.next_pass(), passes),
                     second: t.unchosen,
                 },
                 input: match t.hidden.take() {
@@ -378,14 +392,14 @@ impl<B: StepBackend> Pipeline<B> {
                 },
             })
             .collect();
-        let passes_run: Vec<usize> = rows.iter().map(|r| r.slot.pass).collect();
+        let passes_run: Vec<Pass> = rows.iter().map(|r| r.slot.pass).collect();
         let started = Instant::now();
         let out = step(&*self.backend, rows, &mut self.cache)?;
         let decisions: Vec<Option<Decision>> = out
             .logits
             .iter()
             .zip(&passes_run)
-            .map(|(l, &pass)| l.as_deref().map(|l| self.policy.decide(l, pass + 1)))
+            .map(|(l, &pass)| l.as_deref().map(|l| self.policy.decide(l, pass)))
             .collect();
         let compute = started.elapsed();
         self.decode_compute += compute;
@@ -443,7 +457,7 @@ impl<B: StepBackend> Pipeline<B> {
     ) -> Result<Walked> {
         let passes = self.passes();
         let t = &self.window[index];
-        let (pos, pass) = (t.pos, t.passes_done);
+        let (pos, pass) = (t.pos, t.last_pass());
         let mut row = self.row_event(t, false);
         let Some((logits, decision)) = readout else {
             return Ok(Walked::GoOn(row));
@@ -457,10 +471,10 @@ impl<B: StepBackend> Pipeline<B> {
             go_on = self.apply(index, verdict, &decision, &candidates, readouts, event)?;
         }
         let surviving = self.child_of(index).map(|_| index + 1);
-        if pass == passes {
+        if pass.is_last(passes) {
             let (token, depth) = match surviving {
                 Some(child) => (self.window[child].token, self.window[child].proposed_at),
-                None => (decision.best, passes),
+                None => (decision.best, pass),
             };
             event
                 .committed
@@ -503,7 +517,7 @@ impl<B: StepBackend> Pipeline<B> {
             };
             event.flips.push(Flip {
                 pos: t.pos + 1,
-                pass: t.passes_done,
+                pass: t.last_pass(),
                 old: self.token(candidates[0]),
                 new: self.token(new),
             });
@@ -569,7 +583,7 @@ impl<B: StepBackend> Pipeline<B> {
     fn row_event(&self, t: &InFlight<B::Hidden>, dropped: bool) -> RowEvent {
         RowEvent {
             pos: t.pos,
-            pass: t.passes_done,
+            pass: t.last_pass(),
             token: self.token(t.token),
             verified: t.verified,
             second: t.second,

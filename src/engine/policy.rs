@@ -5,6 +5,8 @@
 
 use std::fmt;
 
+use super::pass::Pass;
+
 /// What one readout decides, computed while the step is timed: the token it favours and,
 /// where the policy's gate opens, a second candidate to start beside the first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,17 +27,17 @@ pub enum Verdict {
     Reject,
 }
 
-/// What a policy decides for the scheduler. Passes are 1-based here (pass R is the last).
+/// What a policy decides for the scheduler.
 pub trait Policy: Send + Sync + fmt::Debug {
     /// Its name in the CLI, events and the dashboard.
     fn name(&self) -> &'static str;
 
     /// Whether a token's readout after `pass` (< `passes`) starts or re-checks its children.
     /// Pass `passes` (R) always reads out: it commits.
-    fn speculates_at(&self, pass: usize, passes: usize) -> bool;
+    fn speculates_at(&self, pass: Pass, passes: usize) -> bool;
 
     /// The decision of a readout after `pass`: greedy, the argmax (the first on ties).
-    fn decide(&self, logits: &[f32], _pass: usize) -> Decision {
+    fn decide(&self, logits: &[f32], _pass: Pass) -> Decision {
         Decision {
             best: argmax(logits),
             second: None,
@@ -72,7 +74,7 @@ impl Policy for Baseline {
         "baseline"
     }
 
-    fn speculates_at(&self, _pass: usize, _passes: usize) -> bool {
+    fn speculates_at(&self, _pass: Pass, _passes: usize) -> bool {
         false
     }
 }
@@ -81,12 +83,14 @@ impl Policy for Baseline {
 /// readout at or after `first_pass` and is re-checked after every deeper pass.
 #[derive(Debug, Clone, Copy)]
 pub struct Speed {
-    pub first_pass: usize,
+    pub first_pass: Pass,
 }
 
 impl Default for Speed {
     fn default() -> Self {
-        Self { first_pass: 1 }
+        Self {
+            first_pass: Pass::FIRST,
+        }
     }
 }
 
@@ -95,8 +99,8 @@ impl Policy for Speed {
         "speed"
     }
 
-    fn speculates_at(&self, pass: usize, passes: usize) -> bool {
-        pass >= self.first_pass && pass < passes
+    fn speculates_at(&self, pass: Pass, passes: usize) -> bool {
+        pass >= self.first_pass && pass.number() < passes
     }
 }
 
@@ -133,14 +137,14 @@ impl Policy for Dual {
         "dual"
     }
 
-    fn speculates_at(&self, pass: usize, passes: usize) -> bool {
+    fn speculates_at(&self, pass: Pass, passes: usize) -> bool {
         self.speed.speculates_at(pass, passes)
     }
 
     /// The argmax, and at `first_pass` the runner-up (the largest of the other logits, the
     /// first on ties) when its logit is within the gate: a second scan that only the readouts
     /// at `first_pass` pay for.
-    fn decide(&self, logits: &[f32], pass: usize) -> Decision {
+    fn decide(&self, logits: &[f32], pass: Pass) -> Decision {
         let best = argmax(logits);
         if pass != self.speed.first_pass {
             return Decision { best, second: None };
@@ -249,10 +253,11 @@ mod tests {
         // A runner-up 0.75 logits below the best: inside a 1.0 gate, outside a 0.5 one.
         let logits = [0.0, 2.0, 1.25];
         let second = |k: PolicyKind, pass| k.build().decide(&logits, pass).second;
-        assert_eq!(second(PolicyKind::DUAL, 1), Some(2));
-        assert_eq!(second(PolicyKind::DUAL, 2), None);
-        assert_eq!(second("dual:0.5".parse().expect("valid"), 1), None);
-        assert_eq!(second(PolicyKind::Speed, 1), None);
+        let first = Pass::FIRST;
+        assert_eq!(second(PolicyKind::DUAL, first), Some(2));
+        assert_eq!(second(PolicyKind::DUAL, first.next()), None);
+        assert_eq!(second("dual:0.5".parse().expect("valid"), first), None);
+        assert_eq!(second(PolicyKind::Speed, first), None);
     }
 
     #[test]
@@ -269,7 +274,10 @@ mod tests {
             assert_eq!(policy.settle(&decision, &[3]), Verdict::Reject);
             assert_eq!(policy.settle(&decision, &[3, 4]), Verdict::Reject);
         }
-        assert_eq!(Speed::default().decide(&[1.0, 3.0, 3.0], 1).best, 1);
+        assert_eq!(
+            Speed::default().decide(&[1.0, 3.0, 3.0], Pass::FIRST).best,
+            1
+        );
     }
 
     #[test]

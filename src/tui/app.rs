@@ -437,7 +437,7 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
     let passes = run
         .kv
         .len()
-        .max(step.rows.iter().map(|r| r.pass).max().unwrap_or(1));
+        .max(step.rows.iter().map(|r| r.pass.number()).max().unwrap_or(1));
     if run.columns.len() == MAX_COLUMNS {
         run.columns.pop_front();
     }
@@ -468,7 +468,7 @@ fn step_cells(step: &StepEvent, passes: usize) -> Vec<Option<Cell>> {
             _ => CellKind::Speculative,
         };
         let text = shown(&row.token);
-        match &mut cells[row.pass - 1] {
+        match &mut cells[row.pass.index()] {
             // Two candidates for one position (policy `dual`): the cell shows both, the one
             // dropped after the bar, and takes the kind of the one kept.
             Some(cell) if cell.pos == row.pos => {
@@ -504,7 +504,7 @@ fn record_flips(run: &mut RunView, step: &StepEvent) {
         run.flips.push_back(FlipEntry {
             step: step.step,
             pos: f.pos,
-            pass: f.pass,
+            pass: f.pass.number(),
             old: shown(&f.old),
             new: shown(&f.new),
             context,

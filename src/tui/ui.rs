@@ -9,6 +9,7 @@ use ratatui::widgets::{Block, BorderType, Borders, Clear, Paragraph, Sparkline, 
 
 use super::app::{Agreement, App, CellKind, Focus, LaneView, RunView};
 use super::keymap::BINDINGS;
+use crate::engine::Pass;
 
 /// Width of one pipeline column (token text plus a space).
 const CELL_WIDTH: u16 = 9;
@@ -262,13 +263,10 @@ fn draw_pipeline(frame: &mut Frame, area: Rect, app: &App, run: &RunView) {
             .map(|c| Span::styled(format!("{:<9}", c.step), Style::new().fg(Color::DarkGray))),
     );
     lines.push(Line::from(header));
-    for pass in (0..app.info.passes).rev() {
-        let mut spans = vec![Span::styled(
-            format!("pass {:<3}", pass + 1),
-            Style::new().bold(),
-        )];
+    for pass in Pass::all(app.info.passes).rev() {
+        let mut spans = vec![Span::styled(format!("pass {pass:<3}"), Style::new().bold())];
         for col in &shown {
-            let span = match col.cells.get(pass).and_then(|c| c.as_ref()) {
+            let span = match col.cells.get(pass.index()).and_then(|c| c.as_ref()) {
                 Some(cell) => {
                     let text = match &cell.kind {
                         CellKind::Flipped { old, new } => format!(
@@ -328,8 +326,8 @@ fn draw_kv(frame: &mut Frame, area: Rect, run: &RunView) {
     let inner = b.inner(area);
     frame.render_widget(b, area);
     let mut lines = Vec::new();
-    for (pass, occ) in run.kv.iter().enumerate() {
-        let label = format!("pass {} ", pass + 1);
+    for (pass, occ) in Pass::all(run.kv.len()).zip(&run.kv) {
+        let label = format!("pass {pass} ");
         let numbers = format!(" {}+{}/{}", occ.committed, occ.speculative, occ.capacity);
         let bar = (inner.width as usize)
             .saturating_sub(label.len() + numbers.len())
@@ -382,8 +380,10 @@ fn stats_lines(run: &RunView, run_policy: &str) -> Vec<Line<'static>> {
     let speedup = run
         .speedup()
         .map_or("—".to_string(), |x| format!("{x:.2}×"));
-    let flips: Vec<String> = (1..=s.passes)
-        .map(|p| format!("{:.0}%", 100.0 * s.flip_rate(p)))
+    let flips: Vec<String> = s
+        .flip_rates()
+        .iter()
+        .map(|r| format!("{:.0}%", 100.0 * r))
         .collect();
     let agreement = match run.agreement() {
         Agreement::Same(n) => Span::styled(

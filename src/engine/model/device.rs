@@ -11,6 +11,7 @@ use super::backend::StepBackend;
 use super::{LayerWeights, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kv_cache::{KvCache, KvStore};
+use crate::engine::pass::Pass;
 
 /// candle ops on the model's device and dtype.
 #[derive(Debug)]
@@ -172,7 +173,7 @@ fn attention(
             .write(layer, slot.pass, slot.pos, &ki, &vi)?;
     }
     let mut outputs: Vec<Option<Tensor>> = vec![None; slots.len()];
-    let mut passes: Vec<usize> = slots.iter().map(|s| s.pass).collect();
+    let mut passes: Vec<Pass> = slots.iter().map(|s| s.pass).collect();
     passes.sort_unstable();
     passes.dedup();
     for pass in passes {
@@ -195,7 +196,7 @@ fn attention(
 fn attend_group(
     b: &DeviceBackend,
     layer: usize,
-    pass: usize,
+    pass: Pass,
     slots: &[RowSlot],
     idx: &[usize],
     q: &Tensor,
@@ -210,7 +211,7 @@ fn attend_group(
     );
     let len = idx.iter().map(|&i| slots[i].pos + 1).max().unwrap_or(0);
     let (keys, values) = (&store.keys[layer], &store.values[layer]);
-    let start = pass * store.capacity;
+    let start = pass.index() * store.capacity;
     let per_head = |t: &Tensor| -> Result<Tensor> {
         let t = t
             .narrow(0, start, len)?
@@ -279,12 +280,12 @@ impl DeviceKv {
     fn write(
         &mut self,
         layer: usize,
-        pass: usize,
+        pass: Pass,
         pos: usize,
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
-        let row = pass * self.capacity + pos;
+        let row = pass.index() * self.capacity + pos;
         self.keys[layer].slice_set(&k.contiguous()?, 0, row)?;
         self.values[layer].slice_set(&v.contiguous()?, 0, row)?;
         Ok(())
@@ -292,8 +293,8 @@ impl DeviceKv {
 }
 
 impl KvStore for DeviceKv {
-    fn swap_aside(&mut self, layer: usize, pass: usize, pos: usize) -> Result<()> {
-        let row = pass * self.capacity + pos;
+    fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
+        let row = pass.index() * self.capacity + pos;
         let (keys, values) = (&self.keys[layer], &self.values[layer]);
         let current = (
             keys.narrow(0, row, 1)?.copy()?,
@@ -307,9 +308,9 @@ impl KvStore for DeviceKv {
         Ok(())
     }
 
-    fn entries(&self, layer: usize, pass: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let read = |t: &Tensor| -> Result<Vec<f32>> {
-            Ok(t.narrow(0, pass * self.capacity, len)?
+            Ok(t.narrow(0, pass.index() * self.capacity, len)?
                 .to_dtype(DType::F32)?
                 .flatten_all()?
                 .to_vec1()?)

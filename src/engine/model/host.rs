@@ -14,6 +14,7 @@ use super::{LayerWeights, LoadOptions, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::{self, AttnShape, SubnormalsFlushed};
 use crate::engine::kv_cache::{KvCache, KvStore};
+use crate::engine::pass::Pass;
 
 /// A read view of a contiguous CPU f32 tensor's elements.
 struct HostView<'a> {
@@ -260,7 +261,7 @@ impl StepBackend for HostBackend {
                 let passes = self.model.passes();
                 let exact: Vec<bool> = wanted
                     .iter()
-                    .map(|&i| slots[i].pass + 1 == passes)
+                    .map(|&i| slots[i].pass.is_last(passes))
                     .collect();
                 head.readouts(&x.data, &exact, &HostView::new(lm_head)?)
             }
@@ -308,18 +309,18 @@ impl HostKv {
         }
     }
 
-    fn offset(&self, pass: usize, pos: usize) -> usize {
-        (pass * self.capacity + pos) * self.kv_dim
+    fn offset(&self, pass: Pass, pos: usize) -> usize {
+        (pass.index() * self.capacity + pos) * self.kv_dim
     }
 
     /// The first `len` entries of `pass` in `layer`: (keys, values).
-    fn pass(&self, layer: usize, pass: usize, len: usize) -> (&[f32], &[f32]) {
+    fn pass(&self, layer: usize, pass: Pass, len: usize) -> (&[f32], &[f32]) {
         let range = self.offset(pass, 0)..self.offset(pass, len);
         (&self.keys[layer][range.clone()], &self.values[layer][range])
     }
 
     /// Writes one K/V row at (`layer`, `pass`, `pos`).
-    fn write(&mut self, layer: usize, pass: usize, pos: usize, k: &[f32], v: &[f32]) {
+    fn write(&mut self, layer: usize, pass: Pass, pos: usize, k: &[f32], v: &[f32]) {
         let at = self.offset(pass, pos);
         self.keys[layer][at..at + self.kv_dim].copy_from_slice(k);
         self.values[layer][at..at + self.kv_dim].copy_from_slice(v);
@@ -327,7 +328,7 @@ impl HostKv {
 }
 
 impl KvStore for HostKv {
-    fn swap_aside(&mut self, layer: usize, pass: usize, pos: usize) -> Result<()> {
+    fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
         let at = self.offset(pass, pos);
         let (k, v) = &mut self.aside[layer];
         self.keys[layer][at..at + self.kv_dim].swap_with_slice(k);
@@ -335,7 +336,7 @@ impl KvStore for HostKv {
         Ok(())
     }
 
-    fn entries(&self, layer: usize, pass: usize, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let (k, v) = self.pass(layer, pass, len);
         Ok((k.to_vec(), v.to_vec()))
     }

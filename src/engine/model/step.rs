@@ -7,6 +7,7 @@ use super::LayerWeights;
 use super::backend::StepBackend;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kv_cache::KvCache;
+use crate::engine::pass::Pass;
 
 /// What a row starts its pass from.
 #[derive(Debug, Clone)]
@@ -17,11 +18,11 @@ pub enum RowInput<H> {
     Hidden(H),
 }
 
-/// Where a row runs: a token at `pos` running pass `pass` (0-based).
+/// Where a row runs: a token at `pos` running pass `pass`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowSlot {
     pub pos: usize,
-    pub pass: usize,
+    pub pass: Pass,
     /// Whether to apply the LM head to this row's new state.
     pub readout: bool,
     /// A second candidate for the (pass, position) of the row before it: its K/V entries are
@@ -53,7 +54,7 @@ pub fn step<B: StepBackend>(
     cache: &mut KvCache<B::Kv>,
 ) -> Result<StepOutput<B::Hidden>> {
     let slots: Vec<RowSlot> = rows.iter().map(|r| r.slot).collect();
-    let passes_and_positions: Vec<(usize, usize)> = slots.iter().map(|s| (s.pass, s.pos)).collect();
+    let passes_and_positions: Vec<(Pass, usize)> = slots.iter().map(|s| (s.pass, s.pos)).collect();
     cache.check_slots(&passes_and_positions)?;
     let model = backend.model();
     if let Some(row) = slots.iter().find(|s| s.pos >= model.rope.positions()) {
