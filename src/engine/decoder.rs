@@ -3,6 +3,7 @@
 //! itself is `pipeline::Pipeline` on that backend.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::checkpoint::LoadedModel;
@@ -48,6 +49,20 @@ impl<B: StepBackend> Run for Pipeline<B> {
     }
 }
 
+/// A run on backend `B`, boxed.
+fn boxed<B: StepBackend>(
+    backend: Arc<B>,
+    loaded: &LoadedModel,
+    policy: Box<dyn Policy>,
+    prompt: Vec<u32>,
+    options: DecodeOptions,
+) -> Result<Box<dyn Run>> {
+    let tokenizer = loaded.tokenizer.clone();
+    Ok(Box::new(Pipeline::new(
+        backend, tokenizer, policy, prompt, options,
+    )?))
+}
+
 /// One decoding run: pull its events with [`Decoder::next_event`]: a prefill event first,
 /// then one event per step, then the finish.
 #[derive(Debug)]
@@ -74,22 +89,9 @@ impl Decoder {
         prompt: Vec<u32>,
         options: DecodeOptions,
     ) -> Result<Self> {
-        let tokenizer = loaded.tokenizer.clone();
-        let run: Box<dyn Run> = match &loaded.backend {
-            Backend::Host(b) => Box::new(Pipeline::new(
-                b.clone(),
-                tokenizer,
-                policy,
-                prompt,
-                options,
-            )?),
-            Backend::Device(b) => Box::new(Pipeline::new(
-                b.clone(),
-                tokenizer,
-                policy,
-                prompt,
-                options,
-            )?),
+        let run = match &loaded.backend {
+            Backend::Host(b) => boxed(b.clone(), loaded, policy, prompt, options)?,
+            Backend::Device(b) => boxed(b.clone(), loaded, policy, prompt, options)?,
         };
         Ok(Self { run })
     }

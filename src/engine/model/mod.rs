@@ -61,45 +61,25 @@ pub struct LayerWeights {
 }
 
 impl LayerWeights {
-    /// Reads (or creates) layer `index`'s tensors by their names in `format`'s table.
+    /// Reads (or creates) layer `index`'s tensors by their names in `format`'s table, in the
+    /// table's order.
     fn load(vb: &VarBuilder, config: &OuroConfig, index: usize) -> candle_core::Result<Self> {
-        let tensors = LayerTensor::ALL
-            .map(|t| {
-                let (shape, role) = t.shape_and_role(config);
-                vb.get_with_hints(shape, &t.name(index), init_for(role))
-            })
-            .into_iter()
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let Ok(
-            [
-                q_proj,
-                k_proj,
-                v_proj,
-                o_proj,
-                gate_proj,
-                up_proj,
-                down_proj,
-                input_layernorm,
-                input_layernorm_2,
-                post_attention_layernorm,
-                post_attention_layernorm_2,
-            ],
-        ) = <[Tensor; 11]>::try_from(tensors)
-        else {
-            unreachable!("LayerTensor::ALL has eleven entries: this is a bug")
+        let get = |t: LayerTensor| {
+            let (shape, role) = t.shape_and_role(config);
+            vb.get_with_hints(shape, &t.name(index), init_for(role))
         };
         Ok(LayerWeights {
-            q_proj,
-            k_proj,
-            v_proj,
-            o_proj,
-            gate_proj,
-            up_proj,
-            down_proj,
-            input_layernorm,
-            input_layernorm_2,
-            post_attention_layernorm,
-            post_attention_layernorm_2,
+            q_proj: get(LayerTensor::QProj)?,
+            k_proj: get(LayerTensor::KProj)?,
+            v_proj: get(LayerTensor::VProj)?,
+            o_proj: get(LayerTensor::OProj)?,
+            gate_proj: get(LayerTensor::GateProj)?,
+            up_proj: get(LayerTensor::UpProj)?,
+            down_proj: get(LayerTensor::DownProj)?,
+            input_layernorm: get(LayerTensor::InputNorm)?,
+            input_layernorm_2: get(LayerTensor::InputNorm2)?,
+            post_attention_layernorm: get(LayerTensor::PostAttentionNorm)?,
+            post_attention_layernorm_2: get(LayerTensor::PostAttentionNorm2)?,
         })
     }
 }
