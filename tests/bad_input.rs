@@ -288,3 +288,49 @@ fn embedded_model_runs_anywhere_and_matches_the_shipped_files() {
     let from_files = run(&[], Path::new(env!("CARGO_MANIFEST_DIR")));
     assert_eq!(embedded, from_files);
 }
+
+#[test]
+fn bench_interleaves_its_runs_and_reports_each_one() {
+    let (dir, _) = random_model(&spec(2, 3, Variant::Tied, 2));
+    let d = dir.path().display().to_string();
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "To be, or not to be\nShall I compare thee\n").unwrap();
+    let p = prompts.display().to_string();
+    let args = ["bench", "--model", &d, "--max-tokens", "10", "--runs", "3"];
+    let out = spex_ok(
+        &[&args[..], &["--prompts", &p, "--isa", "portable", "--json"]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(report["kernel_isa"], "Portable");
+    let overall: Vec<f64> = report["overall"]["run_speedups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(overall.len(), 3);
+    assert!(overall.windows(2).all(|w| w[0] <= w[1]) && overall[0] > 0.0);
+    for prompt in report["prompts"].as_array().unwrap() {
+        assert_eq!(prompt["run_speedups"].as_array().unwrap().len(), 3);
+        assert_eq!(prompt["identical"], true);
+    }
+    let table = spex_ok(
+        &[&args[..], &["--prompts", &p]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let table = String::from_utf8(table).unwrap();
+    assert!(table.contains("3 interleaved runs per prompt"), "{table}");
+    assert!(table.contains("(runs "), "{table}");
+}
+
+#[test]
+fn an_instruction_set_the_cpu_lacks_or_that_does_not_exist_is_one_line() {
+    assert_clean_error(&["generate", "--prompt", "a", "--isa", "sse9"], "--isa");
+    #[cfg(target_arch = "x86_64")]
+    if !std::arch::is_x86_feature_detected!("avx512f") {
+        assert_clean_error(&["generate", "--prompt", "a", "--isa", "avx512"], "--isa");
+    }
+}

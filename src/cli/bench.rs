@@ -54,6 +54,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         context: args.model.context,
     };
     let policy = session.speculative_policy(args.policy);
+    if !args.json {
+        println!(
+            "{} on {} ({}), kernels {:?}; {policy} against baseline, {} interleaved runs per prompt",
+            session.name,
+            cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
+            session.device,
+            crate::engine::kernels::isa(),
+            args.runs
+        );
+    }
     let mut results = Vec::new();
     for prompt in &prompts {
         let lane = (policy, args.runs as usize);
@@ -65,6 +75,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         results.push(r);
     }
     let (base, speed) = totals(&results, loaded.model().passes());
+    let spread = run_speedups(&results, loaded.model().passes());
     let ceiling =
         results.iter().map(|r| r.step_times.ceiling()).sum::<f64>() / results.len() as f64;
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
@@ -72,14 +83,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let report = json_report(
             &session,
             &results,
-            (&base, &speed),
+            (&base, &speed, &spread),
             ceiling,
             (policy, args.runs),
         );
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         let counts = (mismatches, results.len());
-        print_overall((&base, &speed), policy, ceiling, counts);
+        print_overall((&base, &speed, &spread), policy, ceiling, counts);
     }
     if mismatches > 0 {
         anyhow::bail!(
@@ -95,7 +106,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
 fn json_report(
     session: &super::Session,
     results: &[PromptResult],
-    (base, speed): (&RunStats, &RunStats),
+    (base, speed, spread): (&RunStats, &RunStats, &[f64]),
     ceiling: f64,
     (policy, runs): (PolicyKind, u64),
 ) -> serde_json::Value {
@@ -107,6 +118,7 @@ fn json_report(
         "passes": session.loaded.model().passes(),
         "layers": session.loaded.model().config.num_hidden_layers,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
+        "cpu": cpu_model(),
         "runs_per_lane": runs,
         "policy": policy,
         "peak_memory_bytes": peak_memory_bytes(),
@@ -117,6 +129,7 @@ fn json_report(
             "baseline": r.baseline.stats,
             "speculative": r.speculative.stats,
             "speedup": r.speedup(),
+            "run_speedups": r.runs.iter().map(|(b, s)| speedup(b, s)).collect::<Vec<_>>(),
             "ceiling": r.step_times.ceiling(),
             "step_times": r.step_times,
             "gamma": r.speculative.stats.gamma(),
@@ -125,6 +138,7 @@ fn json_report(
             "baseline_tokens_per_sec": base.tokens_per_sec(),
             "speed_tokens_per_sec": speed.tokens_per_sec(),
             "speedup": speedup(base, speed),
+            "run_speedups": spread,
             "ceiling": ceiling,
             "gamma": speed.gamma(),
             "flip_rate_per_pass": speed.flip_rates(),
@@ -134,6 +148,13 @@ fn json_report(
             "identical": mismatches == 0,
         }
     })
+}
+
+/// The CPU's model name (Linux `/proc/cpuinfo`), if known.
+pub fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split_once(':')?.1.trim().to_string())
 }
 
 /// The process's peak resident memory in bytes (Linux `VmHWM`), if known.
@@ -152,6 +173,34 @@ fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
         speed.add(&r.speculative.stats);
     }
     (base, speed)
+}
+
+/// The overall speedup of each run (every prompt's k-th run together), sorted.
+fn run_speedups(results: &[PromptResult], passes: usize) -> Vec<f64> {
+    let runs = results.iter().map(|r| r.runs.len()).min().unwrap_or(0);
+    let mut speedups: Vec<f64> = (0..runs)
+        .map(|k| {
+            let (mut base, mut speculative) = (RunStats::new(passes), RunStats::new(passes));
+            for r in results {
+                base.add(&r.runs[k].0);
+                speculative.add(&r.runs[k].1);
+            }
+            speedup(&base, &speculative)
+        })
+        .collect();
+    speedups.sort_by(f64::total_cmp);
+    speedups
+}
+
+/// min–median–max of sorted values.
+fn spread(sorted: &[f64]) -> String {
+    match (sorted.first(), sorted.last()) {
+        (Some(min), Some(max)) => {
+            let median = sorted[(sorted.len() - 1) / 2];
+            format!("{min:.2}–{median:.2}–{max:.2}×")
+        }
+        _ => "—".into(),
+    }
 }
 
 fn flip_rates(s: &RunStats) -> String {
@@ -201,7 +250,7 @@ fn print_row(r: &PromptResult, header: bool, passes: usize) {
 }
 
 fn print_overall(
-    (base, speed): (&RunStats, &RunStats),
+    (base, speed, runs): (&RunStats, &RunStats, &[f64]),
     policy: PolicyKind,
     ceiling: f64,
     (mismatches, n): (usize, usize),
@@ -216,10 +265,11 @@ fn print_overall(
         String::new()
     };
     println!(
-        "overall: baseline {:.1} tok/s, {policy} {:.1} tok/s, speedup {:.2}×, ceiling {:.2}×, γ {:.2}, wasted {:.1}%, flips/pass {}{second}, identical {}/{}, peak memory {peak}",
+        "overall: baseline {:.1} tok/s, {policy} {:.1} tok/s, speedup {:.2}× (runs {}), ceiling {:.2}×, γ {:.2}, wasted {:.1}%, flips/pass {}{second}, identical {}/{}, peak memory {peak}",
         base.tokens_per_sec(),
         speed.tokens_per_sec(),
         speedup(base, speed),
+        spread(runs),
         ceiling,
         speed.gamma(),
         100.0 * speed.wasted_fraction(),

@@ -77,6 +77,33 @@ pub struct ModelArgs {
     /// exact either way).
     #[arg(long)]
     pub f32_proposals: bool,
+    /// The CPU kernels' instruction set: auto (the best this CPU has), avx512, avx2 or
+    /// portable (a lower one measures it on this machine).
+    #[arg(long, value_enum, default_value_t = IsaArg::Auto)]
+    pub isa: IsaArg,
+}
+
+/// `--isa`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum IsaArg {
+    Auto,
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+impl IsaArg {
+    /// Restricts the kernels to this instruction set (nothing for `auto`).
+    fn apply(self) -> Result<(), EngineError> {
+        use crate::engine::kernels::{Isa, force_isa};
+        let isa = match self {
+            Self::Auto => return Ok(()),
+            Self::Avx512 => Isa::Avx512,
+            Self::Avx2 => Isa::Avx2Fma,
+            Self::Portable => Isa::Portable,
+        };
+        force_isa(isa).map_err(|e| EngineError::Invalid(format!("--isa: {e}")))
+    }
 }
 
 /// A loaded model with what the commands show about it.
@@ -139,7 +166,8 @@ pub struct BenchArgs {
     /// Tokens to generate per prompt.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
-    /// Runs of each lane per prompt, alternating; each lane keeps its fastest.
+    /// Runs per prompt, each interleaving the two lanes step by step; the table shows the run
+    /// with the median speedup, and the overall line every run's speedup (min–median–max).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     pub runs: u64,
     /// The speculative lane raced against baseline: speed, or dual (SPEED with a gated
@@ -219,6 +247,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 
 /// Resolves and loads the model `args` name, on the device and dtype asked for.
 pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
+    args.isa.apply()?;
     let offline = args.offline || hub::offline_from_env();
     let resolved = models::resolve(args.model.as_deref(), offline)?;
     let entry = resolved.entry.as_ref();

@@ -1,6 +1,7 @@
 //! `cargo bench`: step compute by rows on random checkpoints (hidden 256 and 512, K=4, R=4,
 //! vocab 4096), with spex's CPU kernels and with candle's own ops, and the resulting ceiling
-//! R·t(1 row)/t(R rows). Prints the table the README carries.
+//! R·t(1 row)/t(R rows); then the same for the shipped models' real weights. Prints the
+//! tables the README carries.
 
 use std::time::{Duration, Instant};
 
@@ -56,8 +57,32 @@ fn kernel_table() {
     println!();
 }
 
+/// Step compute by rows on the shipped models (their real weights; every row's input is a
+/// token embedding, all read out), host kernels.
+fn shipped_models_table(pos: usize) {
+    println!("| model | 1 row | 2 rows | 3 rows | 4 rows | 4 rows / 1 row | ceiling R·t1/tR |");
+    println!("|---|---|---|---|---|---|---|");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models");
+    for name in ["shakespeare-r4k6", "shakespeare-r4k4"] {
+        let loaded = LoadedModel::load(&root.join(name), &Device::Cpu, DType::F32).expect("load");
+        let t = median_step_times(&loaded.backend, pos, &[1, 2, 3, 4], 200).expect("steps");
+        let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
+        let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
+        println!(
+            "| {name} | {} | {} | {} | {} | {ratio:.2} | {:.2}× |",
+            ms(t[0]),
+            ms(t[1]),
+            ms(t[2]),
+            ms(t[3]),
+            4.0 / ratio
+        );
+    }
+    println!();
+}
+
 fn main() {
     kernel_table();
+    shipped_models_table(128);
     let pos = 128;
     println!(
         "| hidden | step path | 1 row | 2 rows | 3 rows | 4 rows | 4 rows / 1 row | ceiling R·t1/tR |"

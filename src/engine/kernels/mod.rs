@@ -55,22 +55,51 @@ impl Isa {
     fn has_avx2(self) -> bool {
         matches!(self, Isa::Avx512 | Isa::Avx2Fma)
     }
+
+    /// Portable 0, AVX2 + FMA 1, AVX-512 2: a CPU runs every level up to its own.
+    fn level(self) -> u8 {
+        match self {
+            Isa::Portable => 0,
+            Isa::Avx2Fma => 1,
+            Isa::Avx512 => 2,
+        }
+    }
 }
 
-/// The instruction set detected on this CPU: AVX-512F, AVX2 + FMA, or the portable fallback.
+/// The instruction set the kernels use, chosen once per process: `force_isa`'s, else the best
+/// this CPU has.
+static ISA: OnceLock<Isa> = OnceLock::new();
+
+/// The instruction set the kernels use: AVX-512F, AVX2 + FMA, or the portable fallback.
 pub fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            return Isa::Avx2Fma;
+    *ISA.get_or_init(detected_isa)
+}
+
+/// The best instruction set this CPU runs.
+pub fn detected_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Isa::Avx512;
         }
-        Isa::Portable
-    })
+        return Isa::Avx2Fma;
+    }
+    Isa::Portable
+}
+
+/// Makes the kernels use `isa` (a lower one than the CPU's best, to measure it on this
+/// machine). Call it before anything decodes: an error if this CPU cannot run `isa`, or if
+/// the kernels already chose a different one.
+pub fn force_isa(isa: Isa) -> Result<(), String> {
+    let detected = detected_isa();
+    if isa.level() > detected.level() {
+        return Err(format!("this CPU runs {detected:?} at best, not {isa:?}"));
+    }
+    match ISA.set(isa) {
+        Ok(()) => Ok(()),
+        Err(_) if self::isa() == isa => Ok(()),
+        Err(_) => Err(format!("the kernels already run {:?}", self::isa())),
+    }
 }
 
 /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `w: [outs × inner]` (a linear
