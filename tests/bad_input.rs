@@ -334,3 +334,27 @@ fn an_instruction_set_the_cpu_lacks_or_that_does_not_exist_is_one_line() {
         assert_clean_error(&["generate", "--prompt", "a", "--isa", "avx512"], "--isa");
     }
 }
+
+#[test]
+fn bad_sampling_settings_are_one_line_each() {
+    for (flag, value) in [
+        ("--temperature", "-1"),
+        ("--temperature", "NaN"),
+        ("--top-p", "0"),
+        ("--top-p", "1.5"),
+        ("--top-k", "0"),
+    ] {
+        assert_clean_error(
+            &[
+                "generate",
+                "--prompt",
+                "a",
+                "--max-tokens",
+                "2",
+                flag,
+                value,
+            ],
+            flag,
+        );
+    }
+}

@@ -7,13 +7,14 @@ use candle_core::{Device, Tensor};
 use common::{PROMPTS, Variant, random_model, spec, with_device_backend, with_f32_readouts};
 use spex::engine::bench::run_lane;
 use spex::engine::kv_cache::KvCache;
-use spex::engine::model::{Backend, RowInput, RowSlot, StepBackend, StepRow};
+use spex::engine::model::{Backend, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow};
 use spex::engine::policy::PolicyKind;
 use spex::engine::{DecodeOptions, LoadedModel};
 
 const OPTIONS: DecodeOptions = DecodeOptions {
     max_tokens: 24,
     context: 128,
+    sampling: spex::engine::Sampling::GREEDY,
 };
 
 /// What the speculative lanes did over all prompts: runs, flips, and the second candidates
@@ -157,7 +158,10 @@ fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
                 slot: RowSlot {
                     pos,
                     pass: spex::engine::Pass::from_index(pass),
-                    readout: true,
+                    readout: match pass + 1 == passes {
+                        true => ReadoutKind::Argmax,
+                        false => ReadoutKind::Proposal,
+                    },
                     second: false,
                 },
                 input: hidden[pos].take().unwrap(),

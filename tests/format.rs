@@ -119,6 +119,7 @@ fn streamed_text_ends_like_the_finish_text_even_mid_character() {
             let options = DecodeOptions {
                 max_tokens,
                 context: 128,
+                sampling: spex::engine::Sampling::GREEDY,
             };
             let policy = PolicyKind::Speed.build();
             let mut decoder = Decoder::new(&loaded, policy, prompt, options).expect("decoder");

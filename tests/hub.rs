@@ -73,6 +73,7 @@ fn loads_by_repo_id_and_by_entry_from_the_hub_cache_offline() {
         DecodeOptions {
             max_tokens: 8,
             context: 64,
+            sampling: spex::engine::Sampling::GREEDY,
         },
     )
     .unwrap();
@@ -277,6 +278,7 @@ fn sharded_checkpoint_decodes_like_the_unsharded_one() {
         let opts = DecodeOptions {
             max_tokens: 16,
             context: 128,
+            sampling: spex::engine::Sampling::GREEDY,
         };
         let a = run_lane(&whole, PolicyKind::Speed, prompt, opts).unwrap();
         let b = run_lane(&sharded, PolicyKind::Speed, prompt, opts).unwrap();

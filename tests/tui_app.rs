@@ -45,6 +45,7 @@ fn race_events_with(prompt: &str, policy: PolicyKind) -> Vec<RaceEvent> {
             DecodeOptions {
                 max_tokens: 20,
                 context: 128,
+                sampling: spex::engine::Sampling::GREEDY,
             },
         ),
         control_rx,
@@ -392,4 +393,32 @@ fn every_bound_key_is_listed_and_every_key_that_acts_is_bound() {
             "{code:?}: acts {acts}, bound {bound:?}"
         );
     }
+}
+
+#[test]
+fn temperature_and_seed_keys_change_the_rule_and_rerun() {
+    let mut app = running_app();
+    let cmds = app.update(key(KeyCode::Char('t')));
+    let Command::SetSampling(hot) = cmds[0] else {
+        panic!("{cmds:?}")
+    };
+    assert_eq!(hot.temperature, 0.3);
+    assert!(matches!(cmds[1], Command::StartRace { .. }));
+    app.update(key(KeyCode::Char('t')));
+    assert_eq!(app.sampling.temperature, 0.5);
+    let seed = app.sampling.seed;
+    let cmds = app.update(key(KeyCode::Char('s')));
+    assert_ne!(app.sampling.seed, seed);
+    assert_eq!(cmds[0], Command::SetSampling(app.sampling));
+    for _ in 0..20 {
+        app.update(key(KeyCode::Char('T')));
+    }
+    assert!(
+        app.sampling.is_greedy(),
+        "T steps down to greedy and stays there"
+    );
+    for _ in 0..20 {
+        app.update(key(KeyCode::Char('t')));
+    }
+    assert_eq!(app.sampling.temperature, 1.5);
 }

@@ -209,3 +209,19 @@ fn dual_lane_with_two_candidates_in_one_cell() {
         insta::assert_snapshot!(format!("dual_{panel:?}").to_lowercase(), out);
     }
 }
+
+#[test]
+fn footer_names_the_sampling_rule() {
+    let mut app = app();
+    app.sampling = spex::engine::Sampling {
+        temperature: 0.8,
+        top_k: None,
+        top_p: Some(0.9),
+        seed: 7,
+    };
+    let out = render(130, 1, |f| {
+        draw_panel(f, Rect::new(0, 0, 130, 1), &app, Panel::Footer)
+    });
+    assert!(out.contains("T 0.8 · top-p 0.9 · seed 7"), "{out}");
+    insta::assert_snapshot!(out);
+}

@@ -52,15 +52,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let options = DecodeOptions {
         max_tokens: args.max_tokens,
         context: args.model.context,
+        sampling: args.sampling.resolve(&session)?,
     };
     let policy = session.speculative_policy(args.policy);
     if !args.json {
         println!(
-            "{} on {} ({}), kernels {:?}; {policy} against baseline, {} interleaved runs per prompt",
+            "{} on {} ({}), kernels {:?}; {policy} against baseline, {}, {} interleaved runs per prompt",
             session.name,
             cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
             session.device,
             crate::engine::kernels::isa(),
+            options.sampling,
             args.runs
         );
     }
@@ -85,7 +87,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             &results,
             (&base, &speed, &spread),
             ceiling,
-            (policy, args.runs),
+            (policy, args.runs, options.sampling),
         );
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -108,7 +110,7 @@ fn json_report(
     results: &[PromptResult],
     (base, speed, spread): (&RunStats, &RunStats, &[f64]),
     ceiling: f64,
-    (policy, runs): (PolicyKind, u64),
+    (policy, runs, sampling): (PolicyKind, u64, crate::engine::Sampling),
 ) -> serde_json::Value {
     let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     json!({
@@ -121,6 +123,7 @@ fn json_report(
         "cpu": cpu_model(),
         "runs_per_lane": runs,
         "policy": policy,
+        "sampling": sampling,
         "peak_memory_bytes": peak_memory_bytes(),
         "prompts": results.iter().map(|r| json!({
             "prompt": r.prompt,

@@ -16,6 +16,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let options = DecodeOptions {
         max_tokens: args.max_tokens,
         context: args.model.context,
+        sampling: args.sampling.resolve(&session)?,
     };
     let mut decoder = Decoder::new(
         loaded,

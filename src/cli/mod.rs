@@ -16,7 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::engine::model::LoadOptions;
 use crate::engine::policy::PolicyKind;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
-use crate::engine::{EngineError, LoadedModel};
+use crate::engine::{EngineError, LoadedModel, Sampling};
 
 /// spex: speculative pipelined decoding on looped language models.
 #[derive(Debug, Parser)]
@@ -106,6 +106,40 @@ impl IsaArg {
     }
 }
 
+/// How tokens are chosen: greedy (temperature 0) or seed-coupled sampling, in which every
+/// policy reproduces the baseline's text for the same seed.
+#[derive(Debug, Clone, Default, Args)]
+pub struct SamplingArgs {
+    /// Temperature; 0 is greedy (default: the entry's, else 0).
+    #[arg(long, allow_negative_numbers = true)]
+    pub temperature: Option<f32>,
+    /// Sample only among the K most likely tokens (default: the entry's, else all).
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_k: Option<usize>,
+    /// Sample only among the most likely tokens whose probability reaches P (default: the
+    /// entry's, else all).
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Seed of the sampling noise (default: the entry's, else 0).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// These flags over the entry's defaults, checked.
+    pub fn resolve(&self, session: &Session) -> Result<Sampling, EngineError> {
+        let defaults = session.sampling;
+        let sampling = Sampling {
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_k: self.top_k.or(defaults.top_k),
+            top_p: self.top_p.or(defaults.top_p),
+            seed: self.seed.unwrap_or(defaults.seed),
+        };
+        sampling.check().map_err(EngineError::Invalid)?;
+        Ok(sampling)
+    }
+}
+
 /// A loaded model with what the commands show about it.
 #[derive(Debug, Clone)]
 pub struct Session {
@@ -115,6 +149,8 @@ pub struct Session {
     pub dtype: String,
     pub chat: bool,
     pub policy: Option<PolicyKind>,
+    /// The entry's sampling defaults.
+    pub sampling: Sampling,
 }
 
 impl Session {
@@ -141,6 +177,8 @@ impl Session {
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
@@ -160,6 +198,8 @@ pub struct GenerateArgs {
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// A file with one prompt per line (default: the built-in prompts).
     #[arg(long)]
     pub prompts: Option<PathBuf>,
@@ -184,6 +224,8 @@ pub struct BenchArgs {
 pub struct TuiArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Start this prompt at once.
     #[arg(long)]
     pub prompt: Option<String>,
@@ -281,6 +323,12 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
         dtype: device::dtype_name(dtype).into(),
         chat,
         policy: entry.and_then(|e| e.policy),
+        sampling: Sampling {
+            temperature: entry.and_then(|e| e.temperature).unwrap_or(0.0),
+            top_k: entry.and_then(|e| e.top_k),
+            top_p: entry.and_then(|e| e.top_p),
+            seed: entry.and_then(|e| e.seed).unwrap_or(0),
+        },
     })
 }
 
@@ -352,6 +400,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         decode: crate::engine::DecodeOptions {
             max_tokens: args.max_tokens,
             context: args.model.context,
+            sampling: args.sampling.resolve(&session)?,
         },
         policy,
         info,

@@ -41,6 +41,11 @@ pub struct ModelEntry {
     pub chat: bool,
     /// The policy `spex generate` uses by default.
     pub policy: Option<PolicyKind>,
+    /// Sampling defaults (`--temperature`, `--top-k`, `--top-p`, `--seed` override them).
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
     pub description: Option<String>,
 }
 

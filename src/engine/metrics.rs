@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::error::Result;
 use super::events::DecodeEvent;
 use super::kv_cache::KvCache;
-use super::model::{Backend, RowInput, RowSlot, StepBackend, StepRow, step};
+use super::model::{Backend, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow, step};
 use super::pass::Pass;
 
 /// Counters of one decoding run, updated event by event.
@@ -210,16 +210,23 @@ impl StepTimes {
 /// model the LM head is a quarter of a step's weights.
 pub fn measure_step_times(backend: &Backend, pos: usize, repeats: usize) -> Result<StepTimes> {
     let passes = backend.model().passes();
-    let slot = |pass: Pass, readout: bool| RowSlot {
+    let slot = |pass: Pass, readout: ReadoutKind| RowSlot {
         pos,
         pass,
         readout,
         second: false,
     };
     let mut batches: Vec<Vec<RowSlot>> = Pass::all(passes)
-        .map(|pass| vec![slot(pass, pass.is_last(passes))])
+        .map(|pass| match pass.is_last(passes) {
+            true => vec![slot(pass, ReadoutKind::Argmax)],
+            false => vec![slot(pass, ReadoutKind::None)],
+        })
         .collect();
-    batches.push(Pass::all(passes).map(|pass| slot(pass, true)).collect());
+    batches.push(
+        Pass::all(passes)
+            .map(|pass| slot(pass, every_readout(pass, passes)))
+            .collect(),
+    );
     let t = median_times(backend, pos, &batches, repeats)?;
     let token: Duration = t[..passes].iter().sum();
     Ok(StepTimes {
@@ -237,6 +244,7 @@ pub fn median_step_times(
     row_counts: &[usize],
     repeats: usize,
 ) -> Result<Vec<Duration>> {
+    let passes = backend.model().passes();
     let batches: Vec<Vec<RowSlot>> = row_counts
         .iter()
         .map(|&n| {
@@ -244,13 +252,22 @@ pub fn median_step_times(
                 .map(|pass| RowSlot {
                     pos,
                     pass,
-                    readout: true,
+                    readout: every_readout(pass, passes),
                     second: false,
                 })
                 .collect()
         })
         .collect();
     median_times(backend, pos, &batches, repeats)
+}
+
+/// A speculative step's readout after `pass`: a greedy commit at pass R, a proposal before.
+fn every_readout(pass: Pass, passes: usize) -> ReadoutKind {
+    if pass.is_last(passes) {
+        ReadoutKind::Argmax
+    } else {
+        ReadoutKind::Proposal
+    }
 }
 
 /// Median compute of each batch of rows at `pos`, on the backend the model was loaded with.

@@ -20,6 +20,7 @@ pub mod policy;
 pub mod race;
 pub mod random_checkpoint;
 pub mod rng;
+pub mod sampling;
 mod tensor_files;
 pub mod tokenizer;
 
@@ -31,3 +32,4 @@ pub use events::DecodeEvent;
 pub use pass::Pass;
 pub use pipeline::DecodeOptions;
 pub use policy::{Policy, PolicyKind};
+pub use sampling::Sampling;

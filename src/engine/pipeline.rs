@@ -23,18 +23,33 @@ use super::events::{
     RowEvent, StepEvent, Token,
 };
 use super::kv_cache::KvCache;
+use super::model::ReadoutKind;
 use super::model::{RowInput, RowSlot, StepBackend, StepRow, step};
 use super::pass::Pass;
-use super::policy::{Decision, Policy, Verdict};
+use super::policy::{Decision, Policy, Readout as PolicyReadout, Verdict};
+use super::sampling::Sampling;
 use super::tokenizer::{Detokenizer, TextTokenizer};
 
-/// Limits of one run.
+/// Limits and the sampling rule of one run.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeOptions {
     /// Tokens to generate, the prefill's first token included.
     pub max_tokens: usize,
     /// KV cache capacity in positions (prompt plus output).
     pub context: usize,
+    /// Greedy, or seed-coupled sampling (speculation.md §4b).
+    pub sampling: Sampling,
+}
+
+impl DecodeOptions {
+    /// Greedy decoding of up to `max_tokens` tokens with a cache of `context` positions.
+    pub fn greedy(max_tokens: usize, context: usize) -> Self {
+        Self {
+            max_tokens,
+            context,
+            sampling: Sampling::GREEDY,
+        }
+    }
 }
 
 /// A token in the pipeline window.
@@ -156,6 +171,7 @@ impl<B: StepBackend> Pipeline<B> {
         if options.max_tokens == 0 {
             return Err(EngineError::Invalid("max tokens must be at least 1".into()));
         }
+        options.sampling.check().map_err(EngineError::Invalid)?;
         let cache = KvCache::new(backend.new_store(context)?, model.passes(), context);
         Ok(Self {
             cache,
@@ -176,6 +192,38 @@ impl<B: StepBackend> Pipeline<B> {
     /// R, the passes.
     fn passes(&self) -> usize {
         self.backend.model().passes()
+    }
+
+    /// The policy's decision on a readout after `pass` that predicts position `pos`.
+    fn decide(&self, logits: &[f32], pass: Pass, pos: usize) -> Decision {
+        self.policy.decide(&PolicyReadout {
+            logits,
+            pass,
+            pos,
+            sampling: &self.options.sampling,
+        })
+    }
+
+    /// The readout a commit needs: its argmax exact when greedy, every logit when sampling.
+    fn commit_readout(&self) -> ReadoutKind {
+        if self.options.sampling.is_greedy() {
+            ReadoutKind::Argmax
+        } else {
+            ReadoutKind::Exact
+        }
+    }
+
+    /// The readout a token needs after `pass`: a commit at pass R, a proposal where the
+    /// policy speculates, none elsewhere.
+    fn readout_after(&self, pass: Pass) -> ReadoutKind {
+        let passes = self.passes();
+        if pass.is_last(passes) {
+            self.commit_readout()
+        } else if self.policy.speculates_at(pass, passes) {
+            ReadoutKind::Proposal
+        } else {
+            ReadoutKind::None
+        }
     }
 
     /// Whether the run still decodes (it has not begun to finish).
@@ -263,7 +311,10 @@ impl<B: StepBackend> Pipeline<B> {
                     slot: RowSlot {
                         pos,
                         pass,
-                        readout: pass.is_last(passes) && pos + 1 == n,
+                        readout: match pass.is_last(passes) && pos + 1 == n {
+                            true => self.commit_readout(),
+                            false => ReadoutKind::None,
+                        },
                         second: false,
                     },
                     input,
@@ -276,7 +327,7 @@ impl<B: StepBackend> Pipeline<B> {
         let logits =
             last_logits.expect("prefill reads out the last position at pass R: this is a bug");
         let last = Pass::last(passes);
-        let first = self.policy.decide(&logits, last).best;
+        let first = self.decide(&logits, last, n).best;
         self.phase = Phase::Decoding;
         let committed = self.commit(n, first, last, None);
         Ok(PrefillEvent {
@@ -375,15 +426,20 @@ impl<B: StepBackend> Pipeline<B> {
     /// One batched step over the whole window, then the walk from oldest to newest.
     fn step(&mut self) -> Result<StepEvent> {
         let passes = self.passes();
+        let readouts: Vec<ReadoutKind> = self
+            .window
+            .iter()
+            .map(|t| self.readout_after(t.next_pass()))
+            .collect();
         let rows: Vec<StepRow<B::Hidden>> = self
             .window
             .iter_mut()
-            .map(|t| StepRow {
+            .zip(readouts)
+            .map(|(t, readout)| StepRow {
                 slot: RowSlot {
                     pos: t.pos,
                     pass: t.next_pass(),
-                    readout: t.next_pass().is_last(passes)
-                        || self.policy.speculates_at(t.next_pass(), passes),
+                    readout,
                     second: t.unchosen,
                 },
                 input: match t.hidden.take() {
@@ -392,21 +448,21 @@ impl<B: StepBackend> Pipeline<B> {
                 },
             })
             .collect();
-        let passes_run: Vec<Pass> = rows.iter().map(|r| r.slot.pass).collect();
+        let slots: Vec<RowSlot> = rows.iter().map(|r| r.slot).collect();
         let started = Instant::now();
         let out = step(&*self.backend, rows, &mut self.cache)?;
         let decisions: Vec<Option<Decision>> = out
             .logits
             .iter()
-            .zip(&passes_run)
-            .map(|(l, &pass)| l.as_deref().map(|l| self.policy.decide(l, pass)))
+            .zip(&slots)
+            .map(|(l, s)| l.as_deref().map(|l| self.decide(l, s.pass, s.pos + 1)))
             .collect();
         let compute = started.elapsed();
         self.decode_compute += compute;
         self.steps += 1;
         let mut event = StepEvent {
             step: self.steps,
-            rows: Vec::with_capacity(passes_run.len()),
+            rows: Vec::with_capacity(slots.len()),
             flips: Vec::new(),
             flushes: Vec::new(),
             committed: Vec::new(),

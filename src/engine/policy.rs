@@ -6,6 +6,7 @@
 use std::fmt;
 
 use super::pass::Pass;
+use super::sampling::Sampling;
 
 /// What one readout decides, computed while the step is timed: the token it favours and,
 /// where the policy's gate opens, a second candidate to start beside the first.
@@ -27,6 +28,18 @@ pub enum Verdict {
     Reject,
 }
 
+/// A readout as a policy sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Readout<'a> {
+    pub logits: &'a [f32],
+    /// The pass it was read out after.
+    pub pass: Pass,
+    /// The position it predicts (the row's position + 1).
+    pub pos: usize,
+    /// How logits become a token in this run.
+    pub sampling: &'a Sampling,
+}
+
 /// What a policy decides for the scheduler.
 pub trait Policy: Send + Sync + fmt::Debug {
     /// Its name in the CLI, events and the dashboard.
@@ -36,10 +49,11 @@ pub trait Policy: Send + Sync + fmt::Debug {
     /// Pass `passes` (R) always reads out: it commits.
     fn speculates_at(&self, pass: Pass, passes: usize) -> bool;
 
-    /// The decision of a readout after `pass`: greedy, the argmax (the first on ties).
-    fn decide(&self, logits: &[f32], _pass: Pass) -> Decision {
+    /// A readout's decision: the run's sampling rule applied to its logits (greedy: the
+    /// argmax, the first on ties; seed-coupled sampling otherwise, speculation.md §4b).
+    fn decide(&self, r: &Readout) -> Decision {
         Decision {
-            best: argmax(logits),
+            best: r.sampling.choose(r.logits, r.pos, false).best,
             second: None,
         }
     }
@@ -52,17 +66,6 @@ pub trait Policy: Send + Sync + fmt::Debug {
             .position(|&c| c == decision.best)
             .map_or(Verdict::Reject, Verdict::Keep)
     }
-}
-
-/// The greedy decision: the id of the largest logit (the first on ties).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Ordinary greedy decoding: one token at a time through all R passes, then commit.
@@ -141,24 +144,20 @@ impl Policy for Dual {
         self.speed.speculates_at(pass, passes)
     }
 
-    /// The argmax, and at `first_pass` the runner-up (the largest of the other logits, the
-    /// first on ties) when its logit is within the gate: a second scan that only the readouts
-    /// at `first_pass` pay for.
-    fn decide(&self, logits: &[f32], pass: Pass) -> Decision {
-        let best = argmax(logits);
-        if pass != self.speed.first_pass {
-            return Decision { best, second: None };
+    /// The run's choice, and at `first_pass` the runner-up (the largest of the other scores,
+    /// the first on ties) when it is within the gate: a second scan that only the readouts at
+    /// `first_pass` pay for. Greedy scores are logits; sampled ones l/T + G.
+    fn decide(&self, r: &Readout) -> Decision {
+        let at_first = r.pass == self.speed.first_pass;
+        let choice = r.sampling.choose(r.logits, r.pos, at_first);
+        let second = choice
+            .runner_up
+            .filter(|&(_, gap)| gap < self.margin_below)
+            .map(|(id, _)| id);
+        Decision {
+            best: choice.best,
+            second,
         }
-        let mut runner_up: Option<usize> = None;
-        for (i, &l) in logits.iter().enumerate() {
-            if i != best as usize && runner_up.is_none_or(|s| l > logits[s]) {
-                runner_up = Some(i);
-            }
-        }
-        let second = runner_up
-            .filter(|&s| logits[best as usize] - logits[s] < self.margin_below)
-            .map(|s| s as u32);
-        Decision { best, second }
     }
 }
 
@@ -252,7 +251,15 @@ mod tests {
         assert_eq!("dual:1".parse::<PolicyKind>(), Ok(PolicyKind::DUAL));
         // A runner-up 0.75 logits below the best: inside a 1.0 gate, outside a 0.5 one.
         let logits = [0.0, 2.0, 1.25];
-        let second = |k: PolicyKind, pass| k.build().decide(&logits, pass).second;
+        let second = |k: PolicyKind, pass| {
+            let r = Readout {
+                logits: &logits,
+                pass,
+                pos: 3,
+                sampling: &Sampling::GREEDY,
+            };
+            k.build().decide(&r).second
+        };
         let first = Pass::FIRST;
         assert_eq!(second(PolicyKind::DUAL, first), Some(2));
         assert_eq!(second(PolicyKind::DUAL, first.next()), None);
@@ -274,10 +281,13 @@ mod tests {
             assert_eq!(policy.settle(&decision, &[3]), Verdict::Reject);
             assert_eq!(policy.settle(&decision, &[3, 4]), Verdict::Reject);
         }
-        assert_eq!(
-            Speed::default().decide(&[1.0, 3.0, 3.0], Pass::FIRST).best,
-            1
-        );
+        let r = Readout {
+            logits: &[1.0, 3.0, 3.0],
+            pass: Pass::FIRST,
+            pos: 3,
+            sampling: &Sampling::GREEDY,
+        };
+        assert_eq!(Speed::default().decide(&r).best, 1);
     }
 
     #[test]

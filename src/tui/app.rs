@@ -13,7 +13,11 @@ use crate::engine::kv_cache::PassOccupancy;
 use crate::engine::metrics::RunStats;
 use crate::engine::metrics::speedup;
 use crate::engine::race::{Lane, RaceControl, RaceEvent};
+use crate::engine::rng::SplitMix;
+use crate::engine::sampling::Sampling;
 
+/// The temperatures `t` and `T` step through (0 is greedy).
+pub const TEMPERATURES: [f32; 8] = [0.0, 0.3, 0.5, 0.7, 0.8, 1.0, 1.2, 1.5];
 /// Steps of the pipeline view kept in memory (the view shows as many as fit).
 const MAX_COLUMNS: usize = 512;
 /// Flips kept in the log.
@@ -46,7 +50,11 @@ pub enum Msg {
 /// What the runtime must do after an update.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
-    StartRace { prompt: String },
+    /// The sampling rule for the races started from now on.
+    SetSampling(Sampling),
+    StartRace {
+        prompt: String,
+    },
     Control(RaceControl),
     Quit,
 }
@@ -195,6 +203,8 @@ pub struct App {
     pub size: (u16, u16),
     pub error: Option<String>,
     pub should_quit: bool,
+    /// How the next run chooses tokens (`t`/`T` change the temperature, `s` the seed).
+    pub sampling: Sampling,
 }
 
 impl App {
@@ -212,6 +222,7 @@ impl App {
             size,
             error: None,
             should_quit: false,
+            sampling: Sampling::GREEDY,
         }
     }
 
@@ -313,6 +324,9 @@ impl App {
             Action::ScrollDown => return self.scroll_cmd(1),
             Action::PageUp => return self.scroll_cmd(-10),
             Action::PageDown => return self.scroll_cmd(10),
+            Action::Hotter => return self.resample(1, false),
+            Action::Cooler => return self.resample(-1, false),
+            Action::NewSeed => return self.resample(0, true),
         }
         Vec::new()
     }
@@ -366,6 +380,24 @@ impl App {
             .saturating_add_signed(delta)
             .min(RATES.len() - 1);
         vec![Command::Control(RaceControl::Rate(self.rate()))]
+    }
+
+    /// Moves the temperature `steps` along `TEMPERATURES` and, if asked, draws a new seed;
+    /// then reruns the prompt with that rule.
+    fn resample(&mut self, steps: isize, new_seed: bool) -> Vec<Command> {
+        let t = self.sampling.temperature;
+        let at = TEMPERATURES
+            .iter()
+            .position(|&x| x >= t)
+            .unwrap_or(TEMPERATURES.len() - 1);
+        let at = at.saturating_add_signed(steps).min(TEMPERATURES.len() - 1);
+        self.sampling.temperature = TEMPERATURES[at];
+        if new_seed {
+            self.sampling.seed = SplitMix(self.sampling.seed).next_u64() % 1_000_000;
+        }
+        let mut commands = vec![Command::SetSampling(self.sampling)];
+        commands.extend(self.start());
+        commands
     }
 
     fn scroll_cmd(&mut self, lines: i32) -> Vec<Command> {

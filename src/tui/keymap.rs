@@ -19,6 +19,12 @@ pub enum Action {
     ScrollDown,
     PageUp,
     PageDown,
+    /// Temperature one step up, then rerun.
+    Hotter,
+    /// Temperature one step down, then rerun.
+    Cooler,
+    /// A new sampling seed, then rerun.
+    NewSeed,
     /// In the prompt editor: run the prompt.
     RunPrompt,
     /// In the prompt editor: move focus away from it.
@@ -101,7 +107,7 @@ const fn line(
 }
 
 /// Every key, in the order the help lists them.
-pub const BINDINGS: [Binding; 13] = [
+pub const BINDINGS: [Binding; 15] = [
     line(
         "Enter",
         "run the prompt (while editing)",
@@ -142,6 +148,18 @@ pub const BINDINGS: [Binding; 13] = [
         "rerun the prompt",
         Mode::Panes,
         &[(key('r'), Action::Rerun)],
+    ),
+    line(
+        "t / T",
+        "temperature up / down (0 is greedy), then rerun",
+        Mode::Panes,
+        &[(key('t'), Action::Hotter), (key('T'), Action::Cooler)],
+    ),
+    line(
+        "s",
+        "new sampling seed, then rerun",
+        Mode::Panes,
+        &[(key('s'), Action::NewSeed)],
     ),
     line(
         "Tab",

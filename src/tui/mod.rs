@@ -128,6 +128,7 @@ pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()
         options.prompt.clone(),
         (size.width, size.height),
     );
+    app.sampling = options.decode.sampling;
     runtime.block_on(event_loop(&mut terminal, &mut app, loaded, &options))
 }
 
@@ -135,6 +136,8 @@ pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()
 struct Races<'a> {
     loaded: &'a LoadedModel,
     options: &'a DashboardOptions,
+    /// The sampling rule of the next race (the dashboard's keys change it).
+    sampling: crate::engine::Sampling,
     events: mpsc::UnboundedSender<RaceEvent>,
     current: Option<RaceHandle>,
 }
@@ -159,7 +162,13 @@ impl Races<'_> {
                     self.current = Some(RaceHandle::start(
                         self.loaded,
                         prompt,
-                        (self.options.policy, self.options.decode),
+                        (
+                            self.options.policy,
+                            crate::engine::DecodeOptions {
+                                sampling: self.sampling,
+                                ..self.options.decode
+                            },
+                        ),
                         self.events.clone(),
                     ));
                 }
@@ -168,6 +177,7 @@ impl Races<'_> {
                         let _ = r.control.send(c);
                     }
                 }
+                Command::SetSampling(sampling) => self.sampling = sampling,
                 Command::Quit => {}
             }
         }
@@ -203,6 +213,7 @@ async fn event_loop(
     let mut races = Races {
         loaded,
         options,
+        sampling: options.decode.sampling,
         events: tx,
         current: None,
     };

@@ -429,8 +429,12 @@ fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {
     let rate = app.rate().map_or("max".to_string(), |r| format!("{r}"));
     let state = if app.paused { " PAUSED ·" } else { "" };
     let i = &app.info;
+    let sampling = match app.sampling.is_greedy() {
+        true => String::new(),
+        false => format!(" · {}", app.sampling),
+    };
     let text = format!(
-        "{state} {} · R×K {}×{} · {} · {} · {} vs baseline · {rate} steps/s · ? help · q quit",
+        "{state} {} · R×K {}×{} · {} · {} · {} vs baseline{sampling} · {rate} steps/s · ? help · q quit",
         i.name, i.passes, i.layers, i.device, i.dtype, i.policy
     );
     frame.render_widget(

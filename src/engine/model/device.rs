@@ -104,7 +104,7 @@ impl StepBackend for DeviceBackend {
 
     fn readouts(&self, slots: &[RowSlot], h: &Tensor) -> Result<Vec<Option<Vec<f32>>>> {
         let wanted: Vec<u32> = (0..slots.len() as u32)
-            .filter(|&i| slots[i as usize].readout)
+            .filter(|&i| slots[i as usize].readout.wanted())
             .collect();
         let mut logits: Vec<Option<Vec<f32>>> = vec![None; slots.len()];
         if wanted.is_empty() {

@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, DType, Storage, StorageRef, Tensor};
 
 use super::backend::StepBackend;
 use super::half_head::HalfHead;
-use super::{LayerWeights, LoadOptions, LoopedModel, RowInput, RowSlot};
+use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::{self, AttnShape, SubnormalsFlushed};
 use crate::engine::kv_cache::{KvCache, KvStore};
@@ -59,6 +59,19 @@ pub struct HostRows {
 impl HostRows {
     fn width(&self) -> usize {
         self.data.len() / self.rows.max(1)
+    }
+
+    /// The rows at `indices`, in that order.
+    fn select(&self, indices: &[usize]) -> HostRows {
+        let width = self.width();
+        let data = indices
+            .iter()
+            .flat_map(|&i| self.data[i * width..(i + 1) * width].iter().copied())
+            .collect();
+        HostRows {
+            data,
+            rows: indices.len(),
+        }
     }
 }
 
@@ -238,38 +251,38 @@ impl StepBackend for HostBackend {
         })
     }
 
-    /// The LM head on the rows that asked for a readout, all in one matmul: through the f16
-    /// head where there is one, rows at pass R (they commit) screened exact.
+    /// The LM head on the rows that asked for a readout: proposals through the f16 head where
+    /// there is one and greedy commits screened exact, all in one matmul; rows that need every
+    /// logit exact (sampled commits) through the f32 head.
     fn readouts(&self, slots: &[RowSlot], h: &HostRows) -> Result<Vec<Option<Vec<f32>>>> {
-        let hidden = h.width();
-        let wanted: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].readout).collect();
         let mut logits: Vec<Option<Vec<f32>>> = vec![None; slots.len()];
-        if wanted.is_empty() {
-            return Ok(logits);
-        }
-        let x: Vec<f32> = wanted
-            .iter()
-            .flat_map(|&i| h.data[i * hidden..(i + 1) * hidden].iter().copied())
+        let exact = |k: ReadoutKind| k == ReadoutKind::Exact || self.half_head.is_none();
+        let f32_rows: Vec<usize> = (0..slots.len())
+            .filter(|&i| slots[i].readout.wanted() && exact(slots[i].readout))
             .collect();
-        let x = HostRows {
-            data: x,
-            rows: wanted.len(),
-        };
+        let f16_rows: Vec<usize> = (0..slots.len())
+            .filter(|&i| slots[i].readout.wanted() && !exact(slots[i].readout))
+            .collect();
         let lm_head = &self.model.weights.lm_head;
-        let all = match &self.half_head {
-            Some(head) => {
-                let passes = self.model.passes();
-                let exact: Vec<bool> = wanted
-                    .iter()
-                    .map(|&i| slots[i].pass.is_last(passes))
-                    .collect();
-                head.readouts(&x.data, &exact, &HostView::new(lm_head)?)
+        for (rows, through_f16) in [(f32_rows, false), (f16_rows, true)] {
+            if rows.is_empty() {
+                continue;
             }
-            None => self.linear(&x, lm_head)?.data,
-        };
-        let vocab = all.len() / wanted.len();
-        for (n, &i) in wanted.iter().enumerate() {
-            logits[i] = Some(all[n * vocab..(n + 1) * vocab].to_vec());
+            let x = h.select(&rows);
+            let all = match &self.half_head {
+                Some(head) if through_f16 => {
+                    let screened: Vec<bool> = rows
+                        .iter()
+                        .map(|&i| slots[i].readout == ReadoutKind::Argmax)
+                        .collect();
+                    head.readouts(&x.data, &screened, &HostView::new(lm_head)?)
+                }
+                _ => self.linear(&x, lm_head)?.data,
+            };
+            let vocab = all.len() / rows.len();
+            for (n, &i) in rows.iter().enumerate() {
+                logits[i] = Some(all[n * vocab..(n + 1) * vocab].to_vec());
+            }
         }
         Ok(logits)
     }

@@ -23,11 +23,32 @@ pub enum RowInput<H> {
 pub struct RowSlot {
     pub pos: usize,
     pub pass: Pass,
-    /// Whether to apply the LM head to this row's new state.
-    pub readout: bool,
+    /// Which readout of this row's new state the LM head makes, if any.
+    pub readout: ReadoutKind,
     /// A second candidate for the (pass, position) of the row before it: its K/V entries are
     /// set aside (`KvCache::promote_second` keeps them), the earlier row's stay in place.
     pub second: bool,
+}
+
+/// What a row's readout is for, which decides how exact its logits must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadoutKind {
+    /// No readout.
+    None,
+    /// A proposal: it only steers speculation, so it may be approximate (the f16 head).
+    Proposal,
+    /// A greedy commit: its argmax must be the f32 head's.
+    Argmax,
+    /// A sampled commit: every logit must be the f32 head's (top-p and the Gumbel noise look
+    /// at all of them).
+    Exact,
+}
+
+impl ReadoutKind {
+    /// Whether the row is read out at all.
+    pub fn wanted(self) -> bool {
+        self != Self::None
+    }
 }
 
 /// One row of a batched step.

@@ -1,0 +1,254 @@
+//! How a readout's logits become a token: greedy (T = 0) or seed-coupled sampling
+//! (speculation.md §4b). Coupled sampling is Gumbel-max with noise keyed only by (seed,
+//! position, token id): x_p = argmax over the kept set S_p of (l_i / T + G(seed, p, i)). With
+//! pass R's logits that is an exact sample of softmax(l / T) restricted to S_p, and a
+//! deterministic function of (logits, seed, p), so every policy that commits only pass-R
+//! decisions reproduces the baseline's sampled text token for token for the same seed.
+
+use std::cmp::Ordering;
+use std::fmt;
+
+use super::rng::SplitMix;
+
+/// Temperature, filters and seed of a run. `temperature == 0` is greedy decoding.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Sampling {
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens.
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`.
+    pub top_p: Option<f32>,
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self::GREEDY
+    }
+}
+
+/// A readout's choice, and the runner-up a second candidate may start from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Choice {
+    pub best: u32,
+    /// The second-highest score among the kept tokens and how far below the best it is
+    /// (in logits when greedy, in perturbed scores l/T + G when sampling).
+    pub runner_up: Option<(u32, f32)>,
+}
+
+impl Sampling {
+    /// Greedy decoding: the argmax, the first on ties.
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_k: None,
+        top_p: None,
+        seed: 0,
+    };
+
+    /// Whether this is greedy decoding.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// A one-line complaint about the first bad setting, if any.
+    pub fn check(&self) -> Result<(), String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!(
+                "--temperature {}: must be a number ≥ 0 (0 is greedy)",
+                self.temperature
+            ));
+        }
+        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+            return Err(format!("--top-p {p}: must be in (0, 1]"));
+        }
+        if self.top_k == Some(0) {
+            return Err("--top-k 0: must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The token the logits `l` for position `pos` choose; the runner-up only where
+    /// `runner_up` asks (a second scan).
+    pub fn choose(&self, l: &[f32], pos: usize, runner_up: bool) -> Choice {
+        let t = self.temperature;
+        let perturbed = |i: usize| (i, l[i] / t + gumbel(self.seed, pos, i as u32));
+        match (self.is_greedy(), runner_up) {
+            (true, false) => Choice {
+                best: argmax(l),
+                runner_up: None,
+            },
+            (true, true) => top_two(l.iter().copied().enumerate(), true),
+            _ if self.top_k.is_none() && self.top_p.is_none() => {
+                top_two((0..l.len()).map(perturbed), runner_up)
+            }
+            _ => top_two(self.kept(l).into_iter().map(perturbed), runner_up),
+        }
+    }
+
+    /// S_p: every token when no filter is set, else the tokens top-k and top-p keep from
+    /// softmax(l / T), in id order.
+    fn kept(&self, l: &[f32]) -> Vec<usize> {
+        if self.top_k.is_none() && self.top_p.is_none() {
+            return (0..l.len()).collect();
+        }
+        let mut order: Vec<usize> = (0..l.len()).collect();
+        // Most likely first; equal logits by id, so the set is a function of the logits.
+        order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        order.truncate(self.top_k.unwrap_or(l.len()).max(1));
+        if let Some(p) = self.top_p {
+            let t = self.temperature;
+            let max = l[order[0]] / t;
+            let weights: Vec<f64> = order
+                .iter()
+                .map(|&i| f64::from(l[i] / t - max).exp())
+                .collect();
+            let total: f64 = weights.iter().sum();
+            let mut cumulative = 0.0;
+            let keep = weights
+                .iter()
+                .take_while(|&&w| {
+                    let before = cumulative;
+                    cumulative += w / total;
+                    before < f64::from(p)
+                })
+                .count();
+            order.truncate(keep.max(1));
+        }
+        order.sort_unstable();
+        order
+    }
+}
+
+impl fmt::Display for Sampling {
+    /// `greedy`, or `T 0.8 · top-k 20 · top-p 0.9 · seed 7`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_greedy() {
+            return f.write_str("greedy");
+        }
+        write!(f, "T {}", self.temperature)?;
+        if let Some(k) = self.top_k {
+            write!(f, " · top-k {k}")?;
+        }
+        if let Some(p) = self.top_p {
+            write!(f, " · top-p {p}")?;
+        }
+        write!(f, " · seed {}", self.seed)
+    }
+}
+
+/// The greedy decision: the id of the largest logit (the first on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// The highest-scoring id (the first on ties) and, if asked, the runner-up with its gap.
+fn top_two(scores: impl Iterator<Item = (usize, f32)>, runner_up: bool) -> Choice {
+    let mut best: Option<(usize, f32)> = None;
+    let mut second: Option<(usize, f32)> = None;
+    for (i, s) in scores {
+        match best {
+            Some((_, b)) if s.partial_cmp(&b) != Some(Ordering::Greater) => {
+                if runner_up && second.is_none_or(|(_, t)| s > t) {
+                    second = Some((i, s));
+                }
+            }
+            _ => {
+                if runner_up {
+                    second = best;
+                }
+                best = Some((i, s));
+            }
+        }
+    }
+    let (best_id, best_score) = best.unwrap_or((0, f32::NEG_INFINITY));
+    Choice {
+        best: best_id as u32,
+        runner_up: second.map(|(i, s)| (i as u32, best_score - s)),
+    }
+}
+
+/// Standard Gumbel noise −ln(−ln U), U uniform in (0, 1), from a counter-based generator keyed
+/// by (seed, position, token) only: batching, lanes and steps cannot change it.
+pub fn gumbel(seed: u64, pos: usize, token: u32) -> f32 {
+    let key = seed
+        ^ (pos as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ u64::from(token)
+            .wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+            .rotate_left(31);
+    let bits = SplitMix(key).next_u64() >> 11;
+    let u = (bits as f64 + 0.5) / (1u64 << 53) as f64;
+    (-(-u.ln()).ln()) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sampling(t: f32, top_k: Option<usize>, top_p: Option<f32>) -> Sampling {
+        Sampling {
+            temperature: t,
+            top_k,
+            top_p,
+            seed: 9,
+        }
+    }
+
+    #[test]
+    fn greedy_is_the_argmax_with_the_first_on_ties_and_the_runner_up_gap_in_logits() {
+        let c = Sampling::GREEDY.choose(&[0.0, 3.0, 3.0, 2.5], 5, true);
+        assert_eq!(c.best, 1);
+        assert_eq!(c.runner_up, Some((2, 0.0)));
+        let c = Sampling::GREEDY.choose(&[0.0, 3.0, 1.0, 2.5], 5, true);
+        assert_eq!(c.runner_up, Some((3, 0.5)));
+        assert_eq!(Sampling::GREEDY.choose(&[1.0], 0, true).runner_up, None);
+    }
+
+    #[test]
+    fn filters_keep_what_top_k_and_top_p_say() {
+        let l = [1.0, 4.0, 3.0, 2.0];
+        assert_eq!(sampling(1.0, Some(2), None).kept(&l), [1, 2]);
+        // softmax(l): 0.032, 0.644, 0.237, 0.087: 0.644 < 0.7, so the second is needed.
+        assert_eq!(sampling(1.0, None, Some(0.7)).kept(&l), [1, 2]);
+        assert_eq!(sampling(1.0, None, Some(0.5)).kept(&l), [1]);
+        assert_eq!(sampling(1.0, None, Some(1.0)).kept(&l), [0, 1, 2, 3]);
+        assert_eq!(sampling(1.0, Some(3), Some(0.99)).kept(&l), [1, 2, 3]);
+        for seed in 0..50 {
+            let s = Sampling {
+                seed,
+                ..sampling(1.0, Some(2), None)
+            };
+            assert!([1, 2].contains(&s.choose(&l, 3, false).best));
+        }
+    }
+
+    #[test]
+    fn noise_depends_on_seed_position_and_token_only() {
+        assert_eq!(gumbel(1, 2, 3), gumbel(1, 2, 3));
+        assert_ne!(gumbel(1, 2, 3), gumbel(2, 2, 3));
+        assert_ne!(gumbel(1, 2, 3), gumbel(1, 3, 3));
+        assert_ne!(gumbel(1, 2, 3), gumbel(1, 2, 4));
+        let mean: f64 = (0..20_000).map(|i| f64::from(gumbel(7, i, 0))).sum::<f64>() / 20_000.0;
+        // The standard Gumbel's mean is the Euler–Mascheroni constant, 0.5772.
+        assert!((mean - 0.5772).abs() < 0.03, "{mean}");
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        for (s, needle) in [
+            (sampling(-1.0, None, None), "--temperature"),
+            (sampling(f32::NAN, None, None), "--temperature"),
+            (sampling(1.0, Some(0), None), "--top-k"),
+            (sampling(1.0, None, Some(0.0)), "--top-p"),
+            (sampling(1.0, None, Some(1.5)), "--top-p"),
+        ] {
+            assert!(s.check().expect_err("bad").contains(needle));
+        }
+        assert!(sampling(0.7, Some(20), Some(0.9)).check().is_ok());
+    }
+}
