@@ -91,6 +91,9 @@ impl StepBackend for DeviceBackend {
         Ok((candle_nn::ops::silu(&gate)? * up)?)
     }
 
+    /// Q/K/V projections, RoPE, cache writes, then attention grouped by pass: rows of one
+    /// pass (a prefill chunk) attend together under a causal mask; rows of different passes
+    /// read different cache slices.
     fn attention(
         &self,
         w: &LayerWeights,
@@ -99,7 +102,41 @@ impl StepBackend for DeviceBackend {
         a: &Tensor,
         cache: &mut KvCache<DeviceKv>,
     ) -> Result<Tensor> {
-        attention(self, w, layer, slots, a, cache)
+        let cfg = &self.model.config;
+        let (heads, kv_heads, head_dim) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let rope_rows = self.rope_rows(slots)?;
+        let rope_rows = (&rope_rows.0, &rope_rows.1);
+        let q = rotate(&self.linear(a, &w.q_proj)?, heads, head_dim, rope_rows)?;
+        let k = rotate(&self.linear(a, &w.k_proj)?, kv_heads, head_dim, rope_rows)?;
+        let v = self.linear(a, &w.v_proj)?;
+        for (i, slot) in slots.iter().enumerate() {
+            let (ki, vi) = (k.narrow(0, i, 1)?, v.narrow(0, i, 1)?);
+            cache
+                .store_mut()
+                .write(layer, slot.pass, slot.pos, &ki, &vi)?;
+        }
+        let mut outputs: Vec<Option<Tensor>> = vec![None; slots.len()];
+        let mut passes: Vec<Pass> = slots.iter().map(|s| s.pass).collect();
+        passes.sort_unstable();
+        passes.dedup();
+        for pass in passes {
+            let idx: Vec<usize> = (0..slots.len())
+                .filter(|&i| slots[i].pass == pass)
+                .collect();
+            let out = attend_group(self, layer, pass, slots, &idx, &q, cache.store())?;
+            for (n, &i) in idx.iter().enumerate() {
+                outputs[i] = Some(out.narrow(0, n, 1)?);
+            }
+        }
+        let outputs: Vec<Tensor> = outputs
+            .into_iter()
+            .map(|o| o.expect("every row belongs to one pass group: this is a bug"))
+            .collect();
+        Ok(Tensor::cat(&outputs, 0)?)
     }
 
     fn readouts(&self, slots: &[RowSlot], h: &Tensor) -> Result<Vec<Option<Vec<f32>>>> {
@@ -142,54 +179,6 @@ fn rotate(
     Ok(rope(&x, cos, sin)?
         .transpose(1, 2)?
         .reshape((m, heads * head_dim))?)
-}
-
-/// Q/K/V projections, RoPE, cache writes, then attention grouped by pass: rows of one pass
-/// (a prefill chunk) attend together under a causal mask; rows of different passes read
-/// different cache slices.
-fn attention(
-    b: &DeviceBackend,
-    w: &LayerWeights,
-    layer: usize,
-    slots: &[RowSlot],
-    a: &Tensor,
-    cache: &mut KvCache<DeviceKv>,
-) -> Result<Tensor> {
-    let cfg = &b.model.config;
-    let (heads, kv_heads, head_dim) = (
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-    );
-    let rope_rows = b.rope_rows(slots)?;
-    let rope_rows = (&rope_rows.0, &rope_rows.1);
-    let q = rotate(&b.linear(a, &w.q_proj)?, heads, head_dim, rope_rows)?;
-    let k = rotate(&b.linear(a, &w.k_proj)?, kv_heads, head_dim, rope_rows)?;
-    let v = b.linear(a, &w.v_proj)?;
-    for (i, slot) in slots.iter().enumerate() {
-        let (ki, vi) = (k.narrow(0, i, 1)?, v.narrow(0, i, 1)?);
-        cache
-            .store_mut()
-            .write(layer, slot.pass, slot.pos, &ki, &vi)?;
-    }
-    let mut outputs: Vec<Option<Tensor>> = vec![None; slots.len()];
-    let mut passes: Vec<Pass> = slots.iter().map(|s| s.pass).collect();
-    passes.sort_unstable();
-    passes.dedup();
-    for pass in passes {
-        let idx: Vec<usize> = (0..slots.len())
-            .filter(|&i| slots[i].pass == pass)
-            .collect();
-        let out = attend_group(b, layer, pass, slots, &idx, &q, cache.store())?;
-        for (n, &i) in idx.iter().enumerate() {
-            outputs[i] = Some(out.narrow(0, n, 1)?);
-        }
-    }
-    let outputs: Vec<Tensor> = outputs
-        .into_iter()
-        .map(|o| o.expect("every row belongs to one pass group: this is a bug"))
-        .collect();
-    Ok(Tensor::cat(&outputs, 0)?)
 }
 
 /// Attention of the rows `idx` (all at `pass`) over that pass's cache, causal by position.
