@@ -70,8 +70,6 @@ impl Sampling {
     /// The token the logits `l` for position `pos` choose; the runner-up only where
     /// `runner_up` asks (a second scan).
     pub fn choose(&self, l: &[f32], pos: usize, runner_up: bool) -> Choice {
-        let t = self.temperature;
-        let perturbed = |i: usize| (i, l[i] / t + gumbel(self.seed, pos, i as u32));
         match (self.is_greedy(), runner_up) {
             (true, false) => Choice {
                 best: argmax(l),
@@ -79,10 +77,45 @@ impl Sampling {
             },
             (true, true) => top_two(l.iter().copied().enumerate(), true),
             _ if self.top_k.is_none() && self.top_p.is_none() => {
-                top_two((0..l.len()).map(perturbed), runner_up)
+                self.perturbed_top_two(l, pos, 0..l.len(), runner_up)
             }
-            _ => top_two(self.kept(l).into_iter().map(perturbed), runner_up),
+            _ => self.perturbed_top_two(l, pos, self.kept(l).into_iter(), runner_up),
         }
+    }
+
+    /// The top two of l_i / T + G(seed, pos, i) over `candidates`, in id order. The noise's
+    /// two logarithms are taken only for tokens that could still place: a token whose logit
+    /// plus an upper bound on its noise (from its uniform's exponent, no logarithm) is below
+    /// the score to beat cannot change the result. The argmax logit's own score seeds that
+    /// bar, since the best score is at least it.
+    fn perturbed_top_two(
+        &self,
+        l: &[f32],
+        pos: usize,
+        candidates: impl Iterator<Item = usize> + Clone,
+        runner_up: bool,
+    ) -> Choice {
+        let t = self.temperature;
+        let score = |i: usize| l[i] / t + gumbel_of(uniform(self.seed, pos, i as u32));
+        let leader = candidates
+            .clone()
+            .max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a)));
+        let floor = leader.map_or(f32::NEG_INFINITY, score);
+        let mut top = TopTwo::default();
+        for i in candidates {
+            let u = uniform(self.seed, pos, i as u32);
+            let bar = if runner_up {
+                top.second_score()
+            } else {
+                top.best_score().max(floor)
+            };
+            // The margin covers f32 rounding of the score against the f64 bound.
+            if l[i] / t + noise_bound(u) + 1e-3 < bar {
+                continue;
+            }
+            top.push(i, l[i] / t + gumbel_of(u), runner_up);
+        }
+        top.choice()
     }
 
     /// S_p: every token when no filter is set, else the tokens top-k and top-p keep from
@@ -149,41 +182,80 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 /// The highest-scoring id (the first on ties) and, if asked, the runner-up with its gap.
 fn top_two(scores: impl Iterator<Item = (usize, f32)>, runner_up: bool) -> Choice {
-    let mut best: Option<(usize, f32)> = None;
-    let mut second: Option<(usize, f32)> = None;
+    let mut top = TopTwo::default();
     for (i, s) in scores {
-        match best {
+        top.push(i, s, runner_up);
+    }
+    top.choice()
+}
+
+/// The best and second-best (id, score) seen so far; the first on ties.
+#[derive(Debug, Default)]
+struct TopTwo {
+    best: Option<(usize, f32)>,
+    second: Option<(usize, f32)>,
+}
+
+impl TopTwo {
+    fn push(&mut self, i: usize, s: f32, runner_up: bool) {
+        match self.best {
             Some((_, b)) if s.partial_cmp(&b) != Some(Ordering::Greater) => {
-                if runner_up && second.is_none_or(|(_, t)| s > t) {
-                    second = Some((i, s));
+                if runner_up && self.second.is_none_or(|(_, t)| s > t) {
+                    self.second = Some((i, s));
                 }
             }
             _ => {
                 if runner_up {
-                    second = best;
+                    self.second = self.best;
                 }
-                best = Some((i, s));
+                self.best = Some((i, s));
             }
         }
     }
-    let (best_id, best_score) = best.unwrap_or((0, f32::NEG_INFINITY));
-    Choice {
-        best: best_id as u32,
-        runner_up: second.map(|(i, s)| (i as u32, best_score - s)),
+
+    fn best_score(&self) -> f32 {
+        self.best.map_or(f32::NEG_INFINITY, |(_, s)| s)
+    }
+
+    fn second_score(&self) -> f32 {
+        self.second.map_or(f32::NEG_INFINITY, |(_, s)| s)
+    }
+
+    fn choice(&self) -> Choice {
+        let (best_id, best_score) = self.best.unwrap_or((0, f32::NEG_INFINITY));
+        Choice {
+            best: best_id as u32,
+            runner_up: self.second.map(|(i, s)| (i as u32, best_score - s)),
+        }
     }
 }
 
 /// Standard Gumbel noise −ln(−ln U), U uniform in (0, 1), from a counter-based generator keyed
 /// by (seed, position, token) only: batching, lanes and steps cannot change it.
 pub fn gumbel(seed: u64, pos: usize, token: u32) -> f32 {
+    gumbel_of(uniform(seed, pos, token))
+}
+
+/// The uniform behind `gumbel(seed, pos, token)`: U in (0, 1).
+fn uniform(seed: u64, pos: usize, token: u32) -> f64 {
     let key = seed
         ^ (pos as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
         ^ u64::from(token)
             .wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
             .rotate_left(31);
     let bits = SplitMix(key).next_u64() >> 11;
-    let u = (bits as f64 + 0.5) / (1u64 << 53) as f64;
+    (bits as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+fn gumbel_of(u: f64) -> f32 {
     (-(-u.ln()).ln()) as f32
+}
+
+/// An upper bound on `gumbel_of(u)` without a logarithm: −ln U ≥ 1 − U, so
+/// G = −ln(−ln U) ≤ −ln(1 − U) ≤ −e·ln 2, where 2^e ≤ 1 − U (e from the float's exponent).
+fn noise_bound(u: f64) -> f32 {
+    let exponent = ((1.0 - u).to_bits() >> 52) as i64 - 1023;
+    (-(exponent as f64) * std::f64::consts::LN_2) as f32
 }
 
 #[cfg(test)]
@@ -236,6 +308,32 @@ mod tests {
         let mean: f64 = (0..20_000).map(|i| f64::from(gumbel(7, i, 0))).sum::<f64>() / 20_000.0;
         // The standard Gumbel's mean is the Euler–Mascheroni constant, 0.5772.
         assert!((mean - 0.5772).abs() < 0.03, "{mean}");
+    }
+
+    #[test]
+    fn pruned_choices_equal_the_full_scan() {
+        let mut rng = SplitMix(3);
+        for case in 0..300 {
+            let spread = [1.0, 10.0, 60.0][case % 3];
+            let l: Vec<f32> = (0..500).map(|_| spread * rng.uniform()).collect();
+            let s = Sampling {
+                seed: case as u64,
+                ..sampling(0.8, None, None)
+            };
+            for runner_up in [false, true] {
+                let full = top_two(
+                    (0..l.len()).map(|i| (i, l[i] / 0.8 + gumbel(s.seed, 7, i as u32))),
+                    runner_up,
+                );
+                assert_eq!(s.choose(&l, 7, runner_up), full, "case {case}");
+            }
+        }
+        for u in [1e-12, 0.1, 0.5, 0.9, 0.999, 1.0 - 1e-15] {
+            assert!(
+                f64::from(gumbel_of(u)) <= f64::from(noise_bound(u)) + 1e-6,
+                "{u}"
+            );
+        }
     }
 
     #[test]
