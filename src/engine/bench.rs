@@ -10,11 +10,11 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::checkpoint::LoadedModel;
+use super::decoder::DecodeOptions;
 use super::decoder::Decoder;
 use super::error::{EngineError, Result};
 use super::events::DecodeEvent;
 use super::metrics::{RunStats, StepTimes, measure_step_times, speedup};
-use super::pipeline::DecodeOptions;
 use super::policy::PolicyKind;
 
 /// One policy's run of one prompt.

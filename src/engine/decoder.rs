@@ -11,8 +11,31 @@ use super::error::Result;
 use super::events::DecodeEvent;
 use super::model::{Backend, StepBackend};
 use super::pass::Pass;
-use super::pipeline::{DecodeOptions, Pipeline};
+use super::pipeline::Pipeline;
 use super::policy::Policy;
+use super::sampling::Sampling;
+
+/// Limits and the sampling rule of one run.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeOptions {
+    /// Tokens to generate, the prefill's first token included.
+    pub max_tokens: usize,
+    /// KV cache capacity in positions (prompt plus output).
+    pub context: usize,
+    /// Greedy, or seed-coupled sampling (speculation.md §4b).
+    pub sampling: Sampling,
+}
+
+impl DecodeOptions {
+    /// Greedy decoding of up to `max_tokens` tokens with a cache of `context` positions.
+    pub fn greedy(max_tokens: usize, context: usize) -> Self {
+        Self {
+            max_tokens,
+            context,
+            sampling: Sampling::GREEDY,
+        }
+    }
+}
 
 /// What callers ask of a run, whatever its backend.
 trait Run: Send + fmt::Debug {

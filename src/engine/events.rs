@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::kv_cache::PassOccupancy;
 use super::pass::Pass;
+use super::tokenizer::TextTokenizer;
 
 /// A token id with its text, as shown to people.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -22,6 +23,30 @@ pub struct Prediction {
     pub prob: f32,
     /// Logit of the best token minus the runner-up: how near a tie the prediction was.
     pub margin: f32,
+}
+
+impl Prediction {
+    /// The decision `best` with its probability and its margin over the runner-up, for events.
+    /// Computed outside the timed region: decoding needs only the argmax.
+    pub fn describe(tokenizer: &TextTokenizer, logits: &[f32], best: u32) -> Self {
+        let top = logits[best as usize];
+        let mut second = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        for (i, &l) in logits.iter().enumerate() {
+            sum += (l - top).exp();
+            if i != best as usize && l > second {
+                second = l;
+            }
+        }
+        Prediction {
+            token: Token {
+                id: best,
+                text: tokenizer.token_text(best),
+            },
+            prob: 1.0 / sum,
+            margin: top - second,
+        }
+    }
 }
 
 /// One row of a step: the token at `pos` that ran pass `pass`.

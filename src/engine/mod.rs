@@ -26,10 +26,9 @@ pub mod tokenizer;
 
 pub use checkpoint::{Checkpoint, CheckpointBytes, LoadedModel};
 pub use config::OuroConfig;
-pub use decoder::Decoder;
+pub use decoder::{DecodeOptions, Decoder};
 pub use error::{EngineError, Result};
 pub use events::DecodeEvent;
 pub use pass::Pass;
-pub use pipeline::DecodeOptions;
 pub use policy::{Policy, PolicyKind};
 pub use sampling::Sampling;

@@ -17,6 +17,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::decoder::DecodeOptions;
 use super::error::{EngineError, Result};
 use super::events::{
     Committed, DecodeEvent, FinishEvent, FinishReason, Flip, Flush, Prediction, PrefillEvent,
@@ -27,30 +28,7 @@ use super::model::ReadoutKind;
 use super::model::{RowInput, RowSlot, StepBackend, StepRow, step};
 use super::pass::Pass;
 use super::policy::{Decision, Policy, Readout as PolicyReadout, Verdict};
-use super::sampling::Sampling;
 use super::tokenizer::{Detokenizer, TextTokenizer};
-
-/// Limits and the sampling rule of one run.
-#[derive(Debug, Clone, Copy)]
-pub struct DecodeOptions {
-    /// Tokens to generate, the prefill's first token included.
-    pub max_tokens: usize,
-    /// KV cache capacity in positions (prompt plus output).
-    pub context: usize,
-    /// Greedy, or seed-coupled sampling (speculation.md §4b).
-    pub sampling: Sampling,
-}
-
-impl DecodeOptions {
-    /// Greedy decoding of up to `max_tokens` tokens with a cache of `context` positions.
-    pub fn greedy(max_tokens: usize, context: usize) -> Self {
-        Self {
-            max_tokens,
-            context,
-            sampling: Sampling::GREEDY,
-        }
-    }
-}
 
 /// A token in the pipeline window.
 #[derive(Debug)]
@@ -106,28 +84,6 @@ enum Walked {
 
 /// A row's logits with the policy's decision on them.
 type Readout = (Vec<f32>, Decision);
-
-/// The decision `best` with its probability and its margin over the runner-up, for events.
-/// Computed outside the timed region: decoding needs only the argmax.
-fn describe(tokenizer: &TextTokenizer, logits: &[f32], best: u32) -> Prediction {
-    let top = logits[best as usize];
-    let mut second = f32::NEG_INFINITY;
-    let mut sum = 0f32;
-    for (i, &l) in logits.iter().enumerate() {
-        sum += (l - top).exp();
-        if i != best as usize && l > second {
-            second = l;
-        }
-    }
-    Prediction {
-        token: Token {
-            id: best,
-            text: tokenizer.token_text(best),
-        },
-        prob: 1.0 / sum,
-        margin: top - second,
-    }
-}
 
 /// One decoding run on backend `B`: prompt, policy, KV cache and the in-flight window.
 #[derive(Debug)]
@@ -518,7 +474,11 @@ impl<B: StepBackend> Pipeline<B> {
         let Some((logits, decision)) = readout else {
             return Ok(Walked::GoOn(row));
         };
-        row.prediction = Some(describe(&self.tokenizer, &logits, decision.best));
+        row.prediction = Some(Prediction::describe(
+            &self.tokenizer,
+            &logits,
+            decision.best,
+        ));
         let candidates = self.candidates_of(index);
         row.checked_child = !candidates.is_empty();
         let mut go_on = true;

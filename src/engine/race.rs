@@ -8,11 +8,11 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use super::checkpoint::LoadedModel;
+use super::decoder::DecodeOptions;
 use super::decoder::Decoder;
 use super::error::Result;
 use super::events::DecodeEvent;
 use super::metrics::{StepTimes, measure_step_times};
-use super::pipeline::DecodeOptions;
 use super::policy::PolicyKind;
 
 /// The two lanes of a race.
