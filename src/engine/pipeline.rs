@@ -24,10 +24,9 @@ use super::events::{
     RowEvent, StepEvent, Token,
 };
 use super::kv_cache::KvCache;
-use super::model::ReadoutKind;
-use super::model::{RowInput, RowSlot, StepBackend, StepRow, step};
+use super::model::{ReadoutKind, RowInput, RowSlot, StepBackend, StepRow, step};
 use super::pass::Pass;
-use super::policy::{Decision, Policy, Readout as PolicyReadout, Verdict};
+use super::policy::{Decision, Policy, Readout, Verdict};
 use super::tokenizer::{Detokenizer, TextTokenizer};
 
 /// A token in the pipeline window.
@@ -83,7 +82,7 @@ enum Walked {
 }
 
 /// A row's logits with the policy's decision on them.
-type Readout = (Vec<f32>, Decision);
+type Decided = (Vec<f32>, Decision);
 
 /// One decoding run on backend `B`: prompt, policy, KV cache and the in-flight window.
 #[derive(Debug)]
@@ -152,7 +151,7 @@ impl<B: StepBackend> Pipeline<B> {
 
     /// The policy's decision on a readout after `pass` that predicts position `pos`.
     fn decide(&self, logits: &[f32], pass: Pass, pos: usize) -> Decision {
-        self.policy.decide(&PolicyReadout {
+        self.policy.decide(&Readout {
             logits,
             pass,
             pos,
@@ -440,7 +439,7 @@ impl<B: StepBackend> Pipeline<B> {
 
     /// Step 3 of speculation.md §3: every row that ran, oldest first, until a flush removes
     /// the younger ones. `readouts` stays aligned with the window.
-    fn walk(&mut self, mut readouts: Vec<Option<Readout>>, event: &mut StepEvent) -> Result<()> {
+    fn walk(&mut self, mut readouts: Vec<Option<Decided>>, event: &mut StepEvent) -> Result<()> {
         let mut index = 0;
         while index < readouts.len() {
             let readout = readouts[index].take();
@@ -463,8 +462,8 @@ impl<B: StepBackend> Pipeline<B> {
     fn walk_row(
         &mut self,
         index: usize,
-        readout: Option<Readout>,
-        readouts: &mut Vec<Option<Readout>>,
+        readout: Option<Decided>,
+        readouts: &mut Vec<Option<Decided>>,
         event: &mut StepEvent,
     ) -> Result<Walked> {
         let passes = self.passes();
@@ -522,7 +521,7 @@ impl<B: StepBackend> Pipeline<B> {
         verdict: Verdict,
         decision: &Decision,
         candidates: &[u32],
-        readouts: &mut Vec<Option<Readout>>,
+        readouts: &mut Vec<Option<Decided>>,
         event: &mut StepEvent,
     ) -> Result<bool> {
         let t = &self.window[index];
@@ -576,7 +575,7 @@ impl<B: StepBackend> Pipeline<B> {
         &mut self,
         index: usize,
         second_wins: bool,
-        readouts: &mut Vec<Option<Readout>>,
+        readouts: &mut Vec<Option<Decided>>,
         event: &mut StepEvent,
     ) -> Result<()> {
         let dropped = if second_wins { index + 1 } else { index + 2 };
