@@ -168,14 +168,27 @@ pub fn peak_memory_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
-    let mut base = RunStats::new(passes);
-    let mut speed = RunStats::new(passes);
-    for r in results {
-        base.add(&r.baseline.stats);
-        speed.add(&r.speculative.stats);
+/// Baseline and speculative statistics summed over prompts.
+fn summed<'a>(
+    pairs: impl Iterator<Item = (&'a RunStats, &'a RunStats)>,
+    passes: usize,
+) -> (RunStats, RunStats) {
+    let (mut base, mut speculative) = (RunStats::new(passes), RunStats::new(passes));
+    for (b, s) in pairs {
+        base.add(b);
+        speculative.add(s);
     }
-    (base, speed)
+    (base, speculative)
+}
+
+/// Every prompt's shown (median) run, summed.
+fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
+    summed(
+        results
+            .iter()
+            .map(|r| (&r.baseline.stats, &r.speculative.stats)),
+        passes,
+    )
 }
 
 /// The overall speedup of each run (every prompt's k-th run together), sorted.
@@ -183,11 +196,8 @@ fn run_speedups(results: &[PromptResult], passes: usize) -> Vec<f64> {
     let runs = results.iter().map(|r| r.runs.len()).min().unwrap_or(0);
     let mut speedups: Vec<f64> = (0..runs)
         .map(|k| {
-            let (mut base, mut speculative) = (RunStats::new(passes), RunStats::new(passes));
-            for r in results {
-                base.add(&r.runs[k].0);
-                speculative.add(&r.runs[k].1);
-            }
+            let (base, speculative) =
+                summed(results.iter().map(|r| (&r.runs[k].0, &r.runs[k].1)), passes);
             speedup(&base, &speculative)
         })
         .collect();

@@ -118,12 +118,9 @@ impl Sampling {
         top.choice()
     }
 
-    /// S_p: every token when no filter is set, else the tokens top-k and top-p keep from
-    /// softmax(l / T), in id order.
+    /// S_p under a filter: the tokens top-k and top-p keep from softmax(l / T), in id order.
+    /// (With no filter S_p is every token; `choose` does not build that list.)
     fn kept(&self, l: &[f32]) -> Vec<usize> {
-        if self.top_k.is_none() && self.top_p.is_none() {
-            return (0..l.len()).collect();
-        }
         let mut order: Vec<usize> = (0..l.len()).collect();
         // Most likely first; equal logits by id, so the set is a function of the logits.
         order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
