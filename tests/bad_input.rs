@@ -172,7 +172,7 @@ fn bad_arguments_get_one_line() {
     assert_clean_error(&["bench", "--max-tokens", "many"], "--max-tokens");
     assert_clean_error(
         &["bench", "--policy", "fastest"],
-        "expected speed, dual, dual:MARGIN or baseline",
+        "expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M] or baseline",
     );
     assert_clean_error(
         &["bench", "--policy", "dual:0"],

@@ -22,9 +22,23 @@ const OPTIONS: DecodeOptions = DecodeOptions {
 #[derive(Default)]
 struct Tally {
     runs: usize,
+    loopspec_runs: usize,
     flips: usize,
     second_proposals: usize,
     accepted_second: usize,
+}
+
+/// Every policy that can run on a model with `passes` passes: loopspec's depths must be
+/// below R.
+fn policies(passes: usize) -> Vec<PolicyKind> {
+    let mut all = vec![PolicyKind::Baseline, PolicyKind::Speed, PolicyKind::DUAL];
+    if passes >= 2 {
+        all.push(PolicyKind::LOOPSPEC);
+    }
+    if passes >= 3 {
+        all.push("loopspec:d1=1:d2=2".parse().expect("a valid policy"));
+    }
+    all
 }
 
 /// Every lane on `loaded` (its proposal readouts from the f16 head where the CPU has one)
@@ -34,13 +48,14 @@ fn assert_lanes_equal(loaded: &LoadedModel, label: &str, tally: &mut Tally) {
     for prompt in PROMPTS {
         let base = run_lane(&greedy, PolicyKind::Baseline, prompt, OPTIONS).expect("baseline");
         assert!(!base.tokens.is_empty());
-        for policy in [PolicyKind::Baseline, PolicyKind::Speed, PolicyKind::DUAL] {
+        for policy in policies(loaded.model().passes()) {
             let lane = run_lane(loaded, policy, prompt, OPTIONS).expect("speculative lane");
             assert_eq!(
                 base.tokens, lane.tokens,
                 "{label} {policy}: prompt {prompt:?}"
             );
             tally.runs += 1;
+            tally.loopspec_runs += usize::from(matches!(policy, PolicyKind::LoopSpec { .. }));
             tally.flips += lane.stats.flips_per_pass.iter().sum::<usize>();
             tally.second_proposals += lane.stats.second_proposals;
             tally.accepted_second += lane.stats.accepted_second;
@@ -65,7 +80,10 @@ fn speed_equals_baseline_on_every_shape() {
             }
         }
     }
-    assert_eq!(tally.runs, 3 * 20 * 36);
+    // Per variant and prompt: 3 policies on 12 shapes, loopspec on the 9 with R ≥ 2 and
+    // loopspec:d2=2 on the 6 with R ≥ 3.
+    assert_eq!(tally.runs, 3 * 20 * (36 + 9 + 6));
+    assert_eq!(tally.loopspec_runs, 3 * 20 * (9 + 6));
     assert!(
         tally.flips > 100,
         "random models should flip often, saw {}",
@@ -197,7 +215,7 @@ fn batched_step_matches_reference_forward() {
 #[test]
 fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
     use spex::engine::Decoder;
-    let (mut promoted, mut total_flushes) = (0, 0);
+    let (mut promoted, mut loopspec_promoted, mut total_flushes) = (0, 0, 0);
     for (variant, prompt) in [Variant::Tied, Variant::Gqa]
         .into_iter()
         .flat_map(|v| PROMPTS.iter().map(move |p| (v, p)))
@@ -209,12 +227,8 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
             while let Some(ev) = d.next_event().unwrap() {
                 if let spex::engine::DecodeEvent::Step(s) = ev {
                     flushes += s.flushes.len();
-                    // A second candidate still in flight after its first pass was promoted.
-                    promotions += s
-                        .rows
-                        .iter()
-                        .filter(|r| r.second && r.pass.number() >= 2)
-                        .count();
+                    // A committed second candidate was promoted first.
+                    promotions += s.committed.iter().filter(|c| c.from_second).count();
                 }
             }
             (d, flushes, promotions)
@@ -223,10 +237,12 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
         // `dual` also checks the second candidates' entries: promoted ones must be exactly
         // what baseline wrote at that position.
         let wide_gate = PolicyKind::Dual { margin_below: 4.0 };
-        for policy in [PolicyKind::Speed, PolicyKind::DUAL, wide_gate] {
+        let loopspec = "loopspec:d2=2".parse().expect("a valid policy");
+        for policy in [PolicyKind::Speed, PolicyKind::DUAL, wide_gate, loopspec] {
             let (spec_run, flushes, promotions) = run(policy);
             total_flushes += flushes;
             promoted += promotions;
+            loopspec_promoted += promotions * usize::from(policy == loopspec);
             assert_eq!(base.output(), spec_run.output());
             let verified = base.prompt().len() + base.output().len() - 1;
             for layer in 0..loaded.model().config.num_hidden_layers {
@@ -243,8 +259,8 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
     }
     assert!(total_flushes > 0, "the runs must flush to test rollback");
     assert!(
-        promoted > 0,
-        "a second candidate must win to test promotion"
+        promoted > 0 && loopspec_promoted > 0,
+        "a second candidate must win to test promotion ({promoted}, loopspec {loopspec_promoted})"
     );
 }
 

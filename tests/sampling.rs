@@ -35,7 +35,7 @@ fn combinations() -> Vec<Sampling> {
 fn every_policy_reproduces_the_baselines_sampled_text() {
     let combos = combinations();
     let mut used = HashSet::new();
-    let (mut runs, mut unlike_greedy) = (0, 0);
+    let (mut runs, mut unlike_greedy, mut loopspec_differs) = (0, 0, 0);
     for (v, variant) in [Variant::Tied, Variant::Untied, Variant::Gqa]
         .into_iter()
         .enumerate()
@@ -65,11 +65,24 @@ fn every_policy_reproduces_the_baselines_sampled_text() {
                     );
                     runs += 1;
                 }
+                // LoopSpec keeps the distribution, not the sample: its text is its own, and
+                // the same seed gives it again.
+                if passes >= 3 {
+                    let loopspec = "loopspec:d2=2".parse().unwrap();
+                    let once = run_lane(&loaded, loopspec, prompt, options).unwrap();
+                    let again = run_lane(&loaded, loopspec, prompt, options).unwrap();
+                    assert_eq!(once.tokens, again.tokens, "loopspec {sampling}: {prompt:?}");
+                    loopspec_differs += usize::from(once.tokens != base.tokens);
+                }
             }
         }
     }
     assert_eq!(used.len(), combos.len(), "every combination ran");
     assert!(runs >= 700, "{runs} runs");
+    assert!(
+        loopspec_differs > 0,
+        "loopspec drew the baseline's text every time"
+    );
     assert!(
         unlike_greedy > runs / 6,
         "sampling changed the text in {unlike_greedy} runs"
@@ -231,4 +244,53 @@ fn the_first_two_sampled_tokens_follow_the_filtered_softmax_jointly() {
         *observed.entry((lane.tokens[0], second)).or_insert(0) += 1;
     }
     assert_follows(&observed, &expected, DRAWS as usize, "two tokens");
+}
+
+/// LoopSpec's cascade (speculation.md §4) is lossless in distribution: over many seeds, its
+/// first two sampled tokens follow the model's filtered softmax jointly, with first proposals
+/// from pass 1 and gated second proposals from pass 2 both in play.
+#[test]
+fn loopspec_samples_follow_the_filtered_softmax_jointly() {
+    let (_dir, loaded) = random_model(&spec(1, 3, Variant::Tied, 12));
+    let prompt = "To be";
+    let ids = loaded.tokenizer.encode(prompt).unwrap();
+    let base = Sampling {
+        temperature: 0.9,
+        top_k: Some(12),
+        top_p: None,
+        seed: 0,
+    };
+    let first = target(&reference_last(&loaded, &ids), &base);
+    let mut expected = BTreeMap::new();
+    for (&x1, &p1) in &first {
+        if loaded.tokenizer.is_eos(x1) {
+            expected.insert((x1, u32::MAX), p1);
+            continue;
+        }
+        let mut longer = ids.clone();
+        longer.push(x1);
+        for (x2, p2) in target(&reference_last(&loaded, &longer), &base) {
+            expected.insert((x1, x2), p1 * p2);
+        }
+    }
+    let policy: PolicyKind = "loopspec:d1=1:d2=2".parse().unwrap();
+    let mut observed = BTreeMap::new();
+    let mut stats = spex::engine::metrics::RunStats::new(3);
+    for seed in 0..DRAWS {
+        let options = DecodeOptions {
+            // A third token, so that the second is speculated (the last one never is).
+            max_tokens: 3,
+            context: 64,
+            sampling: Sampling { seed, ..base },
+        };
+        let lane = run_lane(&loaded, policy, prompt, options).unwrap();
+        stats.add(&lane.stats);
+        let second = lane.tokens.get(1).copied().unwrap_or(u32::MAX);
+        *observed.entry((lane.tokens[0], second)).or_insert(0) += 1;
+    }
+    assert_follows(&observed, &expected, DRAWS as usize, "loopspec, two tokens");
+    // Every path of the cascade ran: first proposals kept, seconds kept, restarts.
+    let a = stats.acceptance();
+    assert!(a.first > 0.05 && a.second > 0.0 && a.restart > 0.0, "{a:?}");
+    assert!(stats.gate_opens > 0, "the gate never opened");
 }

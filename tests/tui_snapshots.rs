@@ -32,6 +32,8 @@ fn stats(
         flips_per_pass: flips,
         checks_per_pass: checks,
         accepted_by_depth: depth,
+        gate_checks: 0,
+        gate_opens: 0,
         second_proposals: 0,
         accepted_second: 0,
     }

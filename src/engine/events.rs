@@ -57,12 +57,15 @@ pub struct RowEvent {
     pub token: Token,
     /// Whether the token's id is verified (committed) or still a guess.
     pub verified: bool,
-    /// Proposed as its parent's runner-up, a second candidate (policy `dual`).
+    /// Proposed as a second candidate beside its parent's first (policies `dual`, `loopspec`).
     pub second: bool,
-    /// One of two candidates that its parent's next readout did not choose: its row is wasted
-    /// work and it left the window (no KV entries to free: the chosen one holds the slot).
+    /// One of two candidates that its parent's readout did not choose: it left the window,
+    /// and the `pass` rows it ran are wasted work (no KV entries to free: the chosen one holds
+    /// the slot).
     pub dropped: bool,
     pub prediction: Option<Prediction>,
+    /// Whether the readout asked a second-proposal gate, and if so whether it opened.
+    pub gate: Option<bool>,
     /// Whether the prediction was checked against an existing child's guess (the
     /// denominator of the flip rate).
     pub checked_child: bool,

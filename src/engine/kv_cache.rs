@@ -5,6 +5,7 @@
 //! step backend's own [`KvStore`] (host memory, or candle tensors on a device). Written by
 //! `model`'s step; rolled back by the decoder when speculative tokens are flushed.
 
+use std::collections::BTreeSet;
 use std::fmt;
 
 use super::error::{EngineError, Result};
@@ -18,10 +19,15 @@ pub struct PassOccupancy {
     pub capacity: usize,
 }
 
-/// A step backend's K/V buffers, with one K/V row per layer set aside for a second candidate.
+/// Where a second candidate's K/V row waits aside: (layer, pass, position).
+pub type AsideSlot = (usize, Pass, usize);
+
+/// A step backend's K/V buffers, with K/V rows set aside for second candidates.
 pub trait KvStore: Send + fmt::Debug {
-    /// Exchanges `layer`'s entry at (`pass`, `pos`) with the entry set aside there.
+    /// Exchanges `layer`'s entry at (`pass`, `pos`) with the entry set aside for that slot.
     fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()>;
+    /// Forgets every entry set aside at position `pos`.
+    fn forget_aside(&mut self, pos: usize);
     /// Copies of `layer`'s K and V entries at `pass` for positions `0..len`, as f32.
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)>;
     /// The layers it holds buffers for.
@@ -31,17 +37,18 @@ pub trait KvStore: Send + fmt::Debug {
 /// Per-(pass, layer) KV buffers with per-pass fill levels. Pass `r` holds its positions
 /// `0..len(r)` contiguously: a token at pass r has every older token's pass-r entry before it.
 ///
-/// A second proposal (policy `dual`) puts two candidate tokens at one (pass, position). The
-/// first candidate's entries sit in the buffers; the second's wait aside, one K/V row per
-/// layer, until the parent's next readout picks one ([`KvCache::promote_second`] or
-/// [`KvCache::drop_second`]).
+/// A second proposal (policies `dual` and `loopspec:d2=M`) puts two candidate tokens at one
+/// position. The first candidate's entries sit in the buffers; the second's wait aside, one
+/// K/V row per (layer, pass it ran), until its parent's readout picks one
+/// ([`KvCache::promote_second`] or [`KvCache::drop_second`]). Several positions can hold a
+/// second candidate at once.
 #[derive(Debug, Clone)]
 pub struct KvCache<S> {
     capacity: usize,
     lens: Vec<usize>,
     committed: usize,
-    /// The (pass, position) of the second candidate whose entries are set aside.
-    second: Option<(Pass, usize)>,
+    /// The (position, pass) slots whose second candidate's entries are set aside.
+    seconds: BTreeSet<(usize, Pass)>,
     store: S,
 }
 
@@ -52,7 +59,7 @@ impl<S: KvStore> KvCache<S> {
             capacity,
             lens: vec![0; passes],
             committed: 0,
-            second: None,
+            seconds: BTreeSet::new(),
             store,
         }
     }
@@ -121,8 +128,13 @@ impl<S: KvStore> KvCache<S> {
     /// Frees every entry at position `from` or later, in every pass (a flush of speculative
     /// tokens). Returns the entries freed per pass.
     pub fn rollback(&mut self, from: usize) -> Vec<usize> {
-        if self.second.is_some_and(|(_, pos)| pos >= from) {
-            self.drop_second();
+        let dropped: BTreeSet<usize> = self
+            .seconds
+            .range((from, Pass::FIRST)..)
+            .map(|&(pos, _)| pos)
+            .collect();
+        for pos in dropped {
+            self.drop_second(pos);
         }
         self.lens
             .iter_mut()
@@ -139,24 +151,45 @@ impl<S: KvStore> KvCache<S> {
     /// that the row writes and attends to its own entry in place and the first candidate's
     /// entry is back in the buffers afterwards.
     pub(crate) fn swap_second(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
-        self.second = Some((pass, pos));
+        self.seconds.insert((pos, pass));
         self.store.swap_aside(layer, pass, pos)
     }
 
-    /// The second candidate won: its entries replace the first's in every layer.
-    pub fn promote_second(&mut self) -> Result<()> {
-        if let Some((pass, pos)) = self.second {
+    /// The second candidate at `pos`, which ran `passes_done` passes, won: its entries replace
+    /// the first candidate's in every layer, and what the first candidate's branch wrote
+    /// beyond them (later positions, deeper passes at `pos`) is freed. Returns the entries
+    /// freed per pass.
+    pub fn promote_second(&mut self, pos: usize, passes_done: usize) -> Result<Vec<usize>> {
+        let freed = self
+            .lens
+            .iter_mut()
+            .enumerate()
+            .map(|(index, len)| {
+                let keep = if index < passes_done { pos + 1 } else { pos };
+                let freed = len.saturating_sub(keep);
+                *len -= freed;
+                freed
+            })
+            .collect();
+        let passes: Vec<Pass> = self
+            .seconds
+            .range((pos, Pass::FIRST)..(pos + 1, Pass::FIRST))
+            .map(|&(_, pass)| pass)
+            .collect();
+        for pass in passes {
             for layer in 0..self.store.layers() {
-                self.swap_second(layer, pass, pos)?;
+                self.store.swap_aside(layer, pass, pos)?;
             }
-            self.drop_second();
         }
-        Ok(())
+        self.drop_second(pos);
+        Ok(freed)
     }
 
-    /// The first candidate won (or both were flushed): the second's entries are forgotten.
-    pub fn drop_second(&mut self) {
-        self.second = None;
+    /// The first candidate at `pos` won (or both were flushed): the second's entries are
+    /// forgotten.
+    pub fn drop_second(&mut self, pos: usize) {
+        self.seconds.retain(|&(p, _)| p != pos);
+        self.store.forget_aside(pos);
     }
 
     /// Committed and speculative entries per pass.

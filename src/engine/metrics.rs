@@ -31,7 +31,10 @@ pub struct RunStats {
     pub checks_per_pass: Vec<usize>,
     /// Committed tokens by the pass whose proposal survived (index r − 1).
     pub accepted_by_depth: Vec<usize>,
-    /// Second candidates started (policy `dual`).
+    /// Readouts that asked a second-proposal gate, and those where it opened.
+    pub gate_checks: usize,
+    pub gate_opens: usize,
+    /// Second candidates started (policies `dual`, `loopspec:d2=M`).
     pub second_proposals: usize,
     /// Committed tokens whose surviving guess was a second proposal.
     pub accepted_second: usize,
@@ -85,7 +88,14 @@ impl RunStats {
             self.flips_per_pass[flip.pass.index()] += 1;
         }
         self.rows_wasted += step.flushes.iter().map(|f| f.rows_wasted).sum::<usize>();
-        self.rows_wasted += step.rows.iter().filter(|r| r.dropped).count();
+        self.rows_wasted += step
+            .rows
+            .iter()
+            .filter(|r| r.dropped)
+            .map(|r| r.pass.number())
+            .sum::<usize>();
+        self.gate_checks += step.rows.iter().filter(|r| r.gate.is_some()).count();
+        self.gate_opens += step.rows.iter().filter(|r| r.gate == Some(true)).count();
         // A second candidate runs its first pass exactly once, whatever becomes of it.
         self.second_proposals += step
             .rows
@@ -106,6 +116,8 @@ impl RunStats {
         self.steps += other.steps;
         self.rows += other.rows;
         self.rows_wasted += other.rows_wasted;
+        self.gate_checks += other.gate_checks;
+        self.gate_opens += other.gate_opens;
         self.second_proposals += other.second_proposals;
         self.accepted_second += other.accepted_second;
         for (into, from) in [
@@ -167,6 +179,35 @@ impl RunStats {
         Pass::all(self.passes).map(|p| self.flip_rate(p)).collect()
     }
 
+    /// Acceptance by source (speculation.md §5): the shares of committed tokens whose
+    /// surviving guess was a first proposal, a second proposal, or none (a full-depth
+    /// restart, committed from pass R's own readout).
+    pub fn acceptance(&self) -> Acceptance {
+        let restart = self.accepted_by_depth.last().copied().unwrap_or(0);
+        let share = |n: usize| {
+            if self.tokens == 0 {
+                0.0
+            } else {
+                n as f64 / self.tokens as f64
+            }
+        };
+        let first = self.tokens.saturating_sub(restart + self.accepted_second);
+        Acceptance {
+            first: share(first),
+            second: share(self.accepted_second),
+            restart: share(restart),
+        }
+    }
+
+    /// Share of second-proposal gates that opened.
+    pub fn gate_open_rate(&self) -> f64 {
+        if self.gate_checks == 0 {
+            0.0
+        } else {
+            self.gate_opens as f64 / self.gate_checks as f64
+        }
+    }
+
     /// Share of computed rows that were later flushed.
     pub fn wasted_fraction(&self) -> f64 {
         if self.rows == 0 {
@@ -175,6 +216,14 @@ impl RunStats {
             self.rows_wasted as f64 / self.rows as f64
         }
     }
+}
+
+/// Acceptance by source: shares of committed tokens, summing to 1.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Acceptance {
+    pub first: f64,
+    pub second: f64,
+    pub restart: f64,
 }
 
 /// Baseline time per token over the policy's time per token.

@@ -149,6 +149,76 @@ impl Sampling {
     }
 }
 
+/// The uniforms a rejection-sampling policy (LoopSpec, speculation.md §4) draws at one
+/// position, one independent stream each. Keyed like the Gumbel noise by (seed, position) and
+/// a stream number no token id reaches, so reruns draw the same numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Draw {
+    FirstProposal,
+    SecondProposal,
+    AcceptFirst,
+    AcceptSecond,
+    Residual,
+}
+
+impl Sampling {
+    /// The uniform in (0, 1) for `draw` at position `pos`.
+    pub fn uniform(&self, pos: usize, draw: Draw) -> f64 {
+        uniform(self.seed, pos, u32::MAX - draw as u32)
+    }
+
+    /// The distribution sampling draws from: softmax(l / T) over the tokens top-k and top-p
+    /// keep, zero elsewhere, summing to 1 (T > 0).
+    pub fn distribution(&self, l: &[f32]) -> Vec<f32> {
+        let kept = match (self.top_k, self.top_p) {
+            (None, None) => (0..l.len()).collect(),
+            _ => self.kept(l),
+        };
+        let t = self.temperature;
+        let max = kept.iter().map(|&i| l[i]).fold(f32::NEG_INFINITY, f32::max) / t;
+        let mut probs = vec![0f32; l.len()];
+        let mut total = 0f64;
+        for &i in &kept {
+            let w = f64::from(l[i] / t - max).exp();
+            probs[i] = w as f32;
+            total += w;
+        }
+        let scale = (1.0 / total) as f32;
+        probs.iter_mut().for_each(|p| *p *= scale);
+        probs
+    }
+}
+
+/// A draw from `probs` (summing to about 1) by its inverse CDF at `u` in (0, 1); the last
+/// token with probability above zero if rounding leaves `u` beyond the total.
+pub fn draw(probs: &[f32], u: f64) -> u32 {
+    let mut cumulative = 0f64;
+    let mut last = 0;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cumulative += f64::from(p);
+            last = i;
+            if u < cumulative {
+                break;
+            }
+        }
+    }
+    last as u32
+}
+
+/// normalise(max(a − b, 0)), the residual rejection sampling falls back to (Leviathan et al.
+/// 2023); `None` when nothing is left (a and b equal up to rounding).
+pub fn residual(a: &[f32], b: &[f32]) -> Option<Vec<f32>> {
+    let mut rest: Vec<f32> = a.iter().zip(b).map(|(x, y)| (x - y).max(0.0)).collect();
+    let total: f64 = rest.iter().map(|&r| f64::from(r)).sum();
+    if total <= 1e-9 {
+        return None;
+    }
+    let scale = (1.0 / total) as f32;
+    rest.iter_mut().for_each(|r| *r *= scale);
+    Some(rest)
+}
+
 impl fmt::Display for Sampling {
     /// `greedy`, or `T 0.8 · top-k 20 · top-p 0.9 · seed 7`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

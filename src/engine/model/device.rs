@@ -1,6 +1,7 @@
 //! The device step backend: candle ops on the model's device and dtype, the GPU path. It also
 //! runs on CPU (the tests drive it there), so the code a GPU executes is exercised here.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
@@ -10,7 +11,7 @@ use candle_nn::rotary_emb::rope;
 use super::backend::StepBackend;
 use super::{LayerWeights, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kv_cache::{KvCache, KvStore};
+use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
 
 /// candle ops on the model's device and dtype.
@@ -242,13 +243,13 @@ fn attend_group(
 }
 
 /// Device K/V buffers, one `[passes·capacity, kv_dim]` tensor pair per layer, and the K/V
-/// rows set aside for a second candidate.
+/// rows set aside for second candidates, by (layer, pass, position).
 #[derive(Debug, Clone)]
 pub struct DeviceKv {
     capacity: usize,
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
-    aside: Vec<Option<(Tensor, Tensor)>>,
+    aside: HashMap<AsideSlot, (Tensor, Tensor)>,
 }
 
 impl DeviceKv {
@@ -261,7 +262,7 @@ impl DeviceKv {
             capacity,
             keys: (0..layers).map(zeros).collect::<candle_core::Result<_>>()?,
             values: (0..layers).map(zeros).collect::<candle_core::Result<_>>()?,
-            aside: vec![None; layers],
+            aside: HashMap::new(),
         })
     }
 
@@ -289,12 +290,18 @@ impl KvStore for DeviceKv {
             keys.narrow(0, row, 1)?.copy()?,
             values.narrow(0, row, 1)?.copy()?,
         );
-        if let Some((k, v)) = self.aside[layer].take() {
+        // An empty slot leaves the first candidate's entry in place: the second's row is
+        // about to overwrite it.
+        if let Some((k, v)) = self.aside.remove(&(layer, pass, pos)) {
             keys.slice_set(&k, 0, row)?;
             values.slice_set(&v, 0, row)?;
         }
-        self.aside[layer] = Some(current);
+        self.aside.insert((layer, pass, pos), current);
         Ok(())
+    }
+
+    fn forget_aside(&mut self, pos: usize) {
+        self.aside.retain(|&(_, _, p), _| p != pos);
     }
 
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {

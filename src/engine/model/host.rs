@@ -3,6 +3,7 @@
 //! Readouts go through `half_head` where there is one (proposals in f16, commits screened
 //! exact).
 
+use std::collections::HashMap;
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -13,7 +14,7 @@ use super::half_head::HalfHead;
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::{self, AttnShape, SubnormalsFlushed};
-use crate::engine::kv_cache::{KvCache, KvStore};
+use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
 
 /// A read view of a contiguous CPU f32 tensor's elements.
@@ -297,15 +298,15 @@ impl StepBackend for HostBackend {
     }
 }
 
-/// Host K/V buffers, one `[passes, capacity, kv_dim]` pair per layer, and one K/V row per
-/// layer set aside for a second candidate.
+/// Host K/V buffers, one `[passes, capacity, kv_dim]` pair per layer, and the K/V rows set
+/// aside for second candidates, by (layer, pass, position).
 #[derive(Debug, Clone)]
 pub struct HostKv {
     capacity: usize,
     kv_dim: usize,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
-    aside: Vec<(Vec<f32>, Vec<f32>)>,
+    aside: HashMap<AsideSlot, (Vec<f32>, Vec<f32>)>,
 }
 
 impl HostKv {
@@ -318,7 +319,7 @@ impl HostKv {
             kv_dim,
             keys: vec![vec![0f32; size]; layers],
             values: vec![vec![0f32; size]; layers],
-            aside: vec![(vec![0.0; kv_dim], vec![0.0; kv_dim]); layers],
+            aside: HashMap::new(),
         }
     }
 
@@ -343,10 +344,18 @@ impl HostKv {
 impl KvStore for HostKv {
     fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
         let at = self.offset(pass, pos);
-        let (k, v) = &mut self.aside[layer];
+        let kv_dim = self.kv_dim;
+        let (k, v) = self
+            .aside
+            .entry((layer, pass, pos))
+            .or_insert_with(|| (vec![0.0; kv_dim], vec![0.0; kv_dim]));
         self.keys[layer][at..at + self.kv_dim].swap_with_slice(k);
         self.values[layer][at..at + self.kv_dim].swap_with_slice(v);
         Ok(())
+    }
+
+    fn forget_aside(&mut self, pos: usize) {
+        self.aside.retain(|&(_, _, p), _| p != pos);
     }
 
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {

@@ -5,10 +5,11 @@
 //! the candidates in flight (keep one, or reject them all). Baseline decoding is the same
 //! machine with a policy that never speculates.
 //!
-//! A readout may start a second candidate (policy `dual`: pass 1's runner-up when it is nearly
-//! a tie), at the same position right after the first in the window. Both run pass 1 in the
-//! next step; the parent's next readout settles them before anything younger exists, so the
-//! window stays a chain.
+//! A readout may start a second candidate for the next position beside the first (`dual`:
+//! pass 1's near-tie runner-up; `loopspec`: the gated proposal at depth d2). It rides on its
+//! parent as a side candidate, runs its passes with its KV entries set aside, and starts no
+//! children; when the parent's readout keeps it, it takes the first's place and the first's
+//! branch is flushed. So the window stays a chain, the tree of LoopSpec §4 cut to one level.
 //!
 //! Generic over the step backend; callers hold it as an `engine::Decoder` and pull events with
 //! [`Pipeline::next_event`]: a prefill event first, then one event per step, then the finish.
@@ -17,48 +18,23 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod in_flight;
+mod prefill;
+
+use in_flight::{Decided, InFlight, Readouts};
+
 use super::decoder::DecodeOptions;
 use super::error::{EngineError, Result};
 use super::events::{
-    Committed, DecodeEvent, FinishEvent, FinishReason, Flip, Flush, Prediction, PrefillEvent,
-    RowEvent, StepEvent, Token,
+    Committed, DecodeEvent, FinishEvent, FinishReason, Flip, Flush, Prediction, RowEvent,
+    StepEvent, Token,
 };
 use super::kv_cache::KvCache;
-use super::model::{ReadoutKind, RowInput, RowSlot, StepBackend, StepRow, step};
+use super::model::{ReadoutKind, RowSlot, StepBackend, step};
 use super::pass::Pass;
-use super::policy::{Decision, Policy, Readout, Verdict};
+use super::policy::{Action, Policy, Proposal, Readout, Verdict};
+use super::sampling::argmax;
 use super::tokenizer::{Detokenizer, TextTokenizer};
-
-/// A token in the pipeline window.
-#[derive(Debug)]
-struct InFlight<H> {
-    pos: usize,
-    token: u32,
-    /// Its id is committed (its parent finished all R passes and agreed).
-    verified: bool,
-    /// Passes completed so far (a count: the rows computed for this token).
-    passes_done: usize,
-    hidden: Option<H>,
-    /// The pass of the parent's readout that proposed this guess (speculation.md §5, γ).
-    proposed_at: Pass,
-    /// Proposed as the parent's runner-up (policy `dual`), for acceptance by source.
-    second: bool,
-    /// A second candidate not yet chosen between: it shares its position with the token
-    /// before it in the window, and its KV entries are set aside.
-    unchosen: bool,
-}
-
-impl<H> InFlight<H> {
-    /// The pass this token runs in the next step.
-    fn next_pass(&self) -> Pass {
-        Pass::from_index(self.passes_done)
-    }
-
-    /// The pass it ran last, whose readout the walk is looking at.
-    fn last_pass(&self) -> Pass {
-        Pass::new(self.passes_done).expect("asked only of a token that ran a pass: this is a bug")
-    }
-}
 
 /// Where a run is: each call of `next_event` emits the event of its phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,9 +56,6 @@ enum Walked {
     /// A flush removed the younger rows, or the run ended.
     Stop(RowEvent),
 }
-
-/// A row's logits with the policy's decision on them.
-type Decided = (Vec<f32>, Decision);
 
 /// One decoding run on backend `B`: prompt, policy, KV cache and the in-flight window.
 #[derive(Debug)]
@@ -127,6 +100,7 @@ impl<B: StepBackend> Pipeline<B> {
             return Err(EngineError::Invalid("max tokens must be at least 1".into()));
         }
         options.sampling.check().map_err(EngineError::Invalid)?;
+        policy.check(model.passes()).map_err(EngineError::Invalid)?;
         let cache = KvCache::new(backend.new_store(context)?, model.passes(), context);
         Ok(Self {
             cache,
@@ -149,14 +123,17 @@ impl<B: StepBackend> Pipeline<B> {
         self.backend.model().passes()
     }
 
-    /// The policy's decision on a readout after `pass` that predicts position `pos`.
-    fn decide(&self, logits: &[f32], pass: Pass, pos: usize) -> Decision {
-        self.policy.decide(&Readout {
+    /// The policy's action on a readout after `pass` that predicts position `pos`, where
+    /// `candidates` are in flight for it.
+    fn act(&self, logits: &[f32], pass: Pass, pos: usize, candidates: &[Proposal]) -> Action {
+        let readout = Readout {
             logits,
             pass,
+            passes: self.passes(),
             pos,
             sampling: &self.options.sampling,
-        })
+        };
+        self.policy.act(&readout, candidates)
     }
 
     /// The readout a commit needs: its argmax exact when greedy, every logit when sampling.
@@ -168,13 +145,13 @@ impl<B: StepBackend> Pipeline<B> {
         }
     }
 
-    /// The readout a token needs after `pass`: a commit at pass R, a proposal where the
-    /// policy speculates, none elsewhere.
-    fn readout_after(&self, pass: Pass) -> ReadoutKind {
+    /// The readout a token needs after `pass` with `in_flight` candidates for its next
+    /// position: a commit at pass R, a proposal where the policy reads out, none elsewhere.
+    fn readout_after(&self, pass: Pass, in_flight: usize) -> ReadoutKind {
         let passes = self.passes();
         if pass.is_last(passes) {
             self.commit_readout()
-        } else if self.policy.speculates_at(pass, passes) {
+        } else if self.policy.reads_out(pass, passes, in_flight) {
             ReadoutKind::Proposal
         } else {
             ReadoutKind::None
@@ -249,50 +226,6 @@ impl<B: StepBackend> Pipeline<B> {
         }
     }
 
-    /// All R passes over the prompt, one batched step per pass; the last position's pass-R
-    /// readout is the first output token, verified, which enters the window at pass 1.
-    fn prefill(&mut self) -> Result<PrefillEvent> {
-        let started = Instant::now();
-        let passes = self.passes();
-        let n = self.prompt.len();
-        let mut inputs: Vec<RowInput<B::Hidden>> =
-            self.prompt.iter().map(|&id| RowInput::Token(id)).collect();
-        let mut last_logits = None;
-        for pass in Pass::all(passes) {
-            let rows: Vec<StepRow<B::Hidden>> = inputs
-                .drain(..)
-                .enumerate()
-                .map(|(pos, input)| StepRow {
-                    slot: RowSlot {
-                        pos,
-                        pass,
-                        readout: match pass.is_last(passes) && pos + 1 == n {
-                            true => self.commit_readout(),
-                            false => ReadoutKind::None,
-                        },
-                        second: false,
-                    },
-                    input,
-                })
-                .collect();
-            let out = step(&*self.backend, rows, &mut self.cache)?;
-            inputs = out.hidden.into_iter().map(RowInput::Hidden).collect();
-            last_logits = out.logits.into_iter().next_back().flatten();
-        }
-        let logits =
-            last_logits.expect("prefill reads out the last position at pass R: this is a bug");
-        let last = Pass::last(passes);
-        let first = self.decide(&logits, last, n).best;
-        self.phase = Phase::Decoding;
-        let committed = self.commit(n, first, last, None);
-        Ok(PrefillEvent {
-            prompt_tokens: n,
-            first: committed,
-            kv: self.cache.occupancy(),
-            compute: started.elapsed(),
-        })
-    }
-
     /// Appends a verified token to the output; ends the run on EOS, the token budget or a
     /// full context, else makes sure the window holds it as a verified token.
     fn commit(
@@ -320,7 +253,9 @@ impl<B: StepBackend> Pipeline<B> {
         let from_second = child.is_some_and(|index| self.window[index].second);
         match child {
             Some(index) => self.window[index].verified = true,
-            None if self.is_running() => self.spawn(pos, id, true, accepted_depth),
+            None if self.is_running() => {
+                self.spawn(pos, Proposal::chosen(id), true, accepted_depth);
+            }
             None => {}
         }
         let text_delta = self
@@ -337,24 +272,18 @@ impl<B: StepBackend> Pipeline<B> {
     }
 
     /// Starts a token at `pos`; it runs pass 1 in the next step.
-    fn spawn(&mut self, pos: usize, token: u32, verified: bool, proposed_at: Pass) {
-        self.window.push_back(InFlight {
-            pos,
-            token,
-            verified,
-            passes_done: 0,
-            hidden: None,
-            proposed_at,
-            second: false,
-            unchosen: false,
-        });
+    fn spawn(&mut self, pos: usize, proposal: Proposal, verified: bool, proposed_at: Pass) {
+        let t = InFlight::new(pos, proposal, verified, proposed_at);
+        self.window.push_back(t);
     }
 
-    /// Starts the runner-up as a second candidate for the position just spawned.
-    fn spawn_second(&mut self, pos: usize, token: u32, proposed_at: Pass) {
-        self.spawn(pos, token, false, proposed_at);
-        let t = self.window.back_mut().expect("just pushed: this is a bug");
-        (t.second, t.unchosen) = (true, true);
+    /// Starts a second candidate beside the first for the position after the token at
+    /// `index`; it runs pass 1 in the next step.
+    fn spawn_side(&mut self, index: usize, proposal: Proposal, proposed_at: Pass) {
+        let pos = self.window[index].pos + 1;
+        let mut side = InFlight::new(pos, proposal, false, proposed_at);
+        side.second = true;
+        self.window[index].side = Some(Box::new(side));
     }
 
     /// Whether a speculative child at `pos` could ever matter: inside the context, and its own
@@ -373,44 +302,44 @@ impl<B: StepBackend> Pipeline<B> {
         Flush {
             first_pos,
             last_pos: flushed.last().map_or(first_pos, |t| t.pos),
-            rows_wasted: flushed.iter().map(|t| t.passes_done).sum(),
+            rows_wasted: flushed.iter().map(InFlight::rows_done).sum(),
             kv_freed_per_pass: self.cache.rollback(first_pos),
         }
     }
 
-    /// One batched step over the whole window, then the walk from oldest to newest.
+    /// One batched step over the whole window (each token's row, then the side candidates'),
+    /// then the walk from oldest to newest.
     fn step(&mut self) -> Result<StepEvent> {
         let passes = self.passes();
-        let readouts: Vec<ReadoutKind> = self
+        let candidates: Vec<Vec<Proposal>> = (0..self.window.len())
+            .map(|i| self.candidates_of(i))
+            .collect();
+        let kinds: Vec<(ReadoutKind, Option<ReadoutKind>)> = self
             .window
             .iter()
-            .map(|t| self.readout_after(t.next_pass()))
-            .collect();
-        let rows: Vec<StepRow<B::Hidden>> = self
-            .window
-            .iter_mut()
-            .zip(readouts)
-            .map(|(t, readout)| StepRow {
-                slot: RowSlot {
-                    pos: t.pos,
-                    pass: t.next_pass(),
-                    readout,
-                    second: t.unchosen,
-                },
-                input: match t.hidden.take() {
-                    Some(h) => RowInput::Hidden(h),
-                    None => RowInput::Token(t.token),
-                },
+            .zip(&candidates)
+            .map(|(t, c)| {
+                let side = t.side.as_ref();
+                let side_kind = side.map(|s| self.readout_after(s.next_pass(), 0));
+                (self.readout_after(t.next_pass(), c.len()), side_kind)
             })
             .collect();
+        let (mut rows, mut side_rows) = (Vec::new(), Vec::new());
+        for (t, (kind, side_kind)) in self.window.iter_mut().zip(kinds) {
+            rows.push(t.row(kind, false));
+            if let (Some(side), Some(kind)) = (t.side.as_deref_mut(), side_kind) {
+                side_rows.push(side.row(kind, true));
+            }
+        }
+        rows.extend(side_rows);
         let slots: Vec<RowSlot> = rows.iter().map(|r| r.slot).collect();
         let started = Instant::now();
         let out = step(&*self.backend, rows, &mut self.cache)?;
-        let decisions: Vec<Option<Decision>> = out
-            .logits
-            .iter()
-            .zip(&slots)
-            .map(|(l, s)| l.as_deref().map(|l| self.decide(l, s.pass, s.pos + 1)))
+        let actions: Vec<Option<Action>> = (out.logits.iter().zip(&slots).enumerate())
+            .map(|(k, (logits, s))| {
+                let c = candidates.get(k).map_or(&[][..], Vec::as_slice);
+                logits.as_deref().map(|l| self.act(l, s.pass, s.pos + 1, c))
+            })
             .collect();
         let compute = started.elapsed();
         self.decode_compute += compute;
@@ -424,12 +353,8 @@ impl<B: StepBackend> Pipeline<B> {
             kv: Vec::new(),
             compute,
         };
-        for (t, hidden) in self.window.iter_mut().zip(out.hidden) {
-            t.hidden = Some(hidden);
-            t.passes_done += 1;
-        }
-        let readouts = out.logits.into_iter().zip(decisions);
-        self.walk(readouts.map(|(l, d)| l.zip(d)).collect(), &mut event)?;
+        let readouts = self.take_outputs(out.hidden, out.logits, actions);
+        self.walk(readouts, &mut event)?;
         if self.window.front().is_some_and(|t| t.passes_done == passes) {
             self.window.pop_front();
         }
@@ -437,71 +362,118 @@ impl<B: StepBackend> Pipeline<B> {
         Ok(event)
     }
 
+    /// Hands each row's new hidden state back to its token (in the order the step ran them:
+    /// the window, then the side candidates) and returns the readouts by window entry.
+    fn take_outputs(
+        &mut self,
+        hidden: Vec<B::Hidden>,
+        logits: Vec<Option<Vec<f32>>>,
+        actions: Vec<Option<Action>>,
+    ) -> Vec<Readouts> {
+        let mut outputs = hidden
+            .into_iter()
+            .zip(logits.into_iter().zip(actions).map(|(l, a)| l.zip(a)));
+        let mut next = |t: &mut InFlight<B::Hidden>| {
+            let (h, readout) = outputs
+                .next()
+                .expect("the step returns one output per row: this is a bug");
+            t.hidden = Some(h);
+            t.passes_done += 1;
+            readout
+        };
+        let mut readouts: Vec<Readouts> = (self.window.iter_mut())
+            .map(|t| Readouts {
+                main: next(t),
+                side: None,
+            })
+            .collect();
+        for (t, r) in self.window.iter_mut().zip(&mut readouts) {
+            if let Some(side) = t.side.as_deref_mut() {
+                r.side = next(side);
+            }
+        }
+        readouts
+    }
+
     /// Step 3 of speculation.md §3: every row that ran, oldest first, until a flush removes
-    /// the younger ones. `readouts` stays aligned with the window.
-    fn walk(&mut self, mut readouts: Vec<Option<Decided>>, event: &mut StepEvent) -> Result<()> {
+    /// the younger ones. `readouts` stays aligned with the window. A side candidate still
+    /// waiting for its parent's choice reports its row after its parent's.
+    fn walk(&mut self, mut readouts: Vec<Readouts>, event: &mut StepEvent) -> Result<()> {
         let mut index = 0;
         while index < readouts.len() {
-            let readout = readouts[index].take();
-            match self.walk_row(index, readout, &mut readouts, event)? {
-                Walked::GoOn(row) => event.rows.push(row),
-                Walked::Stop(row) => {
-                    event.rows.push(row);
-                    break;
-                }
+            let walked = self.walk_row(index, &mut readouts, event)?;
+            let (Walked::GoOn(row) | Walked::Stop(row)) = &walked;
+            event.rows.push(row.clone());
+            let waiting = self.window.get(index).and_then(|t| t.side.as_deref());
+            if let Some(side) = waiting.filter(|s| s.passes_done > 0) {
+                event.rows.push(self.row_event(side, false));
+            }
+            if matches!(walked, Walked::Stop(_)) {
+                break;
             }
             index += 1;
         }
         Ok(())
     }
 
-    /// Step 3 of speculation.md §3 for the row at `index`, which just finished its pass.
+    /// Step 3 of speculation.md §3 for the token at `index`, which just finished its pass:
+    /// the policy's action on its readout settles, starts or commits what follows it.
     /// Returns its event and whether the walk goes on to younger rows (not after a flush,
-    /// which removed them, nor after the run ended). A candidate dropped here loses its
-    /// entry in `readouts` too.
+    /// which removed them, nor after the run ended).
     fn walk_row(
         &mut self,
         index: usize,
-        readout: Option<Decided>,
-        readouts: &mut Vec<Option<Decided>>,
+        readouts: &mut Vec<Readouts>,
         event: &mut StepEvent,
     ) -> Result<Walked> {
         let passes = self.passes();
+        let Readouts { main, side } = std::mem::take(&mut readouts[index]);
         let t = &self.window[index];
         let (pos, pass) = (t.pos, t.last_pass());
         let mut row = self.row_event(t, false);
-        let Some((logits, decision)) = readout else {
+        let Some((logits, action)) = main else {
             return Ok(Walked::GoOn(row));
         };
-        row.prediction = Some(Prediction::describe(
-            &self.tokenizer,
-            &logits,
-            decision.best,
-        ));
         let candidates = self.candidates_of(index);
-        row.checked_child = !candidates.is_empty();
-        let mut go_on = true;
-        if !candidates.is_empty() {
-            let verdict = self.policy.settle(&decision, &candidates);
-            go_on = self.apply(index, verdict, &decision, &candidates, readouts, event)?;
+        let shown = action.shown(&candidates).unwrap_or_else(|| argmax(&logits));
+        row.prediction = Some(Prediction::describe(&self.tokenizer, &logits, shown));
+        row.gate = action.gate();
+        row.checked_child = matches!(action, Action::Settle(_));
+        let (mut go_on, mut next) = (true, None);
+        match action {
+            Action::Nothing => {}
+            Action::Commit(token) => next = Some((Proposal::chosen(token), None)),
+            Action::Propose { first, second, .. } => next = Some((first, second)),
+            Action::Gate(second) => {
+                if let Some(second) = second.filter(|_| self.may_speculate(pos + 1)) {
+                    self.spawn_side(index, second, pass);
+                }
+            }
+            Action::Settle(verdict) => {
+                let rejected_for;
+                (go_on, rejected_for) =
+                    self.settle(index, verdict, &candidates, side, readouts, event)?;
+                next = rejected_for.map(|p| (p, None));
+            }
         }
         let surviving = self.child_of(index).map(|_| index + 1);
         if pass.is_last(passes) {
             let (token, depth) = match surviving {
-                Some(child) => (self.window[child].token, self.window[child].proposed_at),
-                None => (decision.best, pass),
+                Some(child) => (self.window[child].token(), self.window[child].proposed_at),
+                None => {
+                    let commit = next.expect("a pass-R action commits or settles: this is a bug");
+                    (commit.0.token, pass)
+                }
             };
-            event
-                .committed
-                .push(self.commit(pos + 1, token, depth, surviving));
+            let committed = self.commit(pos + 1, token, depth, surviving);
+            event.committed.push(committed);
             go_on &= self.is_running();
-        } else if surviving.is_none()
-            && self.policy.speculates_at(pass, passes)
+        } else if let Some((first, second)) = next.filter(|_| surviving.is_none())
             && self.may_speculate(pos + 1)
         {
-            self.spawn(pos + 1, decision.best, false, pass);
-            if let Some(second) = decision.second {
-                self.spawn_second(pos + 1, second, pass);
+            self.spawn(pos + 1, first, false, pass);
+            if let Some(second) = second {
+                self.spawn_side(index, second, pass);
             }
         }
         Ok(if go_on {
@@ -513,46 +485,98 @@ impl<B: StepBackend> Pipeline<B> {
 
     /// Carries out the policy's verdict on the candidates of the token at `index`: a first
     /// candidate found wrong is a flip (pass < R) or a misprediction found at commit (pass
-    /// R); of two candidates one leaves the window; a rejection flushes everything younger,
-    /// which was computed from a wrong token. Returns whether the walk goes on.
-    fn apply(
+    /// R); of two candidates one leaves; a rejection flushes everything younger, which was
+    /// computed from a wrong token. Returns whether the walk goes on, and on a rejection the
+    /// token to commit or propose instead.
+    fn settle(
         &mut self,
         index: usize,
         verdict: Verdict,
-        decision: &Decision,
-        candidates: &[u32],
-        readouts: &mut Vec<Option<Decided>>,
+        candidates: &[Proposal],
+        side_readout: Option<Decided>,
+        readouts: &mut Vec<Readouts>,
         event: &mut StepEvent,
-    ) -> Result<bool> {
+    ) -> Result<(bool, Option<Proposal>)> {
         let t = &self.window[index];
-        if verdict != Verdict::Keep(0) {
-            let new = match verdict {
-                Verdict::Keep(i) => candidates[i],
-                Verdict::Reject => decision.best,
-            };
+        let new = match &verdict {
+            Verdict::Keep(0) => None,
+            Verdict::Keep(i) => Some(candidates[*i].token),
+            Verdict::Reject(p) => Some(p.token),
+        };
+        if let Some(new) = new {
             event.flips.push(Flip {
                 pos: t.pos + 1,
                 pass: t.last_pass(),
-                old: self.token(candidates[0]),
+                old: self.token(candidates[0].token),
                 new: self.token(new),
             });
         }
-        if candidates.len() > 1 {
-            self.choose_candidate(index, verdict == Verdict::Keep(1), readouts, event)?;
+        match verdict {
+            Verdict::Keep(0) => {
+                self.drop_side(index, event);
+                Ok((true, None))
+            }
+            Verdict::Keep(_) => {
+                self.promote_side(index, side_readout, readouts, event)?;
+                Ok((true, None))
+            }
+            Verdict::Reject(instead) => {
+                self.drop_side(index, event);
+                event.flushes.push(self.flush_from(index + 1));
+                readouts.truncate(index + 1);
+                Ok((false, Some(instead)))
+            }
         }
-        if verdict == Verdict::Reject {
-            event.flushes.push(self.flush_from(index + 1));
-            readouts.truncate(index + 1);
-            return Ok(false);
-        }
-        Ok(true)
     }
 
-    /// The tokens in flight for the position after the one at `index`: its child, then an
-    /// unchosen second candidate.
-    fn candidates_of(&self, index: usize) -> Vec<u32> {
-        let first = self.child_of(index).map(|c| c.token);
-        let second = self.second_candidate_of(index).map(|c| c.token);
+    /// The side candidate of the token at `index` lost: it leaves as a dropped row.
+    fn drop_side(&mut self, index: usize, event: &mut StepEvent) {
+        if let Some(side) = self.window[index].side.take() {
+            self.cache.drop_second(side.pos);
+            if side.passes_done > 0 {
+                event.rows.push(self.row_event(&side, true));
+            }
+        }
+    }
+
+    /// The side candidate of the token at `index` won: the first candidate leaves as a
+    /// dropped row, anything it started is flushed, and the side takes its place in the
+    /// window (and in the walk, with the readout it made this step).
+    fn promote_side(
+        &mut self,
+        index: usize,
+        side_readout: Option<Decided>,
+        readouts: &mut Vec<Readouts>,
+        event: &mut StepEvent,
+    ) -> Result<()> {
+        let side = self.window[index]
+            .side
+            .take()
+            .expect("a second candidate is kept only where one is in flight: this is a bug");
+        if self.window.len() > index + 2 {
+            event.flushes.push(self.flush_from(index + 2));
+        }
+        let first = self
+            .window
+            .remove(index + 1)
+            .expect("the first candidate is in flight: this is a bug");
+        event.rows.push(self.row_event(&first, true));
+        self.cache.promote_second(side.pos, side.passes_done)?;
+        self.window.push_back(*side);
+        readouts.truncate(index + 1);
+        readouts.push(Readouts {
+            main: side_readout,
+            side: None,
+        });
+        Ok(())
+    }
+
+    /// The candidates in flight for the position after the token at `index`: its child,
+    /// then its side candidate.
+    fn candidates_of(&self, index: usize) -> Vec<Proposal> {
+        let first = self.child_of(index).map(|c| c.proposal.clone());
+        let side = self.window[index].side.as_ref();
+        let second = side.map(|s| s.proposal.clone());
         first.into_iter().chain(second).collect()
     }
 
@@ -562,48 +586,17 @@ impl<B: StepBackend> Pipeline<B> {
         self.window.get(index + 1).filter(|c| c.pos == pos + 1)
     }
 
-    /// The unchosen second candidate beside the child of the token at `index`, if any.
-    fn second_candidate_of(&self, index: usize) -> Option<&InFlight<B::Hidden>> {
-        self.child_of(index)?;
-        self.window.get(index + 2).filter(|c| c.unchosen)
-    }
-
-    /// Of the two candidates of the token at `index` keeps the second if `second_wins`,
-    /// else the first (which a rejection then flushes). The other leaves the window as a
-    /// dropped row.
-    fn choose_candidate(
-        &mut self,
-        index: usize,
-        second_wins: bool,
-        readouts: &mut Vec<Option<Decided>>,
-        event: &mut StepEvent,
-    ) -> Result<()> {
-        let dropped = if second_wins { index + 1 } else { index + 2 };
-        if second_wins {
-            self.cache.promote_second()?;
-        } else {
-            self.cache.drop_second();
-        }
-        let t = self
-            .window
-            .remove(dropped)
-            .expect("the candidate exists: this is a bug");
-        readouts.remove(dropped);
-        self.window[index + 1].unchosen = false;
-        event.rows.push(self.row_event(&t, true));
-        Ok(())
-    }
-
     /// The event of an in-flight token's row, before its readout is described.
     fn row_event(&self, t: &InFlight<B::Hidden>, dropped: bool) -> RowEvent {
         RowEvent {
             pos: t.pos,
             pass: t.last_pass(),
-            token: self.token(t.token),
+            token: self.token(t.token()),
             verified: t.verified,
             second: t.second,
             dropped,
             prediction: None,
+            gate: None,
             checked_child: false,
         }
     }
