@@ -193,7 +193,10 @@ fn bench_against_itself_is_refused() {
         "--max-tokens",
         "4",
     ];
-    assert_clean_error(&args, "speculative policy: speed or dual");
+    assert_clean_error(
+        &args,
+        "speculative policies: speed, dual[:MARGIN] or loopspec",
+    );
 }
 
 #[test]
@@ -223,7 +226,7 @@ fn bench_reports_identical_outputs() {
             "--runs",
             "2",
             "--policy",
-            "dual:2.5",
+            "dual:2.5,loopspec:d2=2",
             "--json",
         ],
         &[],
@@ -231,11 +234,49 @@ fn bench_reports_identical_outputs() {
     );
     let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["runs_per_lane"], 2);
-    assert_eq!(report["policy"], "dual:2.5");
-    assert!(report["overall"]["second_proposals"].as_u64().unwrap() > 0);
-    assert_eq!(report["overall"]["identical"], true);
+    assert_eq!(
+        report["policies"],
+        serde_json::json!(["dual:2.5", "loopspec:d2=2"])
+    );
+    let [dual, loopspec] = [0, 1].map(|k| &report["overall"]["policies"][k]);
+    assert!(dual["second_proposals"].as_u64().unwrap() > 0);
+    assert!(loopspec["gate_open_rate"].as_f64().unwrap() > 0.0);
+    for policy in [dual, loopspec] {
+        assert_eq!(policy["identical"], true, "{policy}");
+        let a = &policy["acceptance"];
+        let total: f64 = ["first", "second", "restart"]
+            .map(|k| a[k].as_f64().unwrap())
+            .iter()
+            .sum();
+        assert!((total - 1.0).abs() < 1e-9, "{a}");
+    }
     assert!(report["overall"]["ceiling"].as_f64().unwrap() > 0.0);
     assert_eq!(report["prompts"].as_array().unwrap().len(), 8);
+}
+
+#[test]
+fn bench_under_sampling_compares_coupled_policies_and_not_loopspec() {
+    let (dir, _) = random_model(&spec(2, 3, Variant::Gqa, 1));
+    let d = dir.path().display().to_string();
+    let args = ["bench", "--model", &d, "--max-tokens", "12", "--runs", "1"];
+    let sampled = [
+        "--temperature",
+        "0.8",
+        "--seed",
+        "5",
+        "--policy",
+        "speed,loopspec",
+        "--json",
+    ];
+    let out = spex_ok(&[&args[..], &sampled].concat(), &[], Path::new("."));
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let [speed, loopspec] = [0, 1].map(|k| &report["overall"]["policies"][k]);
+    assert_eq!(speed["identical"], true);
+    assert_eq!(loopspec["same_distribution"], true);
+    for prompt in report["prompts"].as_array().unwrap() {
+        assert_eq!(prompt["policies"][0]["comparison"], "identical");
+        assert_eq!(prompt["policies"][1]["comparison"], "same_distribution");
+    }
 }
 
 #[test]
@@ -304,7 +345,7 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     );
     let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["kernel_isa"], "Portable");
-    let overall: Vec<f64> = report["overall"]["run_speedups"]
+    let overall: Vec<f64> = report["overall"]["policies"][0]["run_speedups"]
         .as_array()
         .unwrap()
         .iter()
@@ -313,8 +354,9 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     assert_eq!(overall.len(), 3);
     assert!(overall.windows(2).all(|w| w[0] <= w[1]) && overall[0] > 0.0);
     for prompt in report["prompts"].as_array().unwrap() {
-        assert_eq!(prompt["run_speedups"].as_array().unwrap().len(), 3);
-        assert_eq!(prompt["identical"], true);
+        let lane = &prompt["policies"][0];
+        assert_eq!(lane["run_speedups"].as_array().unwrap().len(), 3);
+        assert_eq!(lane["comparison"], "identical");
     }
     let table = spex_ok(
         &[&args[..], &["--prompts", &p]].concat(),
@@ -323,7 +365,7 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     );
     let table = String::from_utf8(table).unwrap();
     assert!(table.contains("3 interleaved runs per prompt"), "{table}");
-    assert!(table.contains("(runs "), "{table}");
+    assert!(table.contains("runs min–med–max"), "{table}");
 }
 
 #[test]

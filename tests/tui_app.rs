@@ -20,7 +20,7 @@ fn info() -> ModelInfo {
         layers: 2,
         device: "cpu".into(),
         dtype: "f32".into(),
-        policy: "speed".into(),
+        policy: spex::engine::PolicyKind::Speed,
     }
 }
 
@@ -34,6 +34,14 @@ fn race_events(prompt: &str) -> Vec<RaceEvent> {
 }
 
 fn race_events_with(prompt: &str, policy: PolicyKind) -> Vec<RaceEvent> {
+    race_events_sampled(prompt, policy, spex::engine::Sampling::GREEDY)
+}
+
+fn race_events_sampled(
+    prompt: &str,
+    policy: PolicyKind,
+    sampling: spex::engine::Sampling,
+) -> Vec<RaceEvent> {
     let (_dir, loaded) = random_model(&spec(2, 4, Variant::Tied, 5));
     let (_control_tx, control_rx) = mpsc::channel();
     let mut events = Vec::new();
@@ -45,7 +53,7 @@ fn race_events_with(prompt: &str, policy: PolicyKind) -> Vec<RaceEvent> {
             DecodeOptions {
                 max_tokens: 20,
                 context: 128,
-                sampling: spex::engine::Sampling::GREEDY,
+                sampling,
             },
         ),
         control_rx,
@@ -421,4 +429,27 @@ fn temperature_and_seed_keys_change_the_rule_and_rerun() {
         app.update(key(KeyCode::Char('t')));
     }
     assert_eq!(app.sampling.temperature, 1.5);
+}
+
+#[test]
+fn a_sampled_loopspec_race_claims_the_same_distribution_not_the_same_text() {
+    let sampling = spex::engine::Sampling {
+        temperature: 1.0,
+        top_k: None,
+        top_p: None,
+        seed: 9,
+    };
+    for (policy, greedy_like) in [(PolicyKind::LOOPSPEC, false), (PolicyKind::Speed, true)] {
+        let mut app = running_app();
+        app.info.policy = policy;
+        app.sampling = sampling;
+        app.update(Msg::Engine(race_events_sampled("To be", policy, sampling)));
+        let run = app.run.as_ref().unwrap();
+        assert!(run.done);
+        match app.agreement(run) {
+            Agreement::Same(n) => assert!(greedy_like && n == 20, "{policy}: {n}"),
+            Agreement::SameDistribution => assert!(!greedy_like, "{policy}"),
+            Agreement::Differ(i) => panic!("{policy} differs at {i}"),
+        }
+    }
 }

@@ -54,7 +54,7 @@ fn app() -> App {
         layers: 4,
         device: "cpu".into(),
         dtype: "f32".into(),
-        policy: "speed".into(),
+        policy: spex::engine::PolicyKind::Speed,
     };
     let mut app = App::new(info, Some("To be, or not to be".into()), (100, 32));
     app.focus = Focus::Speculative;
@@ -196,7 +196,7 @@ fn error_line_and_editing() {
 #[test]
 fn dual_lane_with_two_candidates_in_one_cell() {
     let mut app = app();
-    app.info.policy = "dual".into();
+    app.info.policy = spex::engine::PolicyKind::DUAL;
     let run = app.run.as_mut().unwrap();
     let last = run.columns.back_mut().unwrap();
     last.cells[0] = cell(" the| a", 21, CellKind::Speculative);

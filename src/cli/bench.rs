@@ -1,15 +1,14 @@
-//! `spex bench`: baseline and SPEED on every prompt in one process; a table or JSON report;
-//! a non-zero exit when any output differs.
+//! `spex bench`: baseline and every listed policy on every prompt in one process, interleaved;
+//! one table (or a JSON report); a non-zero exit when any output differs where it must not.
 
 use std::path::Path;
 
 use serde_json::json;
 
 use super::{BenchArgs, load_model};
-use crate::engine::bench::{PromptResult, bench_prompt};
+use crate::engine::bench::{Comparison, PolicyResult, PromptResult, bench_prompt};
 use crate::engine::metrics::RunStats;
 use crate::engine::metrics::speedup;
-use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
 
 /// Prompts used when `--prompts` is not given.
@@ -49,70 +48,109 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(args.prompts.as_deref())?;
     let session = load_model(&args.model)?;
     let loaded = &session.loaded;
+    let passes = loaded.model().passes();
     let options = DecodeOptions {
         max_tokens: args.max_tokens,
         context: args.model.context,
         sampling: args.sampling.resolve(&session)?,
     };
-    let policy = session.speculative_policy(args.policy);
+    let policies = session.bench_policies(&args.policy);
+    let names: Vec<String> = policies.iter().map(ToString::to_string).collect();
     if !args.json {
         println!(
-            "{} on {} ({}), kernels {:?}; {policy} against baseline, {}, {} interleaved runs per prompt",
+            "{} on {} ({}), kernels {:?}; {} against baseline, {}, {} interleaved runs per prompt",
             session.name,
             cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
             session.device,
             crate::engine::kernels::isa(),
+            names.join(", "),
             options.sampling,
             args.runs
         );
     }
     let mut results = Vec::new();
     for prompt in &prompts {
-        let lane = (policy, args.runs as usize);
-        let mut r = bench_prompt(loaded, &session.prompt(prompt), options, lane)?;
+        let lanes = (&policies[..], args.runs as usize);
+        let mut r = bench_prompt(loaded, &session.prompt(prompt), options, lanes)?;
         r.prompt.clone_from(prompt);
         if !args.json {
-            print_row(&r, results.is_empty(), loaded.model().passes());
+            print_prompt(&r, results.is_empty(), passes);
         }
         results.push(r);
     }
-    let (base, speed) = totals(&results, loaded.model().passes());
-    let spread = run_speedups(&results, loaded.model().passes());
-    let ceiling =
-        results.iter().map(|r| r.step_times.ceiling()).sum::<f64>() / results.len() as f64;
-    let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
+    let overall = Overall::of(&results, passes);
     if args.json {
-        let report = json_report(
-            &session,
-            &results,
-            (&base, &speed, &spread),
-            ceiling,
-            (policy, args.runs, options.sampling),
-        );
+        let report = json_report(&session, &results, &overall, (args.runs, options.sampling));
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        let counts = (mismatches, results.len());
-        print_overall((&base, &speed, &spread), policy, ceiling, counts);
+        print_overall(&overall, results.len(), passes);
     }
-    if mismatches > 0 {
+    let failed: Vec<&str> = (overall.policies.iter())
+        .filter(|p| p.mismatches > 0)
+        .map(|p| p.name.as_str())
+        .collect();
+    if !failed.is_empty() {
         anyhow::bail!(
-            "{mismatches} of {} prompts: {} output differs from baseline",
-            results.len(),
-            policy
+            "{} output differs from baseline (see the table's last column)",
+            failed.join(", ")
         );
     }
     Ok(())
+}
+
+/// One policy summed over every prompt's shown (median) run.
+struct PolicyTotals {
+    name: String,
+    baseline: RunStats,
+    stats: RunStats,
+    /// The overall speedup of each run (every prompt's k-th run together), sorted.
+    run_speedups: Vec<f64>,
+    mismatches: usize,
+    /// Prompts whose text is compared with the baseline's (all but same-distribution ones).
+    compared: usize,
+}
+
+/// The whole bench, summed per policy.
+struct Overall {
+    policies: Vec<PolicyTotals>,
+    ceiling: f64,
+}
+
+impl Overall {
+    fn of(results: &[PromptResult], passes: usize) -> Self {
+        let count = results.first().map_or(0, |r| r.policies.len());
+        let policies = (0..count)
+            .map(|k| {
+                let lanes: Vec<&PolicyResult> = results.iter().map(|r| &r.policies[k]).collect();
+                let (baseline, stats) =
+                    summed(lanes.iter().map(|p| (&p.baseline, &p.lane.stats)), passes);
+                PolicyTotals {
+                    name: lanes[0].lane.policy.to_string(),
+                    baseline,
+                    stats,
+                    run_speedups: run_speedups(&lanes, passes),
+                    mismatches: lanes.iter().filter(|p| p.is_mismatch()).count(),
+                    compared: (lanes.iter())
+                        .filter(|p| p.comparison != Comparison::SameDistribution)
+                        .count(),
+                }
+            })
+            .collect();
+        let ceilings = results.iter().map(|r| r.step_times.ceiling());
+        Self {
+            policies,
+            ceiling: ceilings.sum::<f64>() / results.len().max(1) as f64,
+        }
+    }
 }
 
 /// The whole run as one JSON object (the `--json` output).
 fn json_report(
     session: &super::Session,
     results: &[PromptResult],
-    (base, speed, spread): (&RunStats, &RunStats, &[f64]),
-    ceiling: f64,
-    (policy, runs, sampling): (PolicyKind, u64, crate::engine::Sampling),
+    overall: &Overall,
+    (runs, sampling): (u64, crate::engine::Sampling),
 ) -> serde_json::Value {
-    let mismatches = results.iter().filter(|r| r.mismatch.is_some()).count();
     json!({
         "model": session.name,
         "device": session.device,
@@ -122,33 +160,42 @@ fn json_report(
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
         "cpu": cpu_model(),
         "runs_per_lane": runs,
-        "policy": policy,
+        "policies": overall.policies.iter().map(|p| &p.name).collect::<Vec<_>>(),
         "sampling": sampling,
         "peak_memory_bytes": peak_memory_bytes(),
         "prompts": results.iter().map(|r| json!({
             "prompt": r.prompt,
-            "identical": r.mismatch.is_none(),
-            "mismatch": r.mismatch,
-            "baseline": r.baseline.stats,
-            "speculative": r.speculative.stats,
-            "speedup": r.speedup(),
-            "run_speedups": r.runs.iter().map(|(b, s)| speedup(b, s)).collect::<Vec<_>>(),
             "ceiling": r.step_times.ceiling(),
             "step_times": r.step_times,
-            "gamma": r.speculative.stats.gamma(),
+            "policies": r.policies.iter().map(|p| json!({
+                "policy": p.lane.policy,
+                "comparison": p.comparison,
+                "baseline": p.baseline,
+                "stats": p.lane.stats,
+                "speedup": p.speedup(),
+                "run_speedups": p.runs.iter().map(|(b, s)| speedup(b, s)).collect::<Vec<_>>(),
+                "gamma": p.lane.stats.gamma(),
+                "acceptance": p.lane.stats.acceptance(),
+            })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "overall": {
-            "baseline_tokens_per_sec": base.tokens_per_sec(),
-            "speed_tokens_per_sec": speed.tokens_per_sec(),
-            "speedup": speedup(base, speed),
-            "run_speedups": spread,
-            "ceiling": ceiling,
-            "gamma": speed.gamma(),
-            "flip_rate_per_pass": speed.flip_rates(),
-            "wasted_row_slots": speed.wasted_fraction(),
-            "second_proposals": speed.second_proposals,
-            "accepted_second": speed.accepted_second,
-            "identical": mismatches == 0,
+            "ceiling": overall.ceiling,
+            "policies": overall.policies.iter().map(|p| json!({
+                "policy": p.name,
+                "baseline_tokens_per_sec": p.baseline.tokens_per_sec(),
+                "tokens_per_sec": p.stats.tokens_per_sec(),
+                "speedup": speedup(&p.baseline, &p.stats),
+                "run_speedups": p.run_speedups,
+                "gamma": p.stats.gamma(),
+                "acceptance": p.stats.acceptance(),
+                "gate_open_rate": p.stats.gate_open_rate(),
+                "flip_rate_per_pass": p.stats.flip_rates(),
+                "wasted_row_slots": p.stats.wasted_fraction(),
+                "second_proposals": p.stats.second_proposals,
+                "accepted_second": p.stats.accepted_second,
+                "identical": p.mismatches == 0 && p.compared == results.len(),
+                "same_distribution": p.compared < results.len(),
+            })).collect::<Vec<_>>(),
         }
     })
 }
@@ -168,37 +215,26 @@ pub fn peak_memory_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Baseline and speculative statistics summed over prompts.
+/// Baseline and policy statistics summed over prompts.
 fn summed<'a>(
     pairs: impl Iterator<Item = (&'a RunStats, &'a RunStats)>,
     passes: usize,
 ) -> (RunStats, RunStats) {
-    let (mut base, mut speculative) = (RunStats::new(passes), RunStats::new(passes));
+    let (mut base, mut policy) = (RunStats::new(passes), RunStats::new(passes));
     for (b, s) in pairs {
         base.add(b);
-        speculative.add(s);
+        policy.add(s);
     }
-    (base, speculative)
-}
-
-/// Every prompt's shown (median) run, summed.
-fn totals(results: &[PromptResult], passes: usize) -> (RunStats, RunStats) {
-    summed(
-        results
-            .iter()
-            .map(|r| (&r.baseline.stats, &r.speculative.stats)),
-        passes,
-    )
+    (base, policy)
 }
 
 /// The overall speedup of each run (every prompt's k-th run together), sorted.
-fn run_speedups(results: &[PromptResult], passes: usize) -> Vec<f64> {
-    let runs = results.iter().map(|r| r.runs.len()).min().unwrap_or(0);
+fn run_speedups(lanes: &[&PolicyResult], passes: usize) -> Vec<f64> {
+    let runs = lanes.iter().map(|p| p.runs.len()).min().unwrap_or(0);
     let mut speedups: Vec<f64> = (0..runs)
         .map(|k| {
-            let (base, speculative) =
-                summed(results.iter().map(|r| (&r.runs[k].0, &r.runs[k].1)), passes);
-            speedup(&base, &speculative)
+            let (base, policy) = summed(lanes.iter().map(|p| (&p.runs[k].0, &p.runs[k].1)), passes);
+            speedup(&base, &policy)
         })
         .collect();
     speedups.sort_by(f64::total_cmp);
@@ -224,70 +260,118 @@ fn flip_rates(s: &RunStats) -> String {
         .join(" ")
 }
 
-fn print_row(r: &PromptResult, header: bool, passes: usize) {
+/// Acceptance by source as `first/second/restart %`.
+fn acceptance(s: &RunStats) -> String {
+    let a = s.acceptance();
+    let pct = |x: f64| format!("{:.0}", 100.0 * x);
+    format!("{}/{}/{}%", pct(a.first), pct(a.second), pct(a.restart))
+}
+
+/// The gate-open rate, or a dash for a policy without a gate.
+fn gate(s: &RunStats) -> String {
+    if s.gate_checks == 0 {
+        "—".into()
+    } else {
+        format!("{:.0}%", 100.0 * s.gate_open_rate())
+    }
+}
+
+/// The prompt cut to `width` characters, with an ellipsis where it was cut.
+fn cut(prompt: &str, width: usize) -> String {
+    let mut p: String = prompt.chars().take(width).collect();
+    if prompt.chars().count() > width {
+        p.pop();
+        p.push('…');
+    }
+    p
+}
+
+fn print_prompt(r: &PromptResult, header: bool, passes: usize) {
     if header {
         println!(
-            "{:<28} {:>9} {:>9} {:>8} {:>8} {:>6} {:>7}  {:<w$}  same",
+            "{:<28} {:<16} {:>8} {:>8} {:>8} {:>8} {:>5} {:>13} {:>5}  {:<w$}  same",
             "prompt",
+            "policy",
             "base t/s",
-            format!("{} t/s", r.speculative.policy),
+            "t/s",
             "speedup",
             "ceiling",
             "γ",
-            "wasted",
+            "1st/2nd/rest",
+            "gate",
             "flips/pass",
             w = passes * 4
         );
     }
-    let mut p: String = r.prompt.chars().take(27).collect();
-    if r.prompt.chars().count() > 27 {
-        p.pop();
-        p.push('…');
+    for (k, p) in r.policies.iter().enumerate() {
+        let same = match p.comparison {
+            Comparison::Identical => "✓".to_string(),
+            Comparison::SameDistribution => "same distribution".to_string(),
+            Comparison::Differs { index, margin } => {
+                format!("✗ at token {index} (baseline margin {margin:.3})")
+            }
+        };
+        let prompt = if k == 0 {
+            cut(&r.prompt, 27)
+        } else {
+            String::new()
+        };
+        println!(
+            "{:<28} {:<16} {:>8.1} {:>8.1} {:>7.2}× {:>7.2}× {:>5.2} {:>13} {:>5}  {:<w$}  {same}",
+            prompt,
+            p.lane.policy.to_string(),
+            p.baseline.tokens_per_sec(),
+            p.lane.stats.tokens_per_sec(),
+            p.speedup(),
+            r.step_times.ceiling(),
+            p.lane.stats.gamma(),
+            acceptance(&p.lane.stats),
+            gate(&p.lane.stats),
+            flip_rates(&p.lane.stats),
+            w = passes * 4
+        );
     }
-    let same = match r.mismatch {
-        None => "✓".to_string(),
-        Some((i, margin)) => format!("✗ at token {i} (baseline margin {margin:.3})"),
-    };
-    println!(
-        "{:<28} {:>9.1} {:>9.1} {:>7.2}× {:>7.2}× {:>6.2} {:>6.1}%  {:<w$}  {same}",
-        p,
-        r.baseline.stats.tokens_per_sec(),
-        r.speculative.stats.tokens_per_sec(),
-        r.speedup(),
-        r.step_times.ceiling(),
-        r.speculative.stats.gamma(),
-        100.0 * r.speculative.stats.wasted_fraction(),
-        flip_rates(&r.speculative.stats),
-        w = passes * 4
-    );
 }
 
-fn print_overall(
-    (base, speed, runs): (&RunStats, &RunStats, &[f64]),
-    policy: PolicyKind,
-    ceiling: f64,
-    (mismatches, n): (usize, usize),
-) {
+fn print_overall(overall: &Overall, prompts: usize, passes: usize) {
     let peak = peak_memory_bytes().map_or("?".into(), |b| format!("{:.0} MB", b as f64 / 1e6));
-    let second = if speed.second_proposals > 0 {
-        format!(
-            ", second proposals {} ({} committed)",
-            speed.second_proposals, speed.accepted_second
-        )
-    } else {
-        String::new()
-    };
     println!(
-        "overall: baseline {:.1} tok/s, {policy} {:.1} tok/s, speedup {:.2}× (runs {}), ceiling {:.2}×, γ {:.2}, wasted {:.1}%, flips/pass {}{second}, identical {}/{}, peak memory {peak}",
-        base.tokens_per_sec(),
-        speed.tokens_per_sec(),
-        speedup(base, speed),
-        spread(runs),
-        ceiling,
-        speed.gamma(),
-        100.0 * speed.wasted_fraction(),
-        flip_rates(speed),
-        n - mismatches,
-        n
+        "\noverall, {prompts} prompts: ceiling {:.2}×, peak memory {peak}",
+        overall.ceiling
     );
+    println!(
+        "{:<16} {:>8} {:>8} {:>7} {:>20} {:>5} {:>13} {:>5}  {:<w$}  {:>6}  same",
+        "policy",
+        "base t/s",
+        "t/s",
+        "speedup",
+        "runs min–med–max",
+        "γ",
+        "1st/2nd/rest",
+        "gate",
+        "flips/pass",
+        "wasted",
+        w = passes * 4
+    );
+    for p in &overall.policies {
+        let same = if p.compared < prompts {
+            format!("same distribution ({} compared)", p.compared)
+        } else {
+            format!("identical {}/{prompts}", prompts - p.mismatches)
+        };
+        println!(
+            "{:<16} {:>8.1} {:>8.1} {:>6.2}× {:>20} {:>5.2} {:>13} {:>5}  {:<w$}  {:>5.1}%  {same}",
+            p.name,
+            p.baseline.tokens_per_sec(),
+            p.stats.tokens_per_sec(),
+            speedup(&p.baseline, &p.stats),
+            spread(&p.run_speedups),
+            p.stats.gamma(),
+            acceptance(&p.stats),
+            gate(&p.stats),
+            flip_rates(&p.stats),
+            100.0 * p.stats.wasted_fraction(),
+            w = passes * 4
+        );
+    }
 }

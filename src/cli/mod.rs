@@ -162,6 +162,15 @@ impl Session {
             .unwrap_or(PolicyKind::Speed)
     }
 
+    /// The policies a bench races: those asked for, else the entry's speculative one.
+    pub fn bench_policies(&self, asked: &[PolicyKind]) -> Vec<PolicyKind> {
+        if asked.is_empty() {
+            vec![self.speculative_policy(None)]
+        } else {
+            asked.to_vec()
+        }
+    }
+
     /// The prompt as the model sees it: wrapped in the chat template for chat models.
     pub fn prompt(&self, prompt: &str) -> String {
         if self.chat {
@@ -182,7 +191,7 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
-    /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits) or baseline (default: the entry's policy, else speed).
+    /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits), loopspec[:d1=N][:d2=M] (LoopSpec, verified by rejection sampling) or baseline (default: the entry's policy, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
@@ -210,10 +219,12 @@ pub struct BenchArgs {
     /// with the median speedup, and the overall line every run's speedup (min–median–max).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     pub runs: u64,
-    /// The speculative lane raced against baseline: speed, or dual (SPEED with a gated
-    /// second proposal; dual:MARGIN sets the gate in logits) (default: the entry's policy, else speed).
-    #[arg(long)]
-    pub policy: Option<PolicyKind>,
+    /// The policies raced against baseline, comma-separated, all in one interleaved run:
+    /// speed; dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits);
+    /// loopspec[:d1=N][:d2=M] (LoopSpec's proposals at depth N, gated second ones at M,
+    /// verified by rejection sampling) (default: the entry's policy, else speed).
+    #[arg(long, value_delimiter = ',')]
+    pub policy: Vec<PolicyKind>,
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -232,7 +243,7 @@ pub struct TuiArgs {
     /// Tokens to generate per run.
     #[arg(long, default_value_t = 200)]
     pub max_tokens: usize,
-    /// The policy raced against baseline: speed, dual or dual:MARGIN (default: the entry's, else speed).
+    /// The policy raced against baseline: speed, dual, dual:MARGIN or loopspec[:d1=N][:d2=M] (default: the entry's, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Frames per second of the dashboard.
@@ -392,7 +403,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         layers: session.loaded.model().config.num_hidden_layers,
         device: session.device.clone(),
         dtype: session.dtype.clone(),
-        policy: policy.to_string(),
+        policy,
     };
     let options = crate::tui::DashboardOptions {
         prompt: args.prompt.clone(),

@@ -1,19 +1,17 @@
-//! The headless benchmark: baseline and a speculative policy on the same prompts in one
-//! process, outputs checked token for token, speedup and the pipeline's ceiling measured in
-//! the same run (speculation.md §5). The two lanes of a run are interleaved step by step, as
-//! in the dashboard's race, so both see the same machine: on a shared machine whose speed
-//! drifts, a speedup from lanes run one after the other moved by ±15 % between identical
-//! runs. `spex bench` prints what this returns.
-
-use std::time::Duration;
+//! The headless benchmark: baseline and every listed policy on the same prompts in one
+//! process, outputs compared token for token, speedups and the pipeline's ceiling measured in
+//! the same run (speculation.md §5). The lanes of a run are interleaved step by step
+//! (`engine::lanes`), so all see the same machine: on a shared machine whose speed drifts, a
+//! speedup from lanes run one after the other moved by ±15 % between identical runs.
+//! `spex bench` prints what this returns.
 
 use serde::Serialize;
 
 use super::checkpoint::LoadedModel;
 use super::decoder::DecodeOptions;
-use super::decoder::Decoder;
 use super::error::{EngineError, Result};
 use super::events::DecodeEvent;
+use super::lanes::Lanes;
 use super::metrics::{RunStats, StepTimes, measure_step_times, speedup};
 use super::policy::PolicyKind;
 
@@ -23,84 +21,83 @@ pub struct LaneResult {
     pub policy: PolicyKind,
     pub tokens: Vec<u32>,
     pub stats: RunStats,
-    /// Baseline only: the logit margin of each committed decode token, by output index.
+    /// The logit margin of each committed decode token's pass-R readout, by output index.
     #[serde(skip)]
     pub margins: Vec<f32>,
 }
 
-/// Both lanes of one prompt, compared.
+impl LaneResult {
+    fn new(policy: PolicyKind, passes: usize) -> Self {
+        Self {
+            policy,
+            tokens: Vec::new(),
+            stats: RunStats::new(passes),
+            margins: Vec::new(),
+        }
+    }
+
+    /// Folds one of the lane's events in.
+    fn record(&mut self, event: DecodeEvent) {
+        self.stats.record(&event);
+        match event {
+            DecodeEvent::Prefill(_) => {}
+            DecodeEvent::Step(step) => {
+                let passes = self.stats.passes;
+                let last = step.rows.iter().filter(|r| r.pass.is_last(passes));
+                let margins = last.filter_map(|r| r.prediction.as_ref().map(|p| p.margin));
+                self.margins.extend(margins);
+            }
+            DecodeEvent::Finished(finish) => self.tokens = finish.tokens,
+        }
+    }
+}
+
+/// How a policy's text compares with the baseline's.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Comparison {
+    /// Token for token the baseline's.
+    Identical,
+    /// It differs first at this output index, where the baseline's logit margin was this
+    /// (greedy near-ties can resolve differently in a batch; anything else is a bug).
+    Differs { index: usize, margin: f32 },
+    /// A policy that verifies by rejection, under sampling: its own sample of the same
+    /// distribution, so its text is not compared.
+    SameDistribution,
+}
+
+/// One policy on one prompt: the run whose speedup is its median, and every run's statistics.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyResult {
+    pub lane: LaneResult,
+    /// The baseline's statistics in the same run as `lane`.
+    pub baseline: RunStats,
+    /// Every run's (baseline, policy) statistics, in run order.
+    #[serde(skip)]
+    pub runs: Vec<(RunStats, RunStats)>,
+    pub comparison: Comparison,
+}
+
+impl PolicyResult {
+    /// Baseline decode time / policy decode time (same tokens, prefill excluded).
+    pub fn speedup(&self) -> f64 {
+        speedup(&self.baseline, &self.lane.stats)
+    }
+
+    /// Whether its text differs where it must not.
+    pub fn is_mismatch(&self) -> bool {
+        matches!(self.comparison, Comparison::Differs { .. })
+    }
+}
+
+/// Every policy on one prompt, compared with the baseline.
 #[derive(Debug, Clone, Serialize)]
 pub struct PromptResult {
     pub prompt: String,
-    /// The lanes of the run whose speedup is the median of all runs.
-    pub baseline: LaneResult,
-    pub speculative: LaneResult,
-    /// Every run's lanes' statistics (baseline, speculative), in run order.
-    #[serde(skip)]
-    pub runs: Vec<(RunStats, RunStats)>,
+    /// The baseline's text (every run's is the same).
+    pub baseline_tokens: Vec<u32>,
+    pub policies: Vec<PolicyResult>,
     pub step_times: StepTimes,
-    /// The first output index where the lanes differ, with the baseline's logit margin there.
-    pub mismatch: Option<(usize, f32)>,
-}
-
-impl PromptResult {
-    /// Baseline decode time / speculative decode time (same tokens, prefill excluded).
-    pub fn speedup(&self) -> f64 {
-        speedup(&self.baseline.stats, &self.speculative.stats)
-    }
-}
-
-/// A lane being decoded, its events folded as they come.
-struct LaneRun {
-    decoder: Decoder,
-    result: LaneResult,
-    passes: usize,
-    /// Compute used so far, prefill included.
-    used: Duration,
-    done: bool,
-}
-
-impl LaneRun {
-    fn new(
-        loaded: &LoadedModel,
-        policy: PolicyKind,
-        prompt: &str,
-        options: DecodeOptions,
-    ) -> Result<Self> {
-        let passes = loaded.model().passes();
-        Ok(Self {
-            decoder: Decoder::new(loaded, policy.build(), prompt, options)?,
-            result: LaneResult {
-                policy,
-                tokens: Vec::new(),
-                stats: RunStats::new(passes),
-                margins: Vec::new(),
-            },
-            passes,
-            used: Duration::ZERO,
-            done: false,
-        })
-    }
-
-    /// Runs the lane's next event and folds it in.
-    fn advance(&mut self) -> Result<()> {
-        let Some(event) = self.decoder.next_event()? else {
-            self.done = true;
-            return Ok(());
-        };
-        self.result.stats.record(&event);
-        match event {
-            DecodeEvent::Prefill(p) => self.used += p.compute,
-            DecodeEvent::Step(step) => {
-                self.used += step.compute;
-                let last = step.rows.iter().filter(|r| r.pass.is_last(self.passes));
-                let margins = last.filter_map(|r| r.prediction.as_ref().map(|p| p.margin));
-                self.result.margins.extend(margins);
-            }
-            DecodeEvent::Finished(finish) => self.result.tokens = finish.tokens,
-        }
-        Ok(())
-    }
 }
 
 /// Runs one policy to the end and folds its events.
@@ -110,79 +107,102 @@ pub fn run_lane(
     prompt: &str,
     options: DecodeOptions,
 ) -> Result<LaneResult> {
-    let mut lane = LaneRun::new(loaded, policy, prompt, options)?;
-    while !lane.done {
-        lane.advance()?;
-    }
-    Ok(lane.result)
+    Ok(run_interleaved(loaded, &[policy], prompt, options)?.remove(0))
 }
 
-/// Baseline and `policy` on one prompt, interleaved: the lane that has used less compute so
-/// far runs its next step, so the lanes take turns a few steps at a time and machine drift
-/// slows both alike. Returns (baseline, speculative).
+/// Every policy on one prompt, interleaved by compute (`engine::lanes`): the lanes take turns
+/// a step at a time, so machine drift slows all alike. Returns the lanes in `policies` order.
 pub fn run_interleaved(
     loaded: &LoadedModel,
-    policy: PolicyKind,
+    policies: &[PolicyKind],
     prompt: &str,
     options: DecodeOptions,
-) -> Result<(LaneResult, LaneResult)> {
-    let mut lanes = [
-        LaneRun::new(loaded, PolicyKind::Baseline, prompt, options)?,
-        LaneRun::new(loaded, policy, prompt, options)?,
-    ];
-    while let Some(next) = lanes.iter_mut().filter(|l| !l.done).min_by_key(|l| l.used) {
-        next.advance()?;
+) -> Result<Vec<LaneResult>> {
+    let passes = loaded.model().passes();
+    let mut lanes = Lanes::new(loaded, prompt, policies, options)?;
+    let mut results: Vec<LaneResult> = policies
+        .iter()
+        .map(|&p| LaneResult::new(p, passes))
+        .collect();
+    while let Some(next) = lanes.next() {
+        if let Some(event) = lanes.advance(next)? {
+            results[next].record(event);
+        }
     }
-    let [baseline, speculative] = lanes;
-    Ok((baseline.result, speculative.result))
+    Ok(results)
 }
 
-/// Benchmarks one prompt: `runs` interleaved runs of baseline and `policy` (the speculative
-/// lane), keeping every run's statistics and the lanes of the median run (by speedup), then
-/// the step times at the run's mid position.
+/// Benchmarks one prompt: `runs` interleaved runs of the baseline and every policy; for each
+/// policy the lanes of its median run (by its speedup) and every run's statistics; then the
+/// step times at the run's mid position.
 pub fn bench_prompt(
     loaded: &LoadedModel,
     prompt: &str,
     options: DecodeOptions,
-    (policy, runs): (PolicyKind, usize),
+    (policies, runs): (&[PolicyKind], usize),
 ) -> Result<PromptResult> {
-    if policy == PolicyKind::Baseline {
+    if policies.is_empty() || policies.contains(&PolicyKind::Baseline) {
         return Err(EngineError::Invalid(
-            "bench races baseline against a speculative policy: speed or dual[:MARGIN]".into(),
+            "bench races baseline against speculative policies: speed, dual[:MARGIN] or loopspec[:d1=N][:d2=M]".into(),
         ));
     }
-    let mut lanes: Vec<(LaneResult, LaneResult)> = Vec::with_capacity(runs);
-    for _ in 0..runs.max(1) {
-        let (baseline, speculative) = run_interleaved(loaded, policy, prompt, options)?;
-        if let Some((b, s)) = lanes.first() {
-            for (again, first) in [(&baseline, b), (&speculative, s)] {
-                if again.tokens != first.tokens {
-                    return Err(EngineError::Invalid(format!(
-                        "{} decoding is not deterministic: two runs of {prompt:?} differ",
-                        again.policy
-                    )));
-                }
-            }
-        }
-        lanes.push((baseline, speculative));
-    }
-    let runs: Vec<(RunStats, RunStats)> = lanes
-        .iter()
-        .map(|(b, s)| (b.stats.clone(), s.stats.clone()))
+    let lanes: Vec<PolicyKind> = std::iter::once(PolicyKind::Baseline)
+        .chain(policies.iter().copied())
         .collect();
-    let (baseline, speculative) = lanes.swap_remove(median_run(&runs));
+    let mut all_runs: Vec<Vec<LaneResult>> = Vec::with_capacity(runs);
+    for _ in 0..runs.max(1) {
+        let run = run_interleaved(loaded, &lanes, prompt, options)?;
+        if let Some(first) = all_runs.first()
+            && let Some(lane) = run.iter().zip(first).find(|(a, b)| a.tokens != b.tokens)
+        {
+            return Err(EngineError::Invalid(format!(
+                "{} decoding is not deterministic: two runs of {prompt:?} differ",
+                lane.0.policy
+            )));
+        }
+        all_runs.push(run);
+    }
+    let baseline = all_runs[0][0].clone();
+    let exact = options.sampling.is_greedy();
+    let results = (1..lanes.len())
+        .map(|k| policy_result(&all_runs, k, &baseline, exact))
+        .collect();
     let prompt_len = loaded.tokenizer.encode(prompt)?.len();
     let mid = (prompt_len + baseline.tokens.len() / 2).min(options.context.saturating_sub(1));
-    let step_times = measure_step_times(&loaded.backend, mid, 20)?;
-    let mismatch = first_difference(&baseline, &speculative);
     Ok(PromptResult {
         prompt: prompt.to_string(),
-        baseline,
-        speculative,
-        runs,
-        step_times,
-        mismatch,
+        baseline_tokens: baseline.tokens,
+        policies: results,
+        step_times: measure_step_times(&loaded.backend, mid, 20)?,
     })
+}
+
+/// Lane `k`'s result over all runs (lane 0 is the baseline); under sampling a policy that
+/// keeps only the distribution is not compared token for token.
+fn policy_result(
+    all_runs: &[Vec<LaneResult>],
+    k: usize,
+    baseline: &LaneResult,
+    greedy: bool,
+) -> PolicyResult {
+    let runs: Vec<(RunStats, RunStats)> = all_runs
+        .iter()
+        .map(|run| (run[0].stats.clone(), run[k].stats.clone()))
+        .collect();
+    let median = median_run(&runs);
+    let lane = all_runs[median][k].clone();
+    let compared = greedy || lane.policy.build().keeps_baseline_sample();
+    let comparison = match first_difference(baseline, &lane) {
+        _ if !compared => Comparison::SameDistribution,
+        None => Comparison::Identical,
+        Some((index, margin)) => Comparison::Differs { index, margin },
+    };
+    PolicyResult {
+        baseline: runs[median].0.clone(),
+        lane,
+        runs,
+        comparison,
+    }
 }
 
 /// The index of the run whose speedup is the median (the lower middle of an even count).
@@ -199,15 +219,15 @@ pub fn median_run(runs: &[(RunStats, RunStats)]) -> usize {
 }
 
 /// The first output index where the lanes differ, with the baseline's logit margin there.
-fn first_difference(baseline: &LaneResult, speculative: &LaneResult) -> Option<(usize, f32)> {
+fn first_difference(baseline: &LaneResult, other: &LaneResult) -> Option<(usize, f32)> {
     baseline
         .tokens
         .iter()
-        .zip(&speculative.tokens)
+        .zip(&other.tokens)
         .position(|(a, b)| a != b)
         .or_else(|| {
-            (baseline.tokens.len() != speculative.tokens.len())
-                .then(|| baseline.tokens.len().min(speculative.tokens.len()))
+            (baseline.tokens.len() != other.tokens.len())
+                .then(|| baseline.tokens.len().min(other.tokens.len()))
         })
         .map(|i| {
             (

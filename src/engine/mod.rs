@@ -11,6 +11,7 @@ pub mod events;
 pub mod format;
 pub mod kernels;
 pub mod kv_cache;
+pub mod lanes;
 pub mod memory;
 pub mod metrics;
 pub mod model;

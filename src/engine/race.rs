@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use super::checkpoint::LoadedModel;
 use super::decoder::DecodeOptions;
-use super::decoder::Decoder;
 use super::error::Result;
 use super::events::DecodeEvent;
+use super::lanes::Lanes;
 use super::metrics::{StepTimes, measure_step_times};
 use super::policy::PolicyKind;
 
@@ -20,6 +20,11 @@ use super::policy::PolicyKind;
 pub enum Lane {
     Speculative,
     Baseline,
+}
+
+impl Lane {
+    /// The lanes in the order the race builds them.
+    const ORDER: [Self; 2] = [Self::Speculative, Self::Baseline];
 }
 
 /// What the race thread sends out.
@@ -47,36 +52,6 @@ pub enum RaceControl {
     Stop,
 }
 
-struct LaneRun {
-    lane: Lane,
-    decoder: Decoder,
-    used: Duration,
-    done: bool,
-}
-
-impl LaneRun {
-    /// Runs the lane's next event, charging its compute; false once the lane has ended.
-    fn advance(&mut self, sink: &mut impl FnMut(RaceEvent) -> bool) -> Result<bool> {
-        match self.decoder.next_event()? {
-            Some(event) => {
-                self.used += match &event {
-                    DecodeEvent::Prefill(p) => p.compute,
-                    DecodeEvent::Step(s) => s.compute,
-                    DecodeEvent::Finished(_) => Duration::ZERO,
-                };
-                Ok(sink(RaceEvent::Decode {
-                    lane: self.lane,
-                    event,
-                }))
-            }
-            None => {
-                self.done = true;
-                Ok(true)
-            }
-        }
-    }
-}
-
 /// Runs a race to the end on the calling thread. `sink` receives every event and returns
 /// false when nobody listens any more (the race then stops).
 pub fn run_race(
@@ -86,34 +61,17 @@ pub fn run_race(
     control: Receiver<RaceControl>,
     mut sink: impl FnMut(RaceEvent) -> bool,
 ) {
-    let lanes = [
-        (Lane::Speculative, policy),
-        (Lane::Baseline, PolicyKind::Baseline),
-    ]
-    .into_iter()
-    .map(|(lane, kind)| {
-        Decoder::new(loaded, kind.build(), prompt, options).map(|decoder| LaneRun {
-            lane,
-            decoder,
-            used: Duration::ZERO,
-            done: false,
-        })
-    })
-    .collect::<Result<Vec<_>>>();
-    let mut lanes = match lanes {
-        Ok(l) => {
-            let pos = l[0].decoder.prompt().len();
-            match measure_step_times(&loaded.backend, pos, 8) {
-                Ok(times) => sink(RaceEvent::StepTimes(times)),
-                Err(e) => sink(RaceEvent::Error(e.to_string())),
-            };
-            l
-        }
+    let mut lanes = match Lanes::new(loaded, prompt, &[policy, PolicyKind::Baseline], options) {
+        Ok(lanes) => lanes,
         Err(e) => {
             sink(RaceEvent::Error(e.to_string()));
             sink(RaceEvent::Done);
             return;
         }
+    };
+    match measure_step_times(&loaded.backend, lanes.prompt_tokens(), 8) {
+        Ok(times) => sink(RaceEvent::StepTimes(times)),
+        Err(e) => sink(RaceEvent::Error(e.to_string())),
     };
     if let Err(e) = race_loop(&mut lanes, &control, &mut sink) {
         sink(RaceEvent::Error(e.to_string()));
@@ -130,7 +88,7 @@ struct Pace {
 }
 
 fn race_loop(
-    lanes: &mut [LaneRun],
+    lanes: &mut Lanes,
     control: &Receiver<RaceControl>,
     sink: &mut impl FnMut(RaceEvent) -> bool,
 ) -> Result<()> {
@@ -145,17 +103,10 @@ fn race_loop(
             return Ok(());
         }
         // The lane with less compute so far goes next: equal compute at every moment.
-        let Some(next) = lanes
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| !l.done)
-            .min_by_key(|(_, l)| l.used)
-            .map(|(i, _)| i)
-        else {
+        let Some(next) = lanes.next() else {
             return Ok(());
         };
-        let catching_up = lanes.iter().any(|l| !l.done && l.used > lanes[next].used);
-        if !catching_up {
+        if !lanes.is_behind(next) {
             // The leading lane's steps are what pause, single-step and the rate govern.
             if pace.paused && pace.single_steps == 0 {
                 continue;
@@ -171,8 +122,11 @@ fn race_loop(
             pace.single_steps = pace.single_steps.saturating_sub(1);
             pace.last_speed_step = Instant::now();
         }
-        if !lanes[next].advance(sink)? {
-            return Ok(());
+        if let Some(event) = lanes.advance(next)? {
+            let lane = Lane::ORDER[next];
+            if !sink(RaceEvent::Decode { lane, event }) {
+                return Ok(());
+            }
         }
     }
 }

@@ -416,4 +416,21 @@ mod tests {
         }
         assert!(sampling(0.7, Some(20), Some(0.9)).check().is_ok());
     }
+
+    #[test]
+    fn distributions_draws_and_residuals_are_what_rejection_sampling_needs() {
+        let s = sampling(1.0, Some(2), None);
+        let p = s.distribution(&[0.0, 1.0, 2.0]);
+        assert_eq!(p[0], 0.0, "top-k drops the least likely");
+        assert!((p[1] + p[2] - 1.0).abs() < 1e-6 && p[2] > p[1]);
+        assert_eq!(draw(&p, 0.01), 1);
+        assert_eq!(draw(&p, 0.99), 2);
+        assert_eq!(draw(&[0.5, 0.5, 0.0], 1.0), 1, "rounding past the total");
+        let r = residual(&[0.2, 0.5, 0.3], &[0.4, 0.4, 0.2]).expect("mass left");
+        assert!((r[0]).abs() < 1e-6 && (r[1] - 0.5).abs() < 1e-6 && (r[2] - 0.5).abs() < 1e-6);
+        assert_eq!(residual(&[0.5, 0.5], &[0.5, 0.5]), None);
+        let streams = [Draw::FirstProposal, Draw::AcceptFirst, Draw::Residual];
+        let u: Vec<f64> = streams.iter().map(|&d| s.uniform(7, d)).collect();
+        assert!(u[0] != u[1] && u[1] != u[2] && u.iter().all(|&x| x > 0.0 && x < 1.0));
+    }
 }

@@ -12,6 +12,7 @@ use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
 use crate::engine::kv_cache::PassOccupancy;
 use crate::engine::metrics::RunStats;
 use crate::engine::metrics::speedup;
+use crate::engine::policy::PolicyKind;
 use crate::engine::race::{Lane, RaceControl, RaceEvent};
 use crate::engine::rng::SplitMix;
 use crate::engine::sampling::Sampling;
@@ -87,7 +88,7 @@ pub struct ModelInfo {
     pub layers: usize,
     pub device: String,
     pub dtype: String,
-    pub policy: String,
+    pub policy: PolicyKind,
 }
 
 /// How a pipeline cell is drawn.
@@ -147,6 +148,9 @@ pub enum Agreement {
     Same(usize),
     /// They first differ at this output index.
     Differ(usize),
+    /// Not compared: under sampling a policy that verifies by rejection (LoopSpec) draws
+    /// its own sample of the baseline's distribution.
+    SameDistribution,
 }
 
 /// Everything about the current run.
@@ -208,6 +212,16 @@ pub struct App {
 }
 
 impl App {
+    /// Whether the lanes' texts must agree token for token (greedy, or a policy that
+    /// commits the baseline's seed-coupled sample), and if so whether they do.
+    pub fn agreement(&self, run: &RunView) -> Agreement {
+        if self.sampling.is_greedy() || self.info.policy.build().keeps_baseline_sample() {
+            run.agreement()
+        } else {
+            Agreement::SameDistribution
+        }
+    }
+
     /// A fresh dashboard; with a prompt given, the first command starts it at once.
     pub fn new(info: ModelInfo, prompt: Option<String>, size: (u16, u16)) -> Self {
         Self {
@@ -496,12 +510,14 @@ fn step_cells(step: &StepEvent, passes: usize) -> Vec<Option<Cell>> {
                 new: shown(&f.new),
             },
             (None, Some(first)) if row.pos >= first => CellKind::Flushed,
+            // A candidate its parent did not choose: its work is thrown away too.
+            _ if row.dropped => CellKind::Flushed,
             _ if row.verified => CellKind::Verified,
             _ => CellKind::Speculative,
         };
         let text = shown(&row.token);
         match &mut cells[row.pass.index()] {
-            // Two candidates for one position (policy `dual`): the cell shows both, the one
+            // Two candidates for one position (a second proposal): the cell shows both, the one
             // dropped after the bar, and takes the kind of the one kept.
             Some(cell) if cell.pos == row.pos => {
                 if row.dropped {

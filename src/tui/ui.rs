@@ -47,7 +47,7 @@ pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
         Panel::Speculative => draw_lane(
             frame,
             area,
-            lane_title(&app.info.policy),
+            lane_title(&app.info.policy.to_string()),
             &run.speculative,
             run,
             app.focus == Focus::Speculative,
@@ -63,7 +63,7 @@ pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
         Panel::Pipeline => draw_pipeline(frame, area, app, run),
         Panel::Flips => draw_flips(frame, area, run, app.focus == Focus::Flips),
         Panel::Kv => draw_kv(frame, area, run),
-        Panel::Stats => draw_stats(frame, area, run, &app.info.policy),
+        Panel::Stats => draw_stats(frame, area, run, app),
         Panel::Footer => draw_footer(frame, area, app),
     }
 }
@@ -353,7 +353,7 @@ fn draw_kv(frame: &mut Frame, area: Rect, run: &RunView) {
     frame.render_widget(Paragraph::new(lines), inner);
 }
 
-fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, run_policy: &str) {
+fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, app: &App) {
     let b = block("stats", false);
     let inner = b.inner(area);
     frame.render_widget(b, area);
@@ -371,11 +371,12 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, run_policy: &str) {
             .style(Style::new().fg(Color::Cyan)),
         spark,
     );
-    frame.render_widget(Paragraph::new(stats_lines(run, run_policy)), text);
+    let lines = stats_lines(run, &app.info.policy.to_string(), app.agreement(run));
+    frame.render_widget(Paragraph::new(lines), text);
 }
 
 /// The stats panel's text: speedup, rates, flips per pass, waste and whether the lanes agree.
-fn stats_lines(run: &RunView, run_policy: &str) -> Vec<Line<'static>> {
+fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Line<'static>> {
     let s = &run.speculative.stats;
     let speedup = run
         .speedup()
@@ -385,7 +386,7 @@ fn stats_lines(run: &RunView, run_policy: &str) -> Vec<Line<'static>> {
         .iter()
         .map(|r| format!("{:.0}%", 100.0 * r))
         .collect();
-    let agreement = match run.agreement() {
+    let agreement = match agreement {
         Agreement::Same(n) => Span::styled(
             format!("✓ identical ({n} tokens)"),
             Style::new().fg(Color::Green).bold(),
@@ -393,6 +394,10 @@ fn stats_lines(run: &RunView, run_policy: &str) -> Vec<Line<'static>> {
         Agreement::Differ(i) => Span::styled(
             format!("✗ lanes differ at token {i}"),
             Style::new().fg(Color::Red).bold(),
+        ),
+        Agreement::SameDistribution => Span::styled(
+            "≈ same distribution (own sample)".to_string(),
+            Style::new().fg(Color::Green),
         ),
     };
     let ceiling = run.ceiling.map_or("—".to_string(), |c| format!("{c:.2}×"));

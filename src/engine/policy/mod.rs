@@ -147,12 +147,19 @@ pub trait Policy: Send + Sync + fmt::Debug {
 /// peaked a model's pass-1 readouts are, so it is a per-model setting), and
 /// `loopspec[:d1=N][:d2=M]` (first proposals at depth N, 1 by default; gated second
 /// proposals at depth M, none by default).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum PolicyKind {
+    /// The default where nothing names a policy.
+    #[default]
     Speed,
-    Dual { margin_below: f32 },
-    LoopSpec { d1: Pass, d2: Option<Pass> },
+    Dual {
+        margin_below: f32,
+    },
+    LoopSpec {
+        d1: Pass,
+        d2: Option<Pass>,
+    },
     Baseline,
 }
 

@@ -1,0 +1,80 @@
+//! Several decoders of one prompt on one thread, interleaved by compute: the lane that has
+//! used the least compute so far runs its next event, so at every moment all lanes have used
+//! (nearly) equal compute and a machine whose speed drifts slows them alike. The benchmark
+//! (`bench`) and the dashboard's race (`race`) both drive their lanes through this.
+
+use std::time::Duration;
+
+use super::checkpoint::LoadedModel;
+use super::decoder::{DecodeOptions, Decoder};
+use super::error::Result;
+use super::events::DecodeEvent;
+use super::policy::PolicyKind;
+
+/// One decoder and the compute it has used.
+struct Lane {
+    decoder: Decoder,
+    /// Compute used so far, prefill included.
+    used: Duration,
+    done: bool,
+}
+
+/// The lanes of one prompt, one per policy, in the order given.
+pub struct Lanes {
+    lanes: Vec<Lane>,
+}
+
+impl Lanes {
+    /// One lane per policy on `prompt`; no compute yet.
+    pub fn new(
+        loaded: &LoadedModel,
+        prompt: &str,
+        policies: &[PolicyKind],
+        options: DecodeOptions,
+    ) -> Result<Self> {
+        let lanes = policies
+            .iter()
+            .map(|policy| {
+                Ok(Lane {
+                    decoder: Decoder::new(loaded, policy.build(), prompt, options)?,
+                    used: Duration::ZERO,
+                    done: false,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { lanes })
+    }
+
+    /// The prompt's length in tokens.
+    pub fn prompt_tokens(&self) -> usize {
+        self.lanes.first().map_or(0, |l| l.decoder.prompt().len())
+    }
+
+    /// The unfinished lane that has used the least compute, if any is unfinished.
+    pub fn next(&self) -> Option<usize> {
+        (self.lanes.iter().enumerate())
+            .filter(|(_, l)| !l.done)
+            .min_by_key(|(_, l)| l.used)
+            .map(|(i, _)| i)
+    }
+
+    /// Whether another unfinished lane has used more compute than lane `i`: its next event
+    /// only catches up.
+    pub fn is_behind(&self, i: usize) -> bool {
+        let used = self.lanes[i].used;
+        self.lanes.iter().any(|l| !l.done && l.used > used)
+    }
+
+    /// Runs lane `i`'s next event and charges its compute; `None` once the lane has ended.
+    pub fn advance(&mut self, i: usize) -> Result<Option<DecodeEvent>> {
+        let lane = &mut self.lanes[i];
+        let event = lane.decoder.next_event()?;
+        match &event {
+            Some(DecodeEvent::Prefill(p)) => lane.used += p.compute,
+            Some(DecodeEvent::Step(s)) => lane.used += s.compute,
+            Some(DecodeEvent::Finished(_)) => {}
+            None => lane.done = true,
+        }
+        Ok(event)
+    }
+}
