@@ -401,6 +401,8 @@ fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Lin
         ),
     };
     let ceiling = run.ceiling.map_or("—".to_string(), |c| format!("{c:.2}×"));
+    // Acceptance by source (speculation.md §5): which guess each committed token came from.
+    let accepted = s.acceptance();
     vec![
         Line::from(vec![
             "speedup ".into(),
@@ -415,16 +417,16 @@ fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Lin
         )),
         Line::from(format!("flips/pass {}", flips.join(" "))),
         Line::from(format!(
-            "wasted row-slots {:.0}%{}",
-            100.0 * s.wasted_fraction(),
-            if s.second_proposals > 0 {
-                format!(
-                    " · 2nd proposals {} ({} won)",
-                    s.second_proposals, s.accepted_second
-                )
+            "1st/2nd/restart {:.0}/{:.0}/{:.0}%{} · wasted {:.0}%",
+            100.0 * accepted.first,
+            100.0 * accepted.second,
+            100.0 * accepted.restart,
+            if s.gate_checks > 0 {
+                format!(" · gate {:.0}%", 100.0 * s.gate_open_rate())
             } else {
                 String::new()
-            }
+            },
+            100.0 * s.wasted_fraction(),
         )),
         Line::from(agreement),
     ]
