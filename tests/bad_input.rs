@@ -400,3 +400,14 @@ fn bad_sampling_settings_are_one_line_each() {
         );
     }
 }
+
+#[test]
+fn replaying_what_is_not_a_trace_is_one_line() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let file = dir.path().join("notes.txt");
+    std::fs::write(&file, "hello\n").unwrap();
+    let f = file.display().to_string();
+    assert_clean_error(&["replay", &f], "notes.txt: not a spex trace");
+    let missing = dir.path().join("missing.jsonl").display().to_string();
+    assert_clean_error(&["replay", &missing], "missing.jsonl");
+}

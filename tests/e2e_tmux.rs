@@ -52,13 +52,18 @@ impl Drop for Tmux {
 }
 
 fn start(model: &Path, exit_file: &Path) -> Tmux {
+    let args = format!("tui --model {} --max-tokens 40", model.display());
+    start_with(&args, exit_file, "e2e")
+}
+
+/// spex with `args` in a fresh tmux session; its exit code goes to `exit_file`.
+fn start_with(args: &str, exit_file: &Path, name: &str) -> Tmux {
     let tmux = Tmux {
-        socket: format!("spex-e2e-{}", std::process::id()),
+        socket: format!("spex-{name}-{}", std::process::id()),
     };
     let cmd = format!(
-        "{} tui --model {} --max-tokens 40; echo $? > {exit}.tmp && mv {exit}.tmp {exit}; sleep 30",
+        "{} {args}; echo $? > {exit}.tmp && mv {exit}.tmp {exit}; sleep 30",
         env!("CARGO_BIN_EXE_spex"),
-        model.display(),
         exit = exit_file.display()
     );
     let out = tmux.run(&[
@@ -148,4 +153,60 @@ fn no_tty_points_to_generate() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("spex generate"), "{stderr}");
+}
+
+#[test]
+fn replay_steps_forward_and_back_through_a_recorded_run_and_quits_cleanly() {
+    let (dir, _) = random_model(&spec(2, 4, Variant::Tied, 9));
+    let traces = dir.path().join("traces");
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "To be, or not to be\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(["bench", "--runs", "1", "--max-tokens", "12", "--model"])
+        .arg(dir.path())
+        .arg("--prompts")
+        .arg(&prompts)
+        .arg("--record")
+        .arg(&traces)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let trace = traces.join("01-speed.jsonl");
+    let steps = spex::engine::trace::Trace::read(&trace).unwrap().steps();
+    let exit_file = dir.path().join("exit-code");
+    let tmux = start_with(&format!("replay {}", trace.display()), &exit_file, "replay");
+    let at = |step: usize| format!("step {step}/{steps}");
+    tmux.wait_for("the replay at step 0", Duration::from_secs(20), |s| {
+        s.contains("REPLAY 01-speed.jsonl") && s.contains(&at(0))
+    });
+    for (key, step) in [
+        ("End", steps),
+        ("Left", steps - 1),
+        ("Home", 0),
+        ("Right", 1),
+    ] {
+        tmux.run(&["send-keys", "-t", "spex", key]);
+        let screen = tmux.wait_for(key, Duration::from_secs(10), |s| s.contains(&at(step)));
+        if step == steps {
+            assert!(screen.contains("✓ identical"), "{screen}");
+            assert!(
+                screen.contains("pass 4"),
+                "the pipeline is drawn:\n{screen}"
+            );
+        }
+    }
+    tmux.run(&["send-keys", "-t", "spex", "q"]);
+    let started = Instant::now();
+    while !exit_file.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "spex replay did not exit after q"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(std::fs::read_to_string(&exit_file).unwrap().trim(), "0");
 }

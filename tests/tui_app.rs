@@ -11,7 +11,7 @@ use spex::engine::DecodeOptions;
 use spex::engine::policy::PolicyKind;
 use spex::engine::race::{Lane, RaceControl, RaceEvent, run_race};
 use spex::engine::rng::SplitMix;
-use spex::tui::app::{Agreement, App, CellKind, Command, Focus, ModelInfo, Msg, RATES};
+use spex::tui::app::{Agreement, App, CellKind, Command, Focus, ModelInfo, Msg, RATES, Seek};
 
 fn info() -> ModelInfo {
     ModelInfo {
@@ -342,7 +342,20 @@ fn random_keys_resizes_and_events_never_panic() {
 }
 
 /// What a key changed in the panes: the commands it returned and the state keys steer.
-fn key_effect(code: KeyCode) -> (Vec<Command>, Focus, bool, bool, usize, bool, u16) {
+/// Everything a key can change: the commands, focus, help, pause, rate, quitting, scrolling
+/// and the error line (keys that need a replay say so there).
+type Effect = (
+    Vec<Command>,
+    Focus,
+    bool,
+    bool,
+    usize,
+    bool,
+    u16,
+    Option<String>,
+);
+
+fn key_effect(code: KeyCode) -> Effect {
     let mut app = running_app();
     // Scrolled a little, so that scrolling either way shows.
     app.run.as_mut().expect("a run").speculative.scroll = 20;
@@ -356,6 +369,7 @@ fn key_effect(code: KeyCode) -> (Vec<Command>, Focus, bool, bool, usize, bool, u
         app.rate_index,
         app.should_quit,
         scroll,
+        app.error.clone(),
     )
 }
 
@@ -452,4 +466,27 @@ fn a_sampled_loopspec_race_claims_the_same_distribution_not_the_same_text() {
             Agreement::Differ(i) => panic!("{policy} differs at {i}"),
         }
     }
+}
+
+#[test]
+fn replay_keys_seek_in_a_replay_and_explain_themselves_live() {
+    let mut app = running_app();
+    assert!(app.update(key(KeyCode::Left)).is_empty());
+    assert!(app.error.as_deref().unwrap_or("").contains("spex replay"));
+    app.replay = Some(spex::tui::app::ReplayStatus {
+        file: "t.jsonl".into(),
+        step: 3,
+        steps: 9,
+    });
+    for (code, seek) in [
+        (KeyCode::Left, Seek::Back),
+        (KeyCode::Home, Seek::Start),
+        (KeyCode::End, Seek::End),
+    ] {
+        let cmds = app.update(key(code));
+        assert_eq!(cmds.last(), Some(&Command::Seek(seek)), "{code:?}");
+        assert!(app.paused);
+    }
+    let cmds = app.update(key(KeyCode::Right));
+    assert_eq!(cmds.last(), Some(&Command::Control(RaceControl::Step)));
 }

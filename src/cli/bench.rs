@@ -1,14 +1,18 @@
 //! `spex bench`: baseline and every listed policy on every prompt in one process, interleaved;
 //! one table (or a JSON report); a non-zero exit when any output differs where it must not.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
 use super::{BenchArgs, load_model};
 use crate::engine::bench::{Comparison, PolicyResult, PromptResult, bench_prompt};
+use crate::engine::events::DecodeEvent;
 use crate::engine::metrics::RunStats;
 use crate::engine::metrics::speedup;
+use crate::engine::policy::PolicyKind;
+use crate::engine::race::{Lane, RaceEvent};
+use crate::engine::trace::{TraceHeader, TraceWriter};
 use crate::engine::{DecodeOptions, EngineError};
 
 /// Prompts used when `--prompts` is not given.
@@ -68,10 +72,32 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             args.runs
         );
     }
+    let mut recorder = match &args.record {
+        Some(dir) => Some(BenchRecorder::new(
+            dir,
+            super::record::header(&session, options)?,
+        )?),
+        None => None,
+    };
     let mut results = Vec::new();
-    for prompt in &prompts {
+    for (index, prompt) in prompts.iter().enumerate() {
         let lanes = (&policies[..], args.runs as usize);
-        let mut r = bench_prompt(loaded, &session.prompt(prompt), options, lanes)?;
+        let mut traces = match recorder.as_mut() {
+            Some(r) => r.open(index, prompt, &policies)?,
+            None => Vec::new(),
+        };
+        let mut observe = |lane: usize, event: &DecodeEvent| record_event(&mut traces, lane, event);
+        let mut r = bench_prompt(
+            loaded,
+            &session.prompt(prompt),
+            options,
+            lanes,
+            &mut observe,
+        )?;
+        for trace in &mut traces {
+            trace.record(&RaceEvent::StepTimes(r.step_times))?;
+            trace.record(&RaceEvent::Done)?;
+        }
         r.prompt.clone_from(prompt);
         if !args.json {
             print_prompt(&r, results.is_empty(), passes);
@@ -96,6 +122,65 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Where `--record` writes: one trace per prompt and policy, each with the policy's lane and
+/// the baseline's.
+struct BenchRecorder {
+    dir: PathBuf,
+    header: TraceHeader,
+}
+
+impl BenchRecorder {
+    fn new(dir: &Path, header: TraceHeader) -> Result<Self, EngineError> {
+        std::fs::create_dir_all(dir).map_err(|e| EngineError::file(dir, e))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            header,
+        })
+    }
+
+    /// The traces of prompt `index`, one per policy, headers written.
+    fn open(
+        &self,
+        index: usize,
+        prompt: &str,
+        policies: &[PolicyKind],
+    ) -> Result<Vec<TraceWriter>, EngineError> {
+        (policies.iter())
+            .map(|&policy| {
+                let header = TraceHeader {
+                    policy,
+                    prompt: prompt.to_string(),
+                    ..self.header.clone()
+                };
+                TraceWriter::create(
+                    &super::record::bench_trace(&self.dir, index, policy),
+                    &header,
+                )
+            })
+            .collect()
+    }
+}
+
+/// Writes a bench lane's event to its traces: the baseline's (lane 0) to every one, policy
+/// k's (lane k) to the k-th as its speculative lane.
+fn record_event(
+    traces: &mut [TraceWriter],
+    lane: usize,
+    event: &DecodeEvent,
+) -> Result<(), EngineError> {
+    let record = |lane| RaceEvent::Decode {
+        lane,
+        event: event.clone(),
+    };
+    match lane {
+        0 => (traces.iter_mut()).try_for_each(|t| t.record(&record(Lane::Baseline))),
+        k => match traces.get_mut(k - 1) {
+            Some(t) => t.record(&record(Lane::Speculative)),
+            None => Ok(()),
+        },
+    }
 }
 
 /// One policy summed over every prompt's shown (median) run.

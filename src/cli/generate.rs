@@ -1,9 +1,12 @@
-//! `spex generate`: streams one policy's output as text, or every event as JSON lines.
+//! `spex generate`: streams one policy's output as text, or every event as JSON lines;
+//! `--record FILE` also writes the run as a trace.
 
 use std::io::Write;
 
 use super::{GenerateArgs, load_model};
 use crate::engine::events::DecodeEvent;
+use crate::engine::race::{Lane, RaceEvent};
+use crate::engine::trace::TraceWriter;
 use crate::engine::{DecodeOptions, Decoder};
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
@@ -24,12 +27,31 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         &session.prompt(&args.prompt),
         options,
     )?;
+    let mut recorder = match &args.record {
+        Some(path) => {
+            let mut header = super::record::header(&session, options)?;
+            (header.policy, header.prompt) = (policy, args.prompt.clone());
+            Some(TraceWriter::create(path, &header)?)
+        }
+        None => None,
+    };
+    // A generate trace has one lane: the speculative one, or the baseline's.
+    let lane = match policy {
+        crate::engine::PolicyKind::Baseline => Lane::Baseline,
+        _ => Lane::Speculative,
+    };
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if !args.json {
         write!(out, "{}", args.prompt)?;
     }
     while let Some(event) = decoder.next_event()? {
+        if let Some(r) = recorder.as_mut() {
+            r.record(&RaceEvent::Decode {
+                lane,
+                event: event.clone(),
+            })?;
+        }
         if args.json {
             serde_json::to_writer(&mut out, &event)?;
             writeln!(out)?;
@@ -48,6 +70,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     }
     if !args.json {
         writeln!(out)?;
+    }
+    if let Some(r) = recorder.as_mut() {
+        r.record(&RaceEvent::Done)?;
     }
     Ok(())
 }

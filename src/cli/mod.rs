@@ -6,6 +6,8 @@ pub mod device;
 mod generate;
 pub mod hub;
 pub mod models;
+mod record;
+mod replay;
 mod train;
 
 use std::path::PathBuf;
@@ -42,6 +44,8 @@ pub enum Command {
     Train(train::TrainArgs),
     /// Open the dashboard (what `spex` with no subcommand does).
     Tui(TuiArgs),
+    /// Replay a recorded trace in the dashboard, with no model loaded.
+    Replay(replay::ReplayArgs),
     /// List the models of models.toml and whether each is on this machine.
     Models,
     /// Download a models.toml entry (or ORG/NAME) into the hub cache.
@@ -197,6 +201,9 @@ pub struct GenerateArgs {
     /// Tokens to generate.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
+    /// Record the run to this trace file (JSON Lines; `spex replay FILE` shows it).
+    #[arg(long)]
+    pub record: Option<PathBuf>,
     /// One JSON object per event instead of text.
     #[arg(long)]
     pub json: bool,
@@ -228,6 +235,10 @@ pub struct BenchArgs {
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Record the first run of every prompt and policy to a trace in this directory
+    /// (`01-dual_2.jsonl`, …; created if missing).
+    #[arg(long)]
+    pub record: Option<PathBuf>,
 }
 
 /// `spex tui` (and `spex` alone).
@@ -249,6 +260,10 @@ pub struct TuiArgs {
     /// Frames per second of the dashboard.
     #[arg(long, default_value_t = 30)]
     pub fps: u32,
+    /// Record every run to a trace: the first to this file, the next ones beside it
+    /// (NAME-2.EXT, …); `spex replay FILE` shows one.
+    #[arg(long)]
+    pub record: Option<PathBuf>,
 }
 
 /// `spex random-checkpoint`.
@@ -292,6 +307,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::RandomCheckpoint(args)) => random_checkpoint(&args),
         Some(Command::Train(args)) => train::run(&args),
         Some(Command::Tui(args)) => dashboard(&args),
+        Some(Command::Replay(args)) => replay::run(&args),
         Some(Command::Models) => list_models(),
         Some(Command::Pull { name }) => pull(&name),
         None => dashboard(&cli.dashboard),
@@ -405,14 +421,20 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         dtype: session.dtype.clone(),
         policy,
     };
+    let decode = crate::engine::DecodeOptions {
+        max_tokens: args.max_tokens,
+        context: args.model.context,
+        sampling: args.sampling.resolve(&session)?,
+    };
+    let record = match &args.record {
+        Some(path) => Some((path.clone(), record::header(&session, decode)?)),
+        None => None,
+    };
     let options = crate::tui::DashboardOptions {
         prompt: args.prompt.clone(),
         chat: session.chat,
-        decode: crate::engine::DecodeOptions {
-            max_tokens: args.max_tokens,
-            context: args.model.context,
-            sampling: args.sampling.resolve(&session)?,
-        },
+        decode,
+        record,
         policy,
         info,
         frame_interval: std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1))),

@@ -118,6 +118,21 @@ pub fn run_interleaved(
     prompt: &str,
     options: DecodeOptions,
 ) -> Result<Vec<LaneResult>> {
+    run_observed(loaded, policies, prompt, options, &mut |_, _| Ok(()))
+}
+
+/// What a bench shows of each lane's events as they come: the lane's index and the event
+/// (`spex bench --record` writes them to traces).
+pub type Observer<'a> = dyn FnMut(usize, &DecodeEvent) -> Result<()> + 'a;
+
+/// [`run_interleaved`], showing every event to `observe` first.
+pub fn run_observed(
+    loaded: &LoadedModel,
+    policies: &[PolicyKind],
+    prompt: &str,
+    options: DecodeOptions,
+    observe: &mut Observer,
+) -> Result<Vec<LaneResult>> {
     let passes = loaded.model().passes();
     let mut lanes = Lanes::new(loaded, prompt, policies, options)?;
     let mut results: Vec<LaneResult> = policies
@@ -126,6 +141,7 @@ pub fn run_interleaved(
         .collect();
     while let Some(next) = lanes.next() {
         if let Some(event) = lanes.advance(next)? {
+            observe(next, &event)?;
             results[next].record(event);
         }
     }
@@ -134,12 +150,14 @@ pub fn run_interleaved(
 
 /// Benchmarks one prompt: `runs` interleaved runs of the baseline and every policy; for each
 /// policy the lanes of its median run (by its speedup) and every run's statistics; then the
-/// step times at the run's mid position.
+/// step times at the run's mid position. The first run's events go to `observe` (lane 0 is
+/// the baseline, lane k the k-th policy).
 pub fn bench_prompt(
     loaded: &LoadedModel,
     prompt: &str,
     options: DecodeOptions,
     (policies, runs): (&[PolicyKind], usize),
+    observe: &mut Observer,
 ) -> Result<PromptResult> {
     if policies.is_empty() || policies.contains(&PolicyKind::Baseline) {
         return Err(EngineError::Invalid(
@@ -150,8 +168,11 @@ pub fn bench_prompt(
         .chain(policies.iter().copied())
         .collect();
     let mut all_runs: Vec<Vec<LaneResult>> = Vec::with_capacity(runs);
-    for _ in 0..runs.max(1) {
-        let run = run_interleaved(loaded, &lanes, prompt, options)?;
+    for k in 0..runs.max(1) {
+        let run = match k {
+            0 => run_observed(loaded, &lanes, prompt, options, observe)?,
+            _ => run_interleaved(loaded, &lanes, prompt, options)?,
+        };
         if let Some(first) = all_runs.first()
             && let Some(lane) = run.iter().zip(first).find(|(a, b)| a.tokens != b.tokens)
         {

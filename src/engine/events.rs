@@ -3,54 +3,82 @@
 
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::kv_cache::PassOccupancy;
 use super::pass::Pass;
 use super::tokenizer::TextTokenizer;
 
 /// A token id with its text, as shown to people.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Token {
     pub id: u32,
     pub text: String,
 }
 
 /// A row's readout: the next-token prediction after its pass.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
     pub token: Token,
     pub prob: f32,
     /// Logit of the best token minus the runner-up: how near a tie the prediction was.
     pub margin: f32,
+    /// The most likely tokens of the readout's softmax, most likely first (the inspector's
+    /// and the traces' view of a readout).
+    pub top: Vec<Ranked>,
+}
+
+/// A token with its probability under a readout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ranked {
+    pub token: Token,
+    pub prob: f32,
 }
 
 impl Prediction {
-    /// The decision `best` with its probability and its margin over the runner-up, for events.
-    /// Computed outside the timed region: decoding needs only the argmax.
+    /// How many of the most likely tokens a prediction lists.
+    pub const TOP: usize = 5;
+
+    /// The decision `best` with its probability, its margin over the runner-up and the
+    /// readout's top tokens, for events. Computed outside the timed region: decoding needs
+    /// only its decision.
     pub fn describe(tokenizer: &TextTokenizer, logits: &[f32], best: u32) -> Self {
-        let top = logits[best as usize];
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(Self::TOP + 1);
         let mut second = f32::NEG_INFINITY;
-        let mut sum = 0f32;
         for (i, &l) in logits.iter().enumerate() {
-            sum += (l - top).exp();
             if i != best as usize && l > second {
                 second = l;
             }
+            if top.len() < Self::TOP || l > top[top.len() - 1].1 {
+                let at = top.iter().position(|&(_, t)| l > t).unwrap_or(top.len());
+                top.insert(at, (i as u32, l));
+                top.truncate(Self::TOP);
+            }
         }
+        let max = top.first().map_or(0.0, |&(_, l)| l);
+        let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+        let prob = |l: f32| (l - max).exp() / sum;
+        let token = |id: u32| Token {
+            id,
+            text: tokenizer.token_text(id),
+        };
+        let chosen = logits[best as usize];
         Prediction {
-            token: Token {
-                id: best,
-                text: tokenizer.token_text(best),
-            },
-            prob: 1.0 / sum,
-            margin: top - second,
+            token: token(best),
+            prob: prob(chosen),
+            margin: chosen - second,
+            top: (top.into_iter())
+                .map(|(id, l)| Ranked {
+                    token: token(id),
+                    prob: prob(l),
+                })
+                .collect(),
         }
     }
 }
 
 /// One row of a step: the token at `pos` that ran pass `pass`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RowEvent {
     pub pos: usize,
     pub pass: Pass,
@@ -72,7 +100,7 @@ pub struct RowEvent {
 }
 
 /// A deeper pass changed the prediction for position `pos` (speculation.md §3).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Flip {
     pub pos: usize,
     pub pass: Pass,
@@ -81,7 +109,7 @@ pub struct Flip {
 }
 
 /// Speculative tokens discarded after a flip, and what that cost.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Flush {
     /// First and last flushed position (inclusive).
     pub first_pos: usize,
@@ -93,7 +121,7 @@ pub struct Flush {
 }
 
 /// A token that became part of the output.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Committed {
     pub pos: usize,
     pub token: Token,
@@ -106,7 +134,7 @@ pub struct Committed {
 }
 
 /// Everything one step did.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepEvent {
     pub step: u64,
     pub rows: Vec<RowEvent>,
@@ -114,22 +142,22 @@ pub struct StepEvent {
     pub flushes: Vec<Flush>,
     pub committed: Vec<Committed>,
     pub kv: Vec<PassOccupancy>,
-    #[serde(rename = "compute_us", serialize_with = "micros")]
+    #[serde(rename = "compute_us", with = "super::units::micros")]
     pub compute: Duration,
 }
 
 /// The prompt's prefill: all R passes over the prompt, and the first generated token.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrefillEvent {
     pub prompt_tokens: usize,
     pub first: Committed,
     pub kv: Vec<PassOccupancy>,
-    #[serde(rename = "compute_us", serialize_with = "micros")]
+    #[serde(rename = "compute_us", with = "super::units::micros")]
     pub compute: Duration,
 }
 
 /// Why a run stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     MaxTokens,
@@ -139,7 +167,7 @@ pub enum FinishReason {
 }
 
 /// The end of a run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FinishEvent {
     pub reason: FinishReason,
     pub tokens: Vec<u32>,
@@ -147,21 +175,16 @@ pub struct FinishEvent {
     /// Output text no committed token's `text_delta` carried: where the output ends inside a
     /// multi-byte character, its U+FFFD. A stream of deltas plus this tail ends like `text`.
     pub text_tail: String,
-    #[serde(rename = "decode_compute_us", serialize_with = "micros")]
+    #[serde(rename = "decode_compute_us", with = "super::units::micros")]
     pub decode_compute: Duration,
     pub steps: u64,
 }
 
 /// One event of a decoder's stream.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum DecodeEvent {
     Prefill(PrefillEvent),
     Step(StepEvent),
     Finished(FinishEvent),
-}
-
-/// Serialises a duration as whole microseconds (the `*_us` fields of events and stats).
-pub(crate) fn micros<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_u64(d.as_micros() as u64)
 }

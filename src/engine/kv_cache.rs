@@ -12,7 +12,7 @@ use super::error::{EngineError, Result};
 use super::pass::Pass;
 
 /// Entries held in one pass's cache, split by whether their token is verified.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PassOccupancy {
     pub committed: usize,
     pub speculative: usize,

@@ -18,7 +18,7 @@ pub struct RunStats {
     pub passes: usize,
     /// Tokens committed by decode steps (the prefill's first token is not counted).
     pub tokens: usize,
-    #[serde(rename = "decode_compute_us", serialize_with = "super::events::micros")]
+    #[serde(rename = "decode_compute_us", with = "super::units::micros")]
     pub decode_compute: Duration,
     pub steps: u64,
     /// Rows computed by decode steps.
@@ -235,13 +235,13 @@ pub fn speedup(baseline: &RunStats, policy: &RunStats) -> f64 {
 }
 
 /// Step compute of baseline and of a full pipeline at the same position.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
 pub struct StepTimes {
     /// A baseline step: the mean of one token's R one-row steps (LM head on the last only).
-    #[serde(rename = "one_row_us", serialize_with = "micros")]
+    #[serde(rename = "one_row_us", with = "super::units::micros")]
     pub one_row: Duration,
     /// One step of R rows, every row read out.
-    #[serde(rename = "full_us", serialize_with = "micros")]
+    #[serde(rename = "full_us", with = "super::units::micros")]
     pub full: Duration,
     pub rows: usize,
 }
@@ -370,9 +370,4 @@ fn median_times_on<B: StepBackend>(
 fn median(v: &mut [Duration]) -> Duration {
     v.sort_unstable();
     v.get(v.len() / 2).copied().unwrap_or_default()
-}
-
-/// Serialises a duration as fractional microseconds (step times are tens of microseconds).
-fn micros<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_f64(d.as_secs_f64() * 1e6)
 }

@@ -24,6 +24,8 @@ pub mod rng;
 pub mod sampling;
 mod tensor_files;
 pub mod tokenizer;
+pub mod trace;
+pub mod units;
 
 pub use checkpoint::{Checkpoint, CheckpointBytes, LoadedModel};
 pub use config::OuroConfig;

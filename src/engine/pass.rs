@@ -4,13 +4,28 @@
 
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A pass number, 1-based: pass 1 is the first application of the K layers, pass R the last.
 /// Serialises as its number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(into = "usize", try_from = "usize")]
 pub struct Pass(usize);
+
+impl From<Pass> for usize {
+    fn from(pass: Pass) -> Self {
+        pass.0
+    }
+}
+
+impl TryFrom<usize> for Pass {
+    type Error = &'static str;
+
+    /// Pass numbers start at 1.
+    fn try_from(number: usize) -> Result<Self, Self::Error> {
+        Self::new(number).ok_or("a pass number is 1 or more")
+    }
+}
 
 impl Pass {
     /// Pass 1.

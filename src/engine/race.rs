@@ -16,7 +16,8 @@ use super::metrics::{StepTimes, measure_step_times};
 use super::policy::PolicyKind;
 
 /// The two lanes of a race.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Lane {
     Speculative,
     Baseline,

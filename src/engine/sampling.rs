@@ -11,7 +11,7 @@ use std::fmt;
 use super::rng::SplitMix;
 
 /// Temperature, filters and seed of a run. `temperature == 0` is greedy decoding.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
     pub temperature: f32,
     /// Keep only the `top_k` most likely tokens.

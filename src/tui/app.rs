@@ -46,6 +46,31 @@ pub enum Msg {
     Resize(u16, u16),
     /// Every engine event that arrived since the last frame.
     Engine(Vec<RaceEvent>),
+    /// A replay's frame: its events (after starting the run afresh, if `reset`) and where
+    /// the replay now stands.
+    Replay {
+        reset: bool,
+        events: Vec<RaceEvent>,
+        status: ReplayStatus,
+    },
+}
+
+/// Where a replay stands: the footer shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayStatus {
+    /// The trace file's name.
+    pub file: String,
+    /// Steps of the speculative lane shown so far, of `steps`.
+    pub step: usize,
+    pub steps: usize,
+}
+
+/// A move through a replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seek {
+    Back,
+    Start,
+    End,
 }
 
 /// What the runtime must do after an update.
@@ -57,6 +82,8 @@ pub enum Command {
         prompt: String,
     },
     Control(RaceControl),
+    /// Replay only: move through the trace.
+    Seek(Seek),
     Quit,
 }
 
@@ -209,6 +236,8 @@ pub struct App {
     pub should_quit: bool,
     /// How the next run chooses tokens (`t`/`T` change the temperature, `s` the seed).
     pub sampling: Sampling,
+    /// Set when the dashboard replays a trace instead of running the model.
+    pub replay: Option<ReplayStatus>,
 }
 
 impl App {
@@ -237,6 +266,7 @@ impl App {
             error: None,
             should_quit: false,
             sampling: Sampling::GREEDY,
+            replay: None,
         }
     }
 
@@ -266,6 +296,23 @@ impl App {
                 for event in events {
                     self.on_engine(event);
                 }
+                Vec::new()
+            }
+            Msg::Replay {
+                reset,
+                events,
+                status,
+            } => {
+                if reset || self.run.is_none() {
+                    self.run = Some(RunView {
+                        prompt: self.prompt.clone(),
+                        ..RunView::default()
+                    });
+                }
+                for event in events {
+                    self.on_engine(event);
+                }
+                self.replay = Some(status);
                 Vec::new()
             }
         }
@@ -329,6 +376,10 @@ impl App {
                     Command::Control(RaceControl::Step),
                 ];
             }
+            Action::StepForward => return self.act(Action::SingleStep),
+            Action::StepBack => return self.seek(Seek::Back),
+            Action::ToStart => return self.seek(Seek::Start),
+            Action::ToEnd => return self.seek(Seek::End),
             Action::Faster => return self.change_rate(1),
             Action::Slower => return self.change_rate(-1),
             Action::Rerun | Action::RunPrompt => return self.start(),
@@ -343,6 +394,16 @@ impl App {
             Action::NewSeed => return self.resample(0, true),
         }
         Vec::new()
+    }
+
+    /// A move through a replay (pausing it); live runs cannot move back.
+    fn seek(&mut self, seek: Seek) -> Vec<Command> {
+        if self.replay.is_none() {
+            self.error = Some("← Home End move through a replay: spex replay FILE".into());
+            return Vec::new();
+        }
+        self.paused = true;
+        vec![Command::Control(RaceControl::Pause), Command::Seek(seek)]
     }
 
     /// A key typed into the prompt editor.

@@ -25,6 +25,14 @@ pub enum Action {
     Cooler,
     /// A new sampling seed, then rerun.
     NewSeed,
+    /// Replay: one step back.
+    StepBack,
+    /// One step forward (live: as `n`).
+    StepForward,
+    /// Replay: back to the start.
+    ToStart,
+    /// Replay: on to the end.
+    ToEnd,
     /// In the prompt editor: run the prompt.
     RunPrompt,
     /// In the prompt editor: move focus away from it.
@@ -107,7 +115,7 @@ const fn line(
 }
 
 /// Every key, in the order the help lists them.
-pub const BINDINGS: [Binding; 15] = [
+pub const BINDINGS: [Binding; 16] = [
     line(
         "Enter",
         "run the prompt (while editing)",
@@ -131,6 +139,17 @@ pub const BINDINGS: [Binding; 15] = [
         "single step (pauses)",
         Mode::Panes,
         &[(key('n'), Action::SingleStep)],
+    ),
+    line(
+        "← → Home End",
+        "replay: a step back / forward, to the start / the end",
+        Mode::Panes,
+        &[
+            (special(KeyCode::Left), Action::StepBack),
+            (special(KeyCode::Right), Action::StepForward),
+            (special(KeyCode::Home), Action::ToStart),
+            (special(KeyCode::End), Action::ToEnd),
+        ],
     ),
     line(
         "+ / -",
@@ -224,6 +243,8 @@ pub fn key_name(key: &Key) -> String {
         KeyCode::Char(c) => c.to_string(),
         KeyCode::Up => "↑".into(),
         KeyCode::Down => "↓".into(),
+        KeyCode::Left => "←".into(),
+        KeyCode::Right => "→".into(),
         KeyCode::PageUp => "PgUp".into(),
         KeyCode::PageDown => "PgDn".into(),
         other => format!("{other:?}"),

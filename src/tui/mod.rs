@@ -1,10 +1,12 @@
 //! The dashboard runtime: sets up the terminal (restored on quit, error and panic), runs the
 //! race on its own thread, and loops with `tokio::select!` over terminal input, engine events
 //! and a frame timer. Once per frame it drains the engine's events into one `App::update`,
-//! then draws from state alone.
+//! then draws from state alone. The events come from a [`Source`]: a live race here, or a
+//! recorded trace (`replay`).
 
 pub mod app;
 pub mod keymap;
+pub mod replay;
 pub mod ui;
 
 use std::io::{IsTerminal, Stdout};
@@ -24,6 +26,7 @@ use tokio::sync::mpsc;
 
 use crate::engine::policy::PolicyKind;
 use crate::engine::race::{RaceControl, RaceEvent, run_race};
+use crate::engine::trace::{TraceHeader, TraceWriter};
 use crate::engine::{DecodeOptions, LoadedModel};
 use app::{App, Command, ModelInfo, Msg};
 
@@ -38,6 +41,19 @@ pub struct DashboardOptions {
     pub policy: PolicyKind,
     pub info: ModelInfo,
     pub frame_interval: Duration,
+    /// Record every run: the first to this path, the next ones beside it (`NAME-2.EXT`, …),
+    /// each with this header (its prompt filled in).
+    pub record: Option<(std::path::PathBuf, TraceHeader)>,
+}
+
+/// Where a dashboard's events come from.
+trait Source {
+    /// Carries out the app's commands.
+    fn execute(&mut self, commands: Vec<Command>) -> anyhow::Result<()>;
+    /// What to fold into the app at this frame, if anything.
+    fn frame(&mut self) -> anyhow::Result<Option<Msg>>;
+    /// Stops whatever runs.
+    fn stop(&mut self);
 }
 
 /// Errors unless both stdin and stdout are terminals.
@@ -129,7 +145,20 @@ pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()
         (size.width, size.height),
     );
     app.sampling = options.decode.sampling;
-    runtime.block_on(event_loop(&mut terminal, &mut app, loaded, &options))
+    let (tx, rx) = mpsc::unbounded_channel::<RaceEvent>();
+    let mut races = Races {
+        loaded,
+        options: &options,
+        sampling: options.decode.sampling,
+        events: tx,
+        pending: rx,
+        current: None,
+        recorder: None,
+        runs: 0,
+    };
+    let autostart = !app.prompt.is_empty();
+    let pace = (options.frame_interval, autostart);
+    runtime.block_on(event_loop(&mut terminal, &mut app, &mut races, pace))
 }
 
 /// The race of the current run, restarted and steered by the app's commands.
@@ -139,21 +168,33 @@ struct Races<'a> {
     /// The sampling rule of the next race (the dashboard's keys change it).
     sampling: crate::engine::Sampling,
     events: mpsc::UnboundedSender<RaceEvent>,
+    pending: mpsc::UnboundedReceiver<RaceEvent>,
     current: Option<RaceHandle>,
+    /// The current run's trace, when recording.
+    recorder: Option<TraceWriter>,
+    /// Runs started so far.
+    runs: usize,
 }
 
-impl Races<'_> {
-    fn execute(
-        &mut self,
-        commands: Vec<Command>,
-        pending: &mut mpsc::UnboundedReceiver<RaceEvent>,
-    ) {
+impl Source for Races<'_> {
+    fn execute(&mut self, commands: Vec<Command>) -> anyhow::Result<()> {
         for command in commands {
             match command {
                 Command::StartRace { prompt } => {
                     self.stop();
                     // Events of the stopped race must not reach the new run.
-                    while pending.try_recv().is_ok() {}
+                    while self.pending.try_recv().is_ok() {}
+                    self.runs += 1;
+                    if let Some((path, header)) = &self.options.record {
+                        let header = TraceHeader {
+                            prompt: prompt.clone(),
+                            policy: self.options.policy,
+                            sampling: self.sampling,
+                            ..header.clone()
+                        };
+                        let path = crate::engine::trace::numbered(path, self.runs);
+                        self.recorder = Some(TraceWriter::create(&path, &header)?);
+                    }
                     let prompt = if self.options.chat {
                         crate::engine::tokenizer::chat_prompt(&prompt)
                     } else {
@@ -178,9 +219,22 @@ impl Races<'_> {
                     }
                 }
                 Command::SetSampling(sampling) => self.sampling = sampling,
-                Command::Quit => {}
+                Command::Seek(_) | Command::Quit => {}
             }
         }
+        Ok(())
+    }
+
+    fn frame(&mut self) -> anyhow::Result<Option<Msg>> {
+        // Everything the engine sent since the last frame, in one update.
+        let mut batch = Vec::new();
+        while let Ok(event) = self.pending.try_recv() {
+            if let Some(r) = self.recorder.as_mut() {
+                r.record(&event)?;
+            }
+            batch.push(event);
+        }
+        Ok((!batch.is_empty()).then_some(Msg::Engine(batch)))
     }
 
     fn stop(&mut self) {
@@ -203,28 +257,16 @@ fn input_msg(event: Option<std::io::Result<Event>>) -> std::io::Result<Option<Ms
 async fn event_loop(
     terminal: &mut Terminal<CrosstermBackend<Stdout>>,
     app: &mut App,
-    loaded: &LoadedModel,
-    options: &DashboardOptions,
+    source: &mut impl Source,
+    (frame_interval, autostart): (Duration, bool),
 ) -> anyhow::Result<()> {
     let mut input = EventStream::new();
-    let mut frames = tokio::time::interval(options.frame_interval);
+    let mut frames = tokio::time::interval(frame_interval);
     frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let (tx, mut rx) = mpsc::unbounded_channel::<RaceEvent>();
-    let mut races = Races {
-        loaded,
-        options,
-        sampling: options.decode.sampling,
-        events: tx,
-        current: None,
-    };
-    let mut pending = if app.prompt.is_empty() {
-        Vec::new()
-    } else {
-        app.start()
-    };
+    let mut pending = if autostart { app.start() } else { Vec::new() };
     terminal.draw(|f| ui::draw(f, app))?;
     while !app.should_quit {
-        races.execute(std::mem::take(&mut pending), &mut rx);
+        source.execute(std::mem::take(&mut pending))?;
         tokio::select! {
             event = input.next() => {
                 if event.is_none() {
@@ -236,18 +278,13 @@ async fn event_loop(
                 }
             }
             _ = frames.tick() => {
-                // Everything the engine sent since the last frame, in one update.
-                let mut batch = Vec::new();
-                while let Ok(ev) = rx.try_recv() {
-                    batch.push(ev);
-                }
-                if !batch.is_empty() {
-                    pending = app.update(Msg::Engine(batch));
+                if let Some(msg) = source.frame()? {
+                    pending = app.update(msg);
                 }
                 terminal.draw(|f| ui::draw(f, app))?;
             }
         }
     }
-    races.stop();
+    source.stop();
     Ok(())
 }

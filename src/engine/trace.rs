@@ -1,0 +1,228 @@
+//! Traces: a run recorded as JSON Lines, for replay and explanation without the model. The
+//! first line is a [`TraceHeader`] (format version, model fingerprint, policy, sampling,
+//! machine, prompt); every later line one [`Record`]: a race event of one lane, the step
+//! times, an error or the end. [`TraceWriter`] flushes every line, so a killed process leaves
+//! a file that is valid up to its last complete line; [`Trace::parse`] reads such a file back
+//! (a cut last line is dropped and reported), and names the line of anything else it cannot
+//! read. Written by the CLI's `--record`, read by `spex replay`.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::error::{EngineError, Result};
+use super::events::DecodeEvent;
+use super::metrics::StepTimes;
+use super::policy::PolicyKind;
+use super::race::{Lane, RaceEvent};
+use super::sampling::Sampling;
+
+/// The trace format this spex writes and the newest it reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What a trace says about its model: enough to name it and to tell whether another
+/// checkpoint is the same one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelRecord {
+    pub name: String,
+    /// The checkpoint's `config.json` as spex reads it.
+    pub config: serde_json::Value,
+    pub passes: usize,
+    pub layers: usize,
+    /// SHA-256 of the weights (every `.safetensors` file, in name order) and the tokenizer.
+    pub weights_sha256: String,
+    pub tokenizer_sha256: String,
+}
+
+/// A trace's first line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceHeader {
+    /// The trace format's version; its name marks a file as a spex trace.
+    pub spex_trace: u32,
+    pub spex_version: String,
+    pub model: ModelRecord,
+    /// The speculative lane's policy.
+    pub policy: PolicyKind,
+    pub sampling: Sampling,
+    pub max_tokens: usize,
+    pub context: usize,
+    pub device: String,
+    pub dtype: String,
+    pub cpu: Option<String>,
+    /// The prompt as typed (before any chat template).
+    pub prompt: String,
+}
+
+/// One line after the header: what the race sent, in the order it sent it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "record", rename_all = "snake_case")]
+pub enum Record {
+    Decode { lane: Lane, event: DecodeEvent },
+    StepTimes { times: StepTimes },
+    Error { message: String },
+    Done,
+}
+
+impl From<&RaceEvent> for Record {
+    fn from(event: &RaceEvent) -> Self {
+        match event {
+            RaceEvent::Decode { lane, event } => Self::Decode {
+                lane: *lane,
+                event: event.clone(),
+            },
+            RaceEvent::StepTimes(times) => Self::StepTimes { times: *times },
+            RaceEvent::Error(message) => Self::Error {
+                message: message.clone(),
+            },
+            RaceEvent::Done => Self::Done,
+        }
+    }
+}
+
+impl From<Record> for RaceEvent {
+    fn from(record: Record) -> Self {
+        match record {
+            Record::Decode { lane, event } => Self::Decode { lane, event },
+            Record::StepTimes { times } => Self::StepTimes(times),
+            Record::Error { message } => Self::Error(message),
+            Record::Done => Self::Done,
+        }
+    }
+}
+
+/// Writes a trace line by line, each flushed as it is written.
+#[derive(Debug)]
+pub struct TraceWriter {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl TraceWriter {
+    /// Creates (or truncates) `path` and writes the header line.
+    pub fn create(path: &Path, header: &TraceHeader) -> Result<Self> {
+        let file = File::create(path).map_err(|e| EngineError::file(path, e))?;
+        let mut writer = Self {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+        };
+        writer.line(header)?;
+        Ok(writer)
+    }
+
+    /// Where it writes.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends one race event.
+    pub fn record(&mut self, event: &RaceEvent) -> Result<()> {
+        self.line(&Record::from(event))
+    }
+
+    fn line(&mut self, value: &impl Serialize) -> Result<()> {
+        let fail = |e: &dyn std::fmt::Display| EngineError::file(&self.path, e);
+        serde_json::to_writer(&mut self.out, value).map_err(|e| fail(&e))?;
+        self.out.write_all(b"\n").map_err(|e| fail(&e))?;
+        self.out.flush().map_err(|e| fail(&e))
+    }
+}
+
+/// A trace read back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trace {
+    pub header: TraceHeader,
+    pub events: Vec<RaceEvent>,
+    /// The number of a last line that was cut short (a killed recording) and left out.
+    pub cut_line: Option<usize>,
+}
+
+impl Trace {
+    /// Reads the trace at `path`.
+    pub fn read(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| EngineError::file(path, e))?;
+        Self::parse(&bytes).map_err(|message| EngineError::file(path, message))
+    }
+
+    /// Parses a trace's bytes; the error is one line naming what is wrong and where.
+    pub fn parse(bytes: &[u8]) -> std::result::Result<Self, String> {
+        let text = std::str::from_utf8(bytes).map_err(|e| {
+            format!(
+                "not a spex trace (invalid UTF-8 at byte {})",
+                e.valid_up_to()
+            )
+        })?;
+        let ends_whole = text.ends_with('\n');
+        let mut lines = text.lines().enumerate();
+        let first = lines.next().map_or("", |(_, l)| l);
+        let header = header(first)?;
+        let mut events = Vec::new();
+        let mut cut_line = None;
+        let last = text.lines().count();
+        for (index, line) in lines {
+            match serde_json::from_str::<Record>(line) {
+                Ok(record) => events.push(record.into()),
+                Err(_) if index + 1 == last && !ends_whole => cut_line = Some(index + 1),
+                Err(e) => return Err(format!("line {}: not a trace record: {e}", index + 1)),
+            }
+        }
+        Ok(Self {
+            header,
+            events,
+            cut_line,
+        })
+    }
+
+    /// The speculative lane's steps in the trace.
+    pub fn steps(&self) -> usize {
+        self.events
+            .iter()
+            .filter(|e| is_speculative_step(e))
+            .count()
+    }
+}
+
+/// Whether `event` is a step of the speculative lane (a replay's unit of time).
+pub fn is_speculative_step(event: &RaceEvent) -> bool {
+    matches!(
+        event,
+        RaceEvent::Decode {
+            lane: Lane::Speculative,
+            event: DecodeEvent::Step(_),
+        }
+    )
+}
+
+/// The header line, checked to be one and of a version this spex reads.
+fn header(line: &str) -> std::result::Result<TraceHeader, String> {
+    #[derive(Deserialize)]
+    struct Version {
+        spex_trace: u32,
+    }
+    let not_a_trace = "not a spex trace (its first line is not a trace header)";
+    let version = serde_json::from_str::<Version>(line).map_err(|_| not_a_trace.to_string())?;
+    if version.spex_trace > FORMAT_VERSION {
+        return Err(format!(
+            "trace format version {} is newer than this spex reads (version {FORMAT_VERSION}): use a newer spex",
+            version.spex_trace
+        ));
+    }
+    serde_json::from_str(line).map_err(|e| format!("line 1: not a trace header: {e}"))
+}
+
+/// The `n`-th file of a series recorded to `path` (from 1): `path` itself, then `NAME-2.EXT`,
+/// `NAME-3.EXT`, … beside it.
+pub fn numbered(path: &Path, n: usize) -> PathBuf {
+    if n <= 1 {
+        return path.to_path_buf();
+    }
+    let stem = path
+        .file_stem()
+        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}-{n}.{}", ext.to_string_lossy()),
+        None => format!("{stem}-{n}"),
+    };
+    path.with_file_name(name)
+}
