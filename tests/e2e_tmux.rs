@@ -210,3 +210,50 @@ fn replay_steps_forward_and_back_through_a_recorded_run_and_quits_cleanly() {
     }
     assert_eq!(std::fs::read_to_string(&exit_file).unwrap().trim(), "0");
 }
+
+#[test]
+fn the_dashboard_records_each_run_and_w_toggles_recording() {
+    let (dir, _) = random_model(&spec(2, 4, Variant::Tied, 9));
+    let trace = dir.path().join("a.jsonl");
+    let args = format!(
+        "tui --model {} --max-tokens 12 --prompt 'To be' --record {}",
+        dir.path().display(),
+        trace.display()
+    );
+    let exit_file = dir.path().join("exit-code");
+    let tmux = start_with(&args, &exit_file, "record");
+    let done = |what: &str| {
+        tmux.wait_for(what, Duration::from_secs(30), |s| {
+            s.matches("· done").count() == 2
+        })
+    };
+    let screen = done("the first run");
+    assert!(screen.contains("● REC"), "{screen}");
+    // A rerun records to a-2.jsonl; `w` stops, so the third run is not recorded until `w`
+    // starts again, and then from its beginning.
+    for keys in [&["r"][..], &["w", "r"], &["w"]] {
+        for key in keys {
+            tmux.run(&["send-keys", "-t", "spex", key]);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        done("a run");
+    }
+    tmux.run(&["send-keys", "-t", "spex", "q"]);
+    let started = Instant::now();
+    while !exit_file.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "spex did not exit after q"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for name in ["a.jsonl", "a-2.jsonl", "a-3.jsonl"] {
+        let t = spex::engine::trace::Trace::read(&dir.path().join(name)).unwrap();
+        assert_eq!(t.header.prompt, "To be", "{name}");
+        assert!(t.steps() > 0, "{name}");
+        assert!(
+            matches!(t.events.last(), Some(spex::engine::race::RaceEvent::Done)),
+            "{name} ends with its run"
+        );
+    }
+}

@@ -426,15 +426,12 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         context: args.model.context,
         sampling: args.sampling.resolve(&session)?,
     };
-    let record = match &args.record {
-        Some(path) => Some((path.clone(), record::header(&session, decode)?)),
-        None => None,
-    };
     let options = crate::tui::DashboardOptions {
         prompt: args.prompt.clone(),
         chat: session.chat,
         decode,
-        record,
+        record: args.record.clone(),
+        trace: record::template(&session, decode),
         policy,
         info,
         frame_interval: std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1))),

@@ -3,20 +3,26 @@
 
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest, Sha256};
-
 use super::Session;
 use super::bench::cpu_model;
-use super::models::EMBEDDED;
 use crate::engine::policy::PolicyKind;
-use crate::engine::trace::{FORMAT_VERSION, ModelRecord, TraceHeader};
+use crate::engine::trace::{FORMAT_VERSION, ModelRecord, TraceHeader, fingerprint};
 use crate::engine::{DecodeOptions, EngineError};
 
-/// The header of every trace this session writes; `prompt` and `policy` are set per trace.
+/// The header of every trace this session writes, the model's fingerprint included; `prompt`
+/// and `policy` are set per trace.
 pub fn header(session: &Session, options: DecodeOptions) -> Result<TraceHeader, EngineError> {
+    let mut header = template(session, options);
+    (header.model.weights_sha256, header.model.tokenizer_sha256) =
+        fingerprint(&session.loaded.origin)?;
+    Ok(header)
+}
+
+/// [`header`] without the fingerprint, which reads every weight: the dashboard fills it in
+/// when it first records.
+pub fn template(session: &Session, options: DecodeOptions) -> TraceHeader {
     let model = session.loaded.model();
-    let (weights_sha256, tokenizer_sha256) = fingerprint(&session.loaded.source)?;
-    Ok(TraceHeader {
+    TraceHeader {
         spex_trace: FORMAT_VERSION,
         spex_version: env!("CARGO_PKG_VERSION").into(),
         model: ModelRecord {
@@ -24,8 +30,8 @@ pub fn header(session: &Session, options: DecodeOptions) -> Result<TraceHeader, 
             config: model.config.to_json(),
             passes: model.passes(),
             layers: model.config.num_hidden_layers,
-            weights_sha256,
-            tokenizer_sha256,
+            weights_sha256: String::new(),
+            tokenizer_sha256: String::new(),
         },
         policy: PolicyKind::Baseline,
         sampling: options.sampling,
@@ -35,35 +41,7 @@ pub fn header(session: &Session, options: DecodeOptions) -> Result<TraceHeader, 
         dtype: session.dtype.clone(),
         cpu: cpu_model(),
         prompt: String::new(),
-    })
-}
-
-/// SHA-256 of the weights (every `.safetensors` file of the checkpoint, in name order) and
-/// of the tokenizer; `source` is the checkpoint's directory, or "embedded".
-fn fingerprint(source: &str) -> Result<(String, String), EngineError> {
-    let hex = |hasher: Sha256| format!("{:x}", hasher.finalize());
-    if source == "embedded" {
-        let weights = Sha256::new_with_prefix(EMBEDDED.weights);
-        return Ok((
-            hex(weights),
-            hex(Sha256::new_with_prefix(EMBEDDED.tokenizer)),
-        ));
     }
-    let dir = Path::new(source);
-    let listing = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
-    let mut shards: Vec<PathBuf> = listing
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    shards.sort();
-    let mut weights = Sha256::new();
-    for shard in &shards {
-        let mut file = std::fs::File::open(shard).map_err(|e| EngineError::file(shard, e))?;
-        std::io::copy(&mut file, &mut weights).map_err(|e| EngineError::file(shard, e))?;
-    }
-    let tokenizer = dir.join("tokenizer.json");
-    let bytes = std::fs::read(&tokenizer).map_err(|e| EngineError::file(&tokenizer, e))?;
-    Ok((hex(weights), hex(Sha256::new_with_prefix(bytes))))
 }
 
 /// The file of one prompt and policy in a bench's `--record` directory.

@@ -132,8 +132,17 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 pub struct LoadedModel {
     pub backend: Backend,
     pub tokenizer: Arc<TextTokenizer>,
-    /// Where it was loaded from: a directory, or "embedded".
-    pub source: String,
+    /// Where it was loaded from.
+    pub origin: Origin,
+}
+
+/// Where a loaded model's files are.
+#[derive(Debug, Clone)]
+pub enum Origin {
+    /// A checkpoint directory.
+    Dir(std::path::PathBuf),
+    /// Built into the binary.
+    Embedded(CheckpointBytes),
 }
 
 /// A checkpoint's three files held in memory (spex's own model, built into the binary).
@@ -170,7 +179,7 @@ impl LoadedModel {
         Self::assemble(
             backend,
             tokenizer,
-            dir.display().to_string(),
+            Origin::Dir(dir.to_path_buf()),
             &dir.join("config.json"),
         )
     }
@@ -194,7 +203,7 @@ impl LoadedModel {
         let weights = Weights::load(&vb, &config)
             .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
         let backend = Backend::for_weights(config, weights, device, dtype, options)?;
-        Self::assemble(backend, tokenizer, "embedded".into(), path)
+        Self::assemble(backend, tokenizer, Origin::Embedded(bytes), path)
     }
 
     /// The model, whatever its backend.
@@ -205,7 +214,7 @@ impl LoadedModel {
     fn assemble(
         backend: Backend,
         tokenizer: TextTokenizer,
-        source: String,
+        origin: Origin,
         config_path: &Path,
     ) -> Result<Self> {
         let model = backend.model();
@@ -223,7 +232,7 @@ impl LoadedModel {
         Ok(Self {
             backend,
             tokenizer: Arc::new(tokenizer),
-            source,
+            origin,
         })
     }
 }

@@ -11,7 +11,9 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
+use super::checkpoint::Origin;
 use super::error::{EngineError, Result};
 use super::events::DecodeEvent;
 use super::metrics::StepTimes;
@@ -225,4 +227,31 @@ pub fn numbered(path: &Path, n: usize) -> PathBuf {
         None => format!("{stem}-{n}"),
     };
     path.with_file_name(name)
+}
+
+/// SHA-256 of a model's weights (every `.safetensors` file of its directory, in name order,
+/// or the embedded bytes) and of its tokenizer, as hex.
+pub fn fingerprint(origin: &Origin) -> Result<(String, String)> {
+    let hex = |hasher: Sha256| format!("{:x}", hasher.finalize());
+    let dir = match origin {
+        Origin::Embedded(bytes) => {
+            let weights = Sha256::new_with_prefix(bytes.weights);
+            return Ok((hex(weights), hex(Sha256::new_with_prefix(bytes.tokenizer))));
+        }
+        Origin::Dir(dir) => dir,
+    };
+    let listing = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
+    let mut shards: Vec<PathBuf> = listing
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    shards.sort();
+    let mut weights = Sha256::new();
+    for shard in &shards {
+        let mut file = File::open(shard).map_err(|e| EngineError::file(shard, e))?;
+        std::io::copy(&mut file, &mut weights).map_err(|e| EngineError::file(shard, e))?;
+    }
+    let tokenizer = dir.join("tokenizer.json");
+    let bytes = std::fs::read(&tokenizer).map_err(|e| EngineError::file(&tokenizer, e))?;
+    Ok((hex(weights), hex(Sha256::new_with_prefix(bytes))))
 }

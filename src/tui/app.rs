@@ -46,6 +46,8 @@ pub enum Msg {
     Resize(u16, u16),
     /// Every engine event that arrived since the last frame.
     Engine(Vec<RaceEvent>),
+    /// Something the runtime could not do (write a trace): the error line says it.
+    Failed(String),
     /// A replay's frame: its events (after starting the run afresh, if `reset`) and where
     /// the replay now stands.
     Replay {
@@ -84,6 +86,8 @@ pub enum Command {
     Control(RaceControl),
     /// Replay only: move through the trace.
     Seek(Seek),
+    /// Record the current and later runs to traces (true), or stop (false).
+    Record(bool),
     Quit,
 }
 
@@ -238,6 +242,8 @@ pub struct App {
     pub sampling: Sampling,
     /// Set when the dashboard replays a trace instead of running the model.
     pub replay: Option<ReplayStatus>,
+    /// Whether runs are being recorded to traces.
+    pub recording: bool,
 }
 
 impl App {
@@ -267,6 +273,7 @@ impl App {
             should_quit: false,
             sampling: Sampling::GREEDY,
             replay: None,
+            recording: false,
         }
     }
 
@@ -296,6 +303,10 @@ impl App {
                 for event in events {
                     self.on_engine(event);
                 }
+                Vec::new()
+            }
+            Msg::Failed(message) => {
+                self.error = Some(message);
                 Vec::new()
             }
             Msg::Replay {
@@ -375,6 +386,13 @@ impl App {
                     Command::Control(RaceControl::Pause),
                     Command::Control(RaceControl::Step),
                 ];
+            }
+            Action::ToggleRecording if self.replay.is_some() => {
+                self.error = Some("w records live runs; this is already a trace".into());
+            }
+            Action::ToggleRecording => {
+                self.recording = !self.recording;
+                return vec![Command::Record(self.recording)];
             }
             Action::StepForward => return self.act(Action::SingleStep),
             Action::StepBack => return self.seek(Seek::Back),

@@ -33,6 +33,8 @@ pub enum Action {
     ToStart,
     /// Replay: on to the end.
     ToEnd,
+    /// Start or stop recording the run to a trace.
+    ToggleRecording,
     /// In the prompt editor: run the prompt.
     RunPrompt,
     /// In the prompt editor: move focus away from it.
@@ -115,7 +117,7 @@ const fn line(
 }
 
 /// Every key, in the order the help lists them.
-pub const BINDINGS: [Binding; 16] = [
+pub const BINDINGS: [Binding; 17] = [
     line(
         "Enter",
         "run the prompt (while editing)",
@@ -179,6 +181,12 @@ pub const BINDINGS: [Binding; 16] = [
         "new sampling seed, then rerun",
         Mode::Panes,
         &[(key('s'), Action::NewSeed)],
+    ),
+    line(
+        "w",
+        "record the run to a trace (spex-SECONDS.jsonl) / stop",
+        Mode::Panes,
+        &[(key('w'), Action::ToggleRecording)],
     ),
     line(
         "Tab",

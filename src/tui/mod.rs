@@ -41,9 +41,12 @@ pub struct DashboardOptions {
     pub policy: PolicyKind,
     pub info: ModelInfo,
     pub frame_interval: Duration,
-    /// Record every run: the first to this path, the next ones beside it (`NAME-2.EXT`, …),
-    /// each with this header (its prompt filled in).
-    pub record: Option<(std::path::PathBuf, TraceHeader)>,
+    /// Record every run from the start: the first to this path, the next ones beside it
+    /// (`NAME-2.EXT`, …). Without it, `w` records to `spex-SECONDS.jsonl`.
+    pub record: Option<std::path::PathBuf>,
+    /// The traces' header, less the prompt and the model's fingerprint (filled in when
+    /// recording first starts: it reads every weight).
+    pub trace: TraceHeader,
 }
 
 /// Where a dashboard's events come from.
@@ -154,8 +157,13 @@ pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()
         pending: rx,
         current: None,
         recorder: None,
+        recording: options.record.is_some(),
+        fingerprint: None,
+        prompt: String::new(),
+        history: Vec::new(),
         runs: 0,
     };
+    app.recording = races.recording;
     let autostart = !app.prompt.is_empty();
     let pace = (options.frame_interval, autostart);
     runtime.block_on(event_loop(&mut terminal, &mut app, &mut races, pace))
@@ -172,8 +180,47 @@ struct Races<'a> {
     current: Option<RaceHandle>,
     /// The current run's trace, when recording.
     recorder: Option<TraceWriter>,
+    /// Whether runs are recorded.
+    recording: bool,
+    /// The model's weights' and tokenizer's SHA-256, once computed.
+    fingerprint: Option<(String, String)>,
+    /// The current run's prompt and every event it sent so far (a recording started midway
+    /// writes them first).
+    prompt: String,
+    history: Vec<RaceEvent>,
     /// Runs started so far.
     runs: usize,
+}
+
+impl Races<'_> {
+    /// Opens the current run's trace and writes what the run sent so far.
+    fn open_trace(&mut self) -> anyhow::Result<()> {
+        let (weights, tokenizer) = match &self.fingerprint {
+            Some(f) => f.clone(),
+            None => crate::engine::trace::fingerprint(&self.loaded.origin)?,
+        };
+        self.fingerprint = Some((weights.clone(), tokenizer.clone()));
+        let mut header = TraceHeader {
+            prompt: self.prompt.clone(),
+            policy: self.options.policy,
+            sampling: self.sampling,
+            ..self.options.trace.clone()
+        };
+        (header.model.weights_sha256, header.model.tokenizer_sha256) = (weights, tokenizer);
+        let path = match &self.options.record {
+            Some(path) => crate::engine::trace::numbered(path, self.runs),
+            None => {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+                format!("spex-{}.jsonl", now.map_or(0, |d| d.as_secs())).into()
+            }
+        };
+        let mut writer = TraceWriter::create(&path, &header)?;
+        for event in &self.history {
+            writer.record(event)?;
+        }
+        self.recorder = Some(writer);
+        Ok(())
+    }
 }
 
 impl Source for Races<'_> {
@@ -185,15 +232,10 @@ impl Source for Races<'_> {
                     // Events of the stopped race must not reach the new run.
                     while self.pending.try_recv().is_ok() {}
                     self.runs += 1;
-                    if let Some((path, header)) = &self.options.record {
-                        let header = TraceHeader {
-                            prompt: prompt.clone(),
-                            policy: self.options.policy,
-                            sampling: self.sampling,
-                            ..header.clone()
-                        };
-                        let path = crate::engine::trace::numbered(path, self.runs);
-                        self.recorder = Some(TraceWriter::create(&path, &header)?);
+                    (self.prompt, self.recorder) = (prompt.clone(), None);
+                    self.history.clear();
+                    if self.recording {
+                        self.open_trace()?;
                     }
                     let prompt = if self.options.chat {
                         crate::engine::tokenizer::chat_prompt(&prompt)
@@ -219,6 +261,13 @@ impl Source for Races<'_> {
                     }
                 }
                 Command::SetSampling(sampling) => self.sampling = sampling,
+                Command::Record(on) => {
+                    self.recording = on;
+                    self.recorder = None;
+                    if on && self.runs > 0 {
+                        self.open_trace()?;
+                    }
+                }
                 Command::Seek(_) | Command::Quit => {}
             }
         }
@@ -229,9 +278,12 @@ impl Source for Races<'_> {
         // Everything the engine sent since the last frame, in one update.
         let mut batch = Vec::new();
         while let Ok(event) = self.pending.try_recv() {
-            if let Some(r) = self.recorder.as_mut() {
-                r.record(&event)?;
+            if let Some(Err(e)) = self.recorder.as_mut().map(|r| r.record(&event)) {
+                // The run goes on unrecorded; the error line says why.
+                self.recorder = None;
+                batch.push(RaceEvent::Error(format!("recording stopped: {e}")));
             }
+            self.history.push(event.clone());
             batch.push(event);
         }
         Ok((!batch.is_empty()).then_some(Msg::Engine(batch)))
@@ -266,7 +318,9 @@ async fn event_loop(
     let mut pending = if autostart { app.start() } else { Vec::new() };
     terminal.draw(|f| ui::draw(f, app))?;
     while !app.should_quit {
-        source.execute(std::mem::take(&mut pending))?;
+        if let Err(e) = source.execute(std::mem::take(&mut pending)) {
+            pending = app.update(Msg::Failed(e.to_string()));
+        }
         tokio::select! {
             event = input.next() => {
                 if event.is_none() {

@@ -123,7 +123,7 @@ impl Source for Replayer {
                 Command::Seek(Seek::Back) => self.go_to(self.step.saturating_sub(1)),
                 Command::Seek(Seek::Start) => self.go_to(0),
                 Command::Seek(Seek::End) => self.go_to(self.steps()),
-                Command::SetSampling(_) | Command::Quit => {}
+                Command::SetSampling(_) | Command::Record(_) | Command::Quit => {}
             }
         }
         Ok(())

@@ -440,12 +440,13 @@ fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {
         true => String::new(),
         false => format!(" · {}", app.sampling),
     };
+    let recording = if app.recording { " ● REC ·" } else { "" };
     let replay = match &app.replay {
         Some(r) => format!(" REPLAY {} · step {}/{} ·", r.file, r.step, r.steps),
         None => String::new(),
     };
     let text = format!(
-        "{state}{replay} {} · R×K {}×{} · {} · {} · {} vs baseline{sampling} · {rate} steps/s · ? help · q quit",
+        "{state}{recording}{replay} {} · R×K {}×{} · {} · {} · {} vs baseline{sampling} · {rate} steps/s · ? help · q quit",
         i.name, i.passes, i.layers, i.device, i.dtype, i.policy
     );
     frame.render_widget(
