@@ -410,4 +410,9 @@ fn replaying_what_is_not_a_trace_is_one_line() {
     assert_clean_error(&["replay", &f], "notes.txt: not a spex trace");
     let missing = dir.path().join("missing.jsonl").display().to_string();
     assert_clean_error(&["replay", &missing], "missing.jsonl");
+    assert_clean_error(&["explain", &f], "notes.txt: not a spex trace");
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let e = empty.display().to_string();
+    assert_clean_error(&["explain", &e], "no .jsonl traces");
 }

@@ -3,6 +3,7 @@
 
 mod bench;
 pub mod device;
+mod explain;
 mod generate;
 pub mod hub;
 pub mod models;
@@ -46,6 +47,8 @@ pub enum Command {
     Tui(TuiArgs),
     /// Replay a recorded trace in the dashboard, with no model loaded.
     Replay(replay::ReplayArgs),
+    /// Where early passes disagreed with the committed tokens, over recorded traces.
+    Explain(explain::ExplainArgs),
     /// List the models of models.toml and whether each is on this machine.
     Models,
     /// Download a models.toml entry (or ORG/NAME) into the hub cache.
@@ -308,6 +311,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Train(args)) => train::run(&args),
         Some(Command::Tui(args)) => dashboard(&args),
         Some(Command::Replay(args)) => replay::run(&args),
+        Some(Command::Explain(args)) => explain::run(&args),
         Some(Command::Models) => list_models(),
         Some(Command::Pull { name }) => pull(&name),
         None => dashboard(&cli.dashboard),

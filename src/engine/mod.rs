@@ -8,6 +8,7 @@ pub mod config;
 pub mod decoder;
 pub mod error;
 pub mod events;
+pub mod explain;
 pub mod format;
 pub mod kernels;
 pub mod kv_cache;

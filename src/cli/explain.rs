@@ -1,0 +1,112 @@
+//! `spex explain FILE|DIR…`: the misprediction explorer over recorded traces, as a table or
+//! JSON.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use crate::engine::EngineError;
+use crate::engine::explain::Explanation;
+use crate::engine::trace::Trace;
+
+/// `spex explain`.
+#[derive(Debug, Args)]
+pub struct ExplainArgs {
+    /// Trace files, or directories of them (every `.jsonl` inside, e.g. a `bench --record`
+    /// directory).
+    #[arg(required = true)]
+    pub traces: Vec<PathBuf>,
+    /// How many of the most frequent disagreements to list.
+    #[arg(long, default_value_t = 20)]
+    pub top: usize,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
+    let mut traces = Vec::new();
+    for path in trace_files(&args.traces)? {
+        let trace = Trace::read(&path)?;
+        if let Some(line) = trace.cut_line {
+            eprintln!(
+                "spex: {}: line {line} was cut short; using the lines before it",
+                path.display()
+            );
+        }
+        traces.push(trace);
+    }
+    let e = Explanation::of(&traces, args.top);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&e)?);
+    } else {
+        print(&e);
+    }
+    Ok(())
+}
+
+/// The files named, with directories replaced by their `.jsonl` files in name order.
+fn trace_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>, EngineError> {
+    let mut files = Vec::new();
+    for path in paths {
+        if !path.is_dir() {
+            files.push(path.clone());
+            continue;
+        }
+        let listing = std::fs::read_dir(path).map_err(|e| EngineError::file(path, e))?;
+        let mut inside: Vec<PathBuf> = listing
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+            .collect();
+        if inside.is_empty() {
+            return Err(EngineError::file(
+                path,
+                "no .jsonl traces in this directory",
+            ));
+        }
+        inside.sort();
+        files.extend(inside);
+    }
+    Ok(files)
+}
+
+fn print(e: &Explanation) {
+    let readouts: usize = e.by_pass.iter().map(|t| t.readouts).sum();
+    println!(
+        "{} traces, {} committed positions, {readouts} readouts before pass R",
+        e.traces, e.positions
+    );
+    let by_pass: Vec<String> = (e.by_pass.iter().enumerate())
+        .map(|(i, t)| format!("pass {} {:.1}% of {}", i + 1, 100.0 * t.rate(), t.readouts))
+        .collect();
+    println!(
+        "disagreement with the committed token: {}",
+        by_pass.join(" · ")
+    );
+    println!("by the committed token's class:");
+    for (class, t) in &e.by_class {
+        let name = format!("{class:?}");
+        println!("  {name:<12} {:>5.1}% of {}", 100.0 * t.rate(), t.readouts);
+    }
+    println!(
+        "disagreeing readouts: mean margin {:.2} logits, probability {:.2}; agreeing: {:.2}, {:.2}",
+        e.disagreeing.mean_margin,
+        e.disagreeing.mean_prob,
+        e.agreeing.mean_margin,
+        e.agreeing.mean_prob
+    );
+    println!("most frequent: pass r said X, the committed token was Y");
+    println!(
+        "  {:>6}  {:>4}  {:<16} {:<16}",
+        "count", "pass", "said", "committed"
+    );
+    for p in &e.pairs {
+        println!(
+            "  {:>6}  {:>4}  {:<16} {:<16}",
+            p.count,
+            p.pass,
+            format!("{:?}", p.said.text),
+            format!("{:?}", p.committed.text)
+        );
+    }
+}
