@@ -342,8 +342,8 @@ fn random_keys_resizes_and_events_never_panic() {
 }
 
 /// What a key changed in the panes: the commands it returned and the state keys steer.
-/// Everything a key can change: the commands, focus, help, pause, rate, quitting, scrolling
-/// and the error line (keys that need a replay say so there).
+/// Everything a key can change: the commands, focus, help, pause, rate, quitting, scrolling,
+/// the error line (keys that need a replay say so there) and the inspector's cursor.
 type Effect = (
     Vec<Command>,
     Focus,
@@ -353,12 +353,15 @@ type Effect = (
     bool,
     u16,
     Option<String>,
+    Option<usize>,
 );
 
 fn key_effect(code: KeyCode) -> Effect {
     let mut app = running_app();
     // Scrolled a little, so that scrolling either way shows.
     app.run.as_mut().expect("a run").speculative.scroll = 20;
+    // Some output, so that the inspector's keys have tokens to move over.
+    app.run.as_mut().expect("a run").speculative.tokens = vec![1, 2, 3];
     let commands = app.update(key(code));
     let scroll = app.run.as_ref().map_or(0, |r| r.speculative.scroll);
     (
@@ -370,6 +373,7 @@ fn key_effect(code: KeyCode) -> Effect {
         app.should_quit,
         scroll,
         app.error.clone(),
+        app.inspect,
     )
 }
 
@@ -489,4 +493,38 @@ fn replay_keys_seek_in_a_replay_and_explain_themselves_live() {
     }
     let cmds = app.update(key(KeyCode::Right));
     assert_eq!(cmds.last(), Some(&Command::Control(RaceControl::Step)));
+}
+
+#[test]
+fn the_inspector_opens_at_the_last_token_and_moves_within_the_output() {
+    let mut app = running_app();
+    app.update(Msg::Engine(race_events("To be")));
+    let n = app.run.as_ref().unwrap().speculative.tokens.len();
+    app.update(key(KeyCode::Char('i')));
+    assert_eq!(app.inspect, Some(n - 1));
+    app.update(key(KeyCode::Char(']')));
+    assert_eq!(app.inspect, Some(n - 1), "clamped at the last token");
+    for _ in 0..3 {
+        app.update(key(KeyCode::Char('[')));
+    }
+    assert_eq!(app.inspect, Some(n - 4));
+    let run = app.run.as_ref().unwrap();
+    let view = &run.positions[&(run.first_pos + n - 4)];
+    let (_, token, _, _) = view
+        .committed
+        .as_ref()
+        .expect("an output token is committed");
+    assert_eq!(token.id, run.speculative.tokens[n - 4]);
+    assert!(
+        view.readouts
+            .iter()
+            .flatten()
+            .all(|(_, p)| p.top.len() == 5)
+    );
+    assert!(
+        view.readouts.last().unwrap().is_some(),
+        "pass R read it out"
+    );
+    app.update(key(KeyCode::Char('i')));
+    assert_eq!(app.inspect, None);
 }

@@ -133,6 +133,7 @@ fn app() -> App {
         speedup_history: (0..60).map(|i| 1.0 + (i as f64 / 20.0).min(1.6)).collect(),
         ceiling: Some(2.71),
         done: false,
+        ..RunView::default()
     });
     app
 }
@@ -226,4 +227,54 @@ fn footer_names_the_sampling_rule() {
     });
     assert!(out.contains("T 0.8 · top-p 0.9 · seed 7"), "{out}");
     insta::assert_snapshot!(out);
+}
+
+/// The inspector over a hand-made position: four passes' readouts, a flip, the commit.
+#[test]
+fn inspector_overlay() {
+    use spex::engine::Pass;
+    use spex::engine::events::{Prediction, Ranked, Token};
+    use spex::tui::inspector::PositionView;
+    let token = |id: u32, text: &str| Token {
+        id,
+        text: text.into(),
+    };
+    let readout = |step: u64, tops: &[(&str, f32)]| {
+        let top: Vec<Ranked> = (tops.iter().enumerate())
+            .map(|(i, &(t, prob))| Ranked {
+                token: token(i as u32, t),
+                prob,
+            })
+            .collect();
+        let p = Prediction {
+            token: top[0].token.clone(),
+            prob: top[0].prob,
+            margin: 0.4,
+            top,
+        };
+        Some((step, p))
+    };
+    let mut app = app();
+    let run = app.run.as_mut().unwrap();
+    run.first_pos = 14;
+    for (i, word) in [" that", " is", " the", " question", ":"]
+        .iter()
+        .enumerate()
+    {
+        let view = run.positions.entry(14 + i).or_default();
+        view.committed = Some((20 + i as u64, token(9, word), Pass::FIRST, false));
+    }
+    let view = PositionView {
+        readouts: vec![
+            readout(21, &[(" a", 0.31), (" the", 0.29), (" my", 0.1)]),
+            readout(22, &[(" the", 0.45), (" a", 0.2), (" thy", 0.05)]),
+            readout(23, &[(" the", 0.62), (" a", 0.11)]),
+            readout(24, &[(" the", 0.7), (" a", 0.09)]),
+        ],
+        flips: vec![(22, Pass::FIRST.next(), token(1, " a"), token(2, " the"))],
+        committed: Some((24, token(2, " the"), Pass::FIRST.next(), false)),
+    };
+    run.positions.insert(16, view);
+    app.inspect = Some(2);
+    insta::assert_snapshot!(render(100, 32, |f| draw(f, &app)));
 }

@@ -2,27 +2,19 @@
 //! as [`Msg`]s; [`App::update`] folds them into state and returns [`Command`]s for the runtime
 //! (start a race, steer it, quit). Rendering (`ui`) reads this state and nothing else.
 
-use std::collections::VecDeque;
-
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, MouseEvent, MouseEventKind};
 
 use super::keymap::{self, Action, Mode};
+use super::run_view::on_decode;
+pub use super::run_view::{Agreement, Cell, CellKind, FlipEntry, LaneView, RunView, StepColumn};
 
-use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
-use crate::engine::kv_cache::PassOccupancy;
-use crate::engine::metrics::RunStats;
-use crate::engine::metrics::speedup;
 use crate::engine::policy::PolicyKind;
-use crate::engine::race::{Lane, RaceControl, RaceEvent};
+use crate::engine::race::{RaceControl, RaceEvent};
 use crate::engine::rng::SplitMix;
 use crate::engine::sampling::Sampling;
 
 /// The temperatures `t` and `T` step through (0 is greedy).
 pub const TEMPERATURES: [f32; 8] = [0.0, 0.3, 0.5, 0.7, 0.8, 1.0, 1.2, 1.5];
-/// Steps of the pipeline view kept in memory (the view shows as many as fit).
-const MAX_COLUMNS: usize = 512;
-/// Flips kept in the log.
-const MAX_FLIPS: usize = 200;
 /// Points of the speedup sparkline.
 const MAX_HISTORY: usize = 400;
 /// Selectable SPEED steps per second; `None` is flat out.
@@ -122,107 +114,6 @@ pub struct ModelInfo {
     pub policy: PolicyKind,
 }
 
-/// How a pipeline cell is drawn.
-#[derive(Debug, Clone, PartialEq)]
-pub enum CellKind {
-    /// The token's id is committed.
-    Verified,
-    /// The token is a guess still in flight.
-    Speculative,
-    /// This row's readout changed the prediction for the next position.
-    Flipped { old: String, new: String },
-    /// The row's work was thrown away by a flush in this step.
-    Flushed,
-}
-
-/// One token at one pass in one step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Cell {
-    pub text: String,
-    pub pos: usize,
-    pub kind: CellKind,
-}
-
-/// One step of the SPEED lane: a cell per pass (pass 1 first).
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepColumn {
-    pub step: u64,
-    pub cells: Vec<Option<Cell>>,
-}
-
-/// A flip with its surroundings, for the log.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FlipEntry {
-    pub step: u64,
-    pub pos: usize,
-    pub pass: usize,
-    pub old: String,
-    pub new: String,
-    /// The last committed words before the flipped position.
-    pub context: String,
-}
-
-/// One lane's output and statistics.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LaneView {
-    pub text: String,
-    pub tokens: Vec<u32>,
-    pub stats: RunStats,
-    pub finished: Option<FinishReason>,
-    pub scroll: u16,
-}
-
-/// Whether the lanes agree so far.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Agreement {
-    /// Identical over the first `n` tokens both lanes have.
-    Same(usize),
-    /// They first differ at this output index.
-    Differ(usize),
-    /// Not compared: under sampling a policy that verifies by rejection (LoopSpec) draws
-    /// its own sample of the baseline's distribution.
-    SameDistribution,
-}
-
-/// Everything about the current run.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct RunView {
-    pub prompt: String,
-    pub speculative: LaneView,
-    pub baseline: LaneView,
-    pub columns: VecDeque<StepColumn>,
-    pub flips: VecDeque<FlipEntry>,
-    pub kv: Vec<PassOccupancy>,
-    pub speedup_history: VecDeque<f64>,
-    /// R · t(1 row) / t(R rows), measured when the race started.
-    pub ceiling: Option<f64>,
-    pub done: bool,
-}
-
-impl RunView {
-    fn lane_mut(&mut self, lane: Lane) -> &mut LaneView {
-        match lane {
-            Lane::Speculative => &mut self.speculative,
-            Lane::Baseline => &mut self.baseline,
-        }
-    }
-
-    /// Baseline time per token over SPEED time per token, as `spex bench` computes it.
-    pub fn speedup(&self) -> Option<f64> {
-        let s = speedup(&self.baseline.stats, &self.speculative.stats);
-        (s > 0.0).then_some(s)
-    }
-
-    /// The identical-output check over the tokens both lanes have committed.
-    pub fn agreement(&self) -> Agreement {
-        let (a, b) = (&self.speculative.tokens, &self.baseline.tokens);
-        match a.iter().zip(b).position(|(x, y)| x != y) {
-            Some(i) => Agreement::Differ(i),
-            None => Agreement::Same(a.len().min(b.len())),
-        }
-    }
-}
-
 /// The dashboard's whole state.
 #[derive(Debug, Clone, PartialEq)]
 pub struct App {
@@ -244,6 +135,8 @@ pub struct App {
     pub replay: Option<ReplayStatus>,
     /// Whether runs are being recorded to traces.
     pub recording: bool,
+    /// The token inspector's cursor: an output index of the speculative lane.
+    pub inspect: Option<usize>,
 }
 
 impl App {
@@ -274,6 +167,7 @@ impl App {
             sampling: Sampling::GREEDY,
             replay: None,
             recording: false,
+            inspect: None,
         }
     }
 
@@ -394,6 +288,15 @@ impl App {
                 self.recording = !self.recording;
                 return vec![Command::Record(self.recording)];
             }
+            Action::Inspect => {
+                let last = self.run.as_ref().map(|r| r.speculative.tokens.len());
+                self.inspect = match self.inspect {
+                    Some(_) => None,
+                    None => last.map(|n| n.saturating_sub(1)),
+                };
+            }
+            Action::InspectPrevious => self.move_inspector(-1),
+            Action::InspectNext => self.move_inspector(1),
             Action::StepForward => return self.act(Action::SingleStep),
             Action::StepBack => return self.seek(Seek::Back),
             Action::ToStart => return self.seek(Seek::Start),
@@ -412,6 +315,17 @@ impl App {
             Action::NewSeed => return self.resample(0, true),
         }
         Vec::new()
+    }
+
+    /// Moves the inspector's cursor by `by` tokens within the speculative lane's output,
+    /// opening it at the last token first if it is closed.
+    fn move_inspector(&mut self, by: isize) {
+        let tokens = self.run.as_ref().map_or(0, |r| r.speculative.tokens.len());
+        if tokens == 0 {
+            return;
+        }
+        let at = self.inspect.unwrap_or(tokens - 1);
+        self.inspect = Some(at.saturating_add_signed(by).min(tokens - 1));
     }
 
     /// A move through a replay (pausing it); live runs cannot move back.
@@ -524,127 +438,5 @@ impl App {
                 }
             }
         }
-    }
-}
-
-fn on_decode(run: &mut RunView, lane: Lane, event: &DecodeEvent) {
-    match event {
-        DecodeEvent::Prefill(p) => {
-            let view = run.lane_mut(lane);
-            view.stats = RunStats::new(p.kv.len());
-            view.tokens.push(p.first.token.id);
-            view.text.push_str(&p.first.text_delta);
-            if lane == Lane::Speculative {
-                run.kv.clone_from(&p.kv);
-            }
-        }
-        DecodeEvent::Step(step) => {
-            let view = run.lane_mut(lane);
-            view.stats.record(event);
-            for c in &step.committed {
-                view.tokens.push(c.token.id);
-                view.text.push_str(&c.text_delta);
-            }
-            if lane == Lane::Speculative {
-                record_pipeline(run, step);
-            }
-        }
-        DecodeEvent::Finished(f) => {
-            let view = run.lane_mut(lane);
-            view.text.push_str(&f.text_tail);
-            view.finished = Some(f.reason);
-        }
-    }
-}
-
-/// Adds the SPEED step to the pipeline view, the flip log and the KV gauges.
-fn record_pipeline(run: &mut RunView, step: &StepEvent) {
-    let passes = run
-        .kv
-        .len()
-        .max(step.rows.iter().map(|r| r.pass.number()).max().unwrap_or(1));
-    if run.columns.len() == MAX_COLUMNS {
-        run.columns.pop_front();
-    }
-    run.columns.push_back(StepColumn {
-        step: step.step,
-        cells: step_cells(step, passes),
-    });
-    record_flips(run, step);
-    run.kv.clone_from(&step.kv);
-}
-
-/// One cell per pass for a step's column: the row's token, coloured by what became of it.
-fn step_cells(step: &StepEvent, passes: usize) -> Vec<Option<Cell>> {
-    let mut cells: Vec<Option<Cell>> = vec![None; passes];
-    let flushed_from = step.flushes.iter().map(|f| f.first_pos).min();
-    for row in &step.rows {
-        let flip = step
-            .flips
-            .iter()
-            .find(|f| f.pos == row.pos + 1 && f.pass == row.pass);
-        let kind = match (flip, flushed_from) {
-            (Some(f), _) => CellKind::Flipped {
-                old: shown(&f.old),
-                new: shown(&f.new),
-            },
-            (None, Some(first)) if row.pos >= first => CellKind::Flushed,
-            // A candidate its parent did not choose: its work is thrown away too.
-            _ if row.dropped => CellKind::Flushed,
-            _ if row.verified => CellKind::Verified,
-            _ => CellKind::Speculative,
-        };
-        let text = shown(&row.token);
-        match &mut cells[row.pass.index()] {
-            // Two candidates for one position (a second proposal): the cell shows both, the one
-            // dropped after the bar, and takes the kind of the one kept.
-            Some(cell) if cell.pos == row.pos => {
-                if row.dropped {
-                    cell.text = format!("{}|{text}", cell.text);
-                } else {
-                    cell.text = format!("{text}|{}", cell.text);
-                    cell.kind = kind;
-                }
-            }
-            slot => {
-                *slot = Some(Cell {
-                    text,
-                    pos: row.pos,
-                    kind,
-                })
-            }
-        }
-    }
-    cells
-}
-
-/// Appends a step's flips to the flip log, each with the last words of the text before it.
-fn record_flips(run: &mut RunView, step: &StepEvent) {
-    for f in &step.flips {
-        let context: String = {
-            let words: Vec<&str> = run.speculative.text.split_whitespace().collect();
-            words[words.len().saturating_sub(4)..].join(" ")
-        };
-        if run.flips.len() == MAX_FLIPS {
-            run.flips.pop_front();
-        }
-        run.flips.push_back(FlipEntry {
-            step: step.step,
-            pos: f.pos,
-            pass: f.pass.number(),
-            old: shown(&f.old),
-            new: shown(&f.new),
-            context,
-        });
-    }
-}
-
-/// A token's text for display; tokens with no text of their own (ids past the tokenizer's
-/// vocabulary, or lone bytes of a multi-byte character) show their id.
-fn shown(token: &Token) -> String {
-    if token.text.is_empty() || token.text == "\u{FFFD}" {
-        format!("#{}", token.id)
-    } else {
-        token.text.clone()
     }
 }

@@ -35,6 +35,11 @@ pub enum Action {
     ToEnd,
     /// Start or stop recording the run to a trace.
     ToggleRecording,
+    /// Open or close the token inspector.
+    Inspect,
+    /// Inspector: the previous / next token.
+    InspectPrevious,
+    InspectNext,
     /// In the prompt editor: run the prompt.
     RunPrompt,
     /// In the prompt editor: move focus away from it.
@@ -117,7 +122,7 @@ const fn line(
 }
 
 /// Every key, in the order the help lists them.
-pub const BINDINGS: [Binding; 17] = [
+pub const BINDINGS: [Binding; 18] = [
     line(
         "Enter",
         "run the prompt (while editing)",
@@ -181,6 +186,16 @@ pub const BINDINGS: [Binding; 17] = [
         "new sampling seed, then rerun",
         Mode::Panes,
         &[(key('s'), Action::NewSeed)],
+    ),
+    line(
+        "i [ ]",
+        "token inspector: open / close, previous / next token",
+        Mode::Panes,
+        &[
+            (key('i'), Action::Inspect),
+            (key('['), Action::InspectPrevious),
+            (key(']'), Action::InspectNext),
+        ],
     ),
     line(
         "w",

@@ -5,8 +5,10 @@
 //! recorded trace (`replay`).
 
 pub mod app;
+pub mod inspector;
 pub mod keymap;
 pub mod replay;
+pub mod run_view;
 pub mod ui;
 
 use std::io::{IsTerminal, Stdout};

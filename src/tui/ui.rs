@@ -103,9 +103,91 @@ pub fn draw(frame: &mut Frame, app: &App) {
     ] {
         draw_panel(frame, area, app, panel);
     }
+    if let (Some(at), Some(run)) = (app.inspect, &app.run) {
+        draw_inspector(frame, area, run, at);
+    }
     if app.show_help {
         draw_help(frame, area);
     }
+}
+
+/// The token inspector over the dashboard: the output token at index `at` of the speculative
+/// lane, with each pass's top readouts, the step each ran, its flips and how it was committed.
+fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
+    let pos = run.first_pos + at;
+    let view = run.positions.get(&pos).cloned().unwrap_or_default();
+    let passes = run.kv.len().max(view.readouts.len());
+    let w = 96.min(area.width);
+    // Borders, the context and commit lines, a line per pass, the flips (or "no flips").
+    let h = (passes as u16 + 4 + view.flips.len().clamp(1, 3) as u16).min(area.height);
+    let popup = Rect {
+        x: area.x + (area.width - w) / 2,
+        y: area.y + (area.height - h) / 2,
+        width: w,
+        height: h,
+    };
+    let text_at = |p: usize| {
+        run.positions
+            .get(&p)
+            .and_then(|v| v.committed.as_ref())
+            .map_or(String::new(), |c| c.1.text.clone())
+    };
+    let before: String = (pos.saturating_sub(4).max(run.first_pos)..pos)
+        .map(text_at)
+        .collect();
+    let after: String = (pos + 1..pos + 5).map(text_at).collect();
+    let mut lines = vec![Line::from(vec![
+        Span::raw(format!("…{before}")),
+        Span::styled(
+            format!("[{}]", text_at(pos)),
+            Style::new().fg(Color::Cyan).bold(),
+        ),
+        Span::raw(format!("{after}…")),
+    ])];
+    lines.push(Line::from(match &view.committed {
+        Some((step, token, depth, second)) => {
+            let source = if *second {
+                format!("a second proposal from pass {depth}")
+            } else if depth.number() == passes {
+                "no proposal survived: committed from pass R".to_string()
+            } else {
+                format!("the proposal from pass {depth}")
+            };
+            format!("committed {:?} at step {step}: {source}", token.text)
+        }
+        None => "not committed yet".to_string(),
+    }));
+    for (i, readout) in view.readouts.iter().enumerate().take(passes) {
+        let text = match readout {
+            Some((step, p)) => {
+                let top: Vec<String> = (p.top.iter())
+                    .map(|r| format!("{:?} {:.0}%", r.token.text, 100.0 * r.prob))
+                    .collect();
+                format!("pass {} · step {step:>4} │ {}", i + 1, top.join(" · "))
+            }
+            None => format!("pass {} · no readout", i + 1),
+        };
+        lines.push(Line::from(text));
+    }
+    if view.flips.is_empty() {
+        lines.push(Line::from("no flips"));
+    }
+    for (step, pass, old, new) in view.flips.iter().take(3) {
+        lines.push(Line::from(Span::styled(
+            format!(
+                "flip at step {step}, pass {pass}: {:?} → {:?}",
+                old.text, new.text
+            ),
+            Style::new().fg(Color::Yellow),
+        )));
+    }
+    let title = format!(
+        "inspector: token {} of {} · position {pos} · [ ] move · i closes",
+        at + 1,
+        run.speculative.tokens.len()
+    );
+    frame.render_widget(Clear, popup);
+    frame.render_widget(Paragraph::new(lines).block(block(&title, true)), popup);
 }
 
 fn block(title: &str, focused: bool) -> Block<'static> {
