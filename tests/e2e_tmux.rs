@@ -51,6 +51,24 @@ impl Drop for Tmux {
     }
 }
 
+/// Presses q and waits for spex to exit cleanly (exit code 0 in `exit_file`).
+fn quit(tmux: &Tmux, exit_file: &Path) {
+    tmux.run(&["send-keys", "-t", "spex", "q"]);
+    let started = Instant::now();
+    while !exit_file.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "spex did not exit after q"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        std::fs::read_to_string(exit_file).unwrap().trim(),
+        "0",
+        "clean exit code"
+    );
+}
+
 fn start(model: &Path, exit_file: &Path) -> Tmux {
     let args = format!("tui --model {} --max-tokens 40", model.display());
     start_with(&args, exit_file, "e2e")
@@ -114,20 +132,7 @@ fn dashboard_runs_a_prompt_and_quits_cleanly() {
         .expect("a speedup line");
     assert!(speedup_line.contains('×'), "speedup figure: {speedup_line}");
     assert!(screen.contains("✓ identical (40 tokens)"), "{screen}");
-    tmux.run(&["send-keys", "-t", "spex", "q"]);
-    let started = Instant::now();
-    while !exit_file.exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "spex did not exit after q"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert_eq!(
-        std::fs::read_to_string(&exit_file).unwrap().trim(),
-        "0",
-        "clean exit code"
-    );
+    quit(&tmux, &exit_file);
     let alternate = tmux.run(&["display-message", "-p", "-t", "spex", "#{alternate_on}"]);
     assert_eq!(
         String::from_utf8_lossy(&alternate.stdout).trim(),
@@ -199,16 +204,7 @@ fn replay_steps_forward_and_back_through_a_recorded_run_and_quits_cleanly() {
             );
         }
     }
-    tmux.run(&["send-keys", "-t", "spex", "q"]);
-    let started = Instant::now();
-    while !exit_file.exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "spex replay did not exit after q"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    assert_eq!(std::fs::read_to_string(&exit_file).unwrap().trim(), "0");
+    quit(&tmux, &exit_file);
 }
 
 #[test]
@@ -238,15 +234,7 @@ fn the_dashboard_records_each_run_and_w_toggles_recording() {
         std::thread::sleep(Duration::from_millis(300));
         done("a run");
     }
-    tmux.run(&["send-keys", "-t", "spex", "q"]);
-    let started = Instant::now();
-    while !exit_file.exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "spex did not exit after q"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    quit(&tmux, &exit_file);
     for name in ["a.jsonl", "a-2.jsonl", "a-3.jsonl"] {
         let t = spex::engine::trace::Trace::read(&dir.path().join(name)).unwrap();
         assert_eq!(t.header.prompt, "To be", "{name}");

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashSet};
 use candle_core::{Device, Tensor};
 use common::{PROMPTS, Variant, random_model, spec, with_f32_readouts};
 use spex::engine::bench::run_lane;
+use spex::engine::metrics::RunStats;
 use spex::engine::policy::PolicyKind;
 use spex::engine::{DecodeOptions, LoadedModel, Sampling};
 
@@ -208,9 +209,11 @@ fn the_first_sampled_token_follows_the_filtered_softmax() {
     }
 }
 
-#[test]
-fn the_first_two_sampled_tokens_follow_the_filtered_softmax_jointly() {
-    let (_dir, loaded) = random_model(&spec(1, 2, Variant::Tied, 12));
+/// Over `DRAWS` seeds, `policy`'s first two sampled tokens on a random model with `passes`
+/// passes, against the joint filtered softmax of the reference forward; `max_tokens` of 3
+/// makes the second token a speculated one (the last never is). Returns the runs' statistics.
+fn assert_first_two_follow(policy: PolicyKind, passes: usize, max_tokens: usize) -> RunStats {
+    let (_dir, loaded) = random_model(&spec(1, passes, Variant::Tied, 12));
     let prompt = "To be";
     let ids = loaded.tokenizer.encode(prompt).unwrap();
     let base = Sampling {
@@ -233,53 +236,10 @@ fn the_first_two_sampled_tokens_follow_the_filtered_softmax_jointly() {
         }
     }
     let mut observed = BTreeMap::new();
+    let mut stats = RunStats::new(passes);
     for seed in 0..DRAWS {
         let options = DecodeOptions {
-            max_tokens: 2,
-            context: 64,
-            sampling: Sampling { seed, ..base },
-        };
-        let lane = run_lane(&loaded, PolicyKind::Baseline, prompt, options).unwrap();
-        let second = lane.tokens.get(1).copied().unwrap_or(u32::MAX);
-        *observed.entry((lane.tokens[0], second)).or_insert(0) += 1;
-    }
-    assert_follows(&observed, &expected, DRAWS as usize, "two tokens");
-}
-
-/// LoopSpec's cascade (speculation.md §4) is lossless in distribution: over many seeds, its
-/// first two sampled tokens follow the model's filtered softmax jointly, with first proposals
-/// from pass 1 and gated second proposals from pass 2 both in play.
-#[test]
-fn loopspec_samples_follow_the_filtered_softmax_jointly() {
-    let (_dir, loaded) = random_model(&spec(1, 3, Variant::Tied, 12));
-    let prompt = "To be";
-    let ids = loaded.tokenizer.encode(prompt).unwrap();
-    let base = Sampling {
-        temperature: 0.9,
-        top_k: Some(12),
-        top_p: None,
-        seed: 0,
-    };
-    let first = target(&reference_last(&loaded, &ids), &base);
-    let mut expected = BTreeMap::new();
-    for (&x1, &p1) in &first {
-        if loaded.tokenizer.is_eos(x1) {
-            expected.insert((x1, u32::MAX), p1);
-            continue;
-        }
-        let mut longer = ids.clone();
-        longer.push(x1);
-        for (x2, p2) in target(&reference_last(&loaded, &longer), &base) {
-            expected.insert((x1, x2), p1 * p2);
-        }
-    }
-    let policy: PolicyKind = "loopspec:d1=1:d2=2".parse().unwrap();
-    let mut observed = BTreeMap::new();
-    let mut stats = spex::engine::metrics::RunStats::new(3);
-    for seed in 0..DRAWS {
-        let options = DecodeOptions {
-            // A third token, so that the second is speculated (the last one never is).
-            max_tokens: 3,
+            max_tokens,
             context: 64,
             sampling: Sampling { seed, ..base },
         };
@@ -288,7 +248,26 @@ fn loopspec_samples_follow_the_filtered_softmax_jointly() {
         let second = lane.tokens.get(1).copied().unwrap_or(u32::MAX);
         *observed.entry((lane.tokens[0], second)).or_insert(0) += 1;
     }
-    assert_follows(&observed, &expected, DRAWS as usize, "loopspec, two tokens");
+    assert_follows(
+        &observed,
+        &expected,
+        DRAWS as usize,
+        &format!("{policy}, two tokens"),
+    );
+    stats
+}
+
+#[test]
+fn the_first_two_sampled_tokens_follow_the_filtered_softmax_jointly() {
+    assert_first_two_follow(PolicyKind::Baseline, 2, 2);
+}
+
+/// LoopSpec's cascade (speculation.md §4) is lossless in distribution: over many seeds, its
+/// first two sampled tokens follow the model's filtered softmax jointly, with first proposals
+/// from pass 1 and gated second proposals from pass 2 both in play.
+#[test]
+fn loopspec_samples_follow_the_filtered_softmax_jointly() {
+    let stats = assert_first_two_follow("loopspec:d1=1:d2=2".parse().unwrap(), 3, 3);
     // Every path of the cascade ran: first proposals kept, seconds kept, restarts.
     let a = stats.acceptance();
     assert!(a.first > 0.05 && a.second > 0.0 && a.restart > 0.0, "{a:?}");

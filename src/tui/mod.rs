@@ -102,6 +102,26 @@ fn setup_terminal() -> std::io::Result<(TerminalGuard, Terminal<CrosstermBackend
     Ok((guard, terminal))
 }
 
+/// What a dashboard session needs before its first frame: a terminal (checked to be one),
+/// the runtime of its event loop, the alternate screen (left when the guard drops) and its
+/// size.
+type Dashboard = (
+    tokio::runtime::Runtime,
+    TerminalGuard,
+    Terminal<CrosstermBackend<Stdout>>,
+    (u16, u16),
+);
+
+fn open_dashboard() -> anyhow::Result<Dashboard> {
+    require_tty().map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (guard, terminal) = setup_terminal()?;
+    let size = terminal.size()?;
+    Ok((runtime, guard, terminal, (size.width, size.height)))
+}
+
 /// The race thread of the current run and its control channel.
 struct RaceHandle {
     control: std_mpsc::Sender<RaceControl>,
@@ -138,17 +158,8 @@ impl RaceHandle {
 
 /// Runs the dashboard until the user quits.
 pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()> {
-    require_tty().map_err(anyhow::Error::msg)?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let (_guard, mut terminal) = setup_terminal()?;
-    let size = terminal.size()?;
-    let mut app = App::new(
-        options.info.clone(),
-        options.prompt.clone(),
-        (size.width, size.height),
-    );
+    let (runtime, _guard, mut terminal, size) = open_dashboard()?;
+    let mut app = App::new(options.info.clone(), options.prompt.clone(), size);
     app.sampling = options.decode.sampling;
     let (tx, rx) = mpsc::unbounded_channel::<RaceEvent>();
     let mut races = Races {

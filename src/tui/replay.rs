@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use super::app::{App, Command, ModelInfo, Msg, ReplayStatus, Seek};
-use super::{Source, event_loop, require_tty, setup_terminal};
+use super::{Source, event_loop, open_dashboard};
 use crate::engine::race::{RaceControl, RaceEvent};
 use crate::engine::trace::{Trace, is_speculative_step};
 
@@ -159,13 +159,8 @@ pub fn run(
     step: usize,
     frame_interval: Duration,
 ) -> anyhow::Result<()> {
-    require_tty().map_err(anyhow::Error::msg)?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let (_guard, mut terminal) = setup_terminal()?;
-    let size = terminal.size()?;
-    let mut app = App::new(model_info(&trace), None, (size.width, size.height));
+    let (runtime, _guard, mut terminal, size) = open_dashboard()?;
+    let mut app = App::new(model_info(&trace), None, size);
     app.prompt = trace.header.prompt.clone();
     app.sampling = trace.header.sampling;
     app.paused = true;
