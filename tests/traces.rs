@@ -430,3 +430,70 @@ mod explorer {
         assert_eq!((e.disagreeing.readouts, e.agreeing.readouts), (2, 2));
     }
 }
+
+/// Whether `xml` is well-formed as far as an SVG of text needs: every tag closed in order,
+/// and every `&` an entity.
+fn well_formed(xml: &str) -> Result<(), String> {
+    let mut stack: Vec<&str> = Vec::new();
+    let mut rest = xml;
+    while let Some(open) = rest.find('<') {
+        let text = &rest[..open];
+        for (i, _) in text.match_indices('&') {
+            let entity = &text[i..];
+            if !["&amp;", "&lt;", "&gt;", "&quot;"]
+                .iter()
+                .any(|e| entity.starts_with(e))
+            {
+                return Err(format!("a bare & in {text:?}"));
+            }
+        }
+        let close = rest[open..].find('>').ok_or("an unclosed tag")? + open;
+        let tag = &rest[open + 1..close];
+        if let Some(name) = tag.strip_prefix('/') {
+            let top = stack.pop().ok_or(format!("</{name}> closes nothing"))?;
+            if top != name {
+                return Err(format!("</{name}> closes <{top}>"));
+            }
+        } else if !tag.ends_with('/') {
+            stack.push(tag.split_whitespace().next().ok_or("an empty tag")?);
+        }
+        rest = &rest[close + 1..];
+    }
+    match stack.is_empty() {
+        true => Ok(()),
+        false => Err(format!("unclosed {stack:?}")),
+    }
+}
+
+#[test]
+fn a_snapshot_is_an_svg_of_the_dashboard_at_its_step() {
+    let (dir, loaded) = random_model(&spec(2, 4, Variant::Tied, 5));
+    let events = race(&loaded, "To be, or not to be", PolicyKind::Speed);
+    let path = dir.path().join("run.jsonl");
+    record(
+        &path,
+        &header("To be, or not to be", PolicyKind::Speed),
+        &events,
+    );
+    let steps = Trace::read(&path).unwrap().steps();
+    let out = dir.path().join("frame.svg");
+    let status = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(["snapshot", "--step", "5", "--out"])
+        .arg(&out)
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let svg = std::fs::read_to_string(&out).unwrap();
+    assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+    well_formed(&svg).unwrap();
+    assert!(
+        svg.contains(&format!("step 5/{steps}")),
+        "the footer names the step"
+    );
+    for pass in 1..=4 {
+        assert!(svg.contains(&format!("pass {pass}")), "pipeline row {pass}");
+    }
+    assert!(svg.contains("To be, or not to be"), "the lanes' text");
+    assert!(well_formed("<a><b></a></b>").is_err() && well_formed("<a>&</a>").is_err());
+}

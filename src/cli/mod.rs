@@ -49,6 +49,8 @@ pub enum Command {
     Replay(replay::ReplayArgs),
     /// Where early passes disagreed with the committed tokens, over recorded traces.
     Explain(explain::ExplainArgs),
+    /// Draw a recorded run's dashboard at one step as an SVG picture (for slides).
+    Snapshot(replay::SnapshotArgs),
     /// List the models of models.toml and whether each is on this machine.
     Models,
     /// Download a models.toml entry (or ORG/NAME) into the hub cache.
@@ -312,6 +314,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Tui(args)) => dashboard(&args),
         Some(Command::Replay(args)) => replay::run(&args),
         Some(Command::Explain(args)) => explain::run(&args),
+        Some(Command::Snapshot(args)) => replay::snapshot(&args),
         Some(Command::Models) => list_models(),
         Some(Command::Pull { name }) => pull(&name),
         None => dashboard(&cli.dashboard),

@@ -9,6 +9,7 @@ pub mod inspector;
 pub mod keymap;
 pub mod replay;
 pub mod run_view;
+pub mod svg;
 pub mod ui;
 
 use std::io::{IsTerminal, Stdout};

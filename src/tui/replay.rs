@@ -176,3 +176,23 @@ pub fn run(
         (frame_interval, false),
     ))
 }
+
+/// The dashboard of `trace` at `step`, drawn `size` cells large, as an SVG picture.
+pub fn snapshot(
+    trace: Trace,
+    file: String,
+    step: usize,
+    (w, h): (u16, u16),
+) -> anyhow::Result<String> {
+    let mut app = App::new(model_info(&trace), None, (w, h));
+    app.prompt = trace.header.prompt.clone();
+    app.sampling = trace.header.sampling;
+    app.focus = super::app::Focus::Speculative;
+    let mut replayer = Replayer::new(trace, file, step);
+    if let Some(msg) = replayer.message() {
+        app.update(msg);
+    }
+    let mut terminal = ratatui::Terminal::new(ratatui::backend::TestBackend::new(w, h))?;
+    terminal.draw(|f| super::ui::draw(f, &app))?;
+    Ok(super::svg::to_svg(terminal.backend().buffer()))
+}
