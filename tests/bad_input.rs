@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{Variant, random_model, spec};
+use common::{Variant, random_model, spec, spex_ok};
 
 /// Runs spex; returns (success, stderr).
 fn spex(args: &[&str]) -> (bool, String) {
@@ -18,22 +18,6 @@ fn spex(args: &[&str]) -> (bool, String) {
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-/// Runs spex with `envs` in `dir`, asserts it succeeded, and returns its stdout.
-fn spex_ok(args: &[&str], envs: &[(&str, &str)], dir: &Path) -> Vec<u8> {
-    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(args)
-        .envs(envs.iter().copied())
-        .current_dir(dir)
-        .output()
-        .expect("run spex");
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out.stdout
 }
 
 fn assert_clean_error(args: &[&str], needle: &str) {

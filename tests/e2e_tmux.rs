@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::{Variant, random_model, spec};
+use common::{Variant, random_model, spec, spex_ok};
 
 struct Tmux {
     socket: String,
@@ -166,19 +166,16 @@ fn replay_steps_forward_and_back_through_a_recorded_run_and_quits_cleanly() {
     let traces = dir.path().join("traces");
     let prompts = dir.path().join("prompts.txt");
     std::fs::write(&prompts, "To be, or not to be\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(["bench", "--runs", "1", "--max-tokens", "12", "--model"])
-        .arg(dir.path())
-        .arg("--prompts")
-        .arg(&prompts)
-        .arg("--record")
-        .arg(&traces)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let (m, p, t) = (
+        dir.path().display().to_string(),
+        prompts.display().to_string(),
+        traces.display().to_string(),
+    );
+    let bench = ["bench", "--runs", "1", "--max-tokens", "12", "--model", &m];
+    spex_ok(
+        &[&bench[..], &["--prompts", &p, "--record", &t]].concat(),
+        &[],
+        dir.path(),
     );
     let trace = traces.join("01-speed.jsonl");
     let steps = spex::engine::trace::Trace::read(&trace).unwrap().steps();

@@ -4,10 +4,9 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::sync::mpsc;
 
-use common::{Variant, random_model, spec};
+use common::{Variant, random_model, spec, spex_ok};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
 use spex::engine::policy::PolicyKind;
@@ -227,17 +226,16 @@ fn generate_and_bench_record_traces_that_read_back() {
     let d = dir.path().display().to_string();
     let file = dir.path().join("gen.jsonl");
     let f = file.display().to_string();
-    let spex = env!("CARGO_BIN_EXE_spex");
     let args = ["--model", &d, "--max-tokens", "8"];
-    let out = Command::new(spex)
-        .args(["generate", "--prompt", "To be", "--record", &f])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let here = Path::new(".");
+    spex_ok(
+        &[
+            &["generate", "--prompt", "To be", "--record", &f],
+            &args[..],
+        ]
+        .concat(),
+        &[],
+        here,
     );
     let trace = Trace::read(&file).unwrap();
     assert_eq!(trace.header.prompt, "To be");
@@ -248,24 +246,19 @@ fn generate_and_bench_record_traces_that_read_back() {
     let prompts = dir.path().join("prompts.txt");
     std::fs::write(&prompts, "To be\nShall I\n").unwrap();
     let p = prompts.display().to_string();
-    let out = Command::new(spex)
-        .args([
-            "bench",
-            "--runs",
-            "2",
-            "--policy",
-            "speed,dual:2",
-            "--prompts",
-            &p,
-        ])
-        .args(["--record", &t])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let bench = [
+        "bench",
+        "--runs",
+        "2",
+        "--policy",
+        "speed,dual:2",
+        "--prompts",
+        &p,
+    ];
+    spex_ok(
+        &[&bench[..], &["--record", &t], &args[..]].concat(),
+        &[],
+        here,
     );
     let mut names: Vec<String> = std::fs::read_dir(&traces)
         .unwrap()
@@ -477,13 +470,12 @@ fn a_snapshot_is_an_svg_of_the_dashboard_at_its_step() {
     );
     let steps = Trace::read(&path).unwrap().steps();
     let out = dir.path().join("frame.svg");
-    let status = Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(["snapshot", "--step", "5", "--out"])
-        .arg(&out)
-        .arg(&path)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let (o, p) = (out.display().to_string(), path.display().to_string());
+    spex_ok(
+        &["snapshot", "--step", "5", "--out", &o, &p],
+        &[],
+        Path::new("."),
+    );
     let svg = std::fs::read_to_string(&out).unwrap();
     assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
     well_formed(&svg).unwrap();

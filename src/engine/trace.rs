@@ -156,13 +156,12 @@ impl Trace {
             )
         })?;
         let ends_whole = text.ends_with('\n');
-        let mut lines = text.lines().enumerate();
-        let first = lines.next().map_or("", |(_, l)| l);
-        let header = header(first)?;
+        let lines: Vec<&str> = text.lines().collect();
+        let header = header(lines.first().copied().unwrap_or(""))?;
         let mut events = Vec::new();
         let mut cut_line = None;
-        let last = text.lines().count();
-        for (index, line) in lines {
+        let last = lines.len();
+        for (index, line) in lines.iter().enumerate().skip(1) {
             match serde_json::from_str::<Record>(line) {
                 Ok(record) => events.push(record.into()),
                 Err(_) if index + 1 == last && !ends_whole => cut_line = Some(index + 1),

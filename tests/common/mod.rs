@@ -8,6 +8,8 @@ use spex::engine::model::device::DeviceBackend;
 use spex::engine::model::host::HostBackend;
 use spex::engine::model::{Backend, LoadOptions};
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 use tempfile::TempDir;
 
@@ -102,4 +104,20 @@ pub enum Variant {
     Tied,
     Untied,
     Gqa,
+}
+
+/// Runs spex with `envs` in `dir`, asserts it succeeded, and returns its stdout.
+pub fn spex_ok(args: &[&str], envs: &[(&str, &str)], dir: &Path) -> Vec<u8> {
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(args)
+        .envs(envs.iter().copied())
+        .current_dir(dir)
+        .output()
+        .expect("run spex");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
 }

@@ -319,9 +319,14 @@ impl<B: StepBackend> Pipeline<B> {
             .iter()
             .zip(&candidates)
             .map(|(t, c)| {
-                let side = t.side.as_ref();
-                let side_kind = side.map(|s| self.readout_after(s.next_pass(), 0));
-                (self.readout_after(t.next_pass(), c.len()), side_kind)
+                let kind = self.readout_after(t.next_pass(), c.len());
+                // A side candidate's readout is used only if it wins in this step, which
+                // takes its parent's readout: otherwise the LM head would run for nothing.
+                let side_kind = t.side.as_ref().map(|s| match kind.wanted() {
+                    true => self.readout_after(s.next_pass(), 0),
+                    false => ReadoutKind::None,
+                });
+                (kind, side_kind)
             })
             .collect();
         let (mut rows, mut side_rows) = (Vec::new(), Vec::new());

@@ -8,8 +8,8 @@ use crate::engine::pass::Pass;
 
 /// The action of a policy that re-checks its candidates at every readout: commit the choice at
 /// pass R when nothing is in flight, keep the candidate equal to it, or reject them all for
-/// it; propose it when nothing is in flight before pass R.
-fn choose_and_check(r: &Readout, candidates: &[Proposal], runner_up: Option<u32>) -> Action {
+/// it; propose it (alone) when nothing is in flight before pass R.
+fn choose_and_check(r: &Readout, candidates: &[Proposal]) -> Action {
     let best = r.sampling.choose(r.logits, r.pos, false).best;
     if candidates.is_empty() {
         if r.is_last() {
@@ -17,7 +17,7 @@ fn choose_and_check(r: &Readout, candidates: &[Proposal], runner_up: Option<u32>
         }
         return Action::Propose {
             first: Proposal::chosen(best),
-            second: runner_up.map(Proposal::chosen),
+            second: None,
             gated: false,
         };
     }
@@ -43,7 +43,7 @@ impl Policy for Baseline {
     }
 
     fn act(&self, r: &Readout, candidates: &[Proposal]) -> Action {
-        choose_and_check(r, candidates, None)
+        choose_and_check(r, candidates)
     }
 }
 
@@ -72,7 +72,7 @@ impl Policy for Speed {
     }
 
     fn act(&self, r: &Readout, candidates: &[Proposal]) -> Action {
-        choose_and_check(r, candidates, None)
+        choose_and_check(r, candidates)
     }
 }
 
@@ -118,7 +118,7 @@ impl Policy for Dual {
     /// only those readouts pay for. Greedy scores are logits; sampled ones l/T + G.
     fn act(&self, r: &Readout, candidates: &[Proposal]) -> Action {
         if !candidates.is_empty() || r.pass != self.speed.first_pass || r.is_last() {
-            return choose_and_check(r, candidates, None);
+            return choose_and_check(r, candidates);
         }
         let choice = r.sampling.choose(r.logits, r.pos, true);
         let second = choice
