@@ -290,6 +290,32 @@ fn generate_and_bench_record_traces_that_read_back() {
             .iter()
             .any(|e| matches!(e, RaceEvent::StepTimes(_)))
     );
+    // What-if from the speed traces predicts the steps the dual traces recorded, and each
+    // policy's own replay its recorded steps.
+    let what_if = |policy: &str| -> serde_json::Value {
+        let files = [1, 2].map(|n| traces.join(format!("0{n}-{policy}.jsonl")));
+        let files = files.map(|f| f.display().to_string());
+        let args = ["explain", &files[0], &files[1], "--json"];
+        let out = spex_ok(
+            &[&args[..], &["--what-if", "speed,dual:2"]].concat(),
+            &[],
+            here,
+        );
+        let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        report["what_if"]["forecasts"].clone()
+    };
+    let (from_speed, from_dual) = (what_if("speed"), what_if("dual_2"));
+    let names: Vec<&str> = (0..3)
+        .map(|i| from_speed[i]["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["baseline", "speed", "dual:2"]);
+    for i in 0..3 {
+        assert_eq!(from_speed[i]["steps"], from_dual[i]["steps"], "{i}");
+    }
+    assert_eq!(from_speed[0]["steps"], from_speed[0]["recorded_steps"]);
+    assert_eq!(from_speed[1]["steps"], from_speed[1]["recorded_steps"]);
+    assert_eq!(from_dual[2]["steps"], from_dual[2]["recorded_steps"]);
+    assert!(from_speed[2]["recorded_steps"].is_null());
 }
 
 mod explorer {

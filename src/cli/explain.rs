@@ -1,13 +1,16 @@
-//! `spex explain FILE|DIR…`: the misprediction explorer over recorded traces, as a table or
-//! JSON.
+//! `spex explain FILE|DIR… [--what-if POLICY,…]`: the misprediction explorer over recorded
+//! traces, and what other policies would have done on the same runs, as tables or JSON.
 
 use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::engine::EngineError;
+use serde::Serialize;
+
 use crate::engine::explain::Explanation;
 use crate::engine::trace::Trace;
+use crate::engine::what_if::{RecordedRun, WhatIf};
+use crate::engine::{EngineError, PolicyKind};
 
 /// `spex explain`.
 #[derive(Debug, Args)]
@@ -22,10 +25,26 @@ pub struct ExplainArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Replay the recorded greedy runs under these policies too (comma-separated, e.g.
+    /// `speed,dual:2,loopspec:d1=2`): the steps each takes, and its speedup predicted from
+    /// the step costs the run measured. The runs must have read out every pass (speed or
+    /// dual).
+    #[arg(long = "what-if", value_delimiter = ',', value_name = "POLICY")]
+    pub what_if: Vec<PolicyKind>,
+}
+
+/// The JSON `spex explain --json` prints.
+#[derive(Debug, Serialize)]
+struct Report {
+    #[serde(flatten)]
+    explanation: Explanation,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    what_if: Option<WhatIf>,
 }
 
 pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     let mut traces = Vec::new();
+    let mut runs = Vec::new();
     for path in trace_files(&args.traces)? {
         let trace = Trace::read(&path)?;
         if let Some(line) = trace.cut_line {
@@ -34,15 +53,51 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
                 path.display()
             );
         }
+        if !args.what_if.is_empty() {
+            runs.push(RecordedRun::of(&trace, &path)?);
+        }
         traces.push(trace);
     }
-    let e = Explanation::of(&traces, args.top);
+    let what_if = match args.what_if.is_empty() {
+        true => None,
+        false => Some(WhatIf::of(runs, &args.what_if)?),
+    };
+    let report = Report {
+        explanation: Explanation::of(&traces, args.top),
+        what_if,
+    };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&e)?);
+        println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print(&e);
+        print(&report.explanation);
+        if let Some(w) = &report.what_if {
+            print_what_if(w);
+        }
     }
     Ok(())
+}
+
+fn print_what_if(w: &WhatIf) {
+    println!(
+        "what-if over {} recorded runs, {} tokens (step costs fitted to each run's recorded steps):",
+        w.runs, w.tokens
+    );
+    println!(
+        "  {:<20} {:>7} {:>9} {:>10} {:>8}  {:>14}",
+        "policy", "steps", "rows/step", "decode ms", "speedup", "recorded steps"
+    );
+    for f in &w.forecasts {
+        let recorded = f.recorded_steps.map_or_else(String::new, |r| r.to_string());
+        println!(
+            "  {:<20} {:>7} {:>9.2} {:>10.1} {:>7.2}×  {:>14}",
+            f.policy,
+            f.steps,
+            f.rows_per_step,
+            f.decode_us / 1e3,
+            f.speedup,
+            recorded
+        );
+    }
 }
 
 /// The files named, with directories replaced by their `.jsonl` files in name order.

@@ -27,6 +27,7 @@ mod tensor_files;
 pub mod tokenizer;
 pub mod trace;
 pub mod units;
+pub mod what_if;
 
 pub use checkpoint::{Checkpoint, CheckpointBytes, LoadedModel};
 pub use config::OuroConfig;

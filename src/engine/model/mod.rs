@@ -14,7 +14,7 @@ pub mod reference;
 mod step;
 
 pub use backend::{Backend, StepBackend};
-pub use step::{ReadoutKind, RowInput, RowSlot, StepOutput, StepRow, step};
+pub use step::{ReadoutKind, RowInput, RowSlot, StepModel, StepOutput, StepRow, step};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;

@@ -3,11 +3,65 @@
 //! all rows; then a readout for the rows that ask. Ouro's sandwich layer lives here and
 //! nowhere else (ouro-format.md, "Forward pass"); `reference.rs` is the independent oracle.
 
+use std::fmt;
+
 use super::LayerWeights;
 use super::backend::StepBackend;
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kv_cache::KvCache;
+use crate::engine::kv_cache::{KvCache, KvStore};
 use crate::engine::pass::Pass;
+
+/// What the scheduler (`engine::pipeline`) asks of a looped model: its shape, empty K/V
+/// buffers and the batched step. Every step backend is one, through the step written once
+/// over its operations ([`step`]); the what-if oracle (`engine::what_if`) is the other, which
+/// answers a step from a recorded run's readouts.
+pub trait StepModel: Send + Sync + fmt::Debug + 'static {
+    /// A token's state between passes.
+    type Hidden: Clone + Send + fmt::Debug;
+    /// The K/V buffers.
+    type Kv: KvStore;
+
+    /// R, the passes.
+    fn passes(&self) -> usize;
+
+    /// Positions the model can address (its RoPE table).
+    fn positions(&self) -> usize;
+
+    /// Empty K/V buffers for `capacity` positions of every pass.
+    fn empty_kv(&self, capacity: usize) -> Result<Self::Kv>;
+
+    /// The batched step over `rows` (speculation.md §3, steps 1–2).
+    fn run_step(
+        &self,
+        rows: Vec<StepRow<Self::Hidden>>,
+        cache: &mut KvCache<Self::Kv>,
+    ) -> Result<StepOutput<Self::Hidden>>;
+}
+
+impl<B: StepBackend> StepModel for B {
+    type Hidden = B::Hidden;
+    type Kv = B::Kv;
+
+    fn passes(&self) -> usize {
+        self.model().passes()
+    }
+
+    fn positions(&self) -> usize {
+        self.model().config.max_position_embeddings
+    }
+
+    fn empty_kv(&self, capacity: usize) -> Result<Self::Kv> {
+        self.new_store(capacity)
+    }
+
+    fn run_step(
+        &self,
+        rows: Vec<StepRow<Self::Hidden>>,
+        cache: &mut KvCache<Self::Kv>,
+    ) -> Result<StepOutput<Self::Hidden>> {
+        step(self, rows, cache)
+    }
+}
 
 /// What a row starts its pass from.
 #[derive(Debug, Clone)]

@@ -11,8 +11,10 @@
 //! children; when the parent's readout keeps it, it takes the first's place and the first's
 //! branch is flushed. So the window stays a chain, the tree of LoopSpec §4 cut to one level.
 //!
-//! Generic over the step backend; callers hold it as an `engine::Decoder` and pull events with
-//! [`Pipeline::next_event`]: a prefill event first, then one event per step, then the finish.
+//! Generic over the step model: every step backend, and the what-if oracle that answers from
+//! a recorded run (`engine::what_if`). Callers hold it as an `engine::Decoder` (or a what-if)
+//! and pull events with [`Pipeline::next_event`]: a prefill event first, then one event per
+//! step, then the finish.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -30,7 +32,7 @@ use super::events::{
     StepEvent, Token,
 };
 use super::kv_cache::KvCache;
-use super::model::{ReadoutKind, RowSlot, StepBackend, step};
+use super::model::{ReadoutKind, RowSlot, StepModel};
 use super::pass::Pass;
 use super::policy::{Action, Policy, Proposal, Readout, Verdict};
 use super::sampling::argmax;
@@ -59,7 +61,7 @@ enum Walked {
 
 /// One decoding run on backend `B`: prompt, policy, KV cache and the in-flight window.
 #[derive(Debug)]
-pub struct Pipeline<B: StepBackend> {
+pub struct Pipeline<B: StepModel> {
     backend: Arc<B>,
     tokenizer: Arc<TextTokenizer>,
     policy: Box<dyn Policy>,
@@ -74,7 +76,7 @@ pub struct Pipeline<B: StepBackend> {
     phase: Phase,
 }
 
-impl<B: StepBackend> Pipeline<B> {
+impl<B: StepModel> Pipeline<B> {
     /// A run of `prompt` (token ids) on `backend`, checked to fit the context; no compute yet.
     pub fn new(
         backend: Arc<B>,
@@ -88,8 +90,7 @@ impl<B: StepBackend> Pipeline<B> {
                 "empty: type at least one character".into(),
             ));
         }
-        let model = backend.model();
-        let context = options.context.min(model.config.max_position_embeddings);
+        let context = options.context.min(backend.positions());
         if prompt.len() >= context {
             return Err(EngineError::Prompt(format!(
                 "{} tokens do not fit the context of {context} positions",
@@ -100,8 +101,10 @@ impl<B: StepBackend> Pipeline<B> {
             return Err(EngineError::Invalid("max tokens must be at least 1".into()));
         }
         options.sampling.check().map_err(EngineError::Invalid)?;
-        policy.check(model.passes()).map_err(EngineError::Invalid)?;
-        let cache = KvCache::new(backend.new_store(context)?, model.passes(), context);
+        policy
+            .check(backend.passes())
+            .map_err(EngineError::Invalid)?;
+        let cache = KvCache::new(backend.empty_kv(context)?, backend.passes(), context);
         Ok(Self {
             cache,
             backend,
@@ -120,7 +123,7 @@ impl<B: StepBackend> Pipeline<B> {
 
     /// R, the passes.
     fn passes(&self) -> usize {
-        self.backend.model().passes()
+        self.backend.passes()
     }
 
     /// The policy's action on a readout after `pass` that predicts position `pos`, where
@@ -339,7 +342,7 @@ impl<B: StepBackend> Pipeline<B> {
         rows.extend(side_rows);
         let slots: Vec<RowSlot> = rows.iter().map(|r| r.slot).collect();
         let started = Instant::now();
-        let out = step(&*self.backend, rows, &mut self.cache)?;
+        let out = self.backend.run_step(rows, &mut self.cache)?;
         let actions: Vec<Option<Action>> = (out.logits.iter().zip(&slots).enumerate())
             .map(|(k, (logits, s))| {
                 let c = candidates.get(k).map_or(&[][..], Vec::as_slice);

@@ -6,10 +6,10 @@ use std::time::Instant;
 use super::{Phase, Pipeline};
 use crate::engine::error::Result;
 use crate::engine::events::PrefillEvent;
-use crate::engine::model::{ReadoutKind, RowInput, RowSlot, StepBackend, StepRow, step};
+use crate::engine::model::{ReadoutKind, RowInput, RowSlot, StepModel, StepRow};
 use crate::engine::pass::Pass;
 
-impl<B: StepBackend> Pipeline<B> {
+impl<B: StepModel> Pipeline<B> {
     /// All R passes over the prompt, one batched step per pass; the last position's pass-R
     /// readout is the first output token, verified, which enters the window at pass 1.
     pub(super) fn prefill(&mut self) -> Result<PrefillEvent> {
@@ -36,7 +36,7 @@ impl<B: StepBackend> Pipeline<B> {
                     input,
                 })
                 .collect();
-            let out = step(&*self.backend, rows, &mut self.cache)?;
+            let out = self.backend.run_step(rows, &mut self.cache)?;
             inputs = out.hidden.into_iter().map(RowInput::Hidden).collect();
             last_logits = out.logits.into_iter().next_back().flatten();
         }

@@ -1,0 +1,137 @@
+//! What-if re-simulation is exact for greedy runs: a run recorded under one policy, replayed
+//! under another by `engine::what_if`, takes the steps a real run of that policy takes, on
+//! random checkpoints of several shapes (which flip often and start many second candidates)
+//! and on many prompts.
+
+mod common;
+
+use std::path::Path;
+use std::sync::mpsc;
+
+use common::{PROMPTS, Variant, random_model, spec};
+use spex::engine::bench::run_lane;
+use spex::engine::policy::PolicyKind;
+use spex::engine::race::{RaceEvent, run_race};
+use spex::engine::trace::{FORMAT_VERSION, ModelRecord, Trace, TraceHeader};
+use spex::engine::what_if::{RecordedRun, StepCosts, WhatIf, simulate};
+use spex::engine::{DecodeOptions, LoadedModel, Sampling};
+use std::sync::Arc;
+
+const OPTIONS: DecodeOptions = DecodeOptions {
+    max_tokens: 24,
+    context: 128,
+    sampling: Sampling::GREEDY,
+};
+
+/// A race of `policy` against baseline on `prompt`, as a trace read back.
+fn recorded(loaded: &LoadedModel, prompt: &str, policy: PolicyKind) -> Trace {
+    let (_control, control_rx) = mpsc::channel();
+    let mut events = Vec::new();
+    run_race(loaded, prompt, (policy, OPTIONS), control_rx, |e| {
+        events.push(e);
+        true
+    });
+    assert!(!events.iter().any(|e| matches!(e, RaceEvent::Error(_))));
+    let model = loaded.model();
+    let header = TraceHeader {
+        spex_trace: FORMAT_VERSION,
+        spex_version: "test".into(),
+        model: ModelRecord {
+            name: "random".into(),
+            config: model.config.to_json(),
+            passes: model.passes(),
+            layers: model.config.num_hidden_layers,
+            weights_sha256: "0".repeat(64),
+            tokenizer_sha256: "0".repeat(64),
+        },
+        policy,
+        sampling: Sampling::GREEDY,
+        max_tokens: OPTIONS.max_tokens,
+        context: OPTIONS.context,
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        cpu: None,
+        prompt: prompt.into(),
+    };
+    Trace {
+        header,
+        events,
+        cut_line: None,
+    }
+}
+
+/// The policies replayed on a model with `passes` passes.
+fn policies(passes: usize) -> Vec<PolicyKind> {
+    let mut all = vec![
+        PolicyKind::Baseline,
+        PolicyKind::Speed,
+        PolicyKind::DUAL,
+        "dual:0.25".parse().expect("a valid policy"),
+        PolicyKind::LOOPSPEC,
+    ];
+    if passes >= 3 {
+        for name in ["loopspec:d1=2", "loopspec:d2=2", "loopspec:d1=1:d2=2"] {
+            all.push(name.parse().expect("a valid policy"));
+        }
+    }
+    all
+}
+
+#[test]
+fn what_if_step_counts_equal_real_runs() {
+    let (mut checked, mut differing) = (0, 0);
+    for (variant, layers, passes) in [
+        (Variant::Tied, 1, 2),
+        (Variant::Untied, 2, 3),
+        (Variant::Gqa, 2, 4),
+        (Variant::Tied, 1, 4),
+    ] {
+        let (_dir, loaded) = random_model(&spec(layers, passes, variant, 7 + passes as u64));
+        for (i, prompt) in PROMPTS.iter().enumerate().step_by(3) {
+            // Record under speed and under dual alternately: a dual run's committed tokens
+            // include second candidates that won.
+            let source = [PolicyKind::Speed, PolicyKind::DUAL][i % 2];
+            let trace = recorded(&loaded, prompt, source);
+            let run = RecordedRun::of(&trace, Path::new("test.jsonl")).expect("a greedy trace");
+            let oracle = Arc::new(spex::engine::what_if::Oracle::new(run));
+            let costs = StepCosts::fit(&oracle.run().step_samples);
+            let mut steps = Vec::new();
+            for policy in policies(passes) {
+                let real = run_lane(&loaded, policy, prompt, OPTIONS).expect("a real run");
+                let what_if = simulate(&oracle, policy, &costs).expect("a what-if");
+                assert_eq!(
+                    what_if.steps, real.stats.steps,
+                    "{variant:?} K={layers} R={passes} {prompt:?}: {policy} recorded as {source}"
+                );
+                steps.push(real.stats.steps);
+                checked += 1;
+            }
+            differing += usize::from(steps.windows(2).any(|w| w[0] != w[1]));
+        }
+    }
+    assert_eq!(checked, 7 * (5 + 8 + 8 + 8));
+    assert!(
+        differing >= 20,
+        "policies differ in steps on {differing} prompts"
+    );
+}
+
+#[test]
+fn what_if_needs_every_pass_read_out() {
+    let (_dir, loaded) = random_model(&spec(1, 3, Variant::Tied, 3));
+    let trace = recorded(&loaded, PROMPTS[0], PolicyKind::LOOPSPEC);
+    let run = RecordedRun::of(&trace, Path::new("ls.jsonl")).expect("a greedy trace");
+    let err = WhatIf::of(vec![run], &[PolicyKind::Speed]).expect_err("loopspec skips passes");
+    let message = err.to_string();
+    assert!(
+        message.starts_with("ls.jsonl: ") && message.contains("no pass-2 readout"),
+        "{message}"
+    );
+    let mut sampled = recorded(&loaded, PROMPTS[0], PolicyKind::Speed);
+    sampled.header.sampling = Sampling {
+        temperature: 0.8,
+        ..Sampling::GREEDY
+    };
+    let err = RecordedRun::of(&sampled, Path::new("s.jsonl")).expect_err("sampled");
+    assert!(err.to_string().contains("greedy"), "{err}");
+}
