@@ -400,3 +400,42 @@ fn replaying_what_is_not_a_trace_is_one_line() {
     let e = empty.display().to_string();
     assert_clean_error(&["explain", &e], "no .jsonl traces");
 }
+
+#[test]
+fn replay_with_another_model_names_what_differs() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 5));
+    let (other, _) = random_model(&spec(1, 2, Variant::Tied, 6));
+    let trace = dir.path().join("run.jsonl");
+    let (d, t) = (
+        dir.path().display().to_string(),
+        trace.display().to_string(),
+    );
+    let record = [
+        "generate",
+        "--model",
+        &d,
+        "--prompt",
+        "To be",
+        "--max-tokens",
+        "4",
+    ];
+    spex_ok(
+        &[&record[..], &["--record", &t]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let o = other.path().display().to_string();
+    assert_clean_error(&["replay", &t, "--model", &o], "differs: weights sha256");
+    // The same weights with a tokenizer file that differs (by a trailing newline): only the
+    // tokenizer is named.
+    let copy = tempfile::TempDir::new().unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(dir.path().join(file), copy.path().join(file)).unwrap();
+    }
+    let tokenizer = copy.path().join("tokenizer.json");
+    let mut bytes = std::fs::read(&tokenizer).unwrap();
+    bytes.push(b'\n');
+    std::fs::write(&tokenizer, bytes).unwrap();
+    let c = copy.path().display().to_string();
+    assert_clean_error(&["replay", &t, "--model", &c], "differs: tokenizer sha256");
+}

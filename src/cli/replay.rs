@@ -1,11 +1,13 @@
 //! `spex replay FILE`: the dashboard over a recorded trace, no model loaded; `spex snapshot`:
 //! the same at one step, as an SVG picture.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use crate::engine::trace::Trace;
+use super::{hub, models};
+use crate::engine::checkpoint::Origin;
+use crate::engine::trace::{Trace, fingerprint};
 
 /// `spex replay`.
 #[derive(Debug, Args)]
@@ -18,10 +20,17 @@ pub struct ReplayArgs {
     /// Frames per second of the dashboard.
     #[arg(long, default_value_t = 30)]
     pub fps: u32,
+    /// Check that the trace was recorded with this model (a models.toml entry, a checkpoint
+    /// directory or an ORG/NAME hub repo): an error if its weights or tokenizer differ.
+    #[arg(long)]
+    pub model: Option<String>,
 }
 
 pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     let trace = Trace::read(&args.file)?;
+    if let Some(model) = &args.model {
+        check_model(&trace, &args.file, model)?;
+    }
     if let Some(line) = trace.cut_line {
         eprintln!(
             "spex: {}: line {line} was cut short (a recording that stopped); replaying the lines before it",
@@ -34,6 +43,43 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
     );
     let interval = std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1)));
     crate::tui::replay::run(trace, name, args.step, interval)
+}
+
+/// Errors unless `model` has the weights and tokenizer `trace` (read from `file`) was
+/// recorded with, naming what differs.
+fn check_model(trace: &Trace, file: &Path, model: &str) -> anyhow::Result<()> {
+    let resolved = models::resolve(Some(model), hub::offline_from_env())?;
+    let origin = match resolved.source {
+        models::ModelSource::Dir(dir) => Origin::Dir(dir),
+        models::ModelSource::Embedded => Origin::Embedded(models::EMBEDDED),
+    };
+    let (weights, tokenizer) = fingerprint(&origin)?;
+    let recorded = &trace.header.model;
+    let short = |hash: &str| hash.chars().take(12).collect::<String>();
+    let mut differs = Vec::new();
+    if weights != recorded.weights_sha256 {
+        differs.push(format!(
+            "weights sha256 {}… (recorded {}…)",
+            short(&weights),
+            short(&recorded.weights_sha256)
+        ));
+    }
+    if tokenizer != recorded.tokenizer_sha256 {
+        differs.push(format!(
+            "tokenizer sha256 {}… (recorded {}…)",
+            short(&tokenizer),
+            short(&recorded.tokenizer_sha256)
+        ));
+    }
+    if differs.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{}: recorded with model `{}`, but --model {model} differs: {}",
+        file.display(),
+        recorded.name,
+        differs.join(", ")
+    )
 }
 
 /// `spex snapshot`.
