@@ -201,6 +201,19 @@ fn replay_steps_forward_and_back_through_a_recorded_run_and_quits_cleanly() {
             );
         }
     }
+    // Presenter mode and back.
+    tmux.run(&["send-keys", "-t", "spex", "p"]);
+    let screen = tmux.wait_for("presenter mode", Duration::from_secs(10), |s| {
+        s.contains("faster than ordinary decoding") && s.contains("step 1/")
+    });
+    assert!(
+        screen.contains("pass 4"),
+        "the pipeline is drawn:\n{screen}"
+    );
+    tmux.run(&["send-keys", "-t", "spex", "p"]);
+    tmux.wait_for("the full dashboard", Duration::from_secs(10), |s| {
+        s.contains("REPLAY 01-speed.jsonl")
+    });
     quit(&tmux, &exit_file);
 }
 

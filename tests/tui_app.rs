@@ -343,7 +343,8 @@ fn random_keys_resizes_and_events_never_panic() {
 
 /// What a key changed in the panes: the commands it returned and the state keys steer.
 /// Everything a key can change: the commands, focus, help, pause, rate, quitting, scrolling,
-/// the error line (keys that need a replay say so there) and the inspector's cursor.
+/// the error line (keys that need a replay say so there), the inspector's cursor and
+/// presenter mode.
 type Effect = (
     Vec<Command>,
     Focus,
@@ -354,6 +355,7 @@ type Effect = (
     u16,
     Option<String>,
     Option<usize>,
+    bool,
 );
 
 fn key_effect(code: KeyCode) -> Effect {
@@ -374,6 +376,7 @@ fn key_effect(code: KeyCode) -> Effect {
         scroll,
         app.error.clone(),
         app.inspect,
+        app.present,
     )
 }
 
@@ -527,4 +530,17 @@ fn the_inspector_opens_at_the_last_token_and_moves_within_the_output() {
     );
     app.update(key(KeyCode::Char('i')));
     assert_eq!(app.inspect, None);
+}
+
+#[test]
+fn p_switches_presenter_mode_and_presenting_starts_at_two_steps_a_second() {
+    let mut app = running_app();
+    assert!(!app.present);
+    app.update(key(KeyCode::Char('p')));
+    assert!(app.present);
+    app.update(key(KeyCode::Char('p')));
+    assert!(!app.present);
+    let app = App::new(info(), Some("To be".into()), (100, 32)).presenting();
+    assert!(app.present);
+    assert_eq!(app.rate(), Some(2.0));
 }

@@ -278,3 +278,14 @@ fn inspector_overlay() {
     app.inspect = Some(2);
     insta::assert_snapshot!(render(100, 32, |f| draw(f, &app)));
 }
+
+#[test]
+fn presenter_mode() {
+    let mut app = app().presenting();
+    app.rate_index = spex::tui::app::RATES
+        .iter()
+        .position(|&r| r == Some(2.0))
+        .unwrap();
+    insta::assert_snapshot!("presenter_tall", render(100, 32, |f| draw(f, &app)));
+    insta::assert_snapshot!("presenter_short", render(80, 18, |f| draw(f, &app)));
+}

@@ -269,6 +269,10 @@ pub struct TuiArgs {
     /// (NAME-2.EXT, …); `spex replay FILE` shows one.
     #[arg(long)]
     pub record: Option<PathBuf>,
+    /// Presenter mode: the speedup in large digits, the text and the pipeline in large
+    /// cells, high contrast, 2 steps per second (`p` switches, `+`/`-` change the pace).
+    #[arg(long)]
+    pub present: bool,
 }
 
 /// `spex random-checkpoint`.
@@ -442,6 +446,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         policy,
         info,
         frame_interval: std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1))),
+        present: args.present,
     };
     crate::tui::run(&session.loaded, options)
 }

@@ -20,6 +20,10 @@ pub struct ReplayArgs {
     /// Frames per second of the dashboard.
     #[arg(long, default_value_t = 30)]
     pub fps: u32,
+    /// Presenter mode: the speedup in large digits, the text and the pipeline in large
+    /// cells, high contrast, 2 steps per second.
+    #[arg(long)]
+    pub present: bool,
     /// Check that the trace was recorded with this model (a models.toml entry, a checkpoint
     /// directory or an ORG/NAME hub repo): an error if its weights or tokenizer differ.
     #[arg(long)]
@@ -42,7 +46,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         |n| n.to_string_lossy().into_owned(),
     );
     let interval = std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1)));
-    crate::tui::replay::run(trace, name, args.step, interval)
+    crate::tui::replay::run(trace, name, args.step, (interval, args.present))
 }
 
 /// Errors unless `model` has the weights and tokenizer `trace` (read from `file`) was
@@ -98,6 +102,9 @@ pub struct SnapshotArgs {
     pub width: u16,
     #[arg(long, default_value_t = 36)]
     pub height: u16,
+    /// Draw presenter mode's screen instead of the full dashboard.
+    #[arg(long)]
+    pub present: bool,
 }
 
 pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<()> {
@@ -106,7 +113,11 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<()> {
         || args.file.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let size = (args.width.clamp(40, 400), args.height.clamp(12, 200));
+    let size = (
+        args.width.clamp(40, 400),
+        args.height.clamp(12, 200),
+        args.present,
+    );
     let svg = crate::tui::replay::snapshot(trace, name, args.step, size)?;
     std::fs::write(&args.out, svg).map_err(|e| crate::engine::EngineError::file(&args.out, e))?;
     Ok(())

@@ -137,6 +137,8 @@ pub struct App {
     pub recording: bool,
     /// The token inspector's cursor: an output index of the speculative lane.
     pub inspect: Option<usize>,
+    /// Presenter mode: large speedup, text and pipeline only (`ui::present`).
+    pub present: bool,
 }
 
 impl App {
@@ -168,7 +170,18 @@ impl App {
             replay: None,
             recording: false,
             inspect: None,
+            present: false,
         }
+    }
+
+    /// Presenter mode on, at the pace for a talk: 2 steps per second.
+    pub fn presenting(mut self) -> Self {
+        self.present = true;
+        self.rate_index = RATES
+            .iter()
+            .position(|&r| r == Some(2.0))
+            .expect("2 steps/s is a rate: this is a bug");
+        self
     }
 
     /// Steps per second of the SPEED lane, `None` when flat out.
@@ -284,6 +297,7 @@ impl App {
             Action::ToggleRecording if self.replay.is_some() => {
                 self.error = Some("w records live runs; this is already a trace".into());
             }
+            Action::TogglePresenter => self.present = !self.present,
             Action::ToggleRecording => {
                 self.recording = !self.recording;
                 return vec![Command::Record(self.recording)];

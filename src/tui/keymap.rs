@@ -37,6 +37,8 @@ pub enum Action {
     ToggleRecording,
     /// Open or close the token inspector.
     Inspect,
+    /// Presenter mode on / off.
+    TogglePresenter,
     /// Inspector: the previous / next token.
     InspectPrevious,
     InspectNext,
@@ -122,7 +124,7 @@ const fn line(
 }
 
 /// Every key, in the order the help lists them.
-pub const BINDINGS: [Binding; 18] = [
+pub const BINDINGS: [Binding; 19] = [
     line(
         "Enter",
         "run the prompt (while editing)",
@@ -202,6 +204,12 @@ pub const BINDINGS: [Binding; 18] = [
         "record the run to a trace (spex-SECONDS.jsonl) / stop",
         Mode::Panes,
         &[(key('w'), Action::ToggleRecording)],
+    ),
+    line(
+        "p",
+        "presenter mode on / off (for talks)",
+        Mode::Panes,
+        &[(key('p'), Action::TogglePresenter)],
     ),
     line(
         "Tab",

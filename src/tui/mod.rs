@@ -7,6 +7,7 @@
 pub mod app;
 pub mod inspector;
 pub mod keymap;
+pub mod present;
 pub mod replay;
 pub mod run_view;
 pub mod svg;
@@ -50,6 +51,8 @@ pub struct DashboardOptions {
     /// The traces' header, less the prompt and the model's fingerprint (filled in when
     /// recording first starts: it reads every weight).
     pub trace: TraceHeader,
+    /// Start in presenter mode.
+    pub present: bool,
 }
 
 /// Where a dashboard's events come from.
@@ -161,6 +164,9 @@ impl RaceHandle {
 pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()> {
     let (runtime, _guard, mut terminal, size) = open_dashboard()?;
     let mut app = App::new(options.info.clone(), options.prompt.clone(), size);
+    if options.present {
+        app = app.presenting();
+    }
     app.sampling = options.decode.sampling;
     let (tx, rx) = mpsc::unbounded_channel::<RaceEvent>();
     let mut races = Races {

@@ -157,10 +157,13 @@ pub fn run(
     trace: Trace,
     file: String,
     step: usize,
-    frame_interval: Duration,
+    (frame_interval, present): (Duration, bool),
 ) -> anyhow::Result<()> {
     let (runtime, _guard, mut terminal, size) = open_dashboard()?;
     let mut app = App::new(model_info(&trace), None, size);
+    if present {
+        app = app.presenting();
+    }
     app.prompt = trace.header.prompt.clone();
     app.sampling = trace.header.sampling;
     app.paused = true;
@@ -182,9 +185,10 @@ pub fn snapshot(
     trace: Trace,
     file: String,
     step: usize,
-    (w, h): (u16, u16),
+    (w, h, present): (u16, u16, bool),
 ) -> anyhow::Result<String> {
     let mut app = App::new(model_info(&trace), None, (w, h));
+    app.present = present;
     app.prompt = trace.header.prompt.clone();
     app.sampling = trace.header.sampling;
     app.focus = super::app::Focus::Speculative;

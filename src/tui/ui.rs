@@ -71,9 +71,17 @@ pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
 /// Draws the whole screen.
 pub fn draw(frame: &mut Frame, app: &App) {
     let area = frame.area();
-    let (min_w, min_h) = min_size(app.info.passes);
+    let (min_w, min_h) = match app.present {
+        true => super::present::min_size(app.info.passes),
+        false => min_size(app.info.passes),
+    };
     if area.width < min_w || area.height < min_h {
         draw_too_small(frame, area, (min_w, min_h));
+        return;
+    }
+    if app.present {
+        super::present::draw(frame, app);
+        draw_overlays(frame, area, app);
         return;
     }
     let [prompt, lanes, pipeline, bottom, footer] = Layout::vertical([
@@ -103,6 +111,11 @@ pub fn draw(frame: &mut Frame, app: &App) {
     ] {
         draw_panel(frame, area, app, panel);
     }
+    draw_overlays(frame, area, app);
+}
+
+/// The token inspector and the help, over either layout.
+fn draw_overlays(frame: &mut Frame, area: Rect, app: &App) {
     if let (Some(at), Some(run)) = (app.inspect, &app.run) {
         draw_inspector(frame, area, run, at);
     }
