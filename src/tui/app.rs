@@ -2,6 +2,9 @@
 //! as [`Msg`]s; [`App::update`] folds them into state and returns [`Command`]s for the runtime
 //! (start a race, steer it, quit). Rendering (`ui`) reads this state and nothing else.
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, MouseEvent, MouseEventKind};
 
 use super::keymap::{self, Action, Mode};
@@ -44,7 +47,11 @@ pub enum Msg {
     /// the replay now stands.
     Replay {
         reset: bool,
-        events: Vec<RaceEvent>,
+        /// Every event of the trace, shared with the replayer: a move back refolds up to all
+        /// of them, which copying would double.
+        trace: Arc<[RaceEvent]>,
+        /// This frame's events in `trace`.
+        events: Range<usize>,
         status: ReplayStatus,
     },
 }
@@ -207,7 +214,7 @@ impl App {
                 Vec::new()
             }
             Msg::Engine(events) => {
-                for event in events {
+                for event in &events {
                     self.on_engine(event);
                 }
                 Vec::new()
@@ -218,6 +225,7 @@ impl App {
             }
             Msg::Replay {
                 reset,
+                trace,
                 events,
                 status,
             } => {
@@ -227,7 +235,7 @@ impl App {
                         ..RunView::default()
                     });
                 }
-                for event in events {
+                for event in &trace[events] {
                     self.on_engine(event);
                 }
                 self.replay = Some(status);
@@ -436,14 +444,14 @@ impl App {
         lane.scroll = lane.scroll.saturating_add_signed(lines as i16);
     }
 
-    fn on_engine(&mut self, event: RaceEvent) {
+    fn on_engine(&mut self, event: &RaceEvent) {
         let Some(run) = self.run.as_mut() else { return };
         match event {
-            RaceEvent::Error(message) => self.error = Some(message),
+            RaceEvent::Error(message) => self.error = Some(message.clone()),
             RaceEvent::Done => run.done = true,
             RaceEvent::StepTimes(times) => run.ceiling = Some(times.ceiling()),
             RaceEvent::Decode { lane, event } => {
-                on_decode(run, lane, &event);
+                on_decode(run, *lane, event);
                 if let Some(s) = run.speedup() {
                     if run.speedup_history.len() == MAX_HISTORY {
                         run.speedup_history.pop_front();

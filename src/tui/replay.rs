@@ -3,6 +3,7 @@
 //! of the speculative lane at a time, at the dashboard's rate, and moves back by folding the
 //! trace again from its start, so every panel at step N is what the live run showed there.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::app::{App, Command, ModelInfo, Msg, ReplayStatus, Seek};
@@ -16,7 +17,7 @@ const FLAT_OUT_STEPS_PER_SEC: f64 = 60.0;
 /// A trace being replayed, and where it stands.
 #[derive(Debug)]
 pub struct Replayer {
-    events: Vec<RaceEvent>,
+    events: Arc<[RaceEvent]>,
     /// `ends[k]`: how many events make up step k: everything before the speculative lane's
     /// step k + 1 (the whole trace for the last).
     ends: Vec<usize>,
@@ -43,7 +44,7 @@ impl Replayer {
             .collect();
         ends.push(trace.events.len());
         let mut replayer = Self {
-            events: trace.events,
+            events: trace.events.into(),
             ends,
             file,
             step: 0,
@@ -77,10 +78,10 @@ impl Replayer {
         if end == self.given && !self.reset {
             return None;
         }
-        let events = self.events[self.given..end].to_vec();
         let msg = Msg::Replay {
             reset: self.reset,
-            events,
+            trace: self.events.clone(),
+            events: self.given..end,
             status: ReplayStatus {
                 file: self.file.clone(),
                 step: self.step,

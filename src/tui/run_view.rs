@@ -218,9 +218,17 @@ fn step_cells(step: &StepEvent, passes: usize) -> Vec<Option<Cell>> {
 /// Appends a step's flips to the flip log, each with the last words of the text before it.
 fn record_flips(run: &mut RunView, step: &StepEvent) {
     for f in &step.flips {
+        // From the end: the text can be long, and a replay folds every flip of it.
         let context: String = {
-            let words: Vec<&str> = run.speculative.text.split_whitespace().collect();
-            words[words.len().saturating_sub(4)..].join(" ")
+            let mut words: Vec<&str> = run
+                .speculative
+                .text
+                .split_whitespace()
+                .rev()
+                .take(4)
+                .collect();
+            words.reverse();
+            words.join(" ")
         };
         if run.flips.len() == MAX_FLIPS {
             run.flips.pop_front();
