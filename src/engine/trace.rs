@@ -67,17 +67,23 @@ pub enum Record {
     Done,
 }
 
-impl From<&RaceEvent> for Record {
-    fn from(event: &RaceEvent) -> Self {
+/// A [`Record`] borrowed from the event it writes: the same JSON, without copying the event
+/// (a step's readouts are most of a trace) before serializing it.
+#[derive(Serialize)]
+#[serde(tag = "record", rename_all = "snake_case")]
+enum RecordRef<'a> {
+    Decode { lane: Lane, event: &'a DecodeEvent },
+    StepTimes { times: &'a StepTimes },
+    Error { message: &'a str },
+    Done,
+}
+
+impl<'a> From<&'a RaceEvent> for RecordRef<'a> {
+    fn from(event: &'a RaceEvent) -> Self {
         match event {
-            RaceEvent::Decode { lane, event } => Self::Decode {
-                lane: *lane,
-                event: event.clone(),
-            },
-            RaceEvent::StepTimes(times) => Self::StepTimes { times: *times },
-            RaceEvent::Error(message) => Self::Error {
-                message: message.clone(),
-            },
+            RaceEvent::Decode { lane, event } => Self::Decode { lane: *lane, event },
+            RaceEvent::StepTimes(times) => Self::StepTimes { times },
+            RaceEvent::Error(message) => Self::Error { message },
             RaceEvent::Done => Self::Done,
         }
     }
@@ -120,7 +126,7 @@ impl TraceWriter {
 
     /// Appends one race event.
     pub fn record(&mut self, event: &RaceEvent) -> Result<()> {
-        self.line(&Record::from(event))
+        self.line(&RecordRef::from(event))
     }
 
     fn line(&mut self, value: &impl Serialize) -> Result<()> {
