@@ -121,6 +121,51 @@ fn a_replay_shows_at_every_step_what_the_live_dashboard_showed() {
     }
 }
 
+#[test]
+fn the_explorer_jumps_a_replay_to_each_occurrence_and_shows_the_what_if() {
+    use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    use spex::tui::app::{Command, Seek};
+    let (_dir, loaded) = random_model(&spec(2, 4, Variant::Tied, 5));
+    let prompt = "To be, or not to be";
+    let events = race(&loaded, prompt, PolicyKind::Speed);
+    let mut header = header(prompt, PolicyKind::Speed);
+    header.model.config = loaded.model().config.to_json();
+    let trace = Trace {
+        header,
+        events,
+        cut_line: None,
+    };
+    let steps = trace.steps();
+    let mut app = App::new(model_info(&trace), None, (120, 36));
+    app.focus = Focus::Speculative;
+    let mut replayer = Replayer::new(trace, "run.jsonl".into(), steps);
+    app.update(replayer.message().unwrap());
+    let analysis = app.replay.as_ref().unwrap().analysis.clone().unwrap();
+    let what_if = analysis.what_if.as_ref().expect("a greedy speed trace");
+    let speed = &what_if.forecasts[1];
+    assert_eq!(
+        (speed.policy.as_str(), speed.recorded_steps),
+        ("speed", Some(steps as u64))
+    );
+    assert_eq!(speed.steps, steps as u64);
+    let pair = analysis
+        .explanation
+        .pairs
+        .first()
+        .expect("random models mispredict");
+    let key = |c| Msg::Key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+    app.update(key('x'));
+    assert!(screen(&app).iter().any(|l| l.contains("what-if")));
+    for occurrence in pair.occurrences.iter().chain(&pair.occurrences[..1]) {
+        let commands = app.update(key('g'));
+        let to = occurrence.step as usize;
+        assert_eq!(commands.last(), Some(&Command::Seek(Seek::To(to))));
+        replayer.go_to(to);
+        app.update(replayer.message().unwrap());
+        assert_eq!(app.replay.as_ref().unwrap().step, to);
+    }
+}
+
 /// How many events the live run had sent when its speculative lane finished step `step`.
 fn events_through(events: &[RaceEvent], step: usize, steps: usize) -> usize {
     if step == steps {

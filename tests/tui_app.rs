@@ -343,8 +343,8 @@ fn random_keys_resizes_and_events_never_panic() {
 
 /// What a key changed in the panes: the commands it returned and the state keys steer.
 /// Everything a key can change: the commands, focus, help, pause, rate, quitting, scrolling,
-/// the error line (keys that need a replay say so there), the inspector's cursor and
-/// presenter mode.
+/// the error line (keys that need a replay say so there), the inspector's cursor,
+/// presenter mode and the explorer's cursor.
 type Effect = (
     Vec<Command>,
     Focus,
@@ -356,6 +356,7 @@ type Effect = (
     Option<String>,
     Option<usize>,
     bool,
+    Option<spex::tui::explorer::ExplorerCursor>,
 );
 
 fn key_effect(code: KeyCode) -> Effect {
@@ -377,6 +378,7 @@ fn key_effect(code: KeyCode) -> Effect {
         app.error.clone(),
         app.inspect,
         app.present,
+        app.explorer,
     )
 }
 
@@ -484,6 +486,7 @@ fn replay_keys_seek_in_a_replay_and_explain_themselves_live() {
         file: "t.jsonl".into(),
         step: 3,
         steps: 9,
+        analysis: None,
     });
     for (code, seek) in [
         (KeyCode::Left, Seek::Back),

@@ -230,19 +230,26 @@ fn footer_names_the_sampling_rule() {
 }
 
 /// The inspector over a hand-made position: four passes' readouts, a flip, the commit.
-#[test]
-fn inspector_overlay() {
+/// The snapshot app with per-position readouts at position 16: pass 1 said " a", the
+/// deeper passes and the commit " the".
+fn inspected_app() -> App {
     use spex::engine::Pass;
     use spex::engine::events::{Prediction, Ranked, Token};
     use spex::tui::inspector::PositionView;
+    let id = |text: &str| {
+        [" a", " the", " my", " thy"]
+            .iter()
+            .position(|&t| t == text)
+    };
     let token = |id: u32, text: &str| Token {
         id,
         text: text.into(),
     };
+    let word = |text: &str| token(id(text).map_or(9, |i| i as u32 + 1), text);
     let readout = |step: u64, tops: &[(&str, f32)]| {
-        let top: Vec<Ranked> = (tops.iter().enumerate())
-            .map(|(i, &(t, prob))| Ranked {
-                token: token(i as u32, t),
+        let top: Vec<Ranked> = (tops.iter())
+            .map(|&(t, prob)| Ranked {
+                token: word(t),
                 prob,
             })
             .collect();
@@ -271,11 +278,24 @@ fn inspector_overlay() {
             readout(23, &[(" the", 0.62), (" a", 0.11)]),
             readout(24, &[(" the", 0.7), (" a", 0.09)]),
         ],
-        flips: vec![(22, Pass::FIRST.next(), token(1, " a"), token(2, " the"))],
-        committed: Some((24, token(2, " the"), Pass::FIRST.next(), false)),
+        flips: vec![(22, Pass::FIRST.next(), word(" a"), word(" the"))],
+        committed: Some((24, word(" the"), Pass::FIRST.next(), false)),
     };
     run.positions.insert(16, view);
+    app
+}
+
+#[test]
+fn inspector_overlay() {
+    let mut app = inspected_app();
     app.inspect = Some(2);
+    insta::assert_snapshot!(render(100, 32, |f| draw(f, &app)));
+}
+
+#[test]
+fn explorer_overlay_of_a_live_run() {
+    let mut app = inspected_app();
+    app.explorer = Some(Default::default());
     insta::assert_snapshot!(render(100, 32, |f| draw(f, &app)));
 }
 

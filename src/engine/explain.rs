@@ -91,13 +91,36 @@ impl Confidence {
     }
 }
 
-/// "Pass r said X, the committed token was Y", with how often.
+/// "Pass r said X, the committed token was Y", with how often and where.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Pair {
     pub pass: usize,
     pub said: Token,
     pub committed: Token,
     pub count: usize,
+    /// Every time it happened, in trace and step order.
+    pub occurrences: Vec<Occurrence>,
+}
+
+/// Where a pair happened: the trace (its index among those explained), the step whose readout
+/// said it, and the position it predicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct Occurrence {
+    pub trace: usize,
+    pub step: u64,
+    pub pos: usize,
+}
+
+/// One early readout of a committed position: what pass `pass` said about position `pos` at
+/// step `step` of trace `trace`, and the token committed there.
+#[derive(Debug, Clone, Copy)]
+pub struct Sighting<'a> {
+    pub trace: usize,
+    pub pos: usize,
+    pub pass: usize,
+    pub step: u64,
+    pub said: &'a Prediction,
+    pub committed: &'a Token,
 }
 
 /// What `spex explain` reports.
@@ -120,14 +143,65 @@ pub struct Explanation {
 impl Explanation {
     /// Gathers `traces`, keeping the `top` most frequent pairs.
     pub fn of(traces: &[Trace], top: usize) -> Self {
+        let passes = traces.iter().map(|t| t.header.model.passes).max();
+        let mut readouts = Vec::with_capacity(traces.len());
+        for trace in traces {
+            readouts.push(speculative_readouts(
+                &trace.events,
+                trace.header.model.passes,
+            ));
+        }
+        let sightings = readouts
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (r, c))| sightings(i, r, c));
+        let mut e = Self::of_sightings(passes.unwrap_or(1), sightings, top);
+        e.traces = traces.len();
+        e
+    }
+
+    /// Gathers `sightings` of a model with `passes` passes (readouts at pass R are left out),
+    /// keeping the `top` most frequent pairs; one trace unless [`Explanation::of`] says more.
+    pub fn of_sightings<'a>(
+        passes: usize,
+        sightings: impl IntoIterator<Item = Sighting<'a>>,
+        top: usize,
+    ) -> Self {
         let mut e = Self {
-            traces: traces.len(),
+            traces: 1,
+            by_pass: vec![Tally::default(); passes.saturating_sub(1)],
             ..Self::default()
         };
         let mut pairs: HashMap<(usize, u32, u32), Pair> = HashMap::new();
-        for trace in traces {
-            e.add(trace, &mut pairs);
+        let mut positions = std::collections::HashSet::new();
+        for s in sightings.into_iter().filter(|s| s.pass < passes) {
+            positions.insert((s.trace, s.pos));
+            let disagreed = s.said.token.id != s.committed.id;
+            e.by_pass[s.pass - 1].add(disagreed);
+            let class = TokenClass::of(&s.committed.text);
+            e.by_class.entry(class).or_default().add(disagreed);
+            if !disagreed {
+                e.agreeing.add(s.said);
+                continue;
+            }
+            e.disagreeing.add(s.said);
+            let pair = pairs
+                .entry((s.pass, s.said.token.id, s.committed.id))
+                .or_insert_with(|| Pair {
+                    pass: s.pass,
+                    said: s.said.token.clone(),
+                    committed: s.committed.clone(),
+                    count: 0,
+                    occurrences: Vec::new(),
+                });
+            pair.count += 1;
+            pair.occurrences.push(Occurrence {
+                trace: s.trace,
+                step: s.step,
+                pos: s.pos,
+            });
         }
+        e.positions = positions.len();
         let mut pairs: Vec<Pair> = pairs.into_values().collect();
         pairs.sort_by(|a, b| {
             (b.count, a.pass, a.said.id, a.committed.id).cmp(&(
@@ -138,52 +212,42 @@ impl Explanation {
             ))
         });
         pairs.truncate(top);
+        for pair in &mut pairs {
+            pair.occurrences.sort_unstable();
+        }
         e.pairs = pairs;
         e
     }
-
-    fn add(&mut self, trace: &Trace, pairs: &mut HashMap<(usize, u32, u32), Pair>) {
-        let passes = trace.header.model.passes;
-        if self.by_pass.len() < passes.saturating_sub(1) {
-            self.by_pass.resize(passes - 1, Tally::default());
-        }
-        let (readouts, committed) = speculative_readouts(&trace.events, passes);
-        let mut positions = std::collections::HashSet::new();
-        for ((pos, pass), prediction) in readouts {
-            let Some(token) = committed.get(&pos) else {
-                continue; // never committed: the run ended first
-            };
-            positions.insert(pos);
-            let disagreed = prediction.token.id != token.id;
-            self.by_pass[pass - 1].add(disagreed);
-            let class = TokenClass::of(&token.text);
-            self.by_class.entry(class).or_default().add(disagreed);
-            if disagreed {
-                self.disagreeing.add(&prediction);
-                let key = (pass, prediction.token.id, token.id);
-                pairs
-                    .entry(key)
-                    .or_insert_with(|| Pair {
-                        pass,
-                        said: prediction.token.clone(),
-                        committed: token.clone(),
-                        count: 0,
-                    })
-                    .count += 1;
-            } else {
-                self.agreeing.add(&prediction);
-            }
-        }
-        self.positions += positions.len();
-    }
 }
 
-/// The speculative lane's last readout at each (predicted position, pass before R), and its
-/// committed token at each position.
-fn speculative_readouts(
-    events: &[RaceEvent],
-    passes: usize,
-) -> (BTreeMap<(usize, usize), Prediction>, HashMap<usize, Token>) {
+/// A trace's early readouts of its committed positions, as sightings.
+fn sightings<'a>(
+    trace: usize,
+    readouts: &'a BTreeMap<(usize, usize), (u64, Prediction)>,
+    committed: &'a HashMap<usize, Token>,
+) -> impl Iterator<Item = Sighting<'a>> {
+    readouts
+        .iter()
+        .filter_map(move |(&(pos, pass), (step, said))| {
+            Some(Sighting {
+                trace,
+                pos,
+                pass,
+                step: *step,
+                said,
+                committed: committed.get(&pos)?,
+            })
+        })
+}
+
+/// The speculative lane's last readout at each (predicted position, pass before R) with its
+/// step, and its committed token at each position.
+type Readouts = (
+    BTreeMap<(usize, usize), (u64, Prediction)>,
+    HashMap<usize, Token>,
+);
+
+fn speculative_readouts(events: &[RaceEvent], passes: usize) -> Readouts {
     let mut readouts = BTreeMap::new();
     let mut committed = HashMap::new();
     for event in events {
@@ -202,7 +266,7 @@ fn speculative_readouts(
                 for row in step.rows.iter().filter(|r| !r.dropped) {
                     let pass = row.pass.number();
                     if let Some(p) = row.prediction.as_ref().filter(|_| pass < passes) {
-                        readouts.insert((row.pos + 1, pass), p.clone());
+                        readouts.insert((row.pos + 1, pass), (step.step, p.clone()));
                     }
                 }
                 for c in &step.committed {

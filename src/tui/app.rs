@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, MouseEvent, MouseEventKind};
 
+use super::explorer::{self, Analysis, ExplorerCursor};
 use super::keymap::{self, Action, Mode};
 use super::run_view::on_decode;
 pub use super::run_view::{Agreement, Cell, CellKind, FlipEntry, LaneView, RunView, StepColumn};
@@ -64,6 +65,8 @@ pub struct ReplayStatus {
     /// Steps of the speculative lane shown so far, of `steps`.
     pub step: usize,
     pub steps: usize,
+    /// The whole trace explained, for the explorer (computed once, shared by every frame).
+    pub analysis: Option<Arc<Analysis>>,
 }
 
 /// A move through a replay.
@@ -72,6 +75,8 @@ pub enum Seek {
     Back,
     Start,
     End,
+    /// To this step of the speculative lane (the explorer's `g`).
+    To(usize),
 }
 
 /// What the runtime must do after an update.
@@ -146,6 +151,8 @@ pub struct App {
     pub inspect: Option<usize>,
     /// Presenter mode: large speedup, text and pipeline only (`ui::present`).
     pub present: bool,
+    /// The misprediction explorer's cursor, while it is open.
+    pub explorer: Option<ExplorerCursor>,
 }
 
 impl App {
@@ -178,6 +185,7 @@ impl App {
             recording: false,
             inspect: None,
             present: false,
+            explorer: None,
         }
     }
 
@@ -317,6 +325,15 @@ impl App {
                     None => last.map(|n| n.saturating_sub(1)),
                 };
             }
+            Action::Explore => {
+                self.explorer = match self.explorer {
+                    Some(_) => None,
+                    None => Some(ExplorerCursor::default()),
+                };
+            }
+            Action::ExplorePrevious => self.move_explorer(-1),
+            Action::ExploreNext => self.move_explorer(1),
+            Action::GoToOccurrence => return self.go_to_occurrence(),
             Action::InspectPrevious => self.move_inspector(-1),
             Action::InspectNext => self.move_inspector(1),
             Action::StepForward => return self.act(Action::SingleStep),
@@ -348,6 +365,35 @@ impl App {
         }
         let at = self.inspect.unwrap_or(tokens - 1);
         self.inspect = Some(at.saturating_add_signed(by).min(tokens - 1));
+    }
+
+    /// Selects the explorer's previous or next pair (opening it if closed).
+    fn move_explorer(&mut self, by: isize) {
+        let cursor = self.explorer.get_or_insert_default();
+        let pair = cursor
+            .pair
+            .saturating_add_signed(by)
+            .min(explorer::PAIRS - 1);
+        *cursor = ExplorerCursor {
+            pair,
+            occurrence: 0,
+        };
+    }
+
+    /// A replay's move to the next occurrence of the explorer's selected pair.
+    fn go_to_occurrence(&mut self) -> Vec<Command> {
+        let analysis = self.replay.as_ref().and_then(|r| r.analysis.clone());
+        let (Some(cursor), Some(analysis)) = (self.explorer.as_mut(), analysis) else {
+            self.error = Some("g goes to a pair of the explorer (x) in a replay".into());
+            return Vec::new();
+        };
+        let pair = analysis.explanation.pairs.get(cursor.pair);
+        let Some(occurrences) = pair.map(|p| &p.occurrences).filter(|o| !o.is_empty()) else {
+            return Vec::new();
+        };
+        let to = occurrences[cursor.occurrence % occurrences.len()].step;
+        cursor.occurrence += 1;
+        self.seek(Seek::To(to as usize))
     }
 
     /// A move through a replay (pausing it); live runs cannot move back.

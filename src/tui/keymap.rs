@@ -39,6 +39,13 @@ pub enum Action {
     Inspect,
     /// Presenter mode on / off.
     TogglePresenter,
+    /// Open or close the misprediction explorer.
+    Explore,
+    /// Explorer: the previous / next pair.
+    ExplorePrevious,
+    ExploreNext,
+    /// Explorer: the replay to the selected pair's next occurrence.
+    GoToOccurrence,
     /// Inspector: the previous / next token.
     InspectPrevious,
     InspectNext,
@@ -124,7 +131,7 @@ const fn line(
 }
 
 /// Every key, in the order the help lists them.
-pub const BINDINGS: [Binding; 19] = [
+pub const BINDINGS: [Binding; 20] = [
     line(
         "Enter",
         "run the prompt (while editing)",
@@ -197,6 +204,17 @@ pub const BINDINGS: [Binding; 19] = [
             (key('i'), Action::Inspect),
             (key('['), Action::InspectPrevious),
             (key(']'), Action::InspectNext),
+        ],
+    ),
+    line(
+        "x { } g",
+        "explorer: open / close, pick a pair, go to it",
+        Mode::Panes,
+        &[
+            (key('x'), Action::Explore),
+            (key('{'), Action::ExplorePrevious),
+            (key('}'), Action::ExploreNext),
+            (key('g'), Action::GoToOccurrence),
         ],
     ),
     line(

@@ -5,6 +5,7 @@
 //! recorded trace (`replay`).
 
 pub mod app;
+pub mod explorer;
 pub mod inspector;
 pub mod keymap;
 pub mod present;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::app::{App, Command, ModelInfo, Msg, ReplayStatus, Seek};
+use super::explorer::Analysis;
 use super::{Source, event_loop, open_dashboard};
 use crate::engine::race::{RaceControl, RaceEvent};
 use crate::engine::trace::{Trace, is_speculative_step};
@@ -22,6 +23,8 @@ pub struct Replayer {
     /// step k + 1 (the whole trace for the last).
     ends: Vec<usize>,
     file: String,
+    /// The whole trace explained, for the explorer.
+    analysis: Arc<Analysis>,
     /// The step shown.
     step: usize,
     /// Events already given to the app.
@@ -43,10 +46,12 @@ impl Replayer {
             .map(|(i, _)| i)
             .collect();
         ends.push(trace.events.len());
+        let analysis = Arc::new(Analysis::of(&trace, &file));
         let mut replayer = Self {
             events: trace.events.into(),
             ends,
             file,
+            analysis,
             step: 0,
             given: 0,
             reset: true,
@@ -86,6 +91,7 @@ impl Replayer {
                 file: self.file.clone(),
                 step: self.step,
                 steps: self.steps(),
+                analysis: Some(self.analysis.clone()),
             },
         };
         (self.given, self.reset) = (end, false);
@@ -124,6 +130,7 @@ impl Source for Replayer {
                 Command::Seek(Seek::Back) => self.go_to(self.step.saturating_sub(1)),
                 Command::Seek(Seek::Start) => self.go_to(0),
                 Command::Seek(Seek::End) => self.go_to(self.steps()),
+                Command::Seek(Seek::To(step)) => self.go_to(step),
                 Command::SetSampling(_) | Command::Record(_) | Command::Quit => {}
             }
         }

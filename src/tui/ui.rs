@@ -119,6 +119,9 @@ fn draw_overlays(frame: &mut Frame, area: Rect, app: &App) {
     if let (Some(at), Some(run)) = (app.inspect, &app.run) {
         draw_inspector(frame, area, run, at);
     }
+    if let Some(cursor) = app.explorer {
+        super::explorer::draw(frame, area, app, cursor);
+    }
     if app.show_help {
         draw_help(frame, area);
     }

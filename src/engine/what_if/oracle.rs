@@ -182,23 +182,19 @@ fn logits_of(p: &Prediction, vocab: usize) -> Vec<f32> {
         .first()
         .map_or(p.prob, |r| r.prob)
         .max(f32::MIN_POSITIVE);
+    let mut top = Vec::with_capacity(p.top.len());
     let mut floor = -p.margin;
-    let mut logits = vec![0.0; vocab];
     for (rank, r) in p.top.iter().enumerate().skip(1) {
-        let l = if rank == 1 {
-            -p.margin
-        } else {
-            (r.prob.max(f32::MIN_POSITIVE) / p0).ln().min(floor)
+        let l = match rank {
+            1 => -p.margin,
+            _ => (r.prob.max(f32::MIN_POSITIVE) / p0).ln().min(floor),
         };
         floor = l;
-        logits[r.token.id as usize] = l;
+        top.push((r.token.id, l));
     }
-    let rest = floor - 1.0;
-    let chosen: Vec<u32> = p.top.iter().map(|r| r.token.id).collect();
-    for (id, l) in logits.iter_mut().enumerate() {
-        if !chosen.contains(&(id as u32)) && id != p.token.id as usize {
-            *l = rest;
-        }
+    let mut logits = vec![floor - 1.0; vocab];
+    for (id, l) in top {
+        logits[id as usize] = l;
     }
     logits[p.token.id as usize] = 0.0;
     logits
