@@ -90,6 +90,9 @@ pub struct ModelArgs {
     /// portable (a lower one measures it on this machine).
     #[arg(long, value_enum, default_value_t = IsaArg::Auto)]
     pub isa: IsaArg,
+    /// Threads a CPU decode step is split over (both lanes of a race or bench use the same).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
 }
 
 /// `--isa`.
@@ -328,6 +331,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 /// Resolves and loads the model `args` name, on the device and dtype asked for.
 pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     args.isa.apply()?;
+    crate::engine::kernels::pool::set_threads(args.threads)
+        .map_err(|e| EngineError::Invalid(format!("--threads: {e}")))?;
     let offline = args.offline || hub::offline_from_env();
     let resolved = models::resolve(args.model.as_deref(), offline)?;
     let entry = resolved.entry.as_ref();

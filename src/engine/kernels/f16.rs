@@ -59,21 +59,65 @@ impl PackedF16 {
 
     /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `out: [rows × outs]`.
     /// Each output sums its products in order of k; callers use a bound, not these bits.
+    /// Split by panels across the decode threads (`kernels::pool`) where there are several.
     pub fn matmul(&self, x: &[f32], rows: usize, out: &mut [f32]) {
+        self.matmul_on(super::pool::pool(), x, rows, out);
+    }
+
+    /// [`PackedF16::matmul`] on the threads of `pool`.
+    pub fn matmul_on(&self, pool: &super::pool::Pool, x: &[f32], rows: usize, out: &mut [f32]) {
         debug_assert_eq!(x.len(), rows * self.inner);
         debug_assert_eq!(out.len(), rows * self.outs);
+        let parts = pool.threads();
+        let panels = self.outs.div_ceil(PANEL);
+        if parts == 1 || panels < 2 * parts {
+            return self.panels_into(x, rows, 0..panels, out);
+        }
+        // Each thread its panels' columns of every row, in a block of its own.
+        let blocks: Vec<super::pool::Padded<std::sync::Mutex<Vec<f32>>>> = (0..parts)
+            .map(|part| {
+                let cols = self.columns(super::pool::share(panels, parts, part, 1));
+                super::pool::Padded(std::sync::Mutex::new(vec![0f32; rows * cols.len()]))
+            })
+            .collect();
+        pool.run(&|part| {
+            let range = super::pool::share(panels, parts, part, 1);
+            let mut block = blocks[part].lock().unwrap_or_else(|e| e.into_inner());
+            self.panels_into(x, rows, range, &mut block);
+        });
+        for (part, block) in blocks.into_iter().enumerate() {
+            let cols = self.columns(super::pool::share(panels, parts, part, 1));
+            let block = block.0.into_inner().unwrap_or_else(|e| e.into_inner());
+            for (r, row) in block.chunks_exact(cols.len().max(1)).enumerate() {
+                out[r * self.outs + cols.start..r * self.outs + cols.end].copy_from_slice(row);
+            }
+        }
+    }
+
+    /// The output columns of `panels`.
+    fn columns(&self, panels: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        (panels.start * PANEL).min(self.outs)..(panels.end * PANEL).min(self.outs)
+    }
+
+    /// The products with the weight rows of `panels`, into `out: [rows × their columns]`.
+    fn panels_into(&self, x: &[f32], rows: usize, panels: std::ops::Range<usize>, out: &mut [f32]) {
+        let cols_out = self.columns(panels.clone());
+        let width = cols_out.len();
         let mut tile = [0f32; ROWS * PANEL];
-        for (p, panel) in self.panels().chunks_exact(self.inner * PANEL).enumerate() {
+        let stream = self.panels().chunks_exact(self.inner * PANEL);
+        for (p, panel) in stream.enumerate().take(panels.end).skip(panels.start) {
             let cols = PANEL.min(self.outs - p * PANEL);
+            let first = p * PANEL - cols_out.start;
             for (b, block) in x.chunks(ROWS * self.inner).enumerate() {
                 let n = block.len() / self.inner;
                 self.panel_tile(block, panel, &mut tile);
                 for r in 0..n {
-                    let at = (b * ROWS + r) * self.outs + p * PANEL;
+                    let at = (b * ROWS + r) * width + first;
                     out[at..at + cols].copy_from_slice(&tile[r * PANEL..r * PANEL + cols]);
                 }
             }
         }
+        debug_assert!(rows * width == out.len());
     }
 
     /// Up to `ROWS` rows of `x` times one panel, into `tile: [ROWS × PANEL]`.

@@ -27,6 +27,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod f16;
+pub mod pool;
 mod portable;
 mod subnormals;
 #[cfg(test)]
@@ -40,6 +41,12 @@ const ROW_BLOCK: usize = 4;
 /// model's) are split across threads by output rows; below it, waking a second thread costs
 /// more than it saves (measured: hidden 256 steps were 15 % slower threaded).
 const PARALLEL_MIN_ELEMENTS: usize = 1 << 22;
+
+/// Weight matrices with at least this many elements are split across the decode threads
+/// when `--threads` is above 1 (a hidden-256 projection has 65,536).
+const POOL_MIN_ELEMENTS: usize = 1 << 14;
+/// Weight rows a thread's share of a matmul is a multiple of (whole groups of every sweep).
+const SHARE_ALIGN: usize = 16;
 
 /// Which instruction set the kernels use, chosen once per process at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +116,10 @@ pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]
     debug_assert_eq!(x.len(), rows * inner);
     debug_assert_eq!(out.len(), rows * outs);
     let isa = isa();
+    let pool = pool::pool();
+    if pool.threads() > 1 && w.len() >= POOL_MIN_ELEMENTS {
+        return matmul_t_pooled(pool, isa, (x, rows, inner), &mut [(w, out)]);
+    }
     if w.len() < PARALLEL_MIN_ELEMENTS || rayon::current_num_threads() == 1 {
         let to = OutLayout { col: 1, row: outs };
         return matmul_t_serial(isa, x, w, rows, inner, out, to);
@@ -124,6 +135,97 @@ pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]
     for (j, col) in out_t.chunks_exact(rows).enumerate() {
         for (m, v) in col.iter().enumerate() {
             out[m * outs + j] = *v;
+        }
+    }
+}
+
+/// Products of one input `x: [rows × inner]` with several weights, `outᵢ = x · wᵢᵀ` (the Q,
+/// K and V projections; gate and up): one job of the decode threads for all of them, so that
+/// the threads meet once instead of once per weight.
+pub fn matmuls_t(x: &[f32], rows: usize, inner: usize, products: &mut [(&[f32], &mut [f32])]) {
+    let pool = pool::pool();
+    if pool.threads() > 1 && products.iter().all(|(w, _)| w.len() >= POOL_MIN_ELEMENTS) {
+        return matmul_t_pooled(pool, isa(), (x, rows, inner), products);
+    }
+    for (w, out) in products.iter_mut() {
+        matmul_t(x, w, rows, inner, out);
+    }
+}
+
+/// Matmuls split across the decode threads by weight rows. With one input row each thread
+/// writes its share of the output in place; with several, a row-major block of its own
+/// columns, copied into place row by row afterwards.
+fn matmul_t_pooled(
+    pool: &pool::Pool,
+    isa: Isa,
+    (x, rows, inner): (&[f32], usize, usize),
+    products: &mut [(&[f32], &mut [f32])],
+) {
+    let parts = pool.threads();
+    let share = |outs: usize, part: usize| pool::share(outs, parts, part, SHARE_ALIGN);
+    let (weights, mut outs): (Vec<&[f32]>, Vec<&mut [f32]>) =
+        products.iter_mut().map(|(w, o)| (*w, &mut **o)).unzip();
+    let widths: Vec<usize> = weights.iter().map(|w| w.len() / inner).collect();
+    let mut blocks: Vec<Vec<pool::Padded<std::sync::Mutex<Block>>>> = Vec::new();
+    for (i, &width) in widths.iter().enumerate() {
+        let mut rest: &mut [f32] = match rows {
+            1 => std::mem::take(&mut outs[i]),
+            _ => &mut [],
+        };
+        let mine = (0..parts)
+            .map(|part| {
+                let len = share(width, part).len();
+                let block = match rows {
+                    1 => {
+                        let (block, tail) = std::mem::take(&mut rest).split_at_mut(len);
+                        rest = tail;
+                        Block::InPlace(block)
+                    }
+                    _ => Block::Own(vec![0f32; rows * len]),
+                };
+                pool::Padded(std::sync::Mutex::new(block))
+            })
+            .collect();
+        blocks.push(mine);
+    }
+    pool.run(&|part| {
+        for ((w, &width), blocks) in weights.iter().zip(&widths).zip(&blocks) {
+            let range = share(width, part);
+            let w = &w[range.start * inner..range.end * inner];
+            let to = OutLayout {
+                col: 1,
+                row: range.len(),
+            };
+            let mut block = blocks[part].lock().unwrap_or_else(|e| e.into_inner());
+            matmul_t_serial(isa, x, w, rows, inner, block.slice(), to);
+        }
+    });
+    for ((out, &width), blocks) in outs.iter_mut().zip(&widths).zip(blocks) {
+        for (part, block) in blocks.into_iter().enumerate() {
+            let Block::Own(data) = block.0.into_inner().unwrap_or_else(|e| e.into_inner()) else {
+                continue;
+            };
+            let range = share(width, part);
+            for (r, row) in data.chunks_exact(range.len().max(1)).enumerate() {
+                out[r * width + range.start..r * width + range.end].copy_from_slice(row);
+            }
+        }
+    }
+}
+
+/// Where one thread writes its share of a product.
+enum Block<'a> {
+    /// Straight into the output (one input row: a share is a contiguous slice of it).
+    InPlace(&'a mut [f32]),
+    /// A `[rows × share]` block of its own.
+    Own(Vec<f32>),
+}
+
+impl Block<'_> {
+    fn slice(&mut self) -> &mut [f32] {
+        match self {
+            Block::InPlace(s) => s,
+            Block::Own(v) => v,
         }
     }
 }

@@ -158,3 +158,57 @@ fn attention_over_one_position_returns_its_value() {
     attend_row(&q, &k, &v, 1, shape, &mut out, &mut Vec::new());
     assert_eq!(out, [1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]);
 }
+
+#[test]
+fn products_split_across_threads_are_the_serial_ones_bit_for_bit() {
+    let mut seed = 11;
+    let inner = 96;
+    let ws: Vec<Vec<f32>> = [300, 704, 17]
+        .iter()
+        .map(|outs| (0..outs * inner).map(|_| lcg(&mut seed)).collect())
+        .collect();
+    for threads in [2, 3] {
+        let pool = pool::Pool::new(threads);
+        for rows in 1..=5 {
+            let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
+            let mut outs: Vec<Vec<f32>> = (ws.iter())
+                .map(|w| vec![0f32; rows * w.len() / inner])
+                .collect();
+            let mut pairs: Vec<(&[f32], &mut [f32])> = (ws.iter().map(Vec::as_slice))
+                .zip(outs.iter_mut().map(Vec::as_mut_slice))
+                .collect();
+            matmul_t_pooled(&pool, isa(), (&x, rows, inner), &mut pairs);
+            for (w, got) in ws.iter().zip(&outs) {
+                let outs_n = w.len() / inner;
+                let mut want = vec![0f32; rows * outs_n];
+                let to = OutLayout {
+                    col: 1,
+                    row: outs_n,
+                };
+                matmul_t_serial(isa(), &x, w, rows, inner, &mut want, to);
+                assert_eq!(
+                    got, &want,
+                    "{threads} threads, {rows} rows, {outs_n} outputs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_f16_head_split_across_threads_is_the_serial_one_bit_for_bit() {
+    let mut seed = 5;
+    let (inner, outs) = (64, 1000);
+    let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+    let packed = f16::PackedF16::new(&w, inner);
+    for rows in 1..=5 {
+        let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
+        let mut serial = vec![0f32; rows * outs];
+        packed.matmul_on(&pool::Pool::new(1), &x, rows, &mut serial);
+        for threads in [2, 3] {
+            let mut split = vec![0f32; rows * outs];
+            packed.matmul_on(&pool::Pool::new(threads), &x, rows, &mut split);
+            assert_eq!(split, serial, "{threads} threads, {rows} rows");
+        }
+    }
+}

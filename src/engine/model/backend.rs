@@ -52,6 +52,12 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     /// `x · wᵀ` for a linear layer's weight stored `[out, in]`.
     fn linear(&self, x: &Self::Act, weight: &Tensor) -> Result<Self::Act>;
 
+    /// `x · aᵀ` and `x · bᵀ`: two linear layers on one input (gate and up). A backend that
+    /// splits a step across threads does both in one job.
+    fn linear_pair(&self, x: &Self::Act, a: &Tensor, b: &Tensor) -> Result<(Self::Act, Self::Act)> {
+        Ok((self.linear(x, a)?, self.linear(x, b)?))
+    }
+
     /// `h + delta` (the residual stream), reusing `h`.
     fn add(&self, h: Self::Act, delta: &Self::Act) -> Result<Self::Act>;
 

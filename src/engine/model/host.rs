@@ -13,6 +13,7 @@ use super::backend::StepBackend;
 use super::half_head::HalfHead;
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
+use crate::engine::kernels::pool::Padded;
 use crate::engine::kernels::{self, AttnShape, SubnormalsFlushed};
 use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
@@ -111,34 +112,107 @@ impl HostBackend {
         self.model.config.rms_norm_eps as f32
     }
 
-    /// One row's K/V write and attention, in row order: rows of one pass come in position
-    /// order, so every row sees exactly the entries before its own, and a second candidate
-    /// sees its own entry at the position it shares with the row before it.
-    fn attend(
+    /// Several linear layers on one input, in one job of the decode threads.
+    fn linears<const N: usize>(
         &self,
-        layer: usize,
-        slot: RowSlot,
-        (q, k, v): (&mut [f32], &[f32], &[f32]),
-        out: &mut [f32],
-        scores: &mut Vec<f32>,
-        cache: &mut KvCache<HostKv>,
-    ) -> Result<()> {
+        x: &HostRows,
+        weights: [&Tensor; N],
+    ) -> Result<[HostRows; N]> {
+        let inner = x.width();
+        let views = (weights.iter())
+            .map(|w| HostView::new(w))
+            .collect::<Result<Vec<_>>>()?;
+        let mut outs: Vec<Vec<f32>> = (views.iter())
+            .map(|view| vec![0f32; x.rows * (view.len() / inner)])
+            .collect();
+        let products = views.iter().map(|view| &view[..]);
+        let mut pairs: Vec<(&[f32], &mut [f32])> = products
+            .zip(outs.iter_mut().map(Vec::as_mut_slice))
+            .collect();
+        kernels::matmuls_t(&x.data, x.rows, inner, &mut pairs);
+        let mut outs = outs.into_iter();
+        Ok(std::array::from_fn(|_| HostRows {
+            data: outs.next().expect("one output per weight: this is a bug"),
+            rows: x.rows,
+        }))
+    }
+
+    fn attn_shape(&self) -> AttnShape {
         let cfg = &self.model.config;
-        let shape = AttnShape {
+        AttnShape {
             heads: cfg.num_attention_heads,
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
-        };
-        if slot.second {
-            cache.swap_second(layer, slot.pass, slot.pos)?;
         }
+    }
+
+    /// A second candidate's K/V write and attention: its entry swapped into place around
+    /// them, so that it sees its own entry at the position it shares with its first
+    /// candidate, and the first's entry is back in place afterwards.
+    fn attend_second(
+        &self,
+        layer: usize,
+        slot: RowSlot,
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        out: &mut [f32],
+        cache: &mut KvCache<HostKv>,
+    ) -> Result<()> {
+        cache.swap_second(layer, slot.pass, slot.pos)?;
         cache.store_mut().write(layer, slot.pass, slot.pos, k, v);
         let (keys, values) = cache.store().pass(layer, slot.pass, slot.pos + 1);
-        kernels::attend_row(q, keys, values, slot.pos + 1, shape, out, scores);
-        if slot.second {
-            cache.swap_second(layer, slot.pass, slot.pos)?;
+        let mut scores = Vec::new();
+        kernels::attend_row(
+            q,
+            keys,
+            values,
+            slot.pos + 1,
+            self.attn_shape(),
+            out,
+            &mut scores,
+        );
+        cache.swap_second(layer, slot.pass, slot.pos)
+    }
+
+    /// The attention of the first-candidate rows `firsts` (their K/V already written), split
+    /// across the decode threads by rows. Each row reads only entries up to its own
+    /// position, all written before any row attends, so the split changes nothing.
+    fn attend_firsts(
+        &self,
+        layer: usize,
+        (slots, firsts): (&[RowSlot], &[usize]),
+        q: &[f32],
+        out: &mut [f32],
+        store: &HostKv,
+    ) {
+        let q_dim = q.len() / slots.len();
+        let shape = self.attn_shape();
+        let mut rows: Vec<Option<Padded<std::sync::Mutex<&mut [f32]>>>> = (out.chunks_mut(q_dim))
+            .map(|o| Some(Padded(std::sync::Mutex::new(o))))
+            .collect();
+        for (i, slot) in slots.iter().enumerate() {
+            if slot.second {
+                rows[i] = None;
+            }
         }
-        Ok(())
+        let pool = kernels::pool::pool();
+        let parts = if firsts.len() > 1 { pool.threads() } else { 1 };
+        let attend = |part: usize| {
+            let mut scores = Vec::new();
+            for &i in firsts.iter().skip(part).step_by(parts) {
+                let slot = slots[i];
+                let (keys, values) = store.pass(layer, slot.pass, slot.pos + 1);
+                let row = rows[i]
+                    .as_ref()
+                    .expect("a first candidate's row: this is a bug");
+                let mut o = row.lock().unwrap_or_else(|e| e.into_inner());
+                let qi = &q[i * q_dim..(i + 1) * q_dim];
+                kernels::attend_row(qi, keys, values, slot.pos + 1, shape, &mut o, &mut scores);
+            }
+        };
+        match parts {
+            1 => attend(0),
+            _ => pool.run(&attend),
+        }
     }
 }
 
@@ -200,6 +274,11 @@ impl StepBackend for HostBackend {
         Ok(HostRows { data, ..*x })
     }
 
+    fn linear_pair(&self, x: &HostRows, a: &Tensor, b: &Tensor) -> Result<(HostRows, HostRows)> {
+        let [a, b] = self.linears(x, [a, b])?;
+        Ok((a, b))
+    }
+
     fn add(&self, mut h: HostRows, delta: &HostRows) -> Result<HostRows> {
         h.data
             .iter_mut()
@@ -227,24 +306,38 @@ impl StepBackend for HostBackend {
             cfg.kv_dim(),
             cfg.head_dim,
         );
-        let mut q = self.linear(a, &w.q_proj)?.data;
-        let mut k = self.linear(a, &w.k_proj)?.data;
-        let v = self.linear(a, &w.v_proj)?.data;
+        let [q, k, v] = self.linears(a, [&w.q_proj, &w.k_proj, &w.v_proj])?;
+        let (mut q, mut k, v) = (q.data, k.data, v.data);
         let mut out = vec![0f32; a.rows * q_dim];
-        let mut scores = Vec::new();
+        // RoPE, and every first candidate's K/V written in row order; then their attention;
+        // then the second candidates', each around its own entry (the order of a row-by-row
+        // walk: second candidates come after every first candidate).
+        let mut firsts = Vec::with_capacity(slots.len());
         for (i, &slot) in slots.iter().enumerate() {
             let (cos, sin) = self.model.rope.at(slot.pos);
-            let (qi, oi) = (
-                &mut q[i * q_dim..(i + 1) * q_dim],
-                &mut out[i * q_dim..(i + 1) * q_dim],
-            );
-            let (ki, vi) = (
-                &mut k[i * kv_dim..(i + 1) * kv_dim],
+            kernels::rope_row(&mut q[i * q_dim..(i + 1) * q_dim], head_dim, cos, sin);
+            let ki = &mut k[i * kv_dim..(i + 1) * kv_dim];
+            kernels::rope_row(ki, head_dim, cos, sin);
+            if !slot.second {
+                let vi = &v[i * kv_dim..(i + 1) * kv_dim];
+                cache.store_mut().write(layer, slot.pass, slot.pos, ki, vi);
+                firsts.push(i);
+            }
+        }
+        self.attend_firsts(layer, (slots, &firsts), &q, &mut out, cache.store());
+        for (i, &slot) in slots.iter().enumerate().filter(|(_, s)| s.second) {
+            let qkv = (
+                &q[i * q_dim..(i + 1) * q_dim],
+                &k[i * kv_dim..(i + 1) * kv_dim],
                 &v[i * kv_dim..(i + 1) * kv_dim],
             );
-            kernels::rope_row(qi, head_dim, cos, sin);
-            kernels::rope_row(ki, head_dim, cos, sin);
-            self.attend(layer, slot, (qi, ki, vi), oi, &mut scores, cache)?;
+            self.attend_second(
+                layer,
+                slot,
+                qkv,
+                &mut out[i * q_dim..(i + 1) * q_dim],
+                cache,
+            )?;
         }
         Ok(HostRows {
             data: out,

@@ -1,0 +1,250 @@
+//! The decode step's threads (`--threads N`): N − 1 workers that wait for a job by spinning on
+//! a counter, so that a matmul of a few microseconds can be split without paying a thread
+//! wake-up each time (rayon's cost ~15 % of a hidden-256 step). A worker that has spun
+//! [`SPIN_LIMIT`] times without a job parks until the next one, so an idle dashboard does not
+//! hold the cores. One job runs at a time; a caller that finds the pool busy (another thread
+//! decoding) runs its job alone, with the same results: every job splits work by output
+//! element, and each element is computed the same way wherever it runs.
+//!
+//! Used by `kernels::matmul_t` and the f16 proposal head; configured once per process with
+//! [`set_threads`] before anything decodes.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
+use std::thread::JoinHandle;
+
+/// Spins of an idle worker before it parks (tens of microseconds: longer than the gaps
+/// between the matmuls of a step, shorter than a human notices a busy core).
+const SPIN_LIMIT: u32 = 1 << 16;
+
+/// A job: `f(part)` for every part `0..parts`, the caller running part 0.
+struct Job<'a> {
+    f: &'a (dyn Fn(usize) + Sync),
+}
+
+/// A value alone in its cache lines (128 bytes: the adjacent-line prefetcher pairs lines), so
+/// that threads writing neighbouring values do not take a line from each other.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub struct Padded<T>(pub T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// The published job and its epoch.
+#[derive(Debug, Default)]
+struct Mailbox {
+    /// Bumped by the caller to publish a job.
+    epoch: AtomicU64,
+    /// The published job: a pointer to a `Job` on the caller's stack, valid until every
+    /// worker has counted itself in `done`.
+    job: AtomicUsize,
+}
+
+/// What the caller and the workers share; what one side writes and the other polls sits in
+/// lines of its own.
+struct Shared {
+    /// What a worker polls, in one line: the job and its epoch.
+    mailbox: Padded<Mailbox>,
+    /// Workers that finished the current job.
+    done: Padded<AtomicUsize>,
+    /// Workers parked on `wake`.
+    parked: Padded<AtomicUsize>,
+    lock: Mutex<()>,
+    wake: Condvar,
+    stop: AtomicBool,
+}
+
+/// The worker threads.
+pub struct Pool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Held while a job runs.
+    busy: Mutex<()>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pool({} threads)", self.threads())
+    }
+}
+
+impl Pool {
+    /// A pool of `threads` threads in all: the caller and `threads − 1` workers.
+    pub fn new(threads: usize) -> Self {
+        let shared = Arc::new(Shared {
+            mailbox: Padded(Mailbox::default()),
+            done: Padded(AtomicUsize::new(0)),
+            parked: Padded(AtomicUsize::new(0)),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let workers = (1..threads.max(1))
+            .map(|part| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("spex-step-{part}"))
+                    .spawn(move || work(&shared, part))
+                    .expect(
+                        "spawning a decode thread: this is a bug or the system is out of threads",
+                    )
+            })
+            .collect();
+        Self {
+            shared,
+            workers,
+            busy: Mutex::new(()),
+        }
+    }
+
+    /// Threads a job is split over, the caller's included.
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `f(part)` for every part in `0..self.threads()`, in parallel where the pool is
+    /// free, else one after the other on this thread; returns when all are done.
+    pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
+        let workers = self.workers.len();
+        let guard = match self.busy.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                (0..=workers).for_each(f);
+                return;
+            }
+        };
+        if workers == 0 {
+            f(0);
+            return;
+        }
+        let job = Job { f };
+        let s = &*self.shared;
+        s.done.store(0, Ordering::SeqCst);
+        s.mailbox
+            .job
+            .store(&job as *const Job as usize, Ordering::SeqCst);
+        s.mailbox.epoch.fetch_add(1, Ordering::SeqCst);
+        if s.parked.load(Ordering::SeqCst) > 0 {
+            let _lock = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        f(0);
+        while s.done.load(Ordering::Acquire) < workers {
+            std::hint::spin_loop();
+        }
+        drop(guard);
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.mailbox.epoch.fetch_add(1, Ordering::SeqCst);
+        {
+            let _lock = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
+}
+
+/// A worker's loop: wait for the next epoch (spinning, then parked), run its part, count
+/// itself done.
+fn work(s: &Shared, part: usize) {
+    let mut seen = 0u64;
+    loop {
+        let mut spins = 0u32;
+        let epoch = loop {
+            let epoch = s.mailbox.epoch.load(Ordering::SeqCst);
+            if epoch != seen {
+                break epoch;
+            }
+            if spins < SPIN_LIMIT {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            let lock = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.parked.fetch_add(1, Ordering::SeqCst);
+            let lock = s
+                .wake
+                .wait_while(lock, |_| s.mailbox.epoch.load(Ordering::SeqCst) == seen)
+                .unwrap_or_else(|e| e.into_inner());
+            s.parked.fetch_sub(1, Ordering::SeqCst);
+            drop(lock);
+        };
+        seen = epoch;
+        if s.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let job = s.mailbox.job.load(Ordering::SeqCst) as *const Job<'static>;
+        // SAFETY: the caller published `job` before bumping the epoch this worker saw, and
+        // does not return (so the `Job` on its stack lives) until this worker's `done`
+        // increment below.
+        let f = unsafe { (*job).f };
+        f(part);
+        s.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// The process's pool, sized by [`set_threads`] (1 thread if nobody set it).
+static POOL: OnceLock<Pool> = OnceLock::new();
+
+/// The decode threads of this process.
+pub fn pool() -> &'static Pool {
+    POOL.get_or_init(|| Pool::new(1))
+}
+
+/// Makes decode steps use `threads` threads (the caller's and `threads − 1` workers). Call it
+/// before anything decodes: an error if the pool already has another size.
+pub fn set_threads(threads: usize) -> Result<(), String> {
+    if threads == 0 {
+        return Err("--threads must be at least 1".into());
+    }
+    match POOL.set(Pool::new(threads)) {
+        Ok(()) => Ok(()),
+        Err(_) if pool().threads() == threads => Ok(()),
+        Err(_) => Err(format!(
+            "the decode threads are already set to {}",
+            pool().threads()
+        )),
+    }
+}
+
+/// The range of `0..n` that part `part` of `parts` takes, its bounds multiples of `align`.
+pub fn share(n: usize, parts: usize, part: usize, align: usize) -> std::ops::Range<usize> {
+    let units = n.div_ceil(align);
+    let at = |p: usize| (units * p / parts * align).min(n);
+    at(part)..at(part + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_part_runs_once_per_job_and_shares_cover_the_range() {
+        let pool = Pool::new(3);
+        for _ in 0..1000 {
+            let hits: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(&|part| {
+                hits[part].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+        for (n, parts, align) in [(704, 2, 8), (4096, 3, 16), (7, 2, 8), (0, 2, 4)] {
+            let ranges: Vec<_> = (0..parts).map(|p| share(n, parts, p, align)).collect();
+            assert_eq!(ranges[0].start, 0);
+            assert_eq!(ranges[parts - 1].end, n);
+            assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+        }
+    }
+}
