@@ -62,11 +62,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let names: Vec<String> = policies.iter().map(ToString::to_string).collect();
     if !args.json {
         println!(
-            "{} on {} ({}), kernels {:?}; {} against baseline, {}, {} interleaved runs per prompt",
+            "{} on {} ({}), kernels {:?} on {} thread(s); {} against baseline, {}, {} interleaved runs per prompt",
             session.name,
             cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
             session.device,
             crate::engine::kernels::isa(),
+            crate::engine::kernels::pool::pool().threads(),
             names.join(", "),
             options.sampling,
             args.runs
@@ -243,6 +244,7 @@ fn json_report(
         "passes": session.loaded.model().passes(),
         "layers": session.loaded.model().config.num_hidden_layers,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
+        "threads": crate::engine::kernels::pool::pool().threads(),
         "cpu": cpu_model(),
         "runs_per_lane": runs,
         "policies": overall.policies.iter().map(|p| &p.name).collect::<Vec<_>>(),

@@ -86,8 +86,8 @@ pub struct ModelArgs {
     /// exact either way).
     #[arg(long)]
     pub f32_proposals: bool,
-    /// The CPU kernels' instruction set: auto (the best this CPU has), avx512, avx2 or
-    /// portable (a lower one measures it on this machine).
+    /// The CPU kernels' instruction set: auto (the best this CPU has), avx512, avx2, neon
+    /// (aarch64) or portable (a lower one measures it on this machine).
     #[arg(long, value_enum, default_value_t = IsaArg::Auto)]
     pub isa: IsaArg,
     /// Threads a CPU decode step is split over (both lanes of a race or bench use the same).
@@ -101,6 +101,8 @@ pub enum IsaArg {
     Auto,
     Avx512,
     Avx2,
+    /// aarch64's NEON.
+    Neon,
     Portable,
 }
 
@@ -112,6 +114,7 @@ impl IsaArg {
             Self::Auto => return Ok(()),
             Self::Avx512 => Isa::Avx512,
             Self::Avx2 => Isa::Avx2Fma,
+            Self::Neon => Isa::Neon,
             Self::Portable => Isa::Portable,
         };
         force_isa(isa).map_err(|e| EngineError::Invalid(format!("--isa: {e}")))

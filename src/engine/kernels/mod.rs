@@ -13,6 +13,7 @@
 //!
 //! AVX-512 runs the matmul where the CPU has it (measured on this project's Xeon: baseline
 //! decoding 6–9 % faster than with AVX2, SPEED 5 % faster); everything else uses AVX2 + FMA.
+//! On aarch64 the matmul is NEON's (`neon`), the rest the portable loops.
 
 //! One file per role: this one detects the ISA once and dispatches (the safe API), then
 //! `portable`, `avx2`, `avx512`, `f16` (the proposal head's matmul) and `subnormals` (the
@@ -27,6 +28,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod f16;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 pub mod pool;
 mod portable;
 mod subnormals;
@@ -54,11 +57,14 @@ pub enum Isa {
     /// AVX-512F for the matmul (16 lanes, 32 registers), AVX2 + FMA for everything else.
     Avx512,
     Avx2Fma,
+    /// aarch64's NEON for the matmul (every aarch64 CPU has it), portable loops elsewhere.
+    Neon,
     Portable,
 }
 
 impl Isa {
     /// Whether the AVX2 + FMA kernels may run (true for every x86 level above the fallback).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn has_avx2(self) -> bool {
         matches!(self, Isa::Avx512 | Isa::Avx2Fma)
     }
@@ -67,7 +73,7 @@ impl Isa {
     fn level(self) -> u8 {
         match self {
             Isa::Portable => 0,
-            Isa::Avx2Fma => 1,
+            Isa::Avx2Fma | Isa::Neon => 1,
             Isa::Avx512 => 2,
         }
     }
@@ -91,6 +97,9 @@ pub fn detected_isa() -> Isa {
         }
         return Isa::Avx2Fma;
     }
+    #[cfg(target_arch = "aarch64")]
+    return Isa::Neon;
+    #[allow(unreachable_code)]
     Isa::Portable
 }
 
@@ -99,7 +108,9 @@ pub fn detected_isa() -> Isa {
 /// the kernels already chose a different one.
 pub fn force_isa(isa: Isa) -> Result<(), String> {
     let detected = detected_isa();
-    if isa.level() > detected.level() {
+    // NEON and the x86 extensions are different machines: neither runs the other's kernels.
+    let other_family = (isa == Isa::Neon) != (detected == Isa::Neon) && isa != Isa::Portable;
+    if other_family || isa.level() > detected.level() {
         return Err(format!("this CPU runs {detected:?} at best, not {isa:?}"));
     }
     match ISA.set(isa) {
@@ -302,6 +313,8 @@ fn dots_dispatch<const J: usize>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
         Isa::Avx2Fma => unsafe { avx2::dots(block, ws, out, to, first) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => neon::dots(block, ws, out, to, first),
         _ => portable::dots(block, ws, out, to, first),
     }
 }

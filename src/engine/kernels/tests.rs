@@ -23,6 +23,9 @@ fn supported_isas() -> Vec<Isa> {
     if isa() == Isa::Avx512 {
         isas.push(Isa::Avx512);
     }
+    if isa() == Isa::Neon {
+        isas.push(Isa::Neon);
+    }
     isas
 }
 
