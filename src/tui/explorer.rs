@@ -117,14 +117,7 @@ pub fn draw(frame: &mut Frame, area: Rect, app: &App, cursor: ExplorerCursor) {
     if let Some(a) = analysis {
         lines.extend(what_if_lines(&a.what_if));
     }
-    let w = 84.min(area.width);
-    let h = (lines.len() as u16 + 2).min(area.height);
-    let popup = Rect {
-        x: area.x + (area.width - w) / 2,
-        y: area.y + (area.height - h) / 2,
-        width: w,
-        height: h,
-    };
+    let popup = super::ui::centered(area, (84, lines.len() as u16 + 2));
     let title = match analysis {
         Some(_) => "explorer: the whole trace · { } select · g go to it · x closes",
         None => "explorer: this run so far · { } select · x closes",

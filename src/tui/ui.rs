@@ -133,15 +133,9 @@ fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
     let pos = run.first_pos + at;
     let view = run.positions.get(&pos).cloned().unwrap_or_default();
     let passes = run.kv.len().max(view.readouts.len());
-    let w = 96.min(area.width);
     // Borders, the context and commit lines, a line per pass, the flips (or "no flips").
-    let h = (passes as u16 + 4 + view.flips.len().clamp(1, 3) as u16).min(area.height);
-    let popup = Rect {
-        x: area.x + (area.width - w) / 2,
-        y: area.y + (area.height - h) / 2,
-        width: w,
-        height: h,
-    };
+    let h = passes as u16 + 4 + view.flips.len().clamp(1, 3) as u16;
+    let popup = centered(area, (96, h));
     let text_at = |p: usize| {
         run.positions
             .get(&p)
@@ -553,16 +547,20 @@ fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {
     );
 }
 
-/// The keymap's lines over the dashboard, any key closing it.
-fn draw_help(frame: &mut Frame, area: Rect) {
-    let w = 66.min(area.width);
-    let h = (BINDINGS.len() as u16 + 4).min(area.height);
-    let popup = Rect {
+/// A popup of `width` × `height` cells (at most the area's) in the middle of `area`.
+pub fn centered(area: Rect, (width, height): (u16, u16)) -> Rect {
+    let (w, h) = (width.min(area.width), height.min(area.height));
+    Rect {
         x: area.x + (area.width - w) / 2,
         y: area.y + (area.height - h) / 2,
         width: w,
         height: h,
-    };
+    }
+}
+
+/// The keymap's lines over the dashboard, any key closing it.
+fn draw_help(frame: &mut Frame, area: Rect) {
+    let popup = centered(area, (66, BINDINGS.len() as u16 + 4));
     let lines: Vec<Line> = BINDINGS
         .iter()
         .map(|b| {

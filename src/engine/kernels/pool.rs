@@ -74,8 +74,9 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    /// A pool of `threads` threads in all: the caller and `threads − 1` workers.
-    pub fn new(threads: usize) -> Self {
+    /// A pool of `threads` threads in all: the caller and `threads − 1` workers; an error if
+    /// the system cannot start them.
+    pub fn new(threads: usize) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
             mailbox: Padded(Mailbox::default()),
             done: Padded(AtomicUsize::new(0)),
@@ -84,22 +85,19 @@ impl Pool {
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
         });
-        let workers = (1..threads.max(1))
-            .map(|part| {
-                let shared = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("spex-step-{part}"))
-                    .spawn(move || work(&shared, part))
-                    .expect(
-                        "spawning a decode thread: this is a bug or the system is out of threads",
-                    )
-            })
-            .collect();
-        Self {
+        let mut pool = Self {
             shared,
-            workers,
+            workers: Vec::new(),
             busy: Mutex::new(()),
+        };
+        for part in 1..threads.max(1) {
+            let shared = pool.shared.clone();
+            let worker = std::thread::Builder::new()
+                .name(format!("spex-step-{part}"))
+                .spawn(move || work(&shared, part))?;
+            pool.workers.push(worker);
         }
+        Ok(pool)
     }
 
     /// Threads a job is split over, the caller's included.
@@ -200,7 +198,7 @@ static POOL: OnceLock<Pool> = OnceLock::new();
 
 /// The decode threads of this process.
 pub fn pool() -> &'static Pool {
-    POOL.get_or_init(|| Pool::new(1))
+    POOL.get_or_init(|| Pool::new(1).expect("a one-thread pool starts no thread: this is a bug"))
 }
 
 /// Makes decode steps use `threads` threads (the caller's and `threads − 1` workers). Call it
@@ -209,7 +207,8 @@ pub fn set_threads(threads: usize) -> Result<(), String> {
     if threads == 0 {
         return Err("--threads must be at least 1".into());
     }
-    match POOL.set(Pool::new(threads)) {
+    let wanted = Pool::new(threads).map_err(|e| format!("cannot start {threads} threads: {e}"))?;
+    match POOL.set(wanted) {
         Ok(()) => Ok(()),
         Err(_) if pool().threads() == threads => Ok(()),
         Err(_) => Err(format!(
@@ -232,7 +231,7 @@ mod tests {
 
     #[test]
     fn every_part_runs_once_per_job_and_shares_cover_the_range() {
-        let pool = Pool::new(3);
+        let pool = Pool::new(3).expect("threads");
         for _ in 0..1000 {
             let hits: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
             pool.run(&|part| {

@@ -171,7 +171,7 @@ fn products_split_across_threads_are_the_serial_ones_bit_for_bit() {
         .map(|outs| (0..outs * inner).map(|_| lcg(&mut seed)).collect())
         .collect();
     for threads in [2, 3] {
-        let pool = pool::Pool::new(threads);
+        let pool = pool::Pool::new(threads).expect("threads");
         for rows in 1..=5 {
             let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
             let mut outs: Vec<Vec<f32>> = (ws.iter())
@@ -207,10 +207,11 @@ fn the_f16_head_split_across_threads_is_the_serial_one_bit_for_bit() {
     for rows in 1..=5 {
         let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
         let mut serial = vec![0f32; rows * outs];
-        packed.matmul_on(&pool::Pool::new(1), &x, rows, &mut serial);
+        packed.matmul_on(&pool::Pool::new(1).expect("a pool"), &x, rows, &mut serial);
         for threads in [2, 3] {
             let mut split = vec![0f32; rows * outs];
-            packed.matmul_on(&pool::Pool::new(threads), &x, rows, &mut split);
+            let pool = pool::Pool::new(threads).expect("threads");
+            packed.matmul_on(&pool, &x, rows, &mut split);
             assert_eq!(split, serial, "{threads} threads, {rows} rows");
         }
     }
