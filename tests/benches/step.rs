@@ -1,7 +1,7 @@
-//! `cargo bench`: step compute by rows on random checkpoints (hidden 256 and 512, K=4, R=4,
-//! vocab 4096), with spex's CPU kernels and with candle's own ops, and the resulting ceiling
-//! R·t(1 row)/t(R rows); then the same for the shipped models' real weights. Prints the
-//! tables the README carries.
+//! `cargo bench --bench step [-- --threads N]`: step compute by rows on random checkpoints
+//! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
+//! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
+//! real weights. Prints the tables the README carries.
 
 use std::time::{Duration, Instant};
 
@@ -80,7 +80,17 @@ fn shipped_models_table(pos: usize) {
     println!();
 }
 
+/// `--threads N` after `--`: the decode threads every step here runs on (default 1).
+fn threads_from_args() -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == "--threads");
+    at.and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(1)
+}
+
 fn main() {
+    let threads = threads_from_args();
+    spex::engine::kernels::pool::set_threads(threads).expect("--threads");
+    println!("decode threads: {threads}\n");
     kernel_table();
     shipped_models_table(128);
     let pos = 128;
