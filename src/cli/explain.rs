@@ -36,6 +36,8 @@ pub struct ExplainArgs {
 /// The JSON `spex explain --json` prints.
 #[derive(Debug, Serialize)]
 struct Report {
+    /// The traces read, in order: an occurrence's `trace` indexes this list.
+    files: Vec<PathBuf>,
     #[serde(flatten)]
     explanation: Explanation,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -45,8 +47,9 @@ struct Report {
 pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     let mut traces = Vec::new();
     let mut runs = Vec::new();
-    for path in trace_files(&args.traces)? {
-        let trace = Trace::read(&path)?;
+    let files = trace_files(&args.traces)?;
+    for path in &files {
+        let trace = Trace::read(path)?;
         if let Some(line) = trace.cut_line {
             eprintln!(
                 "spex: {}: line {line} was cut short; using the lines before it",
@@ -54,7 +57,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
             );
         }
         if !args.what_if.is_empty() {
-            runs.push(RecordedRun::of(&trace, &path)?);
+            runs.push(RecordedRun::of(&trace, path)?);
         }
         traces.push(trace);
     }
@@ -63,13 +66,14 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
         false => Some(WhatIf::of(runs, &args.what_if)?),
     };
     let report = Report {
+        files,
         explanation: Explanation::of(&traces, args.top),
         what_if,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print(&report.explanation);
+        print(&report.explanation, &report.files);
         if let Some(w) = &report.what_if {
             print_what_if(w);
         }
@@ -125,7 +129,7 @@ fn trace_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>, EngineError> {
     Ok(files)
 }
 
-fn print(e: &Explanation) {
+fn print(e: &Explanation, files: &[PathBuf]) {
     let readouts: usize = e.by_pass.iter().map(|t| t.readouts).sum();
     println!(
         "{} traces, {} committed positions, {readouts} readouts before pass R",
@@ -152,12 +156,17 @@ fn print(e: &Explanation) {
     );
     println!("most frequent: pass r said X, the committed token was Y");
     println!(
-        "  {:>6}  {:>4}  {:<16} {:<16}",
+        "  {:>6}  {:>4}  {:<16} {:<16} first seen",
         "count", "pass", "said", "committed"
     );
     for p in &e.pairs {
+        let first = p.occurrences.first().map_or_else(String::new, |o| {
+            let file = files.get(o.trace).and_then(|f| f.file_name());
+            let file = file.map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+            format!("{file} step {}", o.step)
+        });
         println!(
-            "  {:>6}  {:>4}  {:<16} {:<16}",
+            "  {:>6}  {:>4}  {:<16} {:<16} {first}",
             p.count,
             p.pass,
             format!("{:?}", p.said.text),
