@@ -138,7 +138,7 @@ fn the_explorer_jumps_a_replay_to_each_occurrence_and_shows_the_what_if() {
     let steps = trace.steps();
     let mut app = App::new(model_info(&trace), None, (120, 36));
     app.focus = Focus::Speculative;
-    let mut replayer = Replayer::new(trace, "run.jsonl".into(), steps);
+    let mut replayer = Replayer::explained(trace, "run.jsonl".into(), steps);
     app.update(replayer.message().unwrap());
     let analysis = app.replay.as_ref().unwrap().analysis.clone().unwrap();
     let what_if = analysis.what_if.as_ref().expect("a greedy speed trace");

@@ -23,8 +23,9 @@ pub struct Replayer {
     /// step k + 1 (the whole trace for the last).
     ends: Vec<usize>,
     file: String,
-    /// The whole trace explained, for the explorer.
-    analysis: Arc<Analysis>,
+    /// The whole trace explained, for the explorer (interactive replays only: a snapshot
+    /// cannot open it).
+    analysis: Option<Arc<Analysis>>,
     /// The step shown.
     step: usize,
     /// Events already given to the app.
@@ -46,12 +47,11 @@ impl Replayer {
             .map(|(i, _)| i)
             .collect();
         ends.push(trace.events.len());
-        let analysis = Arc::new(Analysis::of(&trace, &file));
         let mut replayer = Self {
             events: trace.events.into(),
             ends,
             file,
-            analysis,
+            analysis: None,
             step: 0,
             given: 0,
             reset: true,
@@ -61,6 +61,16 @@ impl Replayer {
         };
         replayer.go_to(step);
         replayer
+    }
+
+    /// [`Replayer::new`] with the explorer's analysis of the trace, which `x` shows. Its
+    /// what-if replays every policy, so only a dashboard a person steers pays for it.
+    pub fn explained(trace: Trace, file: String, step: usize) -> Self {
+        let analysis = Arc::new(Analysis::of(&trace, &file));
+        Self {
+            analysis: Some(analysis),
+            ..Self::new(trace, file, step)
+        }
     }
 
     /// The speculative lane's steps in the trace.
@@ -91,7 +101,7 @@ impl Replayer {
                 file: self.file.clone(),
                 step: self.step,
                 steps: self.steps(),
-                analysis: Some(self.analysis.clone()),
+                analysis: self.analysis.clone(),
             },
         };
         (self.given, self.reset) = (end, false);
@@ -175,7 +185,7 @@ pub fn run(
     app.prompt = trace.header.prompt.clone();
     app.sampling = trace.header.sampling;
     app.paused = true;
-    let mut replayer = Replayer::new(trace, file, step);
+    let mut replayer = Replayer::explained(trace, file, step);
     if let Some(msg) = replayer.message() {
         app.update(msg);
     }
