@@ -54,6 +54,8 @@ struct Shared {
     done: Padded<AtomicUsize>,
     /// Workers parked on `wake`.
     parked: Padded<AtomicUsize>,
+    /// A worker's part of the current job panicked (it still counts itself done).
+    panicked: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
     stop: AtomicBool,
@@ -81,6 +83,7 @@ impl Pool {
             mailbox: Padded(Mailbox::default()),
             done: Padded(AtomicUsize::new(0)),
             parked: Padded(AtomicUsize::new(0)),
+            panicked: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -109,7 +112,7 @@ impl Pool {
     /// free, else one after the other on this thread; returns when all are done.
     pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
         let workers = self.workers.len();
-        let guard = match self.busy.try_lock() {
+        let _busy = match self.busy.try_lock() {
             Ok(guard) => guard,
             Err(TryLockError::Poisoned(e)) => e.into_inner(),
             Err(TryLockError::WouldBlock) => {
@@ -124,6 +127,7 @@ impl Pool {
         let job = Job { f };
         let s = &*self.shared;
         s.done.store(0, Ordering::SeqCst);
+        s.panicked.store(false, Ordering::SeqCst);
         s.mailbox
             .job
             .store(&job as *const Job as usize, Ordering::SeqCst);
@@ -132,11 +136,29 @@ impl Pool {
             let _lock = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
+        // Waits for the workers when dropped, so that even a panic in the caller's part does
+        // not unwind past `job` while a worker still reads it.
+        // Declared after `_busy`, so dropped first: the pool is free only once they are done.
+        let wait = Joined { shared: s, workers };
         f(0);
-        while s.done.load(Ordering::Acquire) < workers {
+        drop(wait);
+        if s.panicked.swap(false, Ordering::SeqCst) {
+            panic!("a decode thread panicked in its part of a step: this is a bug");
+        }
+    }
+}
+
+/// Waits, when dropped, until `workers` workers have finished the current job.
+struct Joined<'a> {
+    shared: &'a Shared,
+    workers: usize,
+}
+
+impl Drop for Joined<'_> {
+    fn drop(&mut self) {
+        while self.shared.done.load(Ordering::Acquire) < self.workers {
             std::hint::spin_loop();
         }
-        drop(guard);
     }
 }
 
@@ -188,7 +210,10 @@ fn work(s: &Shared, part: usize) {
         // does not return (so the `Job` on its stack lives) until this worker's `done`
         // increment below.
         let f = unsafe { (*job).f };
-        f(part);
+        // A panic is the caller's to report: the worker counts itself done and stays.
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(part))).is_err() {
+            s.panicked.store(true, Ordering::SeqCst);
+        }
         s.done.fetch_add(1, Ordering::Release);
     }
 }
@@ -228,6 +253,22 @@ pub fn share(n: usize, parts: usize, part: usize, align: usize) -> std::ops::Ran
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_part_that_panics_is_the_callers_panic_and_the_pool_goes_on() {
+        let pool = Pool::new(2).expect("threads");
+        for failing in [0, 1] {
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.run(&|part| assert_ne!(part, failing, "part {part} fails"));
+            }));
+            assert!(run.is_err(), "part {failing}'s panic reaches the caller");
+        }
+        let hits = AtomicUsize::new(0);
+        pool.run(&|_| {
+            hits.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(hits.load(Ordering::Relaxed), 2);
+    }
 
     #[test]
     fn every_part_runs_once_per_job_and_shares_cover_the_range() {
