@@ -74,23 +74,22 @@ impl PackedF16 {
             return self.panels_into(x, rows, 0..panels, out);
         }
         // Each thread its panels' columns of every row, in a block of its own.
-        let blocks: Vec<super::pool::Padded<std::sync::Mutex<Vec<f32>>>> = (0..parts)
-            .map(|part| {
-                let cols = self.columns(super::pool::share(panels, parts, part, 1));
-                super::pool::Padded(std::sync::Mutex::new(vec![0f32; rows * cols.len()]))
+        let shares: Vec<std::ops::Range<usize>> = (0..parts)
+            .map(|part| super::pool::share(panels, parts, part, 1))
+            .collect();
+        let blocks: Vec<super::pool::Padded<std::sync::Mutex<Vec<f32>>>> = (shares.iter())
+            .map(|share| {
+                let len = self.columns(share.clone()).len();
+                super::pool::Padded(std::sync::Mutex::new(vec![0f32; rows * len]))
             })
             .collect();
         pool.run(&|part| {
-            let range = super::pool::share(panels, parts, part, 1);
             let mut block = blocks[part].lock().unwrap_or_else(|e| e.into_inner());
-            self.panels_into(x, rows, range, &mut block);
+            self.panels_into(x, rows, shares[part].clone(), &mut block);
         });
-        for (part, block) in blocks.into_iter().enumerate() {
-            let cols = self.columns(super::pool::share(panels, parts, part, 1));
+        for (share, block) in shares.into_iter().zip(blocks) {
             let block = block.0.into_inner().unwrap_or_else(|e| e.into_inner());
-            for (r, row) in block.chunks_exact(cols.len().max(1)).enumerate() {
-                out[r * self.outs + cols.start..r * self.outs + cols.end].copy_from_slice(row);
-            }
+            super::place_columns(out, self.outs, self.columns(share), &block);
         }
     }
 

@@ -216,11 +216,17 @@ fn matmul_t_pooled(
             let Block::Own(data) = block.0.into_inner().unwrap_or_else(|e| e.into_inner()) else {
                 continue;
             };
-            let range = share(width, part);
-            for (r, row) in data.chunks_exact(range.len().max(1)).enumerate() {
-                out[r * width + range.start..r * width + range.end].copy_from_slice(row);
-            }
+            place_columns(out, width, share(width, part), &data);
         }
+    }
+}
+
+/// Copies `block` (`[rows × columns.len()]`, one thread's share) into `columns` of every
+/// row of `out` (`[rows × width]`).
+fn place_columns(out: &mut [f32], width: usize, columns: std::ops::Range<usize>, block: &[f32]) {
+    let rows = out.chunks_exact_mut(width.max(1));
+    for (dest, row) in rows.zip(block.chunks_exact(columns.len().max(1))) {
+        dest[columns.clone()].copy_from_slice(row);
     }
 }
 

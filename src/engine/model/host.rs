@@ -186,14 +186,9 @@ impl HostBackend {
     ) {
         let q_dim = q.len() / slots.len();
         let shape = self.attn_shape();
-        let mut rows: Vec<Option<Padded<std::sync::Mutex<&mut [f32]>>>> = (out.chunks_mut(q_dim))
-            .map(|o| Some(Padded(std::sync::Mutex::new(o))))
+        let rows: Vec<Padded<std::sync::Mutex<&mut [f32]>>> = (out.chunks_mut(q_dim))
+            .map(|o| Padded(std::sync::Mutex::new(o)))
             .collect();
-        for (i, slot) in slots.iter().enumerate() {
-            if slot.second {
-                rows[i] = None;
-            }
-        }
         let pool = kernels::pool::pool();
         let parts = if firsts.len() > 1 { pool.threads() } else { 1 };
         let attend = |part: usize| {
@@ -201,10 +196,7 @@ impl HostBackend {
             for &i in firsts.iter().skip(part).step_by(parts) {
                 let slot = slots[i];
                 let (keys, values) = store.pass(layer, slot.pass, slot.pos + 1);
-                let row = rows[i]
-                    .as_ref()
-                    .expect("a first candidate's row: this is a bug");
-                let mut o = row.lock().unwrap_or_else(|e| e.into_inner());
+                let mut o = rows[i].lock().unwrap_or_else(|e| e.into_inner());
                 let qi = &q[i * q_dim..(i + 1) * q_dim];
                 kernels::attend_row(qi, keys, values, slot.pos + 1, shape, &mut o, &mut scores);
             }
