@@ -406,24 +406,11 @@ fn replay_with_another_model_names_what_differs() {
     let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 5));
     let (other, _) = random_model(&spec(1, 2, Variant::Tied, 6));
     let trace = dir.path().join("run.jsonl");
-    let (d, t) = (
-        dir.path().display().to_string(),
-        trace.display().to_string(),
-    );
-    let record = [
-        "generate",
-        "--model",
-        &d,
-        "--prompt",
-        "To be",
-        "--max-tokens",
-        "4",
-    ];
-    spex_ok(
-        &[&record[..], &["--record", &t]].concat(),
-        &[],
-        Path::new("."),
-    );
+    let t = trace.display().to_string();
+    let mut record = generate_args(dir.path());
+    record.extend(["--record".to_string(), t.clone()]);
+    let record: Vec<&str> = record.iter().map(String::as_str).collect();
+    spex_ok(&record, &[], Path::new("."));
     let o = other.path().display().to_string();
     assert_clean_error(&["replay", &t, "--model", &o], "differs: weights sha256");
     // The same weights with a tokenizer file that differs (by a trailing newline): only the

@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::sync::mpsc;
 
-use common::{Variant, random_model, spec, spex_ok};
+use common::{Variant, random_model, recorded_race, spec, spex_ok};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
 use spex::engine::policy::PolicyKind;
@@ -127,14 +127,12 @@ fn the_explorer_jumps_a_replay_to_each_occurrence_and_shows_the_what_if() {
     use spex::tui::app::{Command, Seek};
     let (_dir, loaded) = random_model(&spec(2, 4, Variant::Tied, 5));
     let prompt = "To be, or not to be";
-    let events = race(&loaded, prompt, PolicyKind::Speed);
-    let mut header = header(prompt, PolicyKind::Speed);
-    header.model.config = loaded.model().config.to_json();
-    let trace = Trace {
-        header,
-        events,
-        cut_line: None,
+    let options = DecodeOptions {
+        max_tokens: 16,
+        context: 128,
+        sampling: Sampling::GREEDY,
     };
+    let trace = recorded_race(&loaded, prompt, PolicyKind::Speed, options);
     let steps = trace.steps();
     let mut app = App::new(model_info(&trace), None, (120, 36));
     app.focus = Focus::Speculative;

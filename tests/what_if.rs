@@ -6,13 +6,12 @@
 mod common;
 
 use std::path::Path;
-use std::sync::mpsc;
 
-use common::{PROMPTS, Variant, random_model, spec};
+use common::{PROMPTS, Variant, random_model, recorded_race, spec};
 use spex::engine::bench::run_lane;
 use spex::engine::policy::PolicyKind;
-use spex::engine::race::{RaceEvent, run_race};
-use spex::engine::trace::{FORMAT_VERSION, ModelRecord, Trace, TraceHeader};
+use spex::engine::race::RaceEvent;
+use spex::engine::trace::Trace;
 use spex::engine::what_if::{RecordedRun, StepCosts, WhatIf, simulate};
 use spex::engine::{DecodeOptions, LoadedModel, Sampling};
 use std::sync::Arc;
@@ -23,41 +22,12 @@ const OPTIONS: DecodeOptions = DecodeOptions {
     sampling: Sampling::GREEDY,
 };
 
-/// A race of `policy` against baseline on `prompt`, as a trace read back.
+/// A race of `policy` against baseline on `prompt`, as a trace.
 fn recorded(loaded: &LoadedModel, prompt: &str, policy: PolicyKind) -> Trace {
-    let (_control, control_rx) = mpsc::channel();
-    let mut events = Vec::new();
-    run_race(loaded, prompt, (policy, OPTIONS), control_rx, |e| {
-        events.push(e);
-        true
-    });
-    assert!(!events.iter().any(|e| matches!(e, RaceEvent::Error(_))));
-    let model = loaded.model();
-    let header = TraceHeader {
-        spex_trace: FORMAT_VERSION,
-        spex_version: "test".into(),
-        model: ModelRecord {
-            name: "random".into(),
-            config: model.config.to_json(),
-            passes: model.passes(),
-            layers: model.config.num_hidden_layers,
-            weights_sha256: "0".repeat(64),
-            tokenizer_sha256: "0".repeat(64),
-        },
-        policy,
-        sampling: Sampling::GREEDY,
-        max_tokens: OPTIONS.max_tokens,
-        context: OPTIONS.context,
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        cpu: None,
-        prompt: prompt.into(),
-    };
-    Trace {
-        header,
-        events,
-        cut_line: None,
-    }
+    let trace = recorded_race(loaded, prompt, policy, OPTIONS);
+    let failed = |e: &RaceEvent| matches!(e, RaceEvent::Error(_));
+    assert!(!trace.events.iter().any(failed));
+    trace
 }
 
 /// The policies replayed on a model with `passes` passes.

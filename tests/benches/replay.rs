@@ -4,17 +4,18 @@
 //! at 120 × 36 cells: frames while playing forward one step a frame, a step back from the
 //! end, and a jump to the start and to the end.
 
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
 use spex::engine::config::ModelShape;
+#[path = "../common/mod.rs"]
+mod common;
+
 use spex::engine::policy::PolicyKind;
-use spex::engine::race::run_race;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
-use spex::engine::trace::{FORMAT_VERSION, ModelRecord, Trace, TraceHeader};
+use spex::engine::trace::Trace;
 use spex::engine::{DecodeOptions, LoadedModel, Sampling};
 use spex::tui::app::App;
 use spex::tui::replay::{Replayer, model_info};
@@ -49,44 +50,7 @@ fn long_trace() -> Trace {
         context: TOKENS + 64,
         sampling: Sampling::GREEDY,
     };
-    let (_control, control_rx) = mpsc::channel();
-    let mut events = Vec::new();
-    run_race(
-        &loaded,
-        "To be",
-        (PolicyKind::Speed, options),
-        control_rx,
-        |e| {
-            events.push(e);
-            true
-        },
-    );
-    let model = loaded.model();
-    let header = TraceHeader {
-        spex_trace: FORMAT_VERSION,
-        spex_version: "bench".into(),
-        model: ModelRecord {
-            name: "random".into(),
-            config: model.config.to_json(),
-            passes: model.passes(),
-            layers: model.config.num_hidden_layers,
-            weights_sha256: String::new(),
-            tokenizer_sha256: String::new(),
-        },
-        policy: PolicyKind::Speed,
-        sampling: Sampling::GREEDY,
-        max_tokens: TOKENS,
-        context: options.context,
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        cpu: None,
-        prompt: "To be".into(),
-    };
-    Trace {
-        header,
-        events,
-        cut_line: None,
-    }
+    common::recorded_race(&loaded, "To be", PolicyKind::Speed, options)
 }
 
 /// Moves the replay to `step` and draws it: what one frame of `spex replay` does.

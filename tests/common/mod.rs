@@ -2,12 +2,16 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device};
+use spex::engine::DecodeOptions;
 use spex::engine::LoadedModel;
 use spex::engine::config::ModelShape;
 use spex::engine::model::device::DeviceBackend;
 use spex::engine::model::host::HostBackend;
 use spex::engine::model::{Backend, LoadOptions};
+use spex::engine::policy::PolicyKind;
+use spex::engine::race::run_race;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
+use spex::engine::trace::{FORMAT_VERSION, ModelRecord, Trace, TraceHeader};
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
@@ -120,4 +124,46 @@ pub fn spex_ok(args: &[&str], envs: &[(&str, &str)], dir: &Path) -> Vec<u8> {
         String::from_utf8_lossy(&out.stderr)
     );
     out.stdout
+}
+
+/// A race of `policy` against baseline on `prompt`, as the trace `--record` would write: the
+/// header names the loaded model's config (hashes left as zeros) and the run's options.
+pub fn recorded_race(
+    loaded: &LoadedModel,
+    prompt: &str,
+    policy: PolicyKind,
+    options: DecodeOptions,
+) -> Trace {
+    let (_control, control_rx) = std::sync::mpsc::channel();
+    let mut events = Vec::new();
+    run_race(loaded, prompt, (policy, options), control_rx, |e| {
+        events.push(e);
+        true
+    });
+    let model = loaded.model();
+    let header = TraceHeader {
+        spex_trace: FORMAT_VERSION,
+        spex_version: "test".into(),
+        model: ModelRecord {
+            name: "random".into(),
+            config: model.config.to_json(),
+            passes: model.passes(),
+            layers: model.config.num_hidden_layers,
+            weights_sha256: "0".repeat(64),
+            tokenizer_sha256: "0".repeat(64),
+        },
+        policy,
+        sampling: options.sampling,
+        max_tokens: options.max_tokens,
+        context: options.context,
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        cpu: None,
+        prompt: prompt.into(),
+    };
+    Trace {
+        header,
+        events,
+        cut_line: None,
+    }
 }
