@@ -35,6 +35,8 @@ grad_clip = 1.0
 seed = 7
 pass_weights = [0.5, 1.0]
 agreement_weight = 0.5
+last_pass_agreement_weight = 0.3
+agreement_temperature = 0.8
 validation_files = []
 eval_every = 15
 eval_batches = 1
@@ -161,6 +163,21 @@ fn bad_training_input_is_a_clear_error_and_overwrites_nothing() {
             "heads = 2\nkv_heads = 2",
             "heads = 3\nkv_heads = 3",
             "model.hidden",
+        ),
+        (
+            "\nagreement_weight = 0.5",
+            "\nagreement_weight = 1.5",
+            "train.agreement_weight",
+        ),
+        (
+            "last_pass_agreement_weight = 0.3",
+            "last_pass_agreement_weight = -0.1",
+            "train.last_pass_agreement_weight",
+        ),
+        (
+            "agreement_temperature = 0.8",
+            "agreement_temperature = 0",
+            "train.agreement_temperature",
         ),
     ] {
         let bad = dir.path().join("bad.toml");

@@ -1,6 +1,7 @@
 //! The training loss: a weighted cross-entropy on the readout after every pass (SPEED §4's
 //! per-layer-group loss; Ouro's per-step loss), with passes before R also distilled towards
-//! pass R's distribution (`train.agreement_weight`).
+//! pass R's distribution (`train.agreement_weight`) and pass R towards pass 1's
+//! (`train.last_pass_agreement_weight`).
 
 use candle_core::Tensor;
 
@@ -28,4 +29,19 @@ pub(super) fn mixed_cross_entropy(
     let log_p = candle_nn::ops::log_softmax(logits, 1)?;
     let soft_ce = (soft * log_p)?.sum(1)?.mean(0)?.neg()?;
     Ok((((hard * (1.0 - alpha))? + (soft_ce * alpha)?)?, value))
+}
+
+/// The distilled target of a pass: the teacher's detached distribution at `temperature`, or
+/// (when `alpha` is 0 and the target is never read) the detached logits themselves.
+pub(super) fn soft_target(teacher: &Tensor, alpha: f64, temperature: f64) -> Result<Tensor> {
+    let logits = teacher.detach();
+    if alpha == 0.0 {
+        return Ok(logits);
+    }
+    let scaled = if temperature == 1.0 {
+        logits
+    } else {
+        (logits / temperature)?
+    };
+    Ok(candle_nn::ops::softmax_last_dim(&scaled)?)
 }

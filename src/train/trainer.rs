@@ -14,7 +14,7 @@ use super::config::TrainConfig;
 use super::corpus::{Corpus, fresh_tokenizer, read_corpus, tokenize_corpus, windows};
 use super::fused::Fused;
 use super::init::{InitSource, seeded_init};
-use super::loss::mixed_cross_entropy;
+use super::loss::{mixed_cross_entropy, soft_target};
 use super::optimiser::AdamW;
 use crate::engine::checkpoint::write_json;
 use crate::engine::config::OuroConfig;
@@ -280,22 +280,18 @@ impl Trainer {
             .map(|l| Ok(l.reshape(((), vocab))?))
             .collect::<Result<_>>()?;
         let last = logits.last().expect("at least one pass: this is a bug");
-        // Only read when agreement_weight > 0.
-        let teacher = if t.agreement_weight > 0.0 {
-            candle_nn::ops::softmax_last_dim(&last.detach())?
-        } else {
-            last.detach()
-        };
+        let teacher_of_first = soft_target(last, t.agreement_weight, t.agreement_temperature)?;
+        let teacher_of_last = soft_target(&logits[0], t.last_pass_agreement_weight, 1.0)?;
         let weight_sum: f64 = t.pass_weights.iter().sum();
         let mut total: Option<Tensor> = None;
         let mut per_pass = Vec::with_capacity(logits.len());
         for (r, (l, w)) in logits.iter().zip(&t.pass_weights).enumerate() {
-            let alpha = if r + 1 < logits.len() {
-                t.agreement_weight
+            let (alpha, teacher) = if r + 1 < logits.len() {
+                (t.agreement_weight, &teacher_of_first)
             } else {
-                0.0
+                (t.last_pass_agreement_weight, &teacher_of_last)
             };
-            let (mixed, hard) = mixed_cross_entropy(l, &targets, &teacher, alpha)?;
+            let (mixed, hard) = mixed_cross_entropy(l, &targets, teacher, alpha)?;
             per_pass.push(hard);
             let term = (mixed * (w / weight_sum))?;
             total = Some(match total {
