@@ -106,13 +106,21 @@ pub fn open(spec: DeviceSpec) -> Result<Device, EngineError> {
             if !candle_core::utils::cuda_is_available() {
                 return Err(missing("cuda", "cuda"));
             }
-            Device::new_cuda(n).map_err(|e| EngineError::Invalid(format!("--device cuda:{n}: {e}")))
+            Device::new_cuda(n).map_err(|e| {
+                let hint = if e.to_string().contains("CUDA_ERROR_STUB_LIBRARY") {
+                    " (no NVIDIA driver on this machine: libcuda.so.1 is .ci/cuda-env's stub)"
+                } else {
+                    ""
+                };
+                EngineError::Invalid(format!("--device cuda:{n}: {}{hint}", first_line(&e)))
+            })
         }
         DeviceSpec::Metal => {
             if !candle_core::utils::metal_is_available() {
                 return Err(missing("metal", "metal"));
             }
-            Device::new_metal(0).map_err(|e| EngineError::Invalid(format!("--device metal: {e}")))
+            Device::new_metal(0)
+                .map_err(|e| EngineError::Invalid(format!("--device metal: {}", first_line(&e))))
         }
         DeviceSpec::Auto => {
             if candle_core::utils::cuda_is_available()
@@ -128,6 +136,17 @@ pub fn open(spec: DeviceSpec) -> Result<Device, EngineError> {
             Ok(Device::Cpu)
         }
     }
+}
+
+/// The message of a candle error without the backtrace candle appends to it on further lines
+/// when `RUST_BACKTRACE` is set: errors are one line.
+fn first_line(e: &candle_core::Error) -> String {
+    let text = e.to_string();
+    text.lines()
+        .next()
+        .unwrap_or_default()
+        .trim_end()
+        .to_string()
 }
 
 /// Checks that `device` can run `dtype` (Metal has no bf16 matmul in candle).
