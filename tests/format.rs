@@ -53,6 +53,7 @@ fn assert_neutral_gate(dir: &Path) {
 fn shipped_checkpoints_hold_exactly_the_format_tensors() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets");
     for dir in [
+        "models/shakespeare-r4k6-sync",
         "models/shakespeare-r4k6",
         "models/shakespeare-r4k4",
         "train/run",

@@ -116,13 +116,13 @@ impl ModelsFile {
 /// spex's own model, built into the binary so that `spex` runs anywhere, offline, even
 /// without the source tree's `assets/` and `models.toml`.
 pub const EMBEDDED: CheckpointBytes = CheckpointBytes {
-    config: include_bytes!("../../assets/models/shakespeare-r4k6/config.json"),
-    weights: include_bytes!("../../assets/models/shakespeare-r4k6/model.safetensors"),
-    tokenizer: include_bytes!("../../assets/models/shakespeare-r4k6/tokenizer.json"),
+    config: include_bytes!("../../assets/models/shakespeare-r4k6-sync/config.json"),
+    weights: include_bytes!("../../assets/models/shakespeare-r4k6-sync/model.safetensors"),
+    tokenizer: include_bytes!("../../assets/models/shakespeare-r4k6-sync/tokenizer.json"),
 };
 
 /// The entry name of the embedded model.
-pub const EMBEDDED_NAME: &str = "shakespeare-r4k6";
+pub const EMBEDDED_NAME: &str = "shakespeare-r4k6-sync";
 
 /// Where a resolved model's files are.
 #[derive(Debug, Clone)]

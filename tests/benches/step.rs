@@ -63,7 +63,11 @@ fn shipped_models_table(pos: usize) {
     println!("| model | 1 row | 2 rows | 3 rows | 4 rows | 4 rows / 1 row | ceiling R·t1/tR |");
     println!("|---|---|---|---|---|---|---|");
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models");
-    for name in ["shakespeare-r4k6", "shakespeare-r4k4"] {
+    for name in [
+        "shakespeare-r4k6-sync",
+        "shakespeare-r4k6",
+        "shakespeare-r4k4",
+    ] {
         let loaded = LoadedModel::load(&root.join(name), &Device::Cpu, DType::F32).expect("load");
         let t = median_step_times(&loaded.backend, pos, &[1, 2, 3, 4], 200).expect("steps");
         let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
