@@ -26,8 +26,10 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     type Act;
     /// The K/V buffers.
     type Kv: KvStore;
-    /// Held while a step runs (the host flushes subnormals).
-    type StepGuard;
+    /// What a step keeps while it runs: what every layer needs of the rows, computed once per
+    /// step (the device's RoPE rows, cache-write indices and attention mask), or a guard (the
+    /// host flushes subnormals).
+    type Step;
     /// Whether a second candidate can run in the same sweep as the first candidate at its
     /// (pass, position): the host writes and attends row by row, so it swaps the entries
     /// around the row; candle's batched attention cannot, so the step runs second
@@ -40,8 +42,8 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     /// Empty K/V buffers for `capacity` positions of every pass.
     fn new_store(&self, capacity: usize) -> Result<Self::Kv>;
 
-    /// Enters a step.
-    fn enter_step(&self) -> Self::StepGuard;
+    /// Enters a step over the rows `slots`.
+    fn enter_step(&self, slots: &[RowSlot], cache: &KvCache<Self::Kv>) -> Result<Self::Step>;
 
     /// Each row's input: a token's embedding (pass 1) or the state its last pass left.
     fn embed(&self, inputs: Vec<super::RowInput<Self::Hidden>>) -> Result<Self::Act>;
@@ -69,6 +71,7 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     /// over its own pass's entries up to its position. `[rows × heads·head_dim]`.
     fn attention(
         &self,
+        step: &Self::Step,
         w: &LayerWeights,
         layer: usize,
         slots: &[RowSlot],

@@ -1,5 +1,8 @@
-//! The device step backend: candle ops on the model's device and dtype, the GPU path. It also
-//! runs on CPU (the tests drive it there), so the code a GPU executes is exercised here.
+//! The device step backend: candle ops on the model's device and dtype, the GPU path. A
+//! step uploads what its layers need of the rows once ([`DeviceStep`]); each layer then runs
+//! a fixed number of ops whatever the rows and passes (one K/V scatter, one masked attention
+//! for all rows), and copies nothing from the host. It also runs on CPU (the tests drive it
+//! there), so the code a GPU executes is exercised here.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,14 +34,77 @@ impl DeviceBackend {
         &self.model
     }
 
-    /// Cos and sin rows at each row's position.
-    fn rope_rows(&self, slots: &[RowSlot]) -> Result<(Tensor, Tensor)> {
+    fn heads(&self) -> (usize, usize, usize) {
+        let cfg = &self.model.config;
+        (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+    }
+}
+
+/// What every layer of a device step needs of its rows, uploaded once per step rather than
+/// once per layer: a GPU pays a launch and a host-to-device copy for each (issue: kernel
+/// launches dominate small-batch decoding), so the count per layer is fixed, whatever the
+/// rows and their passes.
+#[derive(Debug)]
+pub struct DeviceStep {
+    /// RoPE's cos and sin at each row's position, `[rows, head_dim / 2]`.
+    cos: Tensor,
+    sin: Tensor,
+    /// Each row's cache row (pass · capacity + position), repeated over `[kv_heads, rows,
+    /// head_dim]` for one scatter of every row's K/V.
+    write_rows: Tensor,
+    /// The cache spans the rows attend to: (pass, entries), one per pass present, in order.
+    spans: Vec<(Pass, usize)>,
+    /// `[rows, Σ entries]`: 0 where a row may attend (its own pass's span, up to its
+    /// position), −∞ elsewhere.
+    mask: Tensor,
+}
+
+impl DeviceStep {
+    fn new(model: &LoopedModel, slots: &[RowSlot], capacity: usize) -> Result<Self> {
+        let device = &model.device;
+        let (kv_heads, head_dim) = (model.config.num_key_value_heads, model.config.head_dim);
         let positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
-        let positions = Tensor::new(positions.as_slice(), &self.model.device)?;
-        Ok((
-            self.model.rope.cos_t.index_select(&positions, 0)?,
-            self.model.rope.sin_t.index_select(&positions, 0)?,
-        ))
+        let positions = Tensor::new(positions.as_slice(), device)?;
+        let rows = slots.len();
+        let cache_rows: Vec<u32> = slots
+            .iter()
+            .map(|s| (s.pass.index() * capacity + s.pos) as u32)
+            .collect();
+        let write_rows = Tensor::new(cache_rows.as_slice(), device)?
+            .reshape((1, rows, 1))?
+            .broadcast_as((kv_heads, rows, head_dim))?
+            .contiguous()?;
+        let mut spans: Vec<(Pass, usize)> = Vec::new();
+        for slot in slots {
+            match spans.iter_mut().find(|(p, _)| *p == slot.pass) {
+                Some((_, len)) => *len = (*len).max(slot.pos + 1),
+                None => spans.push((slot.pass, slot.pos + 1)),
+            }
+        }
+        spans.sort_unstable();
+        let columns: usize = spans.iter().map(|(_, len)| len).sum();
+        let mut mask = vec![f32::NEG_INFINITY; rows * columns];
+        for (row, slot) in mask.chunks_exact_mut(columns.max(1)).zip(slots) {
+            let mut offset = 0;
+            for &(pass, len) in &spans {
+                if pass == slot.pass {
+                    row[offset..=offset + slot.pos].fill(0.0);
+                }
+                offset += len;
+            }
+        }
+        let mask = Tensor::from_slice(&mask, (rows, columns), device)?.to_dtype(model.dtype)?;
+        Ok(Self {
+            cos: model.rope.cos_t.index_select(&positions, 0)?,
+            sin: model.rope.sin_t.index_select(&positions, 0)?,
+            write_rows,
+            spans,
+            mask,
+        })
     }
 }
 
@@ -46,7 +112,7 @@ impl StepBackend for DeviceBackend {
     type Hidden = Tensor;
     type Act = Tensor;
     type Kv = DeviceKv;
-    type StepGuard = ();
+    type Step = DeviceStep;
     const SECOND_CANDIDATES_IN_ONE_SWEEP: bool = false;
 
     fn model(&self) -> &LoopedModel {
@@ -57,7 +123,9 @@ impl StepBackend for DeviceBackend {
         DeviceKv::new(&self.model, capacity)
     }
 
-    fn enter_step(&self) {}
+    fn enter_step(&self, slots: &[RowSlot], cache: &KvCache<DeviceKv>) -> Result<DeviceStep> {
+        DeviceStep::new(&self.model, slots, cache.store().capacity)
+    }
 
     /// `[rows, hidden]`: embeddings for pass-1 rows, carried states for the others.
     fn embed(&self, inputs: Vec<RowInput<Tensor>>) -> Result<Tensor> {
@@ -92,52 +160,44 @@ impl StepBackend for DeviceBackend {
         Ok((candle_nn::ops::silu(&gate)? * up)?)
     }
 
-    /// Q/K/V projections, RoPE, cache writes, then attention grouped by pass: rows of one
-    /// pass (a prefill chunk) attend together under a causal mask; rows of different passes
-    /// read different cache slices.
+    /// Q/K/V projections, RoPE, one scatter of every row's K/V, then one attention for all
+    /// rows over the spans of the passes present, the mask keeping each row to its own
+    /// pass's entries up to its position. Grouped-query heads share their K/V head by
+    /// grouping the queries, so the cache is never repeated per head.
     fn attention(
         &self,
+        step: &DeviceStep,
         w: &LayerWeights,
         layer: usize,
-        slots: &[RowSlot],
+        _: &[RowSlot],
         a: &Tensor,
         cache: &mut KvCache<DeviceKv>,
     ) -> Result<Tensor> {
-        let cfg = &self.model.config;
-        let (heads, kv_heads, head_dim) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        );
-        let rope_rows = self.rope_rows(slots)?;
-        let rope_rows = (&rope_rows.0, &rope_rows.1);
-        let q = rotate(&self.linear(a, &w.q_proj)?, heads, head_dim, rope_rows)?;
-        let k = rotate(&self.linear(a, &w.k_proj)?, kv_heads, head_dim, rope_rows)?;
-        let v = self.linear(a, &w.v_proj)?;
-        for (i, slot) in slots.iter().enumerate() {
-            let (ki, vi) = (k.narrow(0, i, 1)?, v.narrow(0, i, 1)?);
-            cache
-                .store_mut()
-                .write(layer, slot.pass, slot.pos, &ki, &vi)?;
-        }
-        let mut outputs: Vec<Option<Tensor>> = vec![None; slots.len()];
-        let mut passes: Vec<Pass> = slots.iter().map(|s| s.pass).collect();
-        passes.sort_unstable();
-        passes.dedup();
-        for pass in passes {
-            let idx: Vec<usize> = (0..slots.len())
-                .filter(|&i| slots[i].pass == pass)
-                .collect();
-            let out = attend_group(self, layer, pass, slots, &idx, &q, cache.store())?;
-            for (n, &i) in idx.iter().enumerate() {
-                outputs[i] = Some(out.narrow(0, n, 1)?);
-            }
-        }
-        let outputs: Vec<Tensor> = outputs
-            .into_iter()
-            .map(|o| o.expect("every row belongs to one pass group: this is a bug"))
-            .collect();
-        Ok(Tensor::cat(&outputs, 0)?)
+        let (heads, kv_heads, head_dim) = self.heads();
+        let (rows, _) = a.dims2()?;
+        let q = rotate(&self.linear(a, &w.q_proj)?, heads, head_dim, step)?;
+        let k = rotate(&self.linear(a, &w.k_proj)?, kv_heads, head_dim, step)?;
+        let v = (self
+            .linear(a, &w.v_proj)?
+            .reshape((rows, kv_heads, head_dim))?)
+        .transpose(0, 1)?
+        .contiguous()?;
+        let store = cache.store_mut();
+        store.write_rows(layer, &step.write_rows, &k, &v)?;
+        let (keys, values) = store.spans(layer, &step.spans)?;
+        let (_, columns, _) = keys.dims3()?;
+        let group = heads / kv_heads;
+        let q = q.reshape((kv_heads, group * rows, head_dim))?;
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        let scores = ((q.matmul(&keys.t()?)? * scale)?)
+            .reshape((kv_heads, group, rows, columns))?
+            .broadcast_add(&step.mask)?;
+        let probs = softmax_last_dim(&scores)?.reshape((kv_heads, group * rows, columns))?;
+        let out = probs.matmul(&values)?; // [kv_heads, group · rows, head_dim]
+        Ok(out
+            .reshape((heads, rows, head_dim))?
+            .transpose(0, 1)?
+            .reshape((rows, heads * head_dim))?)
     }
 
     fn readouts(&self, slots: &[RowSlot], h: &Tensor) -> Result<Vec<Option<Vec<f32>>>> {
@@ -165,85 +225,20 @@ impl StepBackend for DeviceBackend {
     }
 }
 
-/// `[rows, heads, head_dim]` → rotary embedding at each row's own position.
-fn rotate(
-    x: &Tensor,
-    heads: usize,
-    head_dim: usize,
-    (cos, sin): (&Tensor, &Tensor),
-) -> Result<Tensor> {
-    let m = x.dim(0)?;
+/// `[rows, heads · head_dim]` → `[heads, rows, head_dim]`, each row rotated at its own
+/// position (`step`'s RoPE rows).
+fn rotate(x: &Tensor, heads: usize, head_dim: usize, step: &DeviceStep) -> Result<Tensor> {
+    let (rows, _) = x.dims2()?;
     let x = x
-        .reshape((1, m, heads, head_dim))?
+        .reshape((1, rows, heads, head_dim))?
         .transpose(1, 2)?
         .contiguous()?;
-    Ok(rope(&x, cos, sin)?
-        .transpose(1, 2)?
-        .reshape((m, heads * head_dim))?)
+    Ok(rope(&x, &step.cos, &step.sin)?.reshape((heads, rows, head_dim))?)
 }
 
-/// Attention of the rows `idx` (all at `pass`) over that pass's cache, causal by position.
-fn attend_group(
-    b: &DeviceBackend,
-    layer: usize,
-    pass: Pass,
-    slots: &[RowSlot],
-    idx: &[usize],
-    q: &Tensor,
-    store: &DeviceKv,
-) -> Result<Tensor> {
-    let model = &b.model;
-    let cfg = &model.config;
-    let (heads, kv_heads, head_dim) = (
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-    );
-    let len = idx.iter().map(|&i| slots[i].pos + 1).max().unwrap_or(0);
-    let (keys, values) = (&store.keys[layer], &store.values[layer]);
-    let start = pass.index() * store.capacity;
-    let per_head = |t: &Tensor| -> Result<Tensor> {
-        let t = t
-            .narrow(0, start, len)?
-            .reshape((len, kv_heads, head_dim))?
-            .transpose(0, 1)?;
-        let group = heads / kv_heads;
-        let t = t.unsqueeze(1)?.expand((kv_heads, group, len, head_dim))?;
-        Ok(t.reshape((heads, len, head_dim))?)
-    };
-    let (k, v) = (per_head(keys)?, per_head(values)?);
-    let sel = Tensor::new(
-        idx.iter().map(|&i| i as u32).collect::<Vec<_>>().as_slice(),
-        &model.device,
-    )?;
-    let g = idx.len();
-    let qg = q
-        .index_select(&sel, 0)?
-        .reshape((g, heads, head_dim))?
-        .transpose(0, 1)?
-        .contiguous()?;
-    let scale = 1.0 / (head_dim as f64).sqrt();
-    let scores = (qg.matmul(&k.t()?)? * scale)?;
-    let mask: Vec<f32> = idx
-        .iter()
-        .flat_map(|&i| {
-            (0..len).map(move |s| {
-                if s > slots[i].pos {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
-    let mask = Tensor::from_slice(&mask, (g, len), &model.device)?.to_dtype(scores.dtype())?;
-    let probs = softmax_last_dim(&scores.broadcast_add(&mask)?)?;
-    let out = probs.matmul(&v.contiguous()?)?; // [heads, g, head_dim]
-    Ok(out.transpose(0, 1)?.reshape((g, heads * head_dim))?)
-}
-
-/// Device K/V buffers, one `[passes·capacity, kv_dim]` tensor pair per layer, and the K/V
-/// rows set aside for second candidates, by (layer, pass, position).
+/// Device K/V buffers, one `[kv_heads, passes · capacity, head_dim]` tensor pair per layer
+/// (head-major, so that a pass's entries are a view the attention's matmuls read in place),
+/// and the K/V rows set aside for second candidates, by (layer, pass, position).
 #[derive(Debug, Clone)]
 pub struct DeviceKv {
     capacity: usize,
@@ -255,7 +250,11 @@ pub struct DeviceKv {
 impl DeviceKv {
     fn new(model: &LoopedModel, capacity: usize) -> Result<Self> {
         let cfg = &model.config;
-        let shape = (cfg.total_ut_steps * capacity, cfg.kv_dim());
+        let shape = (
+            cfg.num_key_value_heads,
+            cfg.total_ut_steps * capacity,
+            cfg.head_dim,
+        );
         let zeros = |_| Tensor::zeros(shape, model.dtype, &model.device);
         let layers = cfg.num_hidden_layers;
         Ok(Self {
@@ -266,19 +265,29 @@ impl DeviceKv {
         })
     }
 
-    /// Writes one K/V row (`[1, kv_dim]` tensors) at (`layer`, `pass`, `pos`).
-    fn write(
-        &mut self,
-        layer: usize,
-        pass: Pass,
-        pos: usize,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<()> {
-        let row = pass.index() * self.capacity + pos;
-        self.keys[layer].slice_set(&k.contiguous()?, 0, row)?;
-        self.values[layer].slice_set(&v.contiguous()?, 0, row)?;
+    /// Writes every row's K/V (`[kv_heads, rows, head_dim]`) at its cache row (`rows`, a
+    /// [`DeviceStep`]'s write indices): one scatter each.
+    fn write_rows(&mut self, layer: usize, rows: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.keys[layer].scatter_set(rows, k, 1)?;
+        self.values[layer].scatter_set(rows, v, 1)?;
         Ok(())
+    }
+
+    /// The entries of `spans` in `layer`, each `[kv_heads, Σ entries, head_dim]`, copied side
+    /// by side. One span is copied too: candle's CPU matmul packs a strided view's whole
+    /// storage (the bf16 baseline ran at 42 instead of 74 tok/s on a view), and on a GPU the
+    /// copy is one launch and the entries' bytes, small beside a layer's weights.
+    fn spans(&self, layer: usize, spans: &[(Pass, usize)]) -> Result<(Tensor, Tensor)> {
+        let gather = |t: &Tensor| -> Result<Tensor> {
+            let parts = (spans.iter())
+                .map(|&(pass, len)| t.narrow(1, pass.index() * self.capacity, len))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(match parts.as_slice() {
+                [one] => one.contiguous()?,
+                _ => Tensor::cat(&parts, 1)?,
+            })
+        };
+        Ok((gather(&self.keys[layer])?, gather(&self.values[layer])?))
     }
 }
 
@@ -287,14 +296,14 @@ impl KvStore for DeviceKv {
         let row = pass.index() * self.capacity + pos;
         let (keys, values) = (&self.keys[layer], &self.values[layer]);
         let current = (
-            keys.narrow(0, row, 1)?.copy()?,
-            values.narrow(0, row, 1)?.copy()?,
+            keys.narrow(1, row, 1)?.contiguous()?.copy()?,
+            values.narrow(1, row, 1)?.contiguous()?.copy()?,
         );
         // An empty slot leaves the first candidate's entry in place: the second's row is
         // about to overwrite it.
         if let Some((k, v)) = self.aside.remove(&(layer, pass, pos)) {
-            keys.slice_set(&k, 0, row)?;
-            values.slice_set(&v, 0, row)?;
+            keys.slice_set(&k, 1, row)?;
+            values.slice_set(&v, 1, row)?;
         }
         self.aside.insert((layer, pass, pos), current);
         Ok(())
@@ -306,7 +315,8 @@ impl KvStore for DeviceKv {
 
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let read = |t: &Tensor| -> Result<Vec<f32>> {
-            Ok(t.narrow(0, pass.index() * self.capacity, len)?
+            Ok(t.narrow(1, pass.index() * self.capacity, len)?
+                .transpose(0, 1)?
                 .to_dtype(DType::F32)?
                 .flatten_all()?
                 .to_vec1()?)

@@ -212,7 +212,7 @@ impl StepBackend for HostBackend {
     type Hidden = Vec<f32>;
     type Act = HostRows;
     type Kv = HostKv;
-    type StepGuard = SubnormalsFlushed;
+    type Step = SubnormalsFlushed;
     const SECOND_CANDIDATES_IN_ONE_SWEEP: bool = true;
 
     fn model(&self) -> &LoopedModel {
@@ -223,8 +223,8 @@ impl StepBackend for HostBackend {
         Ok(HostKv::new(&self.model, capacity))
     }
 
-    fn enter_step(&self) -> SubnormalsFlushed {
-        SubnormalsFlushed::enter()
+    fn enter_step(&self, _: &[RowSlot], _: &KvCache<HostKv>) -> Result<SubnormalsFlushed> {
+        Ok(SubnormalsFlushed::enter())
     }
 
     fn embed(&self, inputs: Vec<RowInput<Vec<f32>>>) -> Result<HostRows> {
@@ -286,6 +286,7 @@ impl StepBackend for HostBackend {
 
     fn attention(
         &self,
+        _: &SubnormalsFlushed,
         w: &LayerWeights,
         layer: usize,
         slots: &[RowSlot],

@@ -155,13 +155,13 @@ fn sweep<B: StepBackend>(
     rows: Vec<StepRow<B::Hidden>>,
     cache: &mut KvCache<B::Kv>,
 ) -> Result<StepOutput<B::Hidden>> {
-    let _guard = backend.enter_step();
     let model = backend.model();
     let (slots, inputs): (Vec<RowSlot>, Vec<_>) =
         rows.into_iter().map(|r| (r.slot, r.input)).unzip();
+    let step = backend.enter_step(&slots, cache)?;
     let mut h = backend.embed(inputs)?;
     for (index, layer) in model.weights.layers.iter().enumerate() {
-        h = layer_forward(backend, layer, index, &slots, h, cache)?;
+        h = layer_forward(backend, (&step, &slots), layer, index, h, cache)?;
     }
     let h = backend.rms_norm(&h, &model.weights.norm)?;
     let logits = backend.readouts(&slots, &h)?;
@@ -174,14 +174,14 @@ fn sweep<B: StepBackend>(
 /// One shared layer with Ouro's sandwich norms (ouro-format.md, "Forward pass").
 fn layer_forward<B: StepBackend>(
     b: &B,
+    (step, slots): (&B::Step, &[RowSlot]),
     w: &LayerWeights,
     index: usize,
-    slots: &[RowSlot],
     h: B::Act,
     cache: &mut KvCache<B::Kv>,
 ) -> Result<B::Act> {
     let a = b.rms_norm(&h, &w.input_layernorm)?;
-    let attn = b.attention(w, index, slots, &a, cache)?;
+    let attn = b.attention(step, w, index, slots, &a, cache)?;
     let o = b.rms_norm(&b.linear(&attn, &w.o_proj)?, &w.input_layernorm_2)?;
     let h = b.add(h, &o)?;
     let x = b.rms_norm(&h, &w.post_attention_layernorm)?;
