@@ -6,7 +6,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{AttnShape, OutLayout, ROW_BLOCK, portable, softmax_in_place};
+use super::{AttnShape, OutLayout, ROW_BLOCK, SharedOut, portable, softmax_in_place};
 
 /// AVX2/FMA dot products of up to 4 rows of `xs` with `J` (1, 2 or 4) weight rows: each
 /// weight chunk is loaded once for all rows and each row chunk once for all weight rows.
@@ -19,7 +19,7 @@ use super::{AttnShape, OutLayout, ROW_BLOCK, portable, softmax_in_place};
 pub unsafe fn dots<const J: usize>(
     xs: &[f32],
     ws: [&[f32]; J],
-    out: &mut [f32],
+    out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
@@ -64,7 +64,7 @@ pub unsafe fn dots<const J: usize>(
             for kk in main..inner {
                 sum += xs[r * inner + kk] * ws[j][kk];
             }
-            out[j * to.col + (first + r) * to.row] = sum;
+            out.set(j * to.col + (first + r) * to.row, sum);
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{OutLayout, avx2};
+use super::{OutLayout, SharedOut, avx2};
 
 /// AVX-512 dot products of up to 4 rows of `xs` with `J` (1, 4 or 8) weight rows; the
 /// row count becomes a constant so that every accumulator stays in a register.
@@ -16,7 +16,7 @@ use super::{OutLayout, avx2};
 pub unsafe fn dots<const J: usize>(
     xs: &[f32],
     ws: [&[f32]; J],
-    out: &mut [f32],
+    out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
@@ -43,7 +43,7 @@ pub unsafe fn dots<const J: usize>(
 unsafe fn dots_rows<const R: usize, const J: usize>(
     xs: &[f32],
     ws: [&[f32]; J],
-    out: &mut [f32],
+    out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
@@ -86,7 +86,7 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
 /// (a group of fewer repeats its last accumulator and drops the copies).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn store_sums<const J: usize>(acc: &[__m512; J], out: &mut [f32], to: OutLayout, at: usize) {
+fn store_sums<const J: usize>(acc: &[__m512; J], out: SharedOut<'_>, to: OutLayout, at: usize) {
     for j0 in (0..J).step_by(4) {
         let lane = |j: usize| halves(acc[(j0 + j).min(J - 1)]);
         let mut four = [0f32; 4];
@@ -98,7 +98,7 @@ fn store_sums<const J: usize>(acc: &[__m512; J], out: &mut [f32], to: OutLayout,
             )
         };
         for (j, v) in four.iter().enumerate().take(J - j0) {
-            out[(j0 + j) * to.col + at * to.row] = *v;
+            out.set((j0 + j) * to.col + at * to.row, *v);
         }
     }
 }

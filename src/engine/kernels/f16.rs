@@ -64,59 +64,38 @@ impl PackedF16 {
         self.matmul_on(super::pool::pool(), x, rows, out);
     }
 
-    /// [`PackedF16::matmul`] on the threads of `pool`.
+    /// [`PackedF16::matmul`] on the threads of `pool`: each thread writes its panels'
+    /// columns of every row in place.
     pub fn matmul_on(&self, pool: &super::pool::Pool, x: &[f32], rows: usize, out: &mut [f32]) {
         debug_assert_eq!(x.len(), rows * self.inner);
         debug_assert_eq!(out.len(), rows * self.outs);
         let parts = pool.threads();
         let panels = self.outs.div_ceil(PANEL);
+        let out = super::SharedOut::new(out);
         if parts == 1 || panels < 2 * parts {
-            return self.panels_into(x, rows, 0..panels, out);
+            return self.panels_into(x, 0..panels, out);
         }
-        // Each thread its panels' columns of every row, in a block of its own.
-        let shares: Vec<std::ops::Range<usize>> = (0..parts)
-            .map(|part| super::pool::share(panels, parts, part, 1))
-            .collect();
-        let blocks: Vec<super::pool::Padded<std::sync::Mutex<Vec<f32>>>> = (shares.iter())
-            .map(|share| {
-                let len = self.columns(share.clone()).len();
-                super::pool::Padded(std::sync::Mutex::new(vec![0f32; rows * len]))
-            })
-            .collect();
         pool.run(&|part| {
-            let mut block = blocks[part].lock().unwrap_or_else(|e| e.into_inner());
-            self.panels_into(x, rows, shares[part].clone(), &mut block);
+            self.panels_into(x, super::pool::share(panels, parts, part, 1), out);
         });
-        for (share, block) in shares.into_iter().zip(blocks) {
-            let block = block.0.into_inner().unwrap_or_else(|e| e.into_inner());
-            super::place_columns(out, self.outs, self.columns(share), &block);
-        }
     }
 
-    /// The output columns of `panels`.
-    fn columns(&self, panels: std::ops::Range<usize>) -> std::ops::Range<usize> {
-        (panels.start * PANEL).min(self.outs)..(panels.end * PANEL).min(self.outs)
-    }
-
-    /// The products with the weight rows of `panels`, into `out: [rows × their columns]`.
-    fn panels_into(&self, x: &[f32], rows: usize, panels: std::ops::Range<usize>, out: &mut [f32]) {
-        let cols_out = self.columns(panels.clone());
-        let width = cols_out.len();
+    /// The products with the weight rows of `panels`, into their columns of `out: [rows ×
+    /// outs]`.
+    fn panels_into(&self, x: &[f32], panels: std::ops::Range<usize>, out: super::SharedOut<'_>) {
         let mut tile = [0f32; ROWS * PANEL];
         let stream = self.panels().chunks_exact(self.inner * PANEL);
         for (p, panel) in stream.enumerate().take(panels.end).skip(panels.start) {
             let cols = PANEL.min(self.outs - p * PANEL);
-            let first = p * PANEL - cols_out.start;
             for (b, block) in x.chunks(ROWS * self.inner).enumerate() {
                 let n = block.len() / self.inner;
                 self.panel_tile(block, panel, &mut tile);
                 for r in 0..n {
-                    let at = (b * ROWS + r) * width + first;
-                    out[at..at + cols].copy_from_slice(&tile[r * PANEL..r * PANEL + cols]);
+                    let at = (b * ROWS + r) * self.outs + p * PANEL;
+                    out.set_all(at, &tile[r * PANEL..r * PANEL + cols]);
                 }
             }
         }
-        debug_assert!(rows * width == out.len());
     }
 
     /// Up to `ROWS` rows of `x` times one panel, into `tile: [ROWS × PANEL]`.

@@ -20,6 +20,7 @@
 //! FTZ/DAZ guard).
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use rayon::prelude::*;
 
@@ -133,7 +134,7 @@ pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]
     }
     if w.len() < PARALLEL_MIN_ELEMENTS || rayon::current_num_threads() == 1 {
         let to = OutLayout { col: 1, row: outs };
-        return matmul_t_serial(isa, x, w, rows, inner, out, to);
+        return matmul_t_serial(isa, x, w, rows, inner, SharedOut::new(out), to);
     }
     // Threads own disjoint slices: the output transposed, each thread a range of weight rows.
     let mut out_t = vec![0f32; outs * rows];
@@ -142,7 +143,7 @@ pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]
     out_t
         .par_chunks_mut(chunk_outs * rows)
         .zip(w.par_chunks(chunk_outs * inner))
-        .for_each(|(o, w)| matmul_t_serial(isa, x, w, rows, inner, o, to));
+        .for_each(|(o, w)| matmul_t_serial(isa, x, w, rows, inner, SharedOut::new(o), to));
     for (j, col) in out_t.chunks_exact(rows).enumerate() {
         for (m, v) in col.iter().enumerate() {
             out[m * outs + j] = *v;
@@ -163,9 +164,9 @@ pub fn matmuls_t(x: &[f32], rows: usize, inner: usize, products: &mut [(&[f32], 
     }
 }
 
-/// Matmuls split across the decode threads by weight rows. With one input row each thread
-/// writes its share of the output in place; with several, a row-major block of its own
-/// columns, copied into place row by row afterwards.
+/// Matmuls split across the decode threads by weight rows: each thread writes its own
+/// columns of every output row in place (nothing is copied or allocated per job, which cost
+/// steps of several rows ~10 % of their time on two threads).
 fn matmul_t_pooled(
     pool: &pool::Pool,
     isa: Isa,
@@ -173,76 +174,58 @@ fn matmul_t_pooled(
     products: &mut [(&[f32], &mut [f32])],
 ) {
     let parts = pool.threads();
-    let share = |outs: usize, part: usize| pool::share(outs, parts, part, SHARE_ALIGN);
-    let (weights, mut outs): (Vec<&[f32]>, Vec<&mut [f32]>) =
-        products.iter_mut().map(|(w, o)| (*w, &mut **o)).unzip();
-    let widths: Vec<usize> = weights.iter().map(|w| w.len() / inner).collect();
-    let mut blocks: Vec<Vec<pool::Padded<std::sync::Mutex<Block>>>> = Vec::new();
-    for (i, &width) in widths.iter().enumerate() {
-        let mut rest: &mut [f32] = match rows {
-            1 => std::mem::take(&mut outs[i]),
-            _ => &mut [],
-        };
-        let mine = (0..parts)
-            .map(|part| {
-                let len = share(width, part).len();
-                let block = match rows {
-                    1 => {
-                        let (block, tail) = std::mem::take(&mut rest).split_at_mut(len);
-                        rest = tail;
-                        Block::InPlace(block)
-                    }
-                    _ => Block::Own(vec![0f32; rows * len]),
-                };
-                pool::Padded(std::sync::Mutex::new(block))
-            })
-            .collect();
-        blocks.push(mine);
-    }
+    let outs: Vec<(&[f32], usize, SharedOut<'_>)> = (products.iter_mut())
+        .map(|(w, out)| (*w, w.len() / inner, SharedOut::new(out)))
+        .collect();
     pool.run(&|part| {
-        for ((w, &width), blocks) in weights.iter().zip(&widths).zip(&blocks) {
-            let range = share(width, part);
+        for &(w, width, out) in &outs {
+            let range = pool::share(width, parts, part, SHARE_ALIGN);
             let w = &w[range.start * inner..range.end * inner];
-            let to = OutLayout {
-                col: 1,
-                row: range.len(),
-            };
-            let mut block = blocks[part].lock().unwrap_or_else(|e| e.into_inner());
-            matmul_t_serial(isa, x, w, rows, inner, block.slice(), to);
+            let to = OutLayout { col: 1, row: width };
+            matmul_t_serial(isa, x, w, rows, inner, out.from(range.start), to);
         }
     });
-    for ((out, &width), blocks) in outs.iter_mut().zip(&widths).zip(blocks) {
-        for (part, block) in blocks.into_iter().enumerate() {
-            let Block::Own(data) = block.0.into_inner().unwrap_or_else(|e| e.into_inner()) else {
-                continue;
-            };
-            place_columns(out, width, share(width, part), &data);
-        }
+}
+
+/// An output that the decode threads write at disjoint elements (each its own columns of
+/// every row), shared instead of split: a thread's columns are not one slice. Stores are
+/// relaxed atomics, plain stores on x86-64 and aarch64; `pool::Pool::run` returning is the
+/// synchronisation that makes them visible to the caller.
+#[derive(Debug, Clone, Copy)]
+pub struct SharedOut<'a>(&'a [AtomicU32]);
+
+const _: () = assert!(
+    std::mem::size_of::<AtomicU32>() == std::mem::size_of::<f32>()
+        && std::mem::align_of::<AtomicU32>() == std::mem::align_of::<f32>()
+);
+
+impl<'a> SharedOut<'a> {
+    /// `out`, writable by every thread that holds a copy while the borrow lasts.
+    pub fn new(out: &'a mut [f32]) -> Self {
+        let len = out.len();
+        // SAFETY: AtomicU32 has f32's size and alignment (asserted above) and every bit
+        // pattern is valid for both; the exclusive borrow of `out` for 'a makes this view the
+        // only access to those elements while it lives (what `AtomicU32::from_mut_slice`
+        // does).
+        Self(unsafe { std::slice::from_raw_parts(out.as_mut_ptr() as *const AtomicU32, len) })
     }
-}
 
-/// Copies `block` (`[rows × columns.len()]`, one thread's share) into `columns` of every
-/// row of `out` (`[rows × width]`).
-fn place_columns(out: &mut [f32], width: usize, columns: std::ops::Range<usize>, block: &[f32]) {
-    let rows = out.chunks_exact_mut(width.max(1));
-    for (dest, row) in rows.zip(block.chunks_exact(columns.len().max(1))) {
-        dest[columns.clone()].copy_from_slice(row);
+    /// The elements from `start` on.
+    pub fn from(self, start: usize) -> Self {
+        Self(&self.0[start..])
     }
-}
 
-/// Where one thread writes its share of a product.
-enum Block<'a> {
-    /// Straight into the output (one input row: a share is a contiguous slice of it).
-    InPlace(&'a mut [f32]),
-    /// A `[rows × share]` block of its own.
-    Own(Vec<f32>),
-}
+    /// Element `i` := `v`.
+    #[inline(always)]
+    pub fn set(self, i: usize, v: f32) {
+        self.0[i].store(v.to_bits(), Ordering::Relaxed);
+    }
 
-impl Block<'_> {
-    fn slice(&mut self) -> &mut [f32] {
-        match self {
-            Block::InPlace(s) => s,
-            Block::Own(v) => v,
+    /// Elements `at..at + values.len()` := `values`.
+    #[inline]
+    pub fn set_all(self, at: usize, values: &[f32]) {
+        for (o, v) in self.0[at..at + values.len()].iter().zip(values) {
+            o.store(v.to_bits(), Ordering::Relaxed);
         }
     }
 }
@@ -265,7 +248,7 @@ fn matmul_t_serial(
     w: &[f32],
     rows: usize,
     inner: usize,
-    out: &mut [f32],
+    out: SharedOut<'_>,
     to: OutLayout,
 ) {
     match (isa, rows) {
@@ -282,21 +265,21 @@ fn sweep<const J: usize>(
     x: &[f32],
     w: &[f32],
     inner: usize,
-    out: &mut [f32],
+    out: SharedOut<'_>,
     to: OutLayout,
 ) {
     let mut w_groups = w.chunks_exact(J * inner);
     for (g, wg) in (&mut w_groups).enumerate() {
         let ws: [&[f32]; J] = std::array::from_fn(|j| &wg[j * inner..(j + 1) * inner]);
         for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
-            let o = &mut out[g * J * to.col..];
+            let o = out.from(g * J * to.col);
             dots_dispatch(isa, block, ws, o, to, i * ROW_BLOCK);
         }
     }
     let done = w.len() / inner - w_groups.remainder().len() / inner;
     for (j, w_row) in w_groups.remainder().chunks_exact(inner).enumerate() {
         for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
-            let o = &mut out[(done + j) * to.col..];
+            let o = out.from((done + j) * to.col);
             dots_dispatch(isa, block, [w_row], o, to, i * ROW_BLOCK);
         }
     }
@@ -308,7 +291,7 @@ fn dots_dispatch<const J: usize>(
     isa: Isa,
     block: &[f32],
     ws: [&[f32]; J],
-    out: &mut [f32],
+    out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {

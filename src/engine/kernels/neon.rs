@@ -8,7 +8,7 @@
 
 use std::arch::aarch64::*;
 
-use super::{OutLayout, ROW_BLOCK};
+use super::{OutLayout, ROW_BLOCK, SharedOut};
 
 /// NEON dot products of up to 4 rows of `xs` with `J` weight rows: each weight chunk is loaded
 /// once for all rows and each row chunk once for all weight rows.
@@ -17,7 +17,7 @@ use super::{OutLayout, ROW_BLOCK};
 pub fn dots<const J: usize>(
     xs: &[f32],
     ws: [&[f32]; J],
-    out: &mut [f32],
+    out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
@@ -55,7 +55,7 @@ pub fn dots<const J: usize>(
             for kk in main..inner {
                 sum += xs[r * inner + kk] * ws[j][kk];
             }
-            out[j * to.col + (first + r) * to.row] = sum;
+            out.set(j * to.col + (first + r) * to.row, sum);
         }
     }
 }

@@ -2,7 +2,7 @@
 //! summation trees are the vector kernels' (`hsum8` is `avx2::reduce4`'s), and the tests hold
 //! every ISA to them.
 
-use super::{AttnShape, OutLayout};
+use super::{AttnShape, OutLayout, SharedOut};
 
 /// Dot products of up to `ROW_BLOCK` rows of `xs` with each weight row in `ws`. Every
 /// (row, weight row) pair uses one 8-lane accumulator and the same order, whatever the
@@ -10,14 +10,14 @@ use super::{AttnShape, OutLayout};
 pub fn dots<const J: usize>(
     xs: &[f32],
     ws: [&[f32]; J],
-    out: &mut [f32],
+    out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     let inner = ws[0].len();
     for (j, w) in ws.iter().enumerate() {
         for (r, x) in xs.chunks_exact(inner).enumerate() {
-            out[j * to.col + (first + r) * to.row] = dot(x, w);
+            out.set(j * to.col + (first + r) * to.row, dot(x, w));
         }
     }
 }

@@ -54,11 +54,27 @@ fn every_isa_is_row_invariant_on_tails_and_odd_groups() {
         let x: Vec<f32> = (0..8 * inner).map(|_| lcg(&mut seed)).collect();
         for isa in supported_isas() {
             let mut all = vec![0f32; 8 * outs];
-            matmul_t_serial(isa, &x, &w, 8, inner, &mut all, transposed(8));
+            matmul_t_serial(
+                isa,
+                &x,
+                &w,
+                8,
+                inner,
+                SharedOut::new(&mut all),
+                transposed(8),
+            );
             for rows in 1..=7 {
                 let mut some = vec![0f32; rows * outs];
                 let to = transposed(rows);
-                matmul_t_serial(isa, &x[..rows * inner], &w, rows, inner, &mut some, to);
+                matmul_t_serial(
+                    isa,
+                    &x[..rows * inner],
+                    &w,
+                    rows,
+                    inner,
+                    SharedOut::new(&mut some),
+                    to,
+                );
                 for (j, col) in some.chunks_exact(rows).enumerate() {
                     assert_eq!(col, &all[j * 8..j * 8 + rows], "{isa:?} {inner} {rows}");
                 }
@@ -111,10 +127,18 @@ fn every_isa_agrees_closely_with_portable() {
     let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
     let x: Vec<f32> = (0..3 * inner).map(|_| lcg(&mut seed)).collect();
     let mut a = vec![0f32; 3 * outs];
-    matmul_t_serial(Isa::Portable, &x, &w, 3, inner, &mut a, transposed(3));
+    matmul_t_serial(
+        Isa::Portable,
+        &x,
+        &w,
+        3,
+        inner,
+        SharedOut::new(&mut a),
+        transposed(3),
+    );
     for isa in supported_isas() {
         let mut b = vec![0f32; 3 * outs];
-        matmul_t_serial(isa, &x, &w, 3, inner, &mut b, transposed(3));
+        matmul_t_serial(isa, &x, &w, 3, inner, SharedOut::new(&mut b), transposed(3));
         for (p, q) in a.iter().zip(&b) {
             assert!((p - q).abs() < 1e-4, "{isa:?}: {p} vs {q}");
         }
@@ -188,7 +212,7 @@ fn products_split_across_threads_are_the_serial_ones_bit_for_bit() {
                     col: 1,
                     row: outs_n,
                 };
-                matmul_t_serial(isa(), &x, w, rows, inner, &mut want, to);
+                matmul_t_serial(isa(), &x, w, rows, inner, SharedOut::new(&mut want), to);
                 assert_eq!(
                     got, &want,
                     "{threads} threads, {rows} rows, {outs_n} outputs"
