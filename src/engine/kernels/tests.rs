@@ -223,6 +223,53 @@ fn products_split_across_threads_are_the_serial_ones_bit_for_bit() {
 }
 
 #[test]
+fn the_gated_mlp_split_across_threads_is_the_serial_one_bit_for_bit() {
+    let mut seed = 23;
+    let inner = 128;
+    for outs in [704, 300] {
+        let gate_w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+        let up_w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+        for rows in 1..=5 {
+            let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed) * 4.0).collect();
+            let run = |threads: usize| {
+                let pool = pool::Pool::new(threads).expect("threads");
+                let (mut gate, mut up) = (vec![0f32; rows * outs], vec![0f32; rows * outs]);
+                gated_t_on(
+                    &pool,
+                    (&x, rows, inner),
+                    (&gate_w, &up_w),
+                    (&mut gate, &mut up),
+                );
+                gate
+            };
+            let serial = run(1);
+            let mut want = vec![0f32; rows * outs];
+            let mut up = vec![0f32; rows * outs];
+            let to = OutLayout { col: 1, row: outs };
+            matmul_t_serial(
+                isa(),
+                &x,
+                &gate_w,
+                rows,
+                inner,
+                SharedOut::new(&mut want),
+                to,
+            );
+            matmul_t_serial(isa(), &x, &up_w, rows, inner, SharedOut::new(&mut up), to);
+            silu_mul(&mut want, &up);
+            assert_eq!(serial, want, "one thread is matmuls then silu_mul");
+            for threads in [2, 3] {
+                assert_eq!(
+                    run(threads),
+                    serial,
+                    "{threads} threads, {rows} rows, {outs} wide"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn the_f16_head_split_across_threads_is_the_serial_one_bit_for_bit() {
     let mut seed = 5;
     let (inner, outs) = (64, 1000);

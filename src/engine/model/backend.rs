@@ -54,10 +54,11 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     /// `x · wᵀ` for a linear layer's weight stored `[out, in]`.
     fn linear(&self, x: &Self::Act, weight: &Tensor) -> Result<Self::Act>;
 
-    /// `x · aᵀ` and `x · bᵀ`: two linear layers on one input (gate and up). A backend that
-    /// splits a step across threads does both in one job.
-    fn linear_pair(&self, x: &Self::Act, a: &Tensor, b: &Tensor) -> Result<(Self::Act, Self::Act)> {
-        Ok((self.linear(x, a)?, self.linear(x, b)?))
+    /// `silu(x · gateᵀ) ⊙ (x · upᵀ)`: the MLP's first half. A backend that splits a step
+    /// across threads does it in one job.
+    fn gated(&self, x: &Self::Act, gate: &Tensor, up: &Tensor) -> Result<Self::Act> {
+        let up = self.linear(x, up)?;
+        self.silu_mul(self.linear(x, gate)?, &up)
     }
 
     /// `h + delta` (the residual stream), reusing `h`.

@@ -266,9 +266,22 @@ impl StepBackend for HostBackend {
         Ok(HostRows { data, ..*x })
     }
 
-    fn linear_pair(&self, x: &HostRows, a: &Tensor, b: &Tensor) -> Result<(HostRows, HostRows)> {
-        let [a, b] = self.linears(x, [a, b])?;
-        Ok((a, b))
+    fn gated(&self, x: &HostRows, gate: &Tensor, up: &Tensor) -> Result<HostRows> {
+        let (gate_w, up_w) = (HostView::new(gate)?, HostView::new(up)?);
+        let inner = x.width();
+        let mut gate = vec![0f32; x.rows * (gate_w.len() / inner)];
+        let mut up = vec![0f32; x.rows * (up_w.len() / inner)];
+        kernels::gated_t(
+            &x.data,
+            x.rows,
+            inner,
+            (&gate_w, &up_w),
+            (&mut gate, &mut up),
+        );
+        Ok(HostRows {
+            data: gate,
+            rows: x.rows,
+        })
     }
 
     fn add(&self, mut h: HostRows, delta: &HostRows) -> Result<HostRows> {

@@ -185,8 +185,7 @@ fn layer_forward<B: StepBackend>(
     let o = b.rms_norm(&b.linear(&attn, &w.o_proj)?, &w.input_layernorm_2)?;
     let h = b.add(h, &o)?;
     let x = b.rms_norm(&h, &w.post_attention_layernorm)?;
-    let (gate, up) = b.linear_pair(&x, &w.gate_proj, &w.up_proj)?;
-    let down = b.linear(&b.silu_mul(gate, &up)?, &w.down_proj)?;
+    let down = b.linear(&b.gated(&x, &w.gate_proj, &w.up_proj)?, &w.down_proj)?;
     let down = b.rms_norm(&down, &w.post_attention_layernorm_2)?;
     b.add(h, &down)
 }
