@@ -21,8 +21,11 @@ def load(out, name):
     path = os.path.join(out, name)
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError:
+        return None
 
 
 def peak_mib(out, name):
@@ -43,7 +46,8 @@ def rows(out, label, stem, dtype, peer):
     report = load(out, f"spex-{stem}-{dtype}.json")
     if report is None:
         return [f"| {label} | {dtype} | (no report: see {stem}-{dtype}) |"]
-    rc = open(os.path.join(out, f"mem-{stem}-{dtype}.log.rc")).read().strip()
+    rc_file = os.path.join(out, f"mem-{stem}-{dtype}.log.rc")
+    rc = open(rc_file).read().strip() if os.path.exists(rc_file) else "?"
     lines = []
     for p in report["overall"]["policies"]:
         same = "identical" if p["identical"] else f"differs (exit {rc})"
