@@ -103,6 +103,19 @@ def main():
               f"token; copy bandwidth {peer['bandwidth_gb_per_s']:.0f} GB/s → limit "
               f"{limit:.1f} tok/s; spex's baseline {base:.1f} tok/s = {100 * base / limit:.0f} % "
               f"of it; the PyTorch peer {peer['tokens_per_sec']:.1f} tok/s.")
+    for n in range(3):
+        for dtype in ["f32", "bf16"]:
+            report = load(out, f"spex-shape{n}-{dtype}.json")
+            if report is None:
+                continue
+            counts = {}
+            for prompt in report["prompts"]:
+                for p in prompt["policies"]:
+                    same, total = counts.get(p["policy"], (0, 0))
+                    counts[p["policy"]] = (same + (p["comparison"] == "identical"), total + 1)
+            same = ", ".join(f"{name} {s}/{t}" for name, (s, t) in counts.items())
+            print(f"- Random shape {n} ({report['layers']} layers, {report['passes']} passes), "
+                  f"{dtype}, prompts identical to baseline: {same}.")
     check = load(out, "shipped-gpu-vs-cpu.json")
     if check:
         print(f"- The shipped model in f32, GPU against CPU greedy text: identical "

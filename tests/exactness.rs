@@ -142,13 +142,23 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Runs the staggered SPEED pattern on a fixed sequence: token p runs pass r at step p + r,
-/// so every step mixes rows of different passes and positions. Every readout is compared with
-/// the reference.
+/// so every step mixes rows of different passes and positions. Beside each pass-1 row from
+/// position 1 on runs a second candidate (another token at the same position), dropped after
+/// its step. Every readout is compared with the reference (the second's with the reference of
+/// its own sequence).
 fn check_pipelined_steps(loaded: &LoadedModel) {
     match &loaded.backend {
         Backend::Host(b) => check_pipelined_steps_on(&**b, loaded),
         Backend::Device(b) => check_pipelined_steps_on(&**b, loaded),
     }
+}
+
+/// The token a second candidate at `pos` of `ids` runs, and its pass-1 reference logits.
+fn second_candidate(loaded: &LoadedModel, ids: &[u32], pos: usize) -> (u32, Vec<f32>) {
+    let vocab = loaded.model().config.vocab_size as u32;
+    let mut alt = ids[..=pos].to_vec();
+    alt[pos] = (ids[pos] + 7) % vocab;
+    (alt[pos], reference_logits(loaded, &alt)[0][pos].clone())
 }
 
 fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
@@ -158,41 +168,60 @@ fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
         .unwrap();
     let reference = reference_logits(loaded, &ids);
     let passes = loaded.model().passes();
+    let seconds: Vec<(u32, Vec<f32>)> = (1..ids.len())
+        .map(|pos| second_candidate(loaded, &ids, pos))
+        .collect();
     let mut cache = KvCache::new(backend.new_store(64).unwrap(), passes, 64);
     let mut hidden: Vec<Option<RowInput<B::Hidden>>> =
         ids.iter().map(|&id| Some(RowInput::Token(id))).collect();
     let mut worst = 0f32;
+    let slot = |pos: usize, pass: usize, second: bool| RowSlot {
+        pos,
+        pass: spex::engine::Pass::from_index(pass),
+        readout: match pass + 1 == passes {
+            true => ReadoutKind::Argmax,
+            false => ReadoutKind::Proposal,
+        },
+        second,
+    };
     for step in 0..ids.len() + passes - 1 {
-        let members: Vec<(usize, usize)> = (0..passes)
+        let members: Vec<(usize, usize, bool)> = (0..passes)
             .filter_map(|r| {
                 step.checked_sub(r)
                     .filter(|&p| p < ids.len())
                     .map(|p| (p, r))
             })
+            .flat_map(|(p, r)| {
+                let second = (r == 0 && p > 0).then_some((p, r, true));
+                std::iter::once((p, r, false)).chain(second)
+            })
             .collect();
         let rows: Vec<StepRow<B::Hidden>> = members
             .iter()
-            .map(|&(pos, pass)| StepRow {
-                slot: RowSlot {
-                    pos,
-                    pass: spex::engine::Pass::from_index(pass),
-                    readout: match pass + 1 == passes {
-                        true => ReadoutKind::Argmax,
-                        false => ReadoutKind::Proposal,
-                    },
-                    second: false,
+            .map(|&(pos, pass, second)| StepRow {
+                slot: slot(pos, pass, second),
+                input: match second {
+                    true => RowInput::Token(seconds[pos - 1].0),
+                    false => hidden[pos].take().unwrap(),
                 },
-                input: hidden[pos].take().unwrap(),
             })
             .collect();
         let out = spex::engine::model::step(backend, rows, &mut cache).unwrap();
-        for ((&(pos, pass), h), logits) in members.iter().zip(out.hidden).zip(out.logits) {
-            let diff = max_abs_diff(&logits.unwrap(), &reference[pass][pos]);
+        for ((&(pos, pass, second), h), logits) in members.iter().zip(out.hidden).zip(out.logits) {
+            let want = match second {
+                true => &seconds[pos - 1].1,
+                false => &reference[pass][pos],
+            };
+            let diff = max_abs_diff(&logits.unwrap(), want);
             // Readouts may come from the f16 head, within its bound (at pass R only the logits
             // that could be the argmax are recomputed exactly).
             let allowed = backend.proposal_error_bound(&h).unwrap_or(0.0);
             worst = worst.max(diff - allowed as f32);
-            hidden[pos] = Some(RowInput::Hidden(h));
+            if second {
+                cache.drop_second(pos);
+            } else {
+                hidden[pos] = Some(RowInput::Hidden(h));
+            }
         }
     }
     assert!(

@@ -155,6 +155,13 @@ impl<S: KvStore> KvCache<S> {
         self.store.swap_aside(layer, pass, pos)
     }
 
+    /// Records that the second candidate at (`pass`, `pos`) has entries set aside, for a store
+    /// that wrote them aside itself (the device step writes a second candidate's K/V straight
+    /// to the aside slot instead of swapping it around the row).
+    pub(crate) fn note_second(&mut self, pass: Pass, pos: usize) {
+        self.seconds.insert((pos, pass));
+    }
+
     /// The second candidate at `pos`, which ran `passes_done` passes, won: its entries replace
     /// the first candidate's in every layer, and what the first candidate's branch wrote
     /// beyond them (later positions, deeper passes at `pos`) is freed. Returns the entries

@@ -30,12 +30,6 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     /// step (the device's RoPE rows, cache-write indices and attention mask), or a guard (the
     /// host flushes subnormals).
     type Step;
-    /// Whether a second candidate can run in the same sweep as the first candidate at its
-    /// (pass, position): the host writes and attends row by row, so it swaps the entries
-    /// around the row; candle's batched attention cannot, so the step runs second
-    /// candidates in a sweep of their own.
-    const SECOND_CANDIDATES_IN_ONE_SWEEP: bool;
-
     /// The model whose weights the operations read.
     fn model(&self) -> &LoopedModel;
 

@@ -45,21 +45,30 @@ impl DeviceBackend {
 }
 
 /// What every layer of a device step needs of its rows, uploaded once per step rather than
-/// once per layer: a GPU pays a launch and a host-to-device copy for each (issue: kernel
-/// launches dominate small-batch decoding), so the count per layer is fixed, whatever the
-/// rows and their passes.
+/// once per layer: a GPU pays a launch and a host-to-device copy for each (kernel launches
+/// dominate small-batch decoding), so the count per layer is fixed, whatever the rows and
+/// their passes.
+///
+/// A second candidate shares its (pass, position) with a first candidate whose entry stays in
+/// the cache; it attends to its own K/V as an extra column after the spans instead (the host
+/// swaps its entry in around the row; both leave the first's entry in place and the second's
+/// aside), so both run in the same sweep.
 #[derive(Debug)]
 pub struct DeviceStep {
     /// RoPE's cos and sin at each row's position, `[rows, head_dim / 2]`.
     cos: Tensor,
     sin: Tensor,
-    /// Each row's cache row (pass · capacity + position), repeated over `[kv_heads, rows,
-    /// head_dim]` for one scatter of every row's K/V.
+    /// The first candidates' rows, `None` when every row is one.
+    firsts: Option<Tensor>,
+    /// Each first candidate's cache row (pass · capacity + position), repeated over
+    /// `[kv_heads, firsts, head_dim]` for one scatter of their K/V.
     write_rows: Tensor,
+    /// The second candidates' rows, and their (pass, position), in row order.
+    seconds: Option<(Tensor, Vec<(Pass, usize)>)>,
     /// The cache spans the rows attend to: (pass, entries), one per pass present, in order.
     spans: Vec<(Pass, usize)>,
-    /// `[rows, Σ entries]`: 0 where a row may attend (its own pass's span, up to its
-    /// position), −∞ elsewhere.
+    /// `[rows, Σ entries + seconds]`: 0 where a row may attend (its own pass's span up to its
+    /// position; a second candidate: up to the one before, and its own column), −∞ elsewhere.
     mask: Tensor,
 }
 
@@ -67,44 +76,94 @@ impl DeviceStep {
     fn new(model: &LoopedModel, slots: &[RowSlot], capacity: usize) -> Result<Self> {
         let device = &model.device;
         let (kv_heads, head_dim) = (model.config.num_key_value_heads, model.config.head_dim);
-        let positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
-        let positions = Tensor::new(positions.as_slice(), device)?;
-        let rows = slots.len();
-        let cache_rows: Vec<u32> = slots
-            .iter()
+        let indices = |f: &dyn Fn(&RowSlot) -> bool| -> Vec<u32> {
+            (0..slots.len() as u32)
+                .filter(|&i| f(&slots[i as usize]))
+                .collect()
+        };
+        let (firsts, seconds) = (indices(&|s| !s.second), indices(&|s| s.second));
+        let cache_rows: Vec<u32> = (firsts.iter())
+            .map(|&i| slots[i as usize])
             .map(|s| (s.pass.index() * capacity + s.pos) as u32)
             .collect();
         let write_rows = Tensor::new(cache_rows.as_slice(), device)?
-            .reshape((1, rows, 1))?
-            .broadcast_as((kv_heads, rows, head_dim))?
+            .reshape((1, firsts.len(), 1))?
+            .broadcast_as((kv_heads, firsts.len(), head_dim))?
             .contiguous()?;
-        let mut spans: Vec<(Pass, usize)> = Vec::new();
-        for slot in slots {
-            match spans.iter_mut().find(|(p, _)| *p == slot.pass) {
-                Some((_, len)) => *len = (*len).max(slot.pos + 1),
-                None => spans.push((slot.pass, slot.pos + 1)),
-            }
-        }
-        spans.sort_unstable();
-        let columns: usize = spans.iter().map(|(_, len)| len).sum();
-        let mut mask = vec![f32::NEG_INFINITY; rows * columns];
-        for (row, slot) in mask.chunks_exact_mut(columns.max(1)).zip(slots) {
-            let mut offset = 0;
-            for &(pass, len) in &spans {
-                if pass == slot.pass {
-                    row[offset..=offset + slot.pos].fill(0.0);
-                }
-                offset += len;
-            }
-        }
-        let mask = Tensor::from_slice(&mask, (rows, columns), device)?.to_dtype(model.dtype)?;
+        let spans = spans(slots);
+        let positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
+        let positions = Tensor::new(positions.as_slice(), device)?;
+        let second_slots = (seconds.iter())
+            .map(|&i| (slots[i as usize].pass, slots[i as usize].pos))
+            .collect();
         Ok(Self {
             cos: model.rope.cos_t.index_select(&positions, 0)?,
             sin: model.rope.sin_t.index_select(&positions, 0)?,
+            firsts: match seconds.is_empty() {
+                true => None,
+                false => Some(Tensor::new(firsts.as_slice(), device)?),
+            },
             write_rows,
+            seconds: match seconds.is_empty() {
+                true => None,
+                false => Some((Tensor::new(seconds.as_slice(), device)?, second_slots)),
+            },
+            mask: mask(slots, &spans)?.to_device_dtype(model)?,
             spans,
-            mask,
         })
+    }
+}
+
+/// The cache spans `slots` attend to: (pass, entries), one per pass present, in pass order.
+fn spans(slots: &[RowSlot]) -> Vec<(Pass, usize)> {
+    let mut spans: Vec<(Pass, usize)> = Vec::new();
+    for slot in slots {
+        match spans.iter_mut().find(|(p, _)| *p == slot.pass) {
+            Some((_, len)) => *len = (*len).max(slot.pos + 1),
+            None => spans.push((slot.pass, slot.pos + 1)),
+        }
+    }
+    spans.sort_unstable();
+    spans
+}
+
+/// [`DeviceStep::mask`], on the host: `[rows, Σ entries + second candidates]`.
+fn mask(slots: &[RowSlot], spans: &[(Pass, usize)]) -> Result<HostMask> {
+    let seconds = slots.iter().filter(|s| s.second).count();
+    let entries: usize = spans.iter().map(|(_, len)| len).sum();
+    let columns = entries + seconds;
+    let mut mask = vec![f32::NEG_INFINITY; slots.len() * columns];
+    let mut next_second = entries;
+    for (row, slot) in mask.chunks_exact_mut(columns.max(1)).zip(slots) {
+        let offset: usize = (spans.iter())
+            .take_while(|(pass, _)| *pass != slot.pass)
+            .map(|(_, len)| len)
+            .sum();
+        let visible = if slot.second { slot.pos } else { slot.pos + 1 };
+        row[offset..offset + visible].fill(0.0);
+        if slot.second {
+            row[next_second] = 0.0;
+            next_second += 1;
+        }
+    }
+    Ok(HostMask {
+        values: mask,
+        rows: slots.len(),
+        columns,
+    })
+}
+
+/// An attention mask built on the host, uploaded once per step.
+struct HostMask {
+    values: Vec<f32>,
+    rows: usize,
+    columns: usize,
+}
+
+impl HostMask {
+    fn to_device_dtype(&self, model: &LoopedModel) -> Result<Tensor> {
+        let t = Tensor::from_slice(&self.values, (self.rows, self.columns), &model.device)?;
+        Ok(t.to_dtype(model.dtype)?)
     }
 }
 
@@ -113,7 +172,6 @@ impl StepBackend for DeviceBackend {
     type Act = Tensor;
     type Kv = DeviceKv;
     type Step = DeviceStep;
-    const SECOND_CANDIDATES_IN_ONE_SWEEP: bool = false;
 
     fn model(&self) -> &LoopedModel {
         &self.model
@@ -160,9 +218,9 @@ impl StepBackend for DeviceBackend {
         Ok((candle_nn::ops::silu(&gate)? * up)?)
     }
 
-    /// Q/K/V projections, RoPE, one scatter of every row's K/V, then one attention for all
-    /// rows over the spans of the passes present, the mask keeping each row to its own
-    /// pass's entries up to its position. Grouped-query heads share their K/V head by
+    /// Q/K/V projections, RoPE, one scatter of the first candidates' K/V, then one attention
+    /// for all rows over the spans of the passes present (and the second candidates' own
+    /// entries), the mask keeping each row to its own pass's entries up to its position. Grouped-query heads share their K/V head by
     /// grouping the queries, so the cache is never repeated per head.
     fn attention(
         &self,
@@ -182,9 +240,7 @@ impl StepBackend for DeviceBackend {
             .reshape((rows, kv_heads, head_dim))?)
         .transpose(0, 1)?
         .contiguous()?;
-        let store = cache.store_mut();
-        store.write_rows(layer, &step.write_rows, &k, &v)?;
-        let (keys, values) = store.spans(layer, &step.spans)?;
+        let (keys, values) = write_and_gather(step, layer, (&k, &v), cache)?;
         let (_, columns, _) = keys.dims3()?;
         let group = heads / kv_heads;
         let q = q.reshape((kv_heads, group * rows, head_dim))?;
@@ -223,6 +279,40 @@ impl StepBackend for DeviceBackend {
         let (rows, _) = h.dims2()?;
         (0..rows).map(|i| Ok(h.narrow(0, i, 1)?)).collect()
     }
+}
+
+/// Writes the first candidates' K/V (`[kv_heads, rows, head_dim]`) into the cache and the
+/// second candidates' aside, and returns what the rows attend to: the spans, then the second
+/// candidates' own entries.
+fn write_and_gather(
+    step: &DeviceStep,
+    layer: usize,
+    (k, v): (&Tensor, &Tensor),
+    cache: &mut KvCache<DeviceKv>,
+) -> Result<(Tensor, Tensor)> {
+    let select = |t: &Tensor, rows: &Option<Tensor>| -> Result<Tensor> {
+        Ok(match rows {
+            Some(rows) => t.index_select(rows, 1)?,
+            None => t.clone(),
+        })
+    };
+    let store = cache.store_mut();
+    let (k_first, v_first) = (select(k, &step.firsts)?, select(v, &step.firsts)?);
+    store.write_rows(layer, &step.write_rows, &k_first, &v_first)?;
+    let (keys, values) = store.spans(layer, &step.spans)?;
+    let Some((rows, slots)) = &step.seconds else {
+        return Ok((keys, values));
+    };
+    let (k_second, v_second) = (k.index_select(rows, 1)?, v.index_select(rows, 1)?);
+    for (n, &(pass, pos)) in slots.iter().enumerate() {
+        let entry = |t: &Tensor| t.narrow(1, n, 1)?.contiguous()?.copy();
+        (cache.store_mut()).set_aside(layer, pass, pos, entry(&k_second)?, entry(&v_second)?);
+        cache.note_second(pass, pos);
+    }
+    Ok((
+        Tensor::cat(&[&keys, &k_second], 1)?,
+        Tensor::cat(&[&values, &v_second], 1)?,
+    ))
 }
 
 /// `[rows, heads · head_dim]` → `[heads, rows, head_dim]`, each row rotated at its own
@@ -271,6 +361,12 @@ impl DeviceKv {
         self.keys[layer].scatter_set(rows, k, 1)?;
         self.values[layer].scatter_set(rows, v, 1)?;
         Ok(())
+    }
+
+    /// Sets a second candidate's entry (`[kv_heads, 1, head_dim]` each) aside at (`layer`,
+    /// `pass`, `pos`): where [`KvStore::swap_aside`] around its row would leave it.
+    fn set_aside(&mut self, layer: usize, pass: Pass, pos: usize, k: Tensor, v: Tensor) {
+        self.aside.insert((layer, pass, pos), (k, v));
     }
 
     /// The entries of `spans` in `layer`, each `[kv_heads, Σ entries, head_dim]`, copied side

@@ -213,7 +213,6 @@ impl StepBackend for HostBackend {
     type Act = HostRows;
     type Kv = HostKv;
     type Step = SubnormalsFlushed;
-    const SECOND_CANDIDATES_IN_ONE_SWEEP: bool = true;
 
     fn model(&self) -> &LoopedModel {
         &self.model

@@ -138,11 +138,7 @@ pub fn step<B: StepBackend>(
             capacity: model.config.max_position_embeddings,
         });
     }
-    let out = if !B::SECOND_CANDIDATES_IN_ONE_SWEEP && slots.iter().any(|s| s.second) {
-        two_sweeps(backend, rows, cache)?
-    } else {
-        sweep(backend, rows, cache)?
-    };
+    let out = sweep(backend, rows, cache)?;
     for slot in &slots {
         cache.mark_written(slot.pass, slot.pos);
     }
@@ -188,44 +184,4 @@ fn layer_forward<B: StepBackend>(
     let down = b.linear(&b.gated(&x, &w.gate_proj, &w.up_proj)?, &w.down_proj)?;
     let down = b.rms_norm(&down, &w.post_attention_layernorm_2)?;
     b.add(h, &down)
-}
-
-/// A step with second candidates on a backend that cannot run them beside their first
-/// candidates: the other rows first, then the second candidates with their entries swapped
-/// into place around them (two reads of the weights; the host does it in one).
-fn two_sweeps<B: StepBackend>(
-    backend: &B,
-    rows: Vec<StepRow<B::Hidden>>,
-    cache: &mut KvCache<B::Kv>,
-) -> Result<StepOutput<B::Hidden>> {
-    let order: Vec<bool> = rows.iter().map(|r| r.slot.second).collect();
-    let (seconds, firsts): (Vec<_>, Vec<_>) = rows.into_iter().partition(|r| r.slot.second);
-    let second_slots: Vec<RowSlot> = seconds.iter().map(|r| r.slot).collect();
-    let first_out = sweep(backend, firsts, cache)?;
-    let layers = backend.model().weights.layers.len();
-    let swap_all = |cache: &mut KvCache<B::Kv>| -> Result<()> {
-        for slot in &second_slots {
-            for layer in 0..layers {
-                cache.swap_second(layer, slot.pass, slot.pos)?;
-            }
-        }
-        Ok(())
-    };
-    swap_all(cache)?;
-    let second_out = sweep(backend, seconds, cache)?;
-    swap_all(cache)?;
-    let mut firsts = first_out.hidden.into_iter().zip(first_out.logits);
-    let mut seconds = second_out.hidden.into_iter().zip(second_out.logits);
-    let (hidden, logits) = order
-        .into_iter()
-        .map(|second| {
-            let next = if second {
-                seconds.next()
-            } else {
-                firsts.next()
-            };
-            next.expect("each sweep returns one output per row it ran: this is a bug")
-        })
-        .unzip();
-    Ok(StepOutput { hidden, logits })
 }
