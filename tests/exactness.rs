@@ -161,6 +161,21 @@ fn second_candidate(loaded: &LoadedModel, ids: &[u32], pos: usize) -> (u32, Vec<
     (alt[pos], reference_logits(loaded, &alt)[0][pos].clone())
 }
 
+/// The rows of step `step` of the staggered pattern: (position, pass index, second).
+fn step_members(step: usize, positions: usize, passes: usize) -> Vec<(usize, usize, bool)> {
+    (0..passes)
+        .filter_map(|r| {
+            step.checked_sub(r)
+                .filter(|&p| p < positions)
+                .map(|p| (p, r))
+        })
+        .flat_map(|(p, r)| {
+            let second = (r == 0 && p > 0).then_some((p, r, true));
+            std::iter::once((p, r, false)).chain(second)
+        })
+        .collect()
+}
+
 fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
     let ids = loaded
         .tokenizer
@@ -185,17 +200,7 @@ fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
         second,
     };
     for step in 0..ids.len() + passes - 1 {
-        let members: Vec<(usize, usize, bool)> = (0..passes)
-            .filter_map(|r| {
-                step.checked_sub(r)
-                    .filter(|&p| p < ids.len())
-                    .map(|p| (p, r))
-            })
-            .flat_map(|(p, r)| {
-                let second = (r == 0 && p > 0).then_some((p, r, true));
-                std::iter::once((p, r, false)).chain(second)
-            })
-            .collect();
+        let members = step_members(step, ids.len(), passes);
         let rows: Vec<StepRow<B::Hidden>> = members
             .iter()
             .map(|&(pos, pass, second)| StepRow {
