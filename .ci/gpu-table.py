@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The table .ci/gpu-bench writes, from the JSON reports in OUT_DIR.
 
-    python3 .ci/gpu-table.py OUT_DIR OURO_CONFIG_JSON
+    python3 .ci/gpu-table.py OUT_DIR
 
 Per (model, dtype): baseline and policy tok/s, speedup, step(1 row) and step(R rows) in ms
 (medians over the prompts), ceiling, peak GPU memory, the PyTorch peer's tok/s; then the
@@ -74,9 +74,8 @@ def weight_bytes_per_token(cfg, dtype):
 
 
 def main():
-    out, config = sys.argv[1], sys.argv[2]
-    with open(config) as f:
-        cfg = json.load(f)
+    out = sys.argv[1]
+    cfg = load(out, "ouro-config.json")
     gpu = open(os.path.join(out, "gpu.txt")).read().strip() if os.path.exists(
         os.path.join(out, "gpu.txt")) else "cpu (dry run)"
     print(f"GPU: {gpu}\n")
@@ -94,7 +93,7 @@ def main():
     print()
     for dtype in ["bf16", "f32"]:
         peer, spex = load(out, f"peer-ouro-{dtype}.json"), load(out, f"spex-ouro-{dtype}.json")
-        if not peer or not spex or "bandwidth_gb_per_s" not in peer:
+        if not cfg or not peer or not spex or "bandwidth_gb_per_s" not in peer:
             continue
         per_token = weight_bytes_per_token(cfg, dtype)
         limit = peer["bandwidth_gb_per_s"] * 1e9 / per_token
