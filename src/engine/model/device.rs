@@ -108,7 +108,7 @@ impl DeviceStep {
                 true => None,
                 false => Some((Tensor::new(seconds.as_slice(), device)?, second_slots)),
             },
-            mask: mask(slots, &spans)?.to_device_dtype(model)?,
+            mask: mask(slots, &spans).to_device_dtype(model)?,
             spans,
         })
     }
@@ -128,7 +128,7 @@ fn spans(slots: &[RowSlot]) -> Vec<(Pass, usize)> {
 }
 
 /// [`DeviceStep::mask`], on the host: `[rows, Σ entries + second candidates]`.
-fn mask(slots: &[RowSlot], spans: &[(Pass, usize)]) -> Result<HostMask> {
+fn mask(slots: &[RowSlot], spans: &[(Pass, usize)]) -> HostMask {
     let seconds = slots.iter().filter(|s| s.second).count();
     let entries: usize = spans.iter().map(|(_, len)| len).sum();
     let columns = entries + seconds;
@@ -146,11 +146,11 @@ fn mask(slots: &[RowSlot], spans: &[(Pass, usize)]) -> Result<HostMask> {
             next_second += 1;
         }
     }
-    Ok(HostMask {
+    HostMask {
         values: mask,
         rows: slots.len(),
         columns,
-    })
+    }
 }
 
 /// An attention mask built on the host, uploaded once per step.
