@@ -206,6 +206,16 @@ fn bad_traces_get_one_line_errors() {
     corrupt[3] = corrupt[3].replace("\"record\"", "\"rekord\"");
     let err = Trace::parse((corrupt.join("\n") + "\n").as_bytes()).unwrap_err();
     assert!(err.starts_with("line 4: not a trace record"), "{err}");
+    // A value with an escaped newline, which serde quotes decoded: still one line.
+    let mut escaped: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+    let line = (escaped.iter().enumerate().skip(1))
+        .find(|(_, l)| l.contains("\"baseline\""))
+        .map(|(i, _)| i)
+        .expect("a baseline record");
+    escaped[line] = escaped[line].replacen("\"baseline\"", "\"basel\\ne\"", 1);
+    let err = Trace::parse((escaped.join("\n") + "\n").as_bytes()).unwrap_err();
+    assert!(err.contains("basel\\ne"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
     // A newer format names both versions.
     let newer = text.replacen("\"spex_trace\":1", "\"spex_trace\":7", 1);
     let err = Trace::parse(newer.as_bytes()).unwrap_err();

@@ -171,7 +171,10 @@ impl Trace {
             match serde_json::from_str::<Record>(line) {
                 Ok(record) => events.push(record.into()),
                 Err(_) if index + 1 == last && !ends_whole => cut_line = Some(index + 1),
-                Err(e) => return Err(format!("line {}: not a trace record: {e}", index + 1)),
+                Err(e) => {
+                    let e = one_line(&e.to_string());
+                    return Err(format!("line {}: not a trace record: {e}", index + 1));
+                }
             }
         }
         Ok(Self {
@@ -188,6 +191,18 @@ impl Trace {
             .filter(|e| is_speculative_step(e))
             .count()
     }
+}
+
+/// `message` with its control characters escaped: serde quotes a bad string from the file
+/// decoded, so an escaped newline in it (`"basel\ne"`) would split a one-line error.
+fn one_line(message: &str) -> String {
+    message
+        .chars()
+        .flat_map(|c| match c.is_control() {
+            true => c.escape_default().collect::<Vec<_>>(),
+            false => vec![c],
+        })
+        .collect()
 }
 
 /// Whether `event` is a step of the speculative lane (a replay's unit of time).
@@ -215,7 +230,8 @@ fn header(line: &str) -> std::result::Result<TraceHeader, String> {
             version.spex_trace
         ));
     }
-    serde_json::from_str(line).map_err(|e| format!("line 1: not a trace header: {e}"))
+    serde_json::from_str(line)
+        .map_err(|e| format!("line 1: not a trace header: {}", one_line(&e.to_string())))
 }
 
 /// The `n`-th file of a series recorded to `path` (from 1): `path` itself, then `NAME-2.EXT`,
