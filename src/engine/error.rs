@@ -37,9 +37,22 @@ impl EngineError {
     pub fn file(path: impl Into<PathBuf>, message: impl std::fmt::Display) -> Self {
         Self::File {
             path: path.into(),
-            message: message.to_string(),
+            message: one_line(&message.to_string()),
         }
     }
+}
+
+/// `message` with its control characters escaped, so that it stays one line: serde quotes a
+/// bad string from a file decoded, and an escaped newline in it (`"basel\ne"`) would split
+/// the error.
+pub fn one_line(message: &str) -> String {
+    message
+        .chars()
+        .flat_map(|c| match c.is_control() {
+            true => c.escape_default().collect::<Vec<_>>(),
+            false => vec![c],
+        })
+        .collect()
 }
 
 /// A TOML parse error as one line: `FILE:LINE: message`.
@@ -52,3 +65,18 @@ pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> En
 
 /// The engine's result type.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_errors_stay_one_line_whatever_the_message_holds() {
+        let e = EngineError::file("model.safetensors", "unknown variant `F\n32`\r\tx");
+        assert_eq!(e.to_string().lines().count(), 1, "{e}");
+        assert_eq!(
+            e.to_string(),
+            "model.safetensors: unknown variant `F\\n32`\\r\\tx"
+        );
+    }
+}

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::checkpoint::Origin;
-use super::error::{EngineError, Result};
+use super::error::{EngineError, Result, one_line};
 use super::events::DecodeEvent;
 use super::metrics::StepTimes;
 use super::policy::PolicyKind;
@@ -191,18 +191,6 @@ impl Trace {
             .filter(|e| is_speculative_step(e))
             .count()
     }
-}
-
-/// `message` with its control characters escaped: serde quotes a bad string from the file
-/// decoded, so an escaped newline in it (`"basel\ne"`) would split a one-line error.
-fn one_line(message: &str) -> String {
-    message
-        .chars()
-        .flat_map(|c| match c.is_control() {
-            true => c.escape_default().collect::<Vec<_>>(),
-            false => vec![c],
-        })
-        .collect()
 }
 
 /// Whether `event` is a step of the speculative lane (a replay's unit of time).
