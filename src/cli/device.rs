@@ -149,28 +149,6 @@ fn first_line(e: &candle_core::Error) -> String {
         .to_string()
 }
 
-/// Checks that a CUDA device has room for `bytes` of weights before they are loaded, so that
-/// a model too large for the GPU is one line naming both sizes instead of a failed allocation
-/// halfway through the load. Other devices: nothing to check.
-pub fn check_memory(device: &Device, bytes: usize) -> Result<(), EngineError> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = device {
-        let gb = |b: usize| b as f64 / 1e9;
-        let (free, total) = (cuda.cuda_stream().context().mem_get_info())
-            .map_err(|e| EngineError::Invalid(format!("--device cuda: {e}")))?;
-        if bytes > free {
-            return Err(EngineError::Invalid(format!(
-                "--device cuda: the model's weights need {:.2} GB and the GPU has {:.2} GB free (of {:.2} GB)",
-                gb(bytes),
-                gb(free),
-                gb(total)
-            )));
-        }
-    }
-    let _ = (device, bytes);
-    Ok(())
-}
-
 /// Checks that `device` can run `dtype` (Metal has no bf16 matmul in candle).
 pub fn check_dtype(device: &Device, dtype: DType) -> Result<(), EngineError> {
     if device.is_metal() && dtype == DType::BF16 {

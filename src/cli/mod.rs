@@ -331,22 +331,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// A checkpoint directory's weights fit on the device (a GPU's free memory) before loading.
-fn check_room(
-    source: &models::ModelSource,
-    dev: &candle_core::Device,
-    dtype: DType,
-) -> Result<(), EngineError> {
-    let models::ModelSource::Dir(dir) = source else {
-        return Ok(()); // the embedded model: a few MB
-    };
-    let config = crate::engine::config::OuroConfig::load(&dir.join("config.json"))?;
-    let elements: usize = (crate::engine::format::checkpoint_tensors(&config).iter())
-        .map(|t| t.shape.iter().product::<usize>())
-        .sum();
-    device::check_memory(dev, elements * dtype.size_in_bytes())
-}
-
 /// Resolves and loads the model `args` name, on the device and dtype asked for.
 pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     args.isa.apply()?;
@@ -365,7 +349,6 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
         .map_or(DType::F32, |d| d.0);
     let dev = device::open(spec)?;
     device::check_dtype(&dev, dtype)?;
-    check_room(&resolved.source, &dev, dtype)?;
     let chat = args.chat || entry.is_some_and(|e| e.chat);
     let options = LoadOptions {
         f32_proposals: args.f32_proposals,

@@ -12,6 +12,7 @@ use candle_nn::VarBuilder;
 
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
+use super::memory::check_device_room;
 use super::model::{Backend, LoadOptions, LoopedModel, Weights};
 use super::tensor_files::TensorFiles;
 use super::tokenizer::TextTokenizer;
@@ -56,6 +57,7 @@ impl Checkpoint {
         dtype: DType,
         options: LoadOptions,
     ) -> Result<Backend> {
+        check_device_room(device, &self.config, dtype, &self.dir)?;
         let files = TensorFiles::open(&self.weight_files)?;
         let vb = VarBuilder::from_backend(Box::new(files), dtype, device.clone());
         let weights = Weights::load(&vb, &self.config).map_err(|e| self.tensor_error(e))?;
@@ -195,6 +197,7 @@ impl LoadedModel {
         let json: serde_json::Value =
             serde_json::from_slice(bytes.config).map_err(|e| EngineError::file(path, e))?;
         let config = OuroConfig::from_json(&json, path)?;
+        check_device_room(device, &config, dtype, Path::new("<embedded>"))?;
         let inner = tokenizers::Tokenizer::from_bytes(bytes.tokenizer)
             .map_err(|e| EngineError::file("<embedded>/tokenizer.json", e))?;
         let tokenizer = TextTokenizer::new(inner, &config.eos_token_ids);

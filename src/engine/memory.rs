@@ -1,6 +1,7 @@
 //! Where the host path's weights live in memory: one arena of huge pages that the weight
 //! matrices are copied into (`into_arena`, for `model::Weights::aligned_for_host`), and
-//! handing freed heap memory back to the kernel while loading. Best effort everywhere: a system without either loses nothing else.
+//! handing freed heap memory back to the kernel while loading; and whether a GPU has room for
+//! a checkpoint's weights before they are loaded (`check_device_room`, for the loaders). Best effort everywhere: a system without either loses nothing else.
 
 use candle_core::{DType, Tensor};
 
@@ -31,6 +32,40 @@ pub fn advise_huge_pages(buf: &[f32], collapse: bool) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (buf, collapse);
+}
+
+/// Checks that `device` has room for the weights of a checkpoint of `config` in `dtype` before
+/// they are loaded, so that a model too large for a GPU is one line naming both sizes instead
+/// of a failed allocation halfway through the load. The CPU and Metal: nothing to check.
+pub fn check_device_room(
+    device: &candle_core::Device,
+    config: &super::OuroConfig,
+    dtype: DType,
+    what: &std::path::Path,
+) -> super::error::Result<()> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cuda) = device {
+        let elements: usize = (super::format::checkpoint_tensors(config).iter())
+            .map(|t| t.shape.iter().product::<usize>())
+            .sum();
+        let bytes = elements * dtype.size_in_bytes();
+        let gb = |b: usize| b as f64 / 1e9;
+        let (free, total) = (cuda.cuda_stream().context().mem_get_info())
+            .map_err(|e| super::EngineError::file(what, format!("cuda: {e}")))?;
+        if bytes > free {
+            return Err(super::EngineError::file(
+                what,
+                format!(
+                    "the weights need {:.2} GB and the GPU has {:.2} GB free (of {:.2} GB)",
+                    gb(bytes),
+                    gb(free),
+                    gb(total)
+                ),
+            ));
+        }
+    }
+    let _ = (device, config, dtype, what);
+    Ok(())
 }
 
 /// Hands memory the allocator holds free back to the kernel. glibc raises its mmap threshold

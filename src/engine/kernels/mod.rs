@@ -194,10 +194,8 @@ fn gated_t_on(
     let (gate, up) = (SharedOut::new(gate), SharedOut::new(up));
     pool.run(&|part| {
         let range = pool::share(width, parts, part, SHARE_ALIGN);
-        let to = OutLayout { col: 1, row: width };
         for (w, out) in [(gate_w, gate), (up_w, up)] {
-            let w = &w[range.start * inner..range.end * inner];
-            matmul_t_serial(isa, x, w, rows, inner, out.from(range.start), to);
+            product_columns(isa, (x, rows, inner), w, out, range.clone());
         }
         for r in 0..rows {
             let at = r * width + range.start;
@@ -230,17 +228,32 @@ fn matmul_t_pooled(
     products: &mut [(&[f32], &mut [f32])],
 ) {
     let parts = pool.threads();
-    let outs: Vec<(&[f32], usize, SharedOut<'_>)> = (products.iter_mut())
-        .map(|(w, out)| (*w, w.len() / inner, SharedOut::new(out)))
+    let outs: Vec<(&[f32], SharedOut<'_>)> = (products.iter_mut())
+        .map(|(w, out)| (*w, SharedOut::new(out)))
         .collect();
     pool.run(&|part| {
-        for &(w, width, out) in &outs {
-            let range = pool::share(width, parts, part, SHARE_ALIGN);
-            let w = &w[range.start * inner..range.end * inner];
-            let to = OutLayout { col: 1, row: width };
-            matmul_t_serial(isa, x, w, rows, inner, out.from(range.start), to);
+        for &(w, out) in &outs {
+            let range = pool::share(w.len() / inner, parts, part, SHARE_ALIGN);
+            product_columns(isa, (x, rows, inner), w, out, range);
         }
     });
+}
+
+/// One thread's share of `out = x · wᵀ` (`out: [rows × outs]`): the weight rows `range`, into
+/// those columns of every row.
+fn product_columns(
+    isa: Isa,
+    (x, rows, inner): (&[f32], usize, usize),
+    w: &[f32],
+    out: SharedOut<'_>,
+    range: std::ops::Range<usize>,
+) {
+    let to = OutLayout {
+        col: 1,
+        row: w.len() / inner,
+    };
+    let w = &w[range.start * inner..range.end * inner];
+    matmul_t_serial(isa, x, w, rows, inner, out.from(range.start), to);
 }
 
 /// An output that the decode threads write at disjoint elements (each its own columns of

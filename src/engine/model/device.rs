@@ -14,6 +14,7 @@ use candle_nn::rotary_emb::rope;
 use super::backend::StepBackend;
 use super::{LayerWeights, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
+use crate::engine::kernels::AttnShape;
 use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
 
@@ -32,15 +33,6 @@ impl DeviceBackend {
     /// The model, shared.
     pub fn shared_model(&self) -> &Arc<LoopedModel> {
         &self.model
-    }
-
-    fn heads(&self) -> (usize, usize, usize) {
-        let cfg = &self.model.config;
-        (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
     }
 }
 
@@ -220,8 +212,9 @@ impl StepBackend for DeviceBackend {
 
     /// Q/K/V projections, RoPE, one scatter of the first candidates' K/V, then one attention
     /// for all rows over the spans of the passes present (and the second candidates' own
-    /// entries), the mask keeping each row to its own pass's entries up to its position. Grouped-query heads share their K/V head by
-    /// grouping the queries, so the cache is never repeated per head.
+    /// entries), the mask keeping each row to its own pass's entries up to its position.
+    /// Grouped-query heads share their K/V head by grouping the queries, so the cache is never
+    /// repeated per head.
     fn attention(
         &self,
         step: &DeviceStep,
@@ -231,7 +224,11 @@ impl StepBackend for DeviceBackend {
         a: &Tensor,
         cache: &mut KvCache<DeviceKv>,
     ) -> Result<Tensor> {
-        let (heads, kv_heads, head_dim) = self.heads();
+        let AttnShape {
+            heads,
+            kv_heads,
+            head_dim,
+        } = self.model.attn_shape();
         let (rows, _) = a.dims2()?;
         let q = rotate(&self.linear(a, &w.q_proj)?, heads, head_dim, step)?;
         let k = rotate(&self.linear(a, &w.k_proj)?, kv_heads, head_dim, step)?;
@@ -327,8 +324,8 @@ fn rotate(x: &Tensor, heads: usize, head_dim: usize, step: &DeviceStep) -> Resul
 }
 
 /// Device K/V buffers, one `[kv_heads, passes · capacity, head_dim]` tensor pair per layer
-/// (head-major, so that a pass's entries are a view the attention's matmuls read in place),
-/// and the K/V rows set aside for second candidates, by (layer, pass, position).
+/// (head-major: the attention's batched matmuls take one head per batch entry), and the K/V
+/// rows set aside for second candidates, by (layer, pass, position).
 #[derive(Debug, Clone)]
 pub struct DeviceKv {
     capacity: usize,

@@ -14,7 +14,7 @@ use super::half_head::HalfHead;
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::pool::Padded;
-use crate::engine::kernels::{self, AttnShape, SubnormalsFlushed};
+use crate::engine::kernels::{self, SubnormalsFlushed};
 use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
 
@@ -137,15 +137,6 @@ impl HostBackend {
         }))
     }
 
-    fn attn_shape(&self) -> AttnShape {
-        let cfg = &self.model.config;
-        AttnShape {
-            heads: cfg.num_attention_heads,
-            kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim,
-        }
-    }
-
     /// A second candidate's K/V write and attention: its entry swapped into place around
     /// them, so that it sees its own entry at the position it shares with its first
     /// candidate, and the first's entry is back in place afterwards.
@@ -166,7 +157,7 @@ impl HostBackend {
             keys,
             values,
             slot.pos + 1,
-            self.attn_shape(),
+            self.model.attn_shape(),
             out,
             &mut scores,
         );
@@ -185,7 +176,7 @@ impl HostBackend {
         store: &HostKv,
     ) {
         let q_dim = q.len() / slots.len();
-        let shape = self.attn_shape();
+        let shape = self.model.attn_shape();
         let rows: Vec<Padded<std::sync::Mutex<&mut [f32]>>> = (out.chunks_mut(q_dim))
             .map(|o| Padded(std::sync::Mutex::new(o)))
             .collect();

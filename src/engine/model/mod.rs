@@ -22,6 +22,7 @@ use candle_nn::VarBuilder;
 use super::config::OuroConfig;
 use super::error::Result;
 use super::format::{self, LayerTensor, Role};
+use super::kernels::AttnShape;
 use super::memory;
 
 /// How a checkpoint's weights are prepared for decoding.
@@ -239,5 +240,14 @@ impl LoopedModel {
     /// R, the passes.
     pub fn passes(&self) -> usize {
         self.config.total_ut_steps
+    }
+
+    /// The attention's heads, K/V heads and head width.
+    pub fn attn_shape(&self) -> AttnShape {
+        AttnShape {
+            heads: self.config.num_attention_heads,
+            kv_heads: self.config.num_key_value_heads,
+            head_dim: self.config.head_dim,
+        }
     }
 }
