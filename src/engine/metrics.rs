@@ -286,7 +286,8 @@ pub fn measure_step_times(backend: &Backend, pos: usize, repeats: usize) -> Resu
 }
 
 /// Median compute of a step of each of `row_counts` rows (rows at passes 1, 2, …, all at
-/// `pos`, all read out). Used by `cargo bench`.
+/// `pos`, all read out; counts above R add second candidates beside the rows at passes 1,
+/// 2, …, as `dual` does). Used by `cargo bench`.
 pub fn median_step_times(
     backend: &Backend,
     pos: usize,
@@ -294,16 +295,18 @@ pub fn median_step_times(
     repeats: usize,
 ) -> Result<Vec<Duration>> {
     let passes = backend.model().passes();
+    let slot = |pass: Pass, second: bool| RowSlot {
+        pos,
+        pass,
+        readout: every_readout(pass, passes),
+        second,
+    };
     let batches: Vec<Vec<RowSlot>> = row_counts
         .iter()
         .map(|&n| {
-            Pass::all(n)
-                .map(|pass| RowSlot {
-                    pos,
-                    pass,
-                    readout: every_readout(pass, passes),
-                    second: false,
-                })
+            let seconds = Pass::all(n.saturating_sub(passes)).map(|pass| slot(pass, true));
+            (Pass::all(n.min(passes)).map(|pass| slot(pass, false)))
+                .chain(seconds)
                 .collect()
         })
         .collect();

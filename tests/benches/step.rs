@@ -1,4 +1,5 @@
-//! `cargo bench --bench step [-- --threads N]`: step compute by rows on random checkpoints
+//! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
+//! [--only shipped]`: step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
 //! real weights. Prints the tables the README carries.
@@ -60,8 +61,10 @@ fn kernel_table() {
 /// Step compute by rows on the shipped models (their real weights; every row's input is a
 /// token embedding, all read out), host kernels.
 fn shipped_models_table(pos: usize) {
-    println!("| model | 1 row | 2 rows | 3 rows | 4 rows | 4 rows / 1 row | ceiling R·t1/tR |");
-    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| model | 1 row | 2 rows | 3 rows | 4 rows | 4 rows + a second | 4 rows / 1 row | ceiling R·t1/tR |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models");
     for name in [
         "shakespeare-r4k6-sync",
@@ -69,32 +72,47 @@ fn shipped_models_table(pos: usize) {
         "shakespeare-r4k4",
     ] {
         let loaded = LoadedModel::load(&root.join(name), &Device::Cpu, DType::F32).expect("load");
-        let t = median_step_times(&loaded.backend, pos, &[1, 2, 3, 4], 200).expect("steps");
+        let t = median_step_times(&loaded.backend, pos, &[1, 2, 3, 4, 5], 200).expect("steps");
         let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
         let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
         println!(
-            "| {name} | {} | {} | {} | {} | {ratio:.2} | {:.2}× |",
+            "| {name} | {} | {} | {} | {} | {} | {ratio:.2} | {:.2}× |",
             ms(t[0]),
             ms(t[1]),
             ms(t[2]),
             ms(t[3]),
+            ms(t[4]),
             4.0 / ratio
         );
     }
     println!();
 }
 
-/// `--threads N` after `--`: the decode threads every step here runs on (default 1).
-fn threads_from_args() -> usize {
+/// The value after `name` among the arguments after `--`.
+fn arg_value(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
-    let at = args.iter().position(|a| a == "--threads");
-    at.and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(1)
+    let at = args.iter().position(|a| a == name)?;
+    args.get(at + 1).cloned()
 }
 
 fn main() {
-    let threads = threads_from_args();
+    let threads = arg_value("--threads").map_or(1, |t| t.parse().expect("--threads N"));
     spex::engine::kernels::pool::set_threads(threads).expect("--threads");
-    println!("decode threads: {threads}\n");
+    if let Some(isa) = arg_value("--isa") {
+        use spex::engine::kernels::Isa;
+        let isa = match isa.as_str() {
+            "avx512" => Isa::Avx512,
+            "avx2" => Isa::Avx2Fma,
+            "neon" => Isa::Neon,
+            _ => Isa::Portable,
+        };
+        spex::engine::kernels::force_isa(isa).expect("--isa");
+    }
+    let isa = spex::engine::kernels::isa();
+    println!("decode threads: {threads}, instruction set: {isa:?}\n");
+    if arg_value("--only").as_deref() == Some("shipped") {
+        return shipped_models_table(128);
+    }
     kernel_table();
     shipped_models_table(128);
     let pos = 128;

@@ -6,11 +6,12 @@
 
 use std::arch::x86_64::*;
 
-use super::{AttnShape, OutLayout, ROW_BLOCK, SharedOut, portable, softmax_in_place};
+use super::{OutLayout, SharedOut};
 
-/// AVX2/FMA dot products of up to 4 rows of `xs` with `J` (1, 2 or 4) weight rows: each
-/// weight chunk is loaded once for all rows and each row chunk once for all weight rows.
-/// Each (row, weight row) pair has one accumulator and the same arithmetic for any block.
+/// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1, 2 or 4)
+/// weight rows: each weight chunk is loaded once for all rows and each row chunk once for all
+/// weight rows. The row count becomes a constant so that every accumulator stays in a
+/// register (6 rows × 2 weight rows + 2 weight chunks + 1 row chunk = 15 of 16).
 ///
 /// # Safety
 /// The CPU must have AVX2 and FMA, and every weight row in `ws` must hold `ws[0].len()`
@@ -23,15 +24,42 @@ pub unsafe fn dots<const J: usize>(
     to: OutLayout,
     first: usize,
 ) {
+    // SAFETY: the caller's features; that many rows of `xs` exist.
+    unsafe {
+        match xs.len() / ws[0].len() {
+            1 => dots_rows::<1, J>(xs, ws, out, to, first),
+            2 => dots_rows::<2, J>(xs, ws, out, to, first),
+            3 => dots_rows::<3, J>(xs, ws, out, to, first),
+            4 => dots_rows::<4, J>(xs, ws, out, to, first),
+            5 => dots_rows::<5, J>(xs, ws, out, to, first),
+            _ => dots_rows::<6, J>(xs, ws, out, to, first),
+        }
+    }
+}
+
+/// Each (row, weight row) pair has one accumulator fed in the same order and reduced by
+/// `reduce4`'s tree (the same whatever it is grouped with), so a row's result does not
+/// depend on R, J or the other rows.
+///
+/// # Safety
+/// As [`dots`], and `xs` holds at least `R` rows.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_rows<const R: usize, const J: usize>(
+    xs: &[f32],
+    ws: [&[f32]; J],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
     let inner = ws[0].len();
-    let rows = (xs.len() / inner).min(ROW_BLOCK);
     let main = inner - inner % 8;
-    let mut acc = [[_mm256_setzero_ps(); J]; ROW_BLOCK];
+    let mut acc = [[_mm256_setzero_ps(); J]; R];
     let xp = xs.as_ptr();
     let mut k = 0;
     while k < main {
-        // SAFETY: k + 8 <= inner; every row r < rows has `inner` elements in `xs`, and
-        // every weight row has `inner` elements.
+        // SAFETY: k + 8 <= inner; every row r < R has `inner` elements in `xs`, and every
+        // weight row has `inner` elements.
         unsafe {
             let w: [__m256; J] = std::array::from_fn(|j| _mm256_loadu_ps(ws[j].as_ptr().add(k)));
             // Weight rows stream from L3: fetch the next group's rows while this one
@@ -39,7 +67,7 @@ pub unsafe fn dots<const J: usize>(
             for wj in ws {
                 _mm_prefetch::<_MM_HINT_T0>(wj.as_ptr().wrapping_add(k + J * inner) as *const i8);
             }
-            for (r, a) in acc.iter_mut().enumerate().take(rows) {
+            for (r, a) in acc.iter_mut().enumerate() {
                 let x = _mm256_loadu_ps(xp.add(r * inner + k));
                 for j in 0..J {
                     a[j] = _mm256_fmadd_ps(x, w[j], a[j]);
@@ -48,23 +76,22 @@ pub unsafe fn dots<const J: usize>(
         }
         k += 8;
     }
-    // Horizontal sums four accumulators at a time; each accumulator's tree is the same
-    // whatever it is grouped with (see `reduce4`).
-    let mut sums = [[0f32; ROW_BLOCK]; J];
+    // Horizontal sums four accumulators at a time (a group of fewer repeats its first and
+    // drops the copies).
     for j in 0..J {
-        let a = |r: usize| if r < rows { acc[r][j] } else { acc[0][j] };
-        let mut four = [0f32; 4];
-        // SAFETY: `four` holds exactly 4 floats.
-        unsafe { _mm_storeu_ps(four.as_mut_ptr(), reduce4(a(0), a(1), a(2), a(3))) };
-        sums[j] = four;
-    }
-    for j in 0..J {
-        for r in 0..rows {
-            let mut sum = sums[j][r];
-            for kk in main..inner {
-                sum += xs[r * inner + kk] * ws[j][kk];
+        for r0 in (0..R).step_by(4) {
+            let a = |r: usize| acc[if r0 + r < R { r0 + r } else { r0 }][j];
+            let mut four = [0f32; 4];
+            // SAFETY: `four` holds exactly 4 floats.
+            unsafe { _mm_storeu_ps(four.as_mut_ptr(), reduce4(a(0), a(1), a(2), a(3))) };
+            for (r, &sum) in four.iter().enumerate().take(R - r0) {
+                let row = r0 + r;
+                let tail = (main..inner).map(|kk| xs[row * inner + kk] * ws[j][kk]);
+                out.set(
+                    j * to.col + (first + row) * to.row,
+                    tail.fold(sum, |s, p| s + p),
+                );
             }
-            out.set(j * to.col + (first + r) * to.row, sum);
         }
     }
 }
@@ -123,6 +150,47 @@ pub fn exp_shifted(x: &mut [f32], shift: f32) {
     }
     for v in chunks.into_remainder() {
         *v = exp1(*v - shift);
+    }
+}
+
+/// Numerically stable softmax in place: the max and the sum over 8 lanes (the sum's lanes
+/// folded by `reduce4`'s tree, then the tail in order), so neither is a chain of dependent
+/// scalar operations (they were half of a row's attention at 128 positions).
+#[target_feature(enable = "avx2,fma")]
+pub fn softmax(x: &mut [f32]) {
+    let mut chunks = x.chunks_exact(8);
+    let mut max8 = _mm256_set1_ps(f32::NEG_INFINITY);
+    for c in &mut chunks {
+        // SAFETY: `c` holds exactly 8 floats.
+        max8 = _mm256_max_ps(max8, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds exactly 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), max8) };
+    let max = (lanes.iter().chain(chunks.remainder())).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    exp_shifted(x, max);
+    let mut chunks = x.chunks_exact(8);
+    let mut sum8 = _mm256_setzero_ps();
+    for c in &mut chunks {
+        // SAFETY: `c` holds exactly 8 floats.
+        sum8 = _mm256_add_ps(sum8, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+    }
+    let zero = _mm256_setzero_ps();
+    let sum = _mm_cvtss_f32(reduce4(sum8, zero, zero, zero));
+    let sum = chunks.remainder().iter().fold(sum, |s, v| s + v);
+    let sum8 = _mm256_set1_ps(sum);
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        // SAFETY: `c` holds exactly 8 floats.
+        unsafe {
+            _mm256_storeu_ps(
+                c.as_mut_ptr(),
+                _mm256_div_ps(_mm256_loadu_ps(c.as_ptr()), sum8),
+            )
+        };
+    }
+    for v in chunks.into_remainder() {
+        *v /= sum;
     }
 }
 
@@ -226,14 +294,16 @@ pub fn head_scores<const C: usize>(
     }
 }
 
-/// `out = Σ_s probs[s] · values[s·stride ..]` for one head of `8·C` floats: one
-/// accumulator per chunk, summed over the positions in order.
+/// `out += Σ_s probs[s] · values[s·stride ..]` for one head of `8·C` floats: one
+/// accumulator per chunk, loaded from `out`, summed over the positions in order.
 /// Checks its own bounds: safe where AVX2 and FMA are enabled.
 #[target_feature(enable = "avx2,fma")]
 pub fn head_values<const C: usize>(probs: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
     let len = probs.len();
     assert!(out.len() >= 8 * C && (len == 0 || values.len() >= (len - 1) * stride + 8 * C));
-    let mut acc = [_mm256_setzero_ps(); C];
+    // SAFETY: 8·c + 8 <= out.len() by the assertion above.
+    let mut acc: [__m256; C] =
+        std::array::from_fn(|c| unsafe { _mm256_loadu_ps(out.as_ptr().add(8 * c)) });
     for (s, &p) in probs.iter().enumerate() {
         let w = _mm256_set1_ps(p);
         for (c, a) in acc.iter_mut().enumerate() {
@@ -245,52 +315,5 @@ pub fn head_values<const C: usize>(probs: &[f32], values: &[f32], stride: usize,
     for (c, a) in acc.iter().enumerate() {
         // SAFETY: 8·c + 8 <= out.len() by the assertion above.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), *a) };
-    }
-}
-
-/// Head-major attention with the query head and the output head in registers (`head_dim`
-/// 64 or 128; other sizes take the portable loops compiled with AVX2). Ten times fewer
-/// instructions than the portable loops, whose per-position horizontal sums made attention
-/// compute-bound even with the cache in L2.
-/// Checks its own bounds: safe where AVX2 and FMA are enabled.
-#[target_feature(enable = "avx2,fma")]
-pub fn attend_row(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    len: usize,
-    shape: AttnShape,
-    out: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    let AttnShape {
-        heads,
-        kv_heads,
-        head_dim,
-    } = shape;
-    if head_dim != 64 && head_dim != 128 {
-        return portable::attend_row(q, keys, values, len, shape, out, scores);
-    }
-    let (kv_dim, group) = (kv_heads * head_dim, heads / kv_heads);
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    scores.clear();
-    scores.resize(heads * len, 0.0);
-    for (h, row_scores) in scores.chunks_exact_mut(len).enumerate() {
-        let (qh, kh) = (&q[h * head_dim..], &keys[(h / group) * head_dim..]);
-        match head_dim {
-            64 => head_scores::<8>(qh, kh, kv_dim, scale, row_scores),
-            _ => head_scores::<16>(qh, kh, kv_dim, scale, row_scores),
-        }
-        softmax_in_place(row_scores);
-    }
-    for (h, oh) in out.chunks_exact_mut(head_dim).take(heads).enumerate() {
-        let (probs, vh) = (
-            &scores[h * len..(h + 1) * len],
-            &values[(h / group) * head_dim..],
-        );
-        match head_dim {
-            64 => head_values::<8>(probs, vh, kv_dim, oh),
-            _ => head_values::<16>(probs, vh, kv_dim, oh),
-        }
     }
 }

@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 use super::{OutLayout, SharedOut, avx2};
 
-/// AVX-512 dot products of up to 4 rows of `xs` with `J` (1, 4 or 8) weight rows; the
+/// AVX-512 dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1, 4 or 8) weight rows; the
 /// row count becomes a constant so that every accumulator stays in a register.
 ///
 /// # Safety
@@ -27,7 +27,9 @@ pub unsafe fn dots<const J: usize>(
             1 => dots_rows::<1, J>(xs, ws, out, to, first),
             2 => dots_rows::<2, J>(xs, ws, out, to, first),
             3 => dots_rows::<3, J>(xs, ws, out, to, first),
-            _ => dots_rows::<4, J>(xs, ws, out, to, first),
+            4 => dots_rows::<4, J>(xs, ws, out, to, first),
+            5 => dots_rows::<5, J>(xs, ws, out, to, first),
+            _ => dots_rows::<6, J>(xs, ws, out, to, first),
         }
     }
 }

@@ -11,8 +11,9 @@ use half::f16;
 const PANEL: usize = 64;
 /// f16 values in 64 bytes: the most the buffer's start can be from a 64-byte boundary.
 const ALIGN_F16: usize = 32;
-/// Input rows per block: 4 × 4 accumulators plus 4 weight registers fit in 32.
-const ROWS: usize = 4;
+/// Input rows per block: 6 × 4 accumulators plus 4 weight registers fit in 32 (a `dual`
+/// step's 5 readouts widen each panel once, not twice).
+const ROWS: usize = 6;
 
 /// Whether `PackedF16::matmul` runs vectorised on this CPU.
 pub fn fast() -> bool {
@@ -144,7 +145,9 @@ mod avx512 {
                 1 => rows::<1>(x, panel, inner, tile),
                 2 => rows::<2>(x, panel, inner, tile),
                 3 => rows::<3>(x, panel, inner, tile),
-                _ => rows::<4>(x, panel, inner, tile),
+                4 => rows::<4>(x, panel, inner, tile),
+                5 => rows::<5>(x, panel, inner, tile),
+                _ => rows::<6>(x, panel, inner, tile),
             }
         }
     }

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use rayon::prelude::*;
 
+mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -37,10 +38,15 @@ mod subnormals;
 #[cfg(test)]
 mod tests;
 
+pub use attention::{AttnShape, Query, attend_group, attend_row};
 pub use subnormals::SubnormalsFlushed;
 
-/// Rows of `x` processed together against one weight row (registers hold 2 accumulators each).
+/// Rows of `x` processed together against one group of weight rows, NEON and portable.
 const ROW_BLOCK: usize = 4;
+/// The same on x86, whose kernels hold up to 6 rows' accumulators in registers: a `dual`
+/// step's 4 rows and a second candidate are one block, and the weights' registers are
+/// loaded once for all 5.
+const X86_ROW_BLOCK: usize = 6;
 /// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
 /// model's) are split across threads by output rows; below it, waking a second thread costs
 /// more than it saves (measured: hidden 256 steps were 15 % slower threaded).
@@ -317,7 +323,7 @@ struct OutLayout {
 }
 
 /// One thread's share: writes the products with the weight rows in `w` where `to` says. Few
-/// input rows take more weight rows at a time, so that there are always 4–8 (AVX2) or 8–16
+/// input rows take more weight rows at a time, so that there are always 4–12 (AVX2) or 8–24
 /// (AVX-512) independent accumulators and each input load feeds several FMAs. The grouping does not
 /// change any result: every (row, weight row) pair is computed the same way.
 fn matmul_t_serial(
@@ -330,7 +336,7 @@ fn matmul_t_serial(
     to: OutLayout,
 ) {
     match (isa, rows) {
-        // AVX-512 has 32 registers: 16 accumulators plus the weight and input chunks fit.
+        // AVX-512 has 32 registers: up to 24 accumulators plus the weight and input chunks fit.
         (Isa::Avx512, 1..=2) => sweep::<8>(isa, x, w, inner, out, to),
         (Isa::Avx512, _) => sweep::<4>(isa, x, w, inner, out, to),
         (_, 1..=2) => sweep::<4>(isa, x, w, inner, out, to),
@@ -346,21 +352,48 @@ fn sweep<const J: usize>(
     out: SharedOut<'_>,
     to: OutLayout,
 ) {
+    let blocks = row_blocks(x.len() / inner, isa);
     let mut w_groups = w.chunks_exact(J * inner);
     for (g, wg) in (&mut w_groups).enumerate() {
         let ws: [&[f32]; J] = std::array::from_fn(|j| &wg[j * inner..(j + 1) * inner]);
-        for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
+        for block in blocks.clone() {
             let o = out.from(g * J * to.col);
-            dots_dispatch(isa, block, ws, o, to, i * ROW_BLOCK);
+            dots_dispatch(
+                isa,
+                &x[block.start * inner..block.end * inner],
+                ws,
+                o,
+                to,
+                block.start,
+            );
         }
     }
     let done = w.len() / inner - w_groups.remainder().len() / inner;
     for (j, w_row) in w_groups.remainder().chunks_exact(inner).enumerate() {
-        for (i, block) in x.chunks(ROW_BLOCK * inner).enumerate() {
+        for block in blocks.clone() {
             let o = out.from((done + j) * to.col);
-            dots_dispatch(isa, block, [w_row], o, to, i * ROW_BLOCK);
+            dots_dispatch(
+                isa,
+                &x[block.start * inner..block.end * inner],
+                [w_row],
+                o,
+                to,
+                block.start,
+            );
         }
     }
+}
+
+/// `rows` split into the fewest blocks the kernels of `isa` take, of nearly equal size (7
+/// rows are 4 + 3, not 6 + 1: a block of one row has too few accumulators to keep the FMA
+/// units busy).
+fn row_blocks(rows: usize, isa: Isa) -> impl Iterator<Item = std::ops::Range<usize>> + Clone {
+    let most = match isa {
+        Isa::Avx512 | Isa::Avx2Fma => X86_ROW_BLOCK,
+        Isa::Neon | Isa::Portable => ROW_BLOCK,
+    };
+    let blocks = rows.div_ceil(most);
+    (0..blocks).map(move |b| b * rows / blocks..(b + 1) * rows / blocks)
 }
 
 /// Writes `out[j·to.col + (first + r)·to.row]` = row r of `block` · `ws[j]`.
@@ -418,47 +451,14 @@ pub fn rope_row(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// Shapes for one row's attention over its pass's cache.
-#[derive(Debug, Clone, Copy)]
-pub struct AttnShape {
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
-
-/// Causal single-query attention of one row: `q` [heads·head_dim] against the first `len`
-/// positions of `keys`/`values` ([positions × kv_heads·head_dim]); GQA maps head h to kv head
-/// h / (heads / kv_heads). `scores` is scratch space.
-pub fn attend_row(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    len: usize,
-    shape: AttnShape,
-    out: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    match isa() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
-        i if i.has_avx2() => unsafe { avx2::attend_row(q, keys, values, len, shape, out, scores) },
-        _ => portable::attend_row(q, keys, values, len, shape, out, scores),
-    }
-}
-
 /// Numerically stable softmax, in place.
 #[inline(always)]
 pub fn softmax_in_place(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     match isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
-        i if i.has_avx2() => unsafe { avx2::exp_shifted(x, max) },
-        _ => x.iter_mut().for_each(|v| *v = (*v - max).exp()),
-    }
-    let sum: f32 = x.iter().sum();
-    for v in x.iter_mut() {
-        *v /= sum;
+        i if i.has_avx2() => unsafe { avx2::softmax(x) },
+        _ => portable::softmax(x),
     }
 }
 

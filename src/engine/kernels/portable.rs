@@ -2,7 +2,7 @@
 //! summation trees are the vector kernels' (`hsum8` is `avx2::reduce4`'s), and the tests hold
 //! every ISA to them.
 
-use super::{AttnShape, OutLayout, SharedOut};
+use super::{OutLayout, SharedOut};
 
 /// Dot products of up to `ROW_BLOCK` rows of `xs` with each weight row in `ws`. Every
 /// (row, weight row) pair uses one 8-lane accumulator and the same order, whatever the
@@ -45,49 +45,36 @@ pub(super) fn hsum8(l: &[f32; 8]) -> f32 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
-/// Causal single-query attention of one row, position-major (see `super::attend_row`).
-#[inline(always)]
-pub fn attend_row(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    len: usize,
-    shape: AttnShape,
-    out: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    let AttnShape {
-        heads,
-        kv_heads,
-        head_dim,
-    } = shape;
-    let kv_dim = kv_heads * head_dim;
-    let group = heads / kv_heads;
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    // Position-major loops: each cached K and V row is read once, front to back, for all
-    // heads, so the hardware prefetcher sees one sequential stream (the cache is evicted by
-    // the weights every step). Per head the arithmetic and its order are those of the
-    // head-major loop, so the results do not change.
-    scores.clear();
-    scores.resize(heads * len, 0.0);
-    for (s, k) in keys.chunks_exact(kv_dim).take(len).enumerate() {
-        for h in 0..heads {
-            let kv_off = (h / group) * head_dim;
-            let qh = &q[h * head_dim..(h + 1) * head_dim];
-            scores[h * len + s] = dot(qh, &k[kv_off..kv_off + head_dim]) * scale;
+/// Numerically stable softmax in place, the sum in `avx2::softmax`'s order (8 lanes, the
+/// `hsum8` tree, then the tail).
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    x.iter_mut().for_each(|v| *v = (*v - max).exp());
+    let mut lanes = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l += v;
         }
     }
-    for head_scores in scores.chunks_exact_mut(len) {
-        super::softmax_in_place(head_scores);
+    let sum = chunks.remainder().iter().fold(hsum8(&lanes), |s, v| s + v);
+    x.iter_mut().for_each(|v| *v /= sum);
+}
+
+/// One head's attention scores, `scores[s] = (q · keys[s·stride ..][..q.len()]) · scale`.
+pub fn head_scores(q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+    for (s, score) in scores.iter_mut().enumerate() {
+        *score = dot(q, &keys[s * stride..s * stride + q.len()]) * scale;
     }
-    out.fill(0.0);
-    for (s, v) in values.chunks_exact(kv_dim).take(len).enumerate() {
-        for (h, oh) in out.chunks_exact_mut(head_dim).take(heads).enumerate() {
-            let kv_off = (h / group) * head_dim;
-            let p = scores[h * len + s];
-            for (o, vv) in oh.iter_mut().zip(&v[kv_off..kv_off + head_dim]) {
-                *o += p * vv;
-            }
+}
+
+/// `out += Σ_s probs[s] · values[s·stride ..][..out.len()]` for one head, the positions in
+/// order.
+pub fn head_values(probs: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+    let width = out.len();
+    for (s, &p) in probs.iter().enumerate() {
+        for (o, v) in out.iter_mut().zip(&values[s * stride..s * stride + width]) {
+            *o += p * v;
         }
     }
 }

@@ -51,19 +51,19 @@ fn every_isa_is_row_invariant_on_tails_and_odd_groups() {
     for inner in [203, 40, 16, 5] {
         let outs = 13;
         let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
-        let x: Vec<f32> = (0..8 * inner).map(|_| lcg(&mut seed)).collect();
+        let x: Vec<f32> = (0..13 * inner).map(|_| lcg(&mut seed)).collect();
         for isa in supported_isas() {
-            let mut all = vec![0f32; 8 * outs];
+            let mut all = vec![0f32; 13 * outs];
             matmul_t_serial(
                 isa,
                 &x,
                 &w,
-                8,
+                13,
                 inner,
                 SharedOut::new(&mut all),
-                transposed(8),
+                transposed(13),
             );
-            for rows in 1..=7 {
+            for rows in 1..=12 {
                 let mut some = vec![0f32; rows * outs];
                 let to = transposed(rows);
                 matmul_t_serial(
@@ -76,7 +76,7 @@ fn every_isa_is_row_invariant_on_tails_and_odd_groups() {
                     to,
                 );
                 for (j, col) in some.chunks_exact(rows).enumerate() {
-                    assert_eq!(col, &all[j * 8..j * 8 + rows], "{isa:?} {inner} {rows}");
+                    assert_eq!(col, &all[j * 13..j * 13 + rows], "{isa:?} {inner} {rows}");
                 }
             }
         }
@@ -161,11 +161,86 @@ fn attention_kernels_agree_closely_with_the_portable_loops() {
                 let keys: Vec<f32> = random(len * kv_heads * head_dim);
                 let values: Vec<f32> = random(len * kv_heads * head_dim);
                 let (mut a, mut b) = (vec![0f32; q.len()], vec![0f32; q.len()]);
-                portable::attend_row(&q, &keys, &values, len, shape, &mut a, &mut Vec::new());
+                let query = [attention::Query {
+                    q: &q,
+                    cached: len,
+                    own: None,
+                }];
+                let cache = (&keys[..], &values[..]);
+                let mut scores = Vec::new();
+                attention::attend_group_on(
+                    Isa::Portable,
+                    &query,
+                    cache,
+                    shape,
+                    &mut a,
+                    &mut scores,
+                );
                 attend_row(&q, &keys, &values, len, shape, &mut b, &mut Vec::new());
                 for (x, y) in a.iter().zip(&b) {
                     assert!((x - y).abs() < 1e-5, "{shape:?} len {len}: {x} vs {y}");
                 }
+            }
+        }
+    }
+}
+
+/// A group of rows over one cache, some with their own entry after it (second candidates),
+/// gives each row the bits it gets alone over the cache with its entry written in place.
+#[test]
+fn a_group_attends_as_its_rows_alone_bit_for_bit() {
+    let mut seed = 29;
+    for isa in supported_isas() {
+        for (head_dim, heads, kv_heads) in [(64, 4, 4), (64, 4, 2), (128, 2, 1), (32, 2, 2)] {
+            let shape = AttnShape {
+                heads,
+                kv_heads,
+                head_dim,
+            };
+            let kv_dim = kv_heads * head_dim;
+            let mut random =
+                |n: usize| -> Vec<f32> { (0..n).map(|_| 4.0 * lcg(&mut seed)).collect() };
+            let (keys, values) = (random(70 * kv_dim), random(70 * kv_dim));
+            let rows: Vec<(usize, bool)> =
+                vec![(70, false), (33, true), (1, false), (0, true), (64, true)];
+            let qs: Vec<Vec<f32>> = rows.iter().map(|_| random(heads * head_dim)).collect();
+            let owns: Vec<(Vec<f32>, Vec<f32>)> = rows
+                .iter()
+                .map(|_| (random(kv_dim), random(kv_dim)))
+                .collect();
+            let queries: Vec<attention::Query> = (rows.iter().zip(&qs).zip(&owns))
+                .map(|((&(cached, own), q), (k, v))| attention::Query {
+                    q,
+                    cached,
+                    own: own.then_some((&k[..], &v[..])),
+                })
+                .collect();
+            let q_dim = heads * head_dim;
+            let mut group = vec![0f32; rows.len() * q_dim];
+            let cache = (&keys[..], &values[..]);
+            attention::attend_group_on(isa, &queries, cache, shape, &mut group, &mut Vec::new());
+            for (n, query) in queries.iter().enumerate() {
+                let (mut k, mut v) = (
+                    keys[..query.cached * kv_dim].to_vec(),
+                    values[..query.cached * kv_dim].to_vec(),
+                );
+                if let Some((own_k, own_v)) = query.own {
+                    k.extend_from_slice(own_k);
+                    v.extend_from_slice(own_v);
+                }
+                let alone = [attention::Query {
+                    q: query.q,
+                    cached: k.len() / kv_dim,
+                    own: None,
+                }];
+                let mut out = vec![0f32; q_dim];
+                attention::attend_group_on(isa, &alone, (&k, &v), shape, &mut out, &mut Vec::new());
+                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&out),
+                    bits(&group[n * q_dim..(n + 1) * q_dim]),
+                    "{isa:?} {shape:?} row {n}"
+                );
             }
         }
     }

@@ -13,7 +13,6 @@ use super::backend::StepBackend;
 use super::half_head::HalfHead;
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::pool::Padded;
 use crate::engine::kernels::{self, SubnormalsFlushed};
 use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
@@ -137,59 +136,45 @@ impl HostBackend {
         }))
     }
 
-    /// A second candidate's K/V write and attention: its entry swapped into place around
-    /// them, so that it sees its own entry at the position it shares with its first
-    /// candidate, and the first's entry is back in place afterwards.
-    fn attend_second(
+    /// The attention of every row (each first candidate's K/V already in the cache, each
+    /// second candidate's in `k`/`v` only), the rows of one pass in groups that stream that
+    /// pass's cache once (`kernels::attend_group`), the groups split across the decode
+    /// threads. Each row reads only entries written before any row attends, and its result
+    /// does not depend on its group or thread.
+    fn attend_groups(
         &self,
         layer: usize,
-        slot: RowSlot,
+        slots: &[RowSlot],
         (q, k, v): (&[f32], &[f32], &[f32]),
-        out: &mut [f32],
-        cache: &mut KvCache<HostKv>,
-    ) -> Result<()> {
-        cache.swap_second(layer, slot.pass, slot.pos)?;
-        cache.store_mut().write(layer, slot.pass, slot.pos, k, v);
-        let (keys, values) = cache.store().pass(layer, slot.pass, slot.pos + 1);
-        let mut scores = Vec::new();
-        kernels::attend_row(
-            q,
-            keys,
-            values,
-            slot.pos + 1,
-            self.model.attn_shape(),
-            out,
-            &mut scores,
-        );
-        cache.swap_second(layer, slot.pass, slot.pos)
-    }
-
-    /// The attention of the first-candidate rows `firsts` (their K/V already written), split
-    /// across the decode threads by rows. Each row reads only entries up to its own
-    /// position, all written before any row attends, so the split changes nothing.
-    fn attend_firsts(
-        &self,
-        layer: usize,
-        (slots, firsts): (&[RowSlot], &[usize]),
-        q: &[f32],
         out: &mut [f32],
         store: &HostKv,
     ) {
-        let q_dim = q.len() / slots.len();
+        let (q_dim, kv_dim) = (q.len() / slots.len(), k.len() / slots.len());
         let shape = self.model.attn_shape();
-        let rows: Vec<Padded<std::sync::Mutex<&mut [f32]>>> = (out.chunks_mut(q_dim))
-            .map(|o| Padded(std::sync::Mutex::new(o)))
-            .collect();
+        let groups = pass_groups(slots);
+        let out = kernels::SharedOut::new(out);
         let pool = kernels::pool::pool();
-        let parts = if firsts.len() > 1 { pool.threads() } else { 1 };
+        let parts = if groups.len() > 1 { pool.threads() } else { 1 };
         let attend = |part: usize| {
-            let mut scores = Vec::new();
-            for &i in firsts.iter().skip(part).step_by(parts) {
-                let slot = slots[i];
-                let (keys, values) = store.pass(layer, slot.pass, slot.pos + 1);
-                let mut o = rows[i].lock().unwrap_or_else(|e| e.into_inner());
-                let qi = &q[i * q_dim..(i + 1) * q_dim];
-                kernels::attend_row(qi, keys, values, slot.pos + 1, shape, &mut o, &mut scores);
+            let (mut scores, mut group_out) = (Vec::new(), Vec::new());
+            for group in groups.iter().skip(part).step_by(parts) {
+                let queries: Vec<kernels::Query> = (group.iter())
+                    .map(|&i| {
+                        let (slot, own) = (slots[i], i * kv_dim..(i + 1) * kv_dim);
+                        kernels::Query {
+                            q: &q[i * q_dim..(i + 1) * q_dim],
+                            cached: if slot.second { slot.pos } else { slot.pos + 1 },
+                            own: slot.second.then(|| (&k[own.clone()], &v[own])),
+                        }
+                    })
+                    .collect();
+                let cached = queries.iter().map(|query| query.cached).max().unwrap_or(0);
+                let cache = store.pass(layer, slots[group[0]].pass, cached);
+                group_out.resize(group.len() * q_dim, 0.0);
+                kernels::attend_group(&queries, cache, shape, &mut group_out, &mut scores);
+                for (n, &i) in group.iter().enumerate() {
+                    out.set_all(i * q_dim, &group_out[n * q_dim..(n + 1) * q_dim]);
+                }
             }
         };
         match parts {
@@ -198,6 +183,24 @@ impl HostBackend {
         }
     }
 }
+
+/// Rows that read one pass's cache in one attention group: each pass's rows in row order,
+/// in groups of at most [`GROUP_ROWS`] (a long prompt's rows still split across threads).
+fn pass_groups(slots: &[RowSlot]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (i, slot) in slots.iter().enumerate() {
+        let open =
+            (groups.iter_mut()).find(|g| slots[g[0]].pass == slot.pass && g.len() < GROUP_ROWS);
+        match open {
+            Some(group) => group.push(i),
+            None => groups.push(vec![i]),
+        }
+    }
+    groups
+}
+
+/// The most rows in one attention group.
+const GROUP_ROWS: usize = 4;
 
 impl StepBackend for HostBackend {
     type Hidden = Vec<f32>;
@@ -305,36 +308,24 @@ impl StepBackend for HostBackend {
         let [q, k, v] = self.linears(a, [&w.q_proj, &w.k_proj, &w.v_proj])?;
         let (mut q, mut k, v) = (q.data, k.data, v.data);
         let mut out = vec![0f32; a.rows * q_dim];
-        // RoPE, and every first candidate's K/V written in row order; then their attention;
-        // then the second candidates', each around its own entry (the order of a row-by-row
-        // walk: second candidates come after every first candidate).
-        let mut firsts = Vec::with_capacity(slots.len());
+        // RoPE; every first candidate's K/V written in row order and every second
+        // candidate's set aside; then every row's attention.
         for (i, &slot) in slots.iter().enumerate() {
             let (cos, sin) = self.model.rope.at(slot.pos);
             kernels::rope_row(&mut q[i * q_dim..(i + 1) * q_dim], head_dim, cos, sin);
             let ki = &mut k[i * kv_dim..(i + 1) * kv_dim];
             kernels::rope_row(ki, head_dim, cos, sin);
-            if !slot.second {
-                let vi = &v[i * kv_dim..(i + 1) * kv_dim];
+            let vi = &v[i * kv_dim..(i + 1) * kv_dim];
+            if slot.second {
+                cache
+                    .store_mut()
+                    .set_aside(layer, slot.pass, slot.pos, ki, vi);
+                cache.note_second(slot.pass, slot.pos);
+            } else {
                 cache.store_mut().write(layer, slot.pass, slot.pos, ki, vi);
-                firsts.push(i);
             }
         }
-        self.attend_firsts(layer, (slots, &firsts), &q, &mut out, cache.store());
-        for (i, &slot) in slots.iter().enumerate().filter(|(_, s)| s.second) {
-            let qkv = (
-                &q[i * q_dim..(i + 1) * q_dim],
-                &k[i * kv_dim..(i + 1) * kv_dim],
-                &v[i * kv_dim..(i + 1) * kv_dim],
-            );
-            self.attend_second(
-                layer,
-                slot,
-                qkv,
-                &mut out[i * q_dim..(i + 1) * q_dim],
-                cache,
-            )?;
-        }
+        self.attend_groups(layer, slots, (&q, &k, &v), &mut out, cache.store());
         Ok(HostRows {
             data: out,
             rows: a.rows,
@@ -420,6 +411,13 @@ impl HostKv {
     fn pass(&self, layer: usize, pass: Pass, len: usize) -> (&[f32], &[f32]) {
         let range = self.offset(pass, 0)..self.offset(pass, len);
         (&self.keys[layer][range.clone()], &self.values[layer][range])
+    }
+
+    /// Sets a second candidate's K/V row aside at (`layer`, `pass`, `pos`): where
+    /// [`KvStore::swap_aside`] around its row would leave it.
+    fn set_aside(&mut self, layer: usize, pass: Pass, pos: usize, k: &[f32], v: &[f32]) {
+        self.aside
+            .insert((layer, pass, pos), (k.to_vec(), v.to_vec()));
     }
 
     /// Writes one K/V row at (`layer`, `pass`, `pos`).
