@@ -13,6 +13,8 @@
 //! row's output sums the positions in order, carried from tile to tile in memory, which
 //! rounds nothing. A row alone (`attend_row`) is a group of one.
 
+use std::ops::Range;
+
 use super::{Isa, isa, portable, softmax_in_place};
 
 /// Positions per tile: one head's keys of a tile (`TILE · head_dim` floats, 8 KB at 64)
@@ -64,20 +66,28 @@ pub fn attend_row(
         cached: len,
         own: None,
     };
-    attend_group(&[query], (keys, values), shape, out, scores);
+    attend_group(
+        &[query],
+        (keys, values),
+        (shape, 0..shape.heads),
+        out,
+        scores,
+    );
 }
 
 /// The attention of every row in `queries` over `keys`/`values` (one pass's cache,
-/// `[positions × kv_heads·head_dim]`, covering the largest `cached`), into `out`
-/// (`[rows × heads·head_dim]`). `scores` is scratch space.
+/// `[positions × kv_heads·head_dim]`, covering the largest `cached`) for the heads in
+/// `heads`, into `out` (`[rows × heads.len()·head_dim]`). `scores` is scratch space. The
+/// heads are independent: the decode threads split a group by heads where the groups alone
+/// would leave one idle (a one-row step, three rows on two threads).
 pub fn attend_group(
     queries: &[Query<'_>],
     cache: (&[f32], &[f32]),
-    shape: AttnShape,
+    heads: (AttnShape, Range<usize>),
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
-    attend_group_on(isa(), queries, cache, shape, out, scores);
+    attend_group_on(isa(), queries, cache, heads, out, scores);
 }
 
 /// [`attend_group`] with the kernels of `isa` (the tests compare instruction sets).
@@ -85,30 +95,31 @@ pub(super) fn attend_group_on(
     isa: Isa,
     queries: &[Query<'_>],
     (keys, values): (&[f32], &[f32]),
-    shape: AttnShape,
+    (shape, heads): (AttnShape, Range<usize>),
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
-    let heads = shape.heads;
+    let count = heads.len();
     let starts: Vec<usize> = (queries.iter())
         .scan(0, |at, query| {
             let start = *at;
-            *at += heads * query.len();
+            *at += count * query.len();
             Some(start)
         })
         .collect();
     scores.clear();
-    scores.resize(heads * queries.iter().map(Query::len).sum::<usize>(), 0.0);
+    scores.resize(count * queries.iter().map(Query::len).sum::<usize>(), 0.0);
     let walk = Walk {
         isa,
         queries,
         starts: &starts,
         shape,
+        heads,
     };
     walk.scores(keys, scores);
     for (query, &start) in queries.iter().zip(&starts) {
         let len = query.len();
-        for head in scores[start..start + heads * len].chunks_exact_mut(len.max(1)) {
+        for head in scores[start..start + count * len].chunks_exact_mut(len.max(1)) {
             softmax_in_place(head);
         }
     }
@@ -120,9 +131,11 @@ pub(super) fn attend_group_on(
 struct Walk<'a> {
     isa: Isa,
     queries: &'a [Query<'a>],
-    /// Where each row's scores start: `heads` runs of its `len()` scores.
+    /// Where each row's scores start: a run of its `len()` scores per head.
     starts: &'a [usize],
     shape: AttnShape,
+    /// The heads it computes.
+    heads: Range<usize>,
 }
 
 impl Walk<'_> {
@@ -141,12 +154,12 @@ impl Walk<'_> {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let cached = self.queries.iter().map(|q| q.cached).max().unwrap_or(0);
         for s0 in (0..cached).step_by(TILE) {
-            for h in 0..self.shape.heads {
+            for h in self.heads.clone() {
                 let kh = &keys[s0 * kv_dim + self.kv_offset(h)..];
                 for (query, &start) in self.queries.iter().zip(self.starts) {
                     let end = (s0 + TILE).min(query.cached);
                     if end > s0 {
-                        let row = start + h * query.len();
+                        let row = start + (h - self.heads.start) * query.len();
                         let qh = &query.q[h * head_dim..(h + 1) * head_dim];
                         head_scores(self.isa, qh, kh, kv_dim, scale, &mut scores[row..][s0..end]);
                     }
@@ -157,8 +170,9 @@ impl Walk<'_> {
             let Some((own_k, _)) = query.own else {
                 continue;
             };
-            for h in 0..self.shape.heads {
-                let (row, qh) = (start + h * query.len(), &query.q[h * head_dim..]);
+            for h in self.heads.clone() {
+                let row = start + (h - self.heads.start) * query.len();
+                let qh = &query.q[h * head_dim..];
                 let at = row + query.cached;
                 let kh = &own_k[self.kv_offset(h)..];
                 head_scores(
@@ -176,16 +190,17 @@ impl Walk<'_> {
     /// Each row's output, `Σ_s p_s · v_s` per head, the positions in order.
     fn values(&self, values: &[f32], probs: &[f32], out: &mut [f32]) {
         let (kv_dim, head_dim) = (self.kv_dim(), self.shape.head_dim);
-        let q_dim = self.shape.heads * head_dim;
+        let width = self.heads.len() * head_dim;
         let cached = self.queries.iter().map(|q| q.cached).max().unwrap_or(0);
         for s0 in (0..cached).step_by(TILE) {
-            for h in 0..self.shape.heads {
+            for h in self.heads.clone() {
                 let vh = &values[s0 * kv_dim + self.kv_offset(h)..];
                 for (n, (query, &start)) in self.queries.iter().zip(self.starts).enumerate() {
                     let end = (s0 + TILE).min(query.cached);
                     if end > s0 {
-                        let row = start + h * query.len();
-                        let oh = &mut out[n * q_dim + h * head_dim..][..head_dim];
+                        let row = start + (h - self.heads.start) * query.len();
+                        let oh =
+                            &mut out[n * width + (h - self.heads.start) * head_dim..][..head_dim];
                         head_values(self.isa, &probs[row..][s0..end], vh, kv_dim, oh);
                     }
                 }
@@ -195,9 +210,9 @@ impl Walk<'_> {
             let Some((_, own_v)) = query.own else {
                 continue;
             };
-            for h in 0..self.shape.heads {
-                let at = start + h * query.len() + query.cached;
-                let oh = &mut out[n * q_dim + h * head_dim..][..head_dim];
+            for h in self.heads.clone() {
+                let at = start + (h - self.heads.start) * query.len() + query.cached;
+                let oh = &mut out[n * width + (h - self.heads.start) * head_dim..][..head_dim];
                 head_values(
                     self.isa,
                     &probs[at..=at],

@@ -172,7 +172,7 @@ fn attention_kernels_agree_closely_with_the_portable_loops() {
                     Isa::Portable,
                     &query,
                     cache,
-                    shape,
+                    (shape, 0..heads),
                     &mut a,
                     &mut scores,
                 );
@@ -218,7 +218,30 @@ fn a_group_attends_as_its_rows_alone_bit_for_bit() {
             let q_dim = heads * head_dim;
             let mut group = vec![0f32; rows.len() * q_dim];
             let cache = (&keys[..], &values[..]);
-            attention::attend_group_on(isa, &queries, cache, shape, &mut group, &mut Vec::new());
+            attention::attend_group_on(
+                isa,
+                &queries,
+                cache,
+                (shape, 0..heads),
+                &mut group,
+                &mut Vec::new(),
+            );
+            // Split by heads, each head alone: the same bits.
+            for h in 0..heads {
+                let mut one = vec![0f32; rows.len() * head_dim];
+                attention::attend_group_on(
+                    isa,
+                    &queries,
+                    cache,
+                    (shape, h..h + 1),
+                    &mut one,
+                    &mut Vec::new(),
+                );
+                for (n, o) in one.chunks_exact(head_dim).enumerate() {
+                    let whole = &group[n * q_dim + h * head_dim..][..head_dim];
+                    assert_eq!(o, whole, "{isa:?} {shape:?} row {n} head {h}");
+                }
+            }
             for (n, query) in queries.iter().enumerate() {
                 let (mut k, mut v) = (
                     keys[..query.cached * kv_dim].to_vec(),
@@ -234,7 +257,14 @@ fn a_group_attends_as_its_rows_alone_bit_for_bit() {
                     own: None,
                 }];
                 let mut out = vec![0f32; q_dim];
-                attention::attend_group_on(isa, &alone, (&k, &v), shape, &mut out, &mut Vec::new());
+                attention::attend_group_on(
+                    isa,
+                    &alone,
+                    (&k, &v),
+                    (shape, 0..heads),
+                    &mut out,
+                    &mut Vec::new(),
+                );
                 let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&out),

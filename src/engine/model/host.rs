@@ -13,7 +13,7 @@ use super::backend::StepBackend;
 use super::half_head::HalfHead;
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::{self, SubnormalsFlushed};
+use crate::engine::kernels::{self, SubnormalsFlushed, pool};
 use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
 
@@ -138,9 +138,10 @@ impl HostBackend {
 
     /// The attention of every row (each first candidate's K/V already in the cache, each
     /// second candidate's in `k`/`v` only), the rows of one pass in groups that stream that
-    /// pass's cache once (`kernels::attend_group`), the groups split across the decode
-    /// threads. Each row reads only entries written before any row attends, and its result
-    /// does not depend on its group or thread.
+    /// pass's cache once (`kernels::attend_group`), split across the decode threads by
+    /// groups, and by heads too where the groups alone would leave a thread idle. Each row
+    /// reads only entries written before any row attends, and its result does not depend on
+    /// its group, its thread or the split.
     fn attend_groups(
         &self,
         layer: usize,
@@ -150,14 +151,22 @@ impl HostBackend {
         store: &HostKv,
     ) {
         let (q_dim, kv_dim) = (q.len() / slots.len(), k.len() / slots.len());
-        let shape = self.model.attn_shape();
-        let groups = pass_groups(slots);
-        let out = kernels::SharedOut::new(out);
+        let (shape, groups) = (self.model.attn_shape(), pass_groups(slots));
         let pool = kernels::pool::pool();
-        let parts = if groups.len() > 1 { pool.threads() } else { 1 };
+        let parts = pool.threads();
+        let splits = if groups.len() % parts == 0 {
+            1
+        } else {
+            parts.min(shape.heads)
+        };
+        let items = groups.len() * splits;
+        let out = kernels::SharedOut::new(out);
         let attend = |part: usize| {
-            let (mut scores, mut group_out) = (Vec::new(), Vec::new());
-            for group in groups.iter().skip(part).step_by(parts) {
+            let (mut scores, mut item_out) = (Vec::new(), Vec::new());
+            for item in (part..items).step_by(parts) {
+                let group = &groups[item / splits];
+                let heads = pool::share(shape.heads, splits, item % splits, 1);
+                let width = heads.len() * shape.head_dim;
                 let queries: Vec<kernels::Query> = (group.iter())
                     .map(|&i| {
                         let (slot, own) = (slots[i], i * kv_dim..(i + 1) * kv_dim);
@@ -170,14 +179,15 @@ impl HostBackend {
                     .collect();
                 let cached = queries.iter().map(|query| query.cached).max().unwrap_or(0);
                 let cache = store.pass(layer, slots[group[0]].pass, cached);
-                group_out.resize(group.len() * q_dim, 0.0);
-                kernels::attend_group(&queries, cache, shape, &mut group_out, &mut scores);
-                for (n, &i) in group.iter().enumerate() {
-                    out.set_all(i * q_dim, &group_out[n * q_dim..(n + 1) * q_dim]);
+                item_out.resize(group.len() * width, 0.0);
+                let at = heads.start * shape.head_dim;
+                kernels::attend_group(&queries, cache, (shape, heads), &mut item_out, &mut scores);
+                for (o, &i) in item_out.chunks_exact(width).zip(group) {
+                    out.set_all(i * q_dim + at, o);
                 }
             }
         };
-        match parts {
+        match items.min(parts) {
             1 => attend(0),
             _ => pool.run(&attend),
         }
