@@ -147,9 +147,9 @@ impl<S: KvStore> KvCache<S> {
     }
 
     /// Exchanges `layer`'s entry at (`pass`, `pos`) with the entry set aside for a second
-    /// candidate there. The step calls it around the second candidate's row in every layer, so
-    /// that the row writes and attends to its own entry in place and the first candidate's
-    /// entry is back in the buffers afterwards.
+    /// candidate there. The what-if oracle calls it around a second candidate's row, so that
+    /// the row sees its own entry in place and the first candidate's is back afterwards (the
+    /// step backends write a second candidate's entry aside and call [`KvCache::note_second`]).
     pub(crate) fn swap_second(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
         self.seconds.insert((pos, pass));
         self.store.swap_aside(layer, pass, pos)

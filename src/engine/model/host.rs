@@ -13,7 +13,7 @@ use super::backend::StepBackend;
 use super::half_head::HalfHead;
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::{self, SubnormalsFlushed, pool};
+use crate::engine::kernels::{self, SubnormalsFlushed};
 use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
 
@@ -165,7 +165,7 @@ impl HostBackend {
             let (mut scores, mut item_out) = (Vec::new(), Vec::new());
             for item in (part..items).step_by(parts) {
                 let group = &groups[item / splits];
-                let heads = pool::share(shape.heads, splits, item % splits, 1);
+                let heads = kernels::pool::share(shape.heads, splits, item % splits, 1);
                 let width = heads.len() * shape.head_dim;
                 let queries: Vec<kernels::Query> = (group.iter())
                     .map(|&i| {
