@@ -4,10 +4,13 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{PROMPTS, Variant, random_model, spec, with_device_backend, with_f32_readouts};
+use common::{
+    PROMPTS, Variant, random_model, reference_logits, spec, with_device_backend, with_f32_readouts,
+    with_kv_dtype,
+};
 use spex::engine::bench::run_lane;
 use spex::engine::kv_cache::KvCache;
-use spex::engine::model::{Backend, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow};
+use spex::engine::model::{Backend, KvDtype, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow};
 use spex::engine::policy::PolicyKind;
 use spex::engine::{DecodeOptions, LoadedModel};
 
@@ -75,15 +78,17 @@ fn speed_equals_baseline_on_every_shape() {
                     variant,
                     (layers * 10 + passes) as u64,
                 ));
-                let label = format!("{variant:?} K={layers} R={passes}");
-                assert_lanes_equal(&loaded, &label, &mut tally);
+                for kv in [KvDtype::F16, KvDtype::F32] {
+                    let label = format!("{variant:?} K={layers} R={passes} KV {kv:?}");
+                    assert_lanes_equal(&with_kv_dtype(&loaded, kv), &label, &mut tally);
+                }
             }
         }
     }
-    // Per variant and prompt: 3 policies on 12 shapes, loopspec on the 9 with R ≥ 2 and
-    // loopspec:d2=2 on the 6 with R ≥ 3.
-    assert_eq!(tally.runs, 3 * 20 * (36 + 9 + 6));
-    assert_eq!(tally.loopspec_runs, 3 * 20 * (9 + 6));
+    // Per variant, prompt and KV element type: 3 policies on 12 shapes, loopspec on the 9
+    // with R ≥ 2 and loopspec:d2=2 on the 6 with R ≥ 3.
+    assert_eq!(tally.runs, 2 * 3 * 20 * (36 + 9 + 6));
+    assert_eq!(tally.loopspec_runs, 2 * 3 * 20 * (9 + 6));
     assert!(
         tally.flips > 100,
         "random models should flip often, saw {}",
@@ -109,7 +114,9 @@ fn speed_equals_baseline_on_the_device_code_path() {
         let (_dir, loaded) = random_model(&spec(2, 4, variant, 7));
         let device = with_device_backend(&loaded);
         assert_lanes_equal(&device, &format!("device {variant:?}"), &mut tally);
-        let host = run_lane(&loaded, PolicyKind::Baseline, PROMPTS[0], OPTIONS).unwrap();
+        // The device path keeps f32 keys and values, like the host's f32 cache.
+        let host = with_kv_dtype(&loaded, KvDtype::F32);
+        let host = run_lane(&host, PolicyKind::Baseline, PROMPTS[0], OPTIONS).unwrap();
         let dev = run_lane(&device, PolicyKind::Baseline, PROMPTS[0], OPTIONS).unwrap();
         assert_eq!(host.tokens, dev.tokens, "host and device paths agree");
     }
@@ -117,21 +124,6 @@ fn speed_equals_baseline_on_the_device_code_path() {
         tally.accepted_second > 0,
         "no second candidate won on the device path"
     );
-}
-
-/// Reference logits `[passes][pos][vocab]` of the full-sequence forward.
-fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>> {
-    let input = Tensor::new(ids, &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    loaded
-        .model()
-        .forward_sequence(&input)
-        .unwrap()
-        .into_iter()
-        .map(|t| t.squeeze(0).unwrap().to_vec2::<f32>().unwrap())
-        .collect()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -241,6 +233,7 @@ fn batched_step_matches_reference_forward() {
         for (layers, passes) in [(1, 1), (2, 3), (4, 4)] {
             let (_dir, loaded) = random_model(&spec(layers, passes, variant, 3));
             check_pipelined_steps(&loaded);
+            check_pipelined_steps(&with_kv_dtype(&loaded, KvDtype::F32));
             check_pipelined_steps(&with_device_backend(&loaded));
         }
     }
@@ -250,11 +243,13 @@ fn batched_step_matches_reference_forward() {
 fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
     use spex::engine::Decoder;
     let (mut promoted, mut loopspec_promoted, mut total_flushes) = (0, 0, 0);
-    for (variant, prompt) in [Variant::Tied, Variant::Gqa]
+    for ((variant, kv), prompt) in [Variant::Tied, Variant::Gqa]
         .into_iter()
-        .flat_map(|v| PROMPTS.iter().map(move |p| (v, p)))
+        .flat_map(|v| [(v, KvDtype::F16), (v, KvDtype::F32)])
+        .flat_map(|vk| PROMPTS.iter().map(move |p| (vk, p)))
     {
         let (_dir, loaded) = random_model(&spec(2, 4, variant, 11));
+        let loaded = with_kv_dtype(&loaded, kv);
         let run = |policy: PolicyKind| {
             let mut d = Decoder::new(&loaded, policy.build(), prompt, OPTIONS).unwrap();
             let (mut flushes, mut promotions) = (0, 0);

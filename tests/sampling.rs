@@ -7,7 +7,6 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 
-use candle_core::{Device, Tensor};
 use common::{PROMPTS, Variant, random_model, spec, with_f32_readouts};
 use spex::engine::bench::run_lane;
 use spex::engine::metrics::RunStats;
@@ -124,15 +123,12 @@ fn target(l: &[f32], s: &Sampling) -> BTreeMap<u32, f64> {
         .collect()
 }
 
-/// Pass-R logits of the reference forward at the last position of `ids`.
+/// Pass-R logits of the reference forward at the last position of `ids` (its keys and values
+/// rounded as `loaded`'s KV cache stores them).
 fn reference_last(loaded: &LoadedModel, ids: &[u32]) -> Vec<f32> {
-    let input = Tensor::new(ids, &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let logits = loaded.model().forward_sequence(&input).unwrap();
-    let last = logits.last().unwrap().squeeze(0).unwrap();
-    last.get(ids.len() - 1).unwrap().to_vec1::<f32>().unwrap()
+    let mut passes = common::reference_logits(loaded, ids);
+    let mut last = passes.pop().expect("a pass");
+    last.swap_remove(ids.len() - 1)
 }
 
 /// Pearson's chi-square of `observed` against `expected` probabilities over `n` draws, cells

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use candle_core::DType;
 use clap::{Args, Parser, Subcommand};
 
-use crate::engine::model::LoadOptions;
+use crate::engine::model::{KvDtype, LoadOptions};
 use crate::engine::policy::PolicyKind;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use crate::engine::{EngineError, LoadedModel, Sampling};
@@ -86,6 +86,10 @@ pub struct ModelArgs {
     /// exact either way).
     #[arg(long)]
     pub f32_proposals: bool,
+    /// The CPU KV cache's element type: f16 (half the bytes each attention row reads) or f32
+    /// (equal to a full-precision forward). Both lanes of a race use the same.
+    #[arg(long, value_enum, default_value_t = KvCacheArg::F16)]
+    pub kv_cache: KvCacheArg,
     /// The CPU kernels' instruction set: auto (the best this CPU has), avx512, avx2, neon
     /// (aarch64) or portable (a lower one measures it on this machine).
     #[arg(long, value_enum, default_value_t = IsaArg::Auto)]
@@ -93,6 +97,22 @@ pub struct ModelArgs {
     /// Threads a CPU decode step is split over (both lanes of a race or bench use the same).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+}
+
+/// `--kv-cache`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvCacheArg {
+    F16,
+    F32,
+}
+
+impl From<KvCacheArg> for KvDtype {
+    fn from(arg: KvCacheArg) -> Self {
+        match arg {
+            KvCacheArg::F16 => KvDtype::F16,
+            KvCacheArg::F32 => KvDtype::F32,
+        }
+    }
 }
 
 /// `--isa`.
@@ -352,6 +372,7 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     let chat = args.chat || entry.is_some_and(|e| e.chat);
     let options = LoadOptions {
         f32_proposals: args.f32_proposals,
+        kv_dtype: args.kv_cache.into(),
     };
     let mut loaded = match &resolved.source {
         models::ModelSource::Dir(dir) => LoadedModel::load_with(dir, &dev, dtype, options)?,

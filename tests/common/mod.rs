@@ -7,7 +7,7 @@ use spex::engine::LoadedModel;
 use spex::engine::config::ModelShape;
 use spex::engine::model::device::DeviceBackend;
 use spex::engine::model::host::HostBackend;
-use spex::engine::model::{Backend, LoadOptions};
+use spex::engine::model::{Backend, KvDtype, LoadOptions};
 use spex::engine::policy::PolicyKind;
 use spex::engine::race::run_race;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
@@ -58,14 +58,30 @@ pub fn with_device_backend(loaded: &LoadedModel) -> LoadedModel {
     }
 }
 
-/// The same checkpoint with every readout on the f32 head (no f16 proposal head).
+/// The same checkpoint with every readout on the f32 head (no f16 proposal head), its KV
+/// cache's element type kept.
 pub fn with_f32_readouts(loaded: &LoadedModel) -> LoadedModel {
+    with_host_options(loaded, |o| LoadOptions {
+        f32_proposals: true,
+        ..o
+    })
+}
+
+/// The same checkpoint with its host KV cache in `kv_dtype`.
+pub fn with_kv_dtype(loaded: &LoadedModel, kv_dtype: KvDtype) -> LoadedModel {
+    with_host_options(loaded, |o| LoadOptions { kv_dtype, ..o })
+}
+
+/// The same checkpoint's host backend rebuilt with `change(its options)`; a device backend
+/// is kept as it is.
+fn with_host_options(
+    loaded: &LoadedModel,
+    change: impl Fn(LoadOptions) -> LoadOptions,
+) -> LoadedModel {
     let backend = match &loaded.backend {
-        Backend::Host(_) => {
-            let options = LoadOptions {
-                f32_proposals: true,
-            };
-            let host = HostBackend::new(loaded.model().clone(), options).expect("host backend");
+        Backend::Host(b) => {
+            let host = HostBackend::new(loaded.model().clone(), change(b.options()))
+                .expect("host backend");
             Backend::Host(Arc::new(host))
         }
         device => device.clone(),
@@ -74,6 +90,28 @@ pub fn with_f32_readouts(loaded: &LoadedModel) -> LoadedModel {
         backend,
         ..loaded.clone()
     }
+}
+
+/// Reference logits `[passes][pos][vocab]` of the full-sequence forward over `ids`, its keys
+/// and values rounded as `loaded`'s KV cache stores them (f16 on the host by default).
+pub fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>> {
+    use spex::engine::model::reference::{Composed, ComposedF16Kv, SequenceOps};
+    let input = candle_core::Tensor::new(ids, &Device::Cpu)
+        .and_then(|t| t.unsqueeze(0))
+        .expect("ids");
+    let ops: &dyn SequenceOps = match &loaded.backend {
+        Backend::Host(b) if b.options().kv_dtype == KvDtype::F16 => &ComposedF16Kv,
+        _ => &Composed,
+    };
+    let model = loaded.model();
+    let hidden = model.hidden_per_pass_with(&input, ops).expect("reference");
+    (model.readouts(&hidden).expect("readouts").into_iter())
+        .map(|t| {
+            t.squeeze(0)
+                .and_then(|t| t.to_vec2::<f32>())
+                .expect("logits")
+        })
+        .collect()
 }
 
 /// A small spec with the given shape.

@@ -2,8 +2,9 @@
 //! Called by `model::host`'s attention (every decode step, every layer).
 //!
 //! Why groups: at hidden 256 a decode step is bound by the bytes it streams from L3, and a
-//! row's cache (1.5 MB over six layers at position 128) is the one part of those bytes that
-//! grows with the rows. Rows at the same pass read the same cache: a second candidate and
+//! row's cache (1.5 MB over six layers at position 128 in f32, half that in f16: the cache's
+//! element type is `kv_element::KvElement`, widened to f32 in registers) is the one part of
+//! those bytes that grows with the rows. Rows at the same pass read the same cache: a second candidate and
 //! its first (`dual`, speculation.md §3), and the prompt's rows. A group walks the cache in
 //! tiles and every row of the group reads a tile while it is in L1, so the group streams the
 //! cache once instead of once per row.
@@ -15,6 +16,7 @@
 
 use std::ops::Range;
 
+use super::kv_element::KvElement;
 use super::{Isa, isa, portable, softmax_in_place};
 
 /// Positions per tile: one head's keys of a tile (`TILE · head_dim` floats, 8 KB at 64)
@@ -76,13 +78,14 @@ pub fn attend_row(
 }
 
 /// The attention of every row in `queries` over `keys`/`values` (one pass's cache,
-/// `[positions × kv_heads·head_dim]`, covering the largest `cached`) for the heads in
+/// `[positions × kv_heads·head_dim]` in f32 or f16, covering the largest `cached`; a row's
+/// `own` entry must hold what the cache's element type would read back) for the heads in
 /// `heads`, into `out` (`[rows × heads.len()·head_dim]`). `scores` is scratch space. The
 /// heads are independent: the decode threads split a group by heads where the groups alone
 /// would leave one idle (a one-row step, three rows on two threads).
-pub fn attend_group(
+pub fn attend_group<E: KvElement>(
     queries: &[Query<'_>],
-    cache: (&[f32], &[f32]),
+    cache: (&[E], &[E]),
     heads: (AttnShape, Range<usize>),
     out: &mut [f32],
     scores: &mut Vec<f32>,
@@ -91,10 +94,10 @@ pub fn attend_group(
 }
 
 /// [`attend_group`] with the kernels of `isa` (the tests compare instruction sets).
-pub(super) fn attend_group_on(
+pub(super) fn attend_group_on<E: KvElement>(
     isa: Isa,
     queries: &[Query<'_>],
-    (keys, values): (&[f32], &[f32]),
+    (keys, values): (&[E], &[E]),
     (shape, heads): (AttnShape, Range<usize>),
     out: &mut [f32],
     scores: &mut Vec<f32>,
@@ -149,7 +152,7 @@ impl Walk<'_> {
     }
 
     /// Each row's `heads` runs of scores, `q_h · k_s / √head_dim`.
-    fn scores(&self, keys: &[f32], scores: &mut [f32]) {
+    fn scores<E: KvElement>(&self, keys: &[E], scores: &mut [f32]) {
         let (kv_dim, head_dim) = (self.kv_dim(), self.shape.head_dim);
         let scale = 1.0 / (head_dim as f32).sqrt();
         let cached = self.queries.iter().map(|q| q.cached).max().unwrap_or(0);
@@ -175,7 +178,7 @@ impl Walk<'_> {
                 let qh = &query.q[h * head_dim..];
                 let at = row + query.cached;
                 let kh = &own_k[self.kv_offset(h)..];
-                head_scores(
+                head_scores::<f32>(
                     self.isa,
                     &qh[..head_dim],
                     kh,
@@ -188,7 +191,7 @@ impl Walk<'_> {
     }
 
     /// Each row's output, `Σ_s p_s · v_s` per head, the positions in order.
-    fn values(&self, values: &[f32], probs: &[f32], out: &mut [f32]) {
+    fn values<E: KvElement>(&self, values: &[E], probs: &[f32], out: &mut [f32]) {
         let (kv_dim, head_dim) = (self.kv_dim(), self.shape.head_dim);
         let width = self.heads.len() * head_dim;
         let cached = self.queries.iter().map(|q| q.cached).max().unwrap_or(0);
@@ -213,7 +216,7 @@ impl Walk<'_> {
             for h in self.heads.clone() {
                 let at = start + (h - self.heads.start) * query.len() + query.cached;
                 let oh = &mut out[n * width + (h - self.heads.start) * head_dim..][..head_dim];
-                head_values(
+                head_values::<f32>(
                     self.isa,
                     &probs[at..=at],
                     &own_v[self.kv_offset(h)..],
@@ -226,34 +229,47 @@ impl Walk<'_> {
 }
 
 /// `scores[s] = (q · keys[s·stride ..][..head_dim]) · scale`, `q` one head.
-fn head_scores(isa: Isa, q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+fn head_scores<E: KvElement>(
+    isa: Isa,
+    q: &[f32],
+    keys: &[E],
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
     match (isa, q.len()) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
+        // SAFETY: `has_avx2` holds only after AVX2, FMA and F16C were detected at run time.
         (i, 64) if i.has_avx2() => unsafe {
-            super::avx2::head_scores::<8>(q, keys, stride, scale, scores)
+            super::avx2::head_scores::<8, E>(q, keys, stride, scale, scores)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (i, 128) if i.has_avx2() => unsafe {
-            super::avx2::head_scores::<16>(q, keys, stride, scale, scores)
+            super::avx2::head_scores::<16, E>(q, keys, stride, scale, scores)
         },
         _ => portable::head_scores(q, keys, stride, scale, scores),
     }
 }
 
 /// `out += Σ_s probs[s] · values[s·stride ..][..out.len()]`, the positions in order.
-fn head_values(isa: Isa, probs: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+fn head_values<E: KvElement>(
+    isa: Isa,
+    probs: &[f32],
+    values: &[E],
+    stride: usize,
+    out: &mut [f32],
+) {
     match (isa, out.len()) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
+        // SAFETY: `has_avx2` holds only after AVX2, FMA and F16C were detected at run time.
         (i, 64) if i.has_avx2() => unsafe {
-            super::avx2::head_values::<8>(probs, values, stride, out)
+            super::avx2::head_values::<8, E>(probs, values, stride, out)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         (i, 128) if i.has_avx2() => unsafe {
-            super::avx2::head_values::<16>(probs, values, stride, out)
+            super::avx2::head_values::<16, E>(probs, values, stride, out)
         },
         _ => portable::head_values(probs, values, stride, out),
     }

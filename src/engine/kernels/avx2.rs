@@ -6,6 +6,7 @@
 
 use std::arch::x86_64::*;
 
+use super::kv_element::KvElement;
 use super::{OutLayout, SharedOut};
 
 /// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1, 2 or 4)
@@ -249,23 +250,24 @@ const SCORE_BLOCK: usize = 8;
 /// `s < scores.len()`, with `q` (`8·C` floats) held in registers. Every position has its
 /// own accumulator, summed over the chunks in order and reduced by `reduce4`'s tree, so
 /// its score does not depend on the block it falls in.
-/// Checks its own bounds: safe where AVX2 and FMA are enabled.
-#[target_feature(enable = "avx2,fma")]
-pub fn head_scores<const C: usize>(
+/// The keys are f32 or f16 (widened exactly, then the same arithmetic).
+/// Checks its own bounds: safe where AVX2, FMA and F16C are enabled.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn head_scores<const C: usize, E: KvElement>(
     q: &[f32],
-    keys: &[f32],
+    keys: &[E],
     stride: usize,
     scale: f32,
     scores: &mut [f32],
 ) {
     let len = scores.len();
     assert!(q.len() >= 8 * C && (len == 0 || keys.len() >= (len - 1) * stride + 8 * C));
-    // SAFETY (all loads below): chunk c of position s lies inside `q` / `keys` by the
+    // SAFETY (all loads below): the features `E::load8` needs are enabled here, and chunk c
+    // of position s lies inside `q` / `keys` by the
     // assertion above.
     let qv: [__m256; C] =
         std::array::from_fn(|c| unsafe { _mm256_loadu_ps(q.as_ptr().add(8 * c)) });
-    let key =
-        |s: usize, c: usize| unsafe { _mm256_loadu_ps(keys.as_ptr().add(s * stride + 8 * c)) };
+    let key = |s: usize, c: usize| unsafe { E::load8(keys.as_ptr().add(s * stride + 8 * c)) };
     let zero = _mm256_setzero_ps();
     let mut s = 0;
     while s + SCORE_BLOCK <= len {
@@ -296,9 +298,15 @@ pub fn head_scores<const C: usize>(
 
 /// `out += Σ_s probs[s] · values[s·stride ..]` for one head of `8·C` floats: one
 /// accumulator per chunk, loaded from `out`, summed over the positions in order.
-/// Checks its own bounds: safe where AVX2 and FMA are enabled.
-#[target_feature(enable = "avx2,fma")]
-pub fn head_values<const C: usize>(probs: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+/// The values are f32 or f16 (widened exactly).
+/// Checks its own bounds: safe where AVX2, FMA and F16C are enabled.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn head_values<const C: usize, E: KvElement>(
+    probs: &[f32],
+    values: &[E],
+    stride: usize,
+    out: &mut [f32],
+) {
     let len = probs.len();
     assert!(out.len() >= 8 * C && (len == 0 || values.len() >= (len - 1) * stride + 8 * C));
     // SAFETY: 8·c + 8 <= out.len() by the assertion above.
@@ -307,8 +315,9 @@ pub fn head_values<const C: usize>(probs: &[f32], values: &[f32], stride: usize,
     for (s, &p) in probs.iter().enumerate() {
         let w = _mm256_set1_ps(p);
         for (c, a) in acc.iter_mut().enumerate() {
-            // SAFETY: chunk c of position s lies inside `values` by the assertion above.
-            let v = unsafe { _mm256_loadu_ps(values.as_ptr().add(s * stride + 8 * c)) };
+            // SAFETY: chunk c of position s lies inside `values` by the assertion above, and
+            // the features `E::load8` needs are enabled here.
+            let v = unsafe { E::load8(values.as_ptr().add(s * stride + 8 * c)) };
             *a = _mm256_fmadd_ps(w, v, *a);
         }
     }

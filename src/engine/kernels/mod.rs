@@ -1,5 +1,6 @@
 //! CPU kernels for the decode step on f32 host memory: a small-M matmul that reads each weight
-//! row once for all M rows, RMSNorm, rotary embedding, single-query attention, SiLU, softmax.
+//! row once for all M rows, RMSNorm, rotary embedding, single-query attention over an f32 or
+//! f16 KV cache (`kv_element`), SiLU, softmax.
 //! Called by `model::host` only; GPU devices use candle's own kernels instead.
 //!
 //! Why a kernel of our own: candle's CPU matmul for 2–6 rows costs ~5× its 1-row time, which
@@ -30,6 +31,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod f16;
+mod kv_element;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod pool;
@@ -39,6 +41,7 @@ mod subnormals;
 mod tests;
 
 pub use attention::{AttnShape, Query, attend_group, attend_row};
+pub use kv_element::KvElement;
 pub use subnormals::SubnormalsFlushed;
 
 /// Rows of `x` processed together against one group of weight rows, NEON and portable.
@@ -70,7 +73,8 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// Whether the AVX2 + FMA kernels may run (true for every x86 level above the fallback).
+    /// Whether the AVX2 + FMA (+ F16C) kernels may run (true for every x86 level above the
+    /// fallback).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn has_avx2(self) -> bool {
         matches!(self, Isa::Avx512 | Isa::Avx2Fma)
@@ -98,7 +102,11 @@ pub fn isa() -> Isa {
 /// The best instruction set this CPU runs.
 pub fn detected_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    // F16C (every AVX2 CPU has it) widens an f16 KV cache in the attention kernels.
+    if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
         if std::arch::is_x86_feature_detected!("avx512f") {
             return Isa::Avx512;
         }
@@ -429,13 +437,41 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let mean_sq = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let mean_sq = sum_of_squares(xr) / dim as f32;
         let inv = 1.0 / (mean_sq + eps).sqrt();
         for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * inv * w;
         }
     }
 }
+
+/// Σ v² over `x` in one fixed order on every ISA: [`SUM_LANES`] partial sums (element i into
+/// lane i mod `SUM_LANES`), the lanes halved pairwise, then the tail in order. A single running
+/// sum is a chain of dependent adds (~1 µs for hidden 256, a norm that ran on the caller
+/// thread four times per layer and row); partial sums are one vector register's adds, which
+/// the compiler emits on any ISA without changing a bit (Rust never contracts to FMA).
+fn sum_of_squares(x: &[f32]) -> f32 {
+    let mut lanes = [0f32; SUM_LANES];
+    let chunks = x.chunks_exact(SUM_LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, v) in lanes.iter_mut().zip(chunk) {
+            *lane += v * v;
+        }
+    }
+    let mut width = SUM_LANES;
+    while width > 1 {
+        width /= 2;
+        let (low, high) = lanes.split_at_mut(width);
+        for (l, h) in low.iter_mut().zip(&*high) {
+            *l += h;
+        }
+    }
+    tail.iter().fold(lanes[0], |sum, v| sum + v * v)
+}
+
+/// Partial sums in [`sum_of_squares`]: one AVX-512 register, two AVX2 ones.
+const SUM_LANES: usize = 16;
 
 /// Rotary embedding in the rotate-half ("NeoX") layout, in place, on every head of one row.
 /// `cos`/`sin` hold `head_dim / 2` values for the row's position.

@@ -2,6 +2,7 @@
 //! summation trees are the vector kernels' (`hsum8` is `avx2::reduce4`'s), and the tests hold
 //! every ISA to them.
 
+use super::kv_element::KvElement;
 use super::{OutLayout, SharedOut};
 
 /// Dot products of up to `ROW_BLOCK` rows of `xs` with each weight row in `ws`. Every
@@ -61,20 +62,37 @@ pub fn softmax(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v /= sum);
 }
 
-/// One head's attention scores, `scores[s] = (q · keys[s·stride ..][..q.len()]) · scale`.
-pub fn head_scores(q: &[f32], keys: &[f32], stride: usize, scale: f32, scores: &mut [f32]) {
+/// One head's attention scores, `scores[s] = (q · keys[s·stride ..][..q.len()]) · scale`, each
+/// key widened to f32 (exactly) and summed in `dot`'s order, so an f16 cache sums as its f32
+/// values would.
+pub fn head_scores<E: KvElement>(
+    q: &[f32],
+    keys: &[E],
+    stride: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
     for (s, score) in scores.iter_mut().enumerate() {
-        *score = dot(q, &keys[s * stride..s * stride + q.len()]) * scale;
+        let key = &keys[s * stride..s * stride + q.len()];
+        let mut acc = [0f32; 8];
+        let (mut qc, mut kc) = (q.chunks_exact(8), key.chunks_exact(8));
+        for (qs, ks) in (&mut qc).zip(&mut kc) {
+            for (a, (x, k)) in acc.iter_mut().zip(qs.iter().zip(ks)) {
+                *a += x * k.to_f32();
+            }
+        }
+        let tail = qc.remainder().iter().zip(kc.remainder());
+        *score = tail.fold(hsum8(&acc), |sum, (x, k)| sum + x * k.to_f32()) * scale;
     }
 }
 
 /// `out += Σ_s probs[s] · values[s·stride ..][..out.len()]` for one head, the positions in
 /// order.
-pub fn head_values(probs: &[f32], values: &[f32], stride: usize, out: &mut [f32]) {
+pub fn head_values<E: KvElement>(probs: &[f32], values: &[E], stride: usize, out: &mut [f32]) {
     let width = out.len();
     for (s, &p) in probs.iter().enumerate() {
         for (o, v) in out.iter_mut().zip(&values[s * stride..s * stride + width]) {
-            *o += p * v;
+            *o += p * v.to_f32();
         }
     }
 }

@@ -3,7 +3,6 @@
 //! Readouts go through `half_head` where there is one (proposals in f16, commits screened
 //! exact).
 
-use std::collections::HashMap;
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -11,11 +10,11 @@ use candle_core::{CpuStorage, DType, Storage, StorageRef, Tensor};
 
 use super::backend::StepBackend;
 use super::half_head::HalfHead;
+use super::host_kv::{HostKv, KvBuffers};
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::{self, SubnormalsFlushed};
-use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
-use crate::engine::pass::Pass;
+use crate::engine::kernels::{self, KvElement, SubnormalsFlushed};
+use crate::engine::kv_cache::KvCache;
 
 /// A read view of a contiguous CPU f32 tensor's elements.
 struct HostView<'a> {
@@ -81,6 +80,7 @@ impl HostRows {
 pub struct HostBackend {
     model: Arc<LoopedModel>,
     half_head: Option<HalfHead>,
+    options: LoadOptions,
 }
 
 impl HostBackend {
@@ -99,12 +99,21 @@ impl HostBackend {
             let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
             HalfHead::new(&head, model.config.hidden_size)
         };
-        Ok(Self { model, half_head })
+        Ok(Self {
+            model,
+            half_head,
+            options,
+        })
     }
 
     /// The model, shared.
     pub fn shared_model(&self) -> &Arc<LoopedModel> {
         &self.model
+    }
+
+    /// The options it was built with.
+    pub fn options(&self) -> LoadOptions {
+        self.options
     }
 
     fn eps(&self) -> f32 {
@@ -142,13 +151,13 @@ impl HostBackend {
     /// groups, and by heads too where the groups alone would leave a thread idle. Each row
     /// reads only entries written before any row attends, and its result does not depend on
     /// its group, its thread or the split.
-    fn attend_groups(
+    fn attend_groups<E: KvElement>(
         &self,
         layer: usize,
         slots: &[RowSlot],
         (q, k, v): (&[f32], &[f32], &[f32]),
         out: &mut [f32],
-        store: &HostKv,
+        store: &KvBuffers<E>,
     ) {
         let (q_dim, kv_dim) = (q.len() / slots.len(), k.len() / slots.len());
         let (shape, groups) = (self.model.attn_shape(), pass_groups(slots));
@@ -223,7 +232,7 @@ impl StepBackend for HostBackend {
     }
 
     fn new_store(&self, capacity: usize) -> Result<HostKv> {
-        Ok(HostKv::new(&self.model, capacity))
+        Ok(HostKv::new(&self.model, capacity, self.options.kv_dtype))
     }
 
     fn enter_step(&self, _: &[RowSlot], _: &KvCache<HostKv>) -> Result<SubnormalsFlushed> {
@@ -316,26 +325,28 @@ impl StepBackend for HostBackend {
             cfg.head_dim,
         );
         let [q, k, v] = self.linears(a, [&w.q_proj, &w.k_proj, &w.v_proj])?;
-        let (mut q, mut k, v) = (q.data, k.data, v.data);
+        let (mut q, mut k, mut v) = (q.data, k.data, v.data);
         let mut out = vec![0f32; a.rows * q_dim];
         // RoPE; every first candidate's K/V written in row order and every second
-        // candidate's set aside; then every row's attention.
+        // candidate's set aside, each rounded as the cache stores it; then every row's
+        // attention.
+        let store = cache.store_mut();
         for (i, &slot) in slots.iter().enumerate() {
             let (cos, sin) = self.model.rope.at(slot.pos);
             kernels::rope_row(&mut q[i * q_dim..(i + 1) * q_dim], head_dim, cos, sin);
             let ki = &mut k[i * kv_dim..(i + 1) * kv_dim];
             kernels::rope_row(ki, head_dim, cos, sin);
-            let vi = &v[i * kv_dim..(i + 1) * kv_dim];
-            if slot.second {
-                cache
-                    .store_mut()
-                    .set_aside(layer, slot.pass, slot.pos, ki, vi);
-                cache.note_second(slot.pass, slot.pos);
-            } else {
-                cache.store_mut().write(layer, slot.pass, slot.pos, ki, vi);
-            }
+            let vi = &mut v[i * kv_dim..(i + 1) * kv_dim];
+            store.store((layer, slot.pass, slot.pos), slot.second, ki, vi);
         }
-        self.attend_groups(layer, slots, (&q, &k, &v), &mut out, cache.store());
+        for slot in slots.iter().filter(|s| s.second) {
+            cache.note_second(slot.pass, slot.pos);
+        }
+        let qkv = (&q[..], &k[..], &v[..]);
+        match cache.store() {
+            HostKv::F32(b) => self.attend_groups(layer, slots, qkv, &mut out, b),
+            HostKv::F16(b) => self.attend_groups(layer, slots, qkv, &mut out, b),
+        }
         Ok(HostRows {
             data: out,
             rows: a.rows,
@@ -385,82 +396,5 @@ impl StepBackend for HostBackend {
 
     fn proposal_error_bound(&self, state: &Vec<f32>) -> Option<f64> {
         self.half_head.as_ref().map(|h| h.error_bound(state))
-    }
-}
-
-/// Host K/V buffers, one `[passes, capacity, kv_dim]` pair per layer, and the K/V rows set
-/// aside for second candidates, by (layer, pass, position).
-#[derive(Debug, Clone)]
-pub struct HostKv {
-    capacity: usize,
-    kv_dim: usize,
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
-    aside: HashMap<AsideSlot, (Vec<f32>, Vec<f32>)>,
-}
-
-impl HostKv {
-    fn new(model: &LoopedModel, capacity: usize) -> Self {
-        let cfg = &model.config;
-        let (layers, kv_dim) = (cfg.num_hidden_layers, cfg.kv_dim());
-        let size = cfg.total_ut_steps * capacity * kv_dim;
-        Self {
-            capacity,
-            kv_dim,
-            keys: vec![vec![0f32; size]; layers],
-            values: vec![vec![0f32; size]; layers],
-            aside: HashMap::new(),
-        }
-    }
-
-    fn offset(&self, pass: Pass, pos: usize) -> usize {
-        (pass.index() * self.capacity + pos) * self.kv_dim
-    }
-
-    /// The first `len` entries of `pass` in `layer`: (keys, values).
-    fn pass(&self, layer: usize, pass: Pass, len: usize) -> (&[f32], &[f32]) {
-        let range = self.offset(pass, 0)..self.offset(pass, len);
-        (&self.keys[layer][range.clone()], &self.values[layer][range])
-    }
-
-    /// Sets a second candidate's K/V row aside at (`layer`, `pass`, `pos`): where
-    /// [`KvStore::swap_aside`] around its row would leave it.
-    fn set_aside(&mut self, layer: usize, pass: Pass, pos: usize, k: &[f32], v: &[f32]) {
-        self.aside
-            .insert((layer, pass, pos), (k.to_vec(), v.to_vec()));
-    }
-
-    /// Writes one K/V row at (`layer`, `pass`, `pos`).
-    fn write(&mut self, layer: usize, pass: Pass, pos: usize, k: &[f32], v: &[f32]) {
-        let at = self.offset(pass, pos);
-        self.keys[layer][at..at + self.kv_dim].copy_from_slice(k);
-        self.values[layer][at..at + self.kv_dim].copy_from_slice(v);
-    }
-}
-
-impl KvStore for HostKv {
-    fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
-        let at = self.offset(pass, pos);
-        let kv_dim = self.kv_dim;
-        let (k, v) = self
-            .aside
-            .entry((layer, pass, pos))
-            .or_insert_with(|| (vec![0.0; kv_dim], vec![0.0; kv_dim]));
-        self.keys[layer][at..at + self.kv_dim].swap_with_slice(k);
-        self.values[layer][at..at + self.kv_dim].swap_with_slice(v);
-        Ok(())
-    }
-
-    fn forget_aside(&mut self, pos: usize) {
-        self.aside.retain(|&(_, _, p), _| p != pos);
-    }
-
-    fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (k, v) = self.pass(layer, pass, len);
-        Ok((k.to_vec(), v.to_vec()))
-    }
-
-    fn layers(&self) -> usize {
-        self.keys.len()
     }
 }

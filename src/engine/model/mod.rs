@@ -10,10 +10,12 @@ pub mod backend;
 pub mod device;
 mod half_head;
 pub mod host;
+mod host_kv;
 pub mod reference;
 mod step;
 
 pub use backend::{Backend, StepBackend};
+pub use host_kv::{HostKv, KvDtype};
 pub use step::{ReadoutKind, RowInput, RowSlot, StepModel, StepOutput, StepRow, step};
 
 use candle_core::{DType, Device, Tensor};
@@ -31,6 +33,9 @@ pub struct LoadOptions {
     /// Every readout through the f32 LM head, no f16 proposal head (to compare speculation
     /// with exact proposals; commits are exact either way). CLI: `--f32-proposals`.
     pub f32_proposals: bool,
+    /// The host KV cache's element type (CPU f32 models; the device path keeps its dtype).
+    /// CLI: `--kv-cache`.
+    pub kv_dtype: KvDtype,
 }
 
 /// Initial values when a `VarMap`-backed builder creates weights (training): projections

@@ -17,6 +17,10 @@ pub trait SequenceOps: Sync {
     fn rope(&self, x: &Tensor, rope: &Rope) -> Result<Tensor>;
     /// Softmax of `scores · scale` over the last dimension under the causal `mask`.
     fn causal_softmax(&self, scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor>;
+    /// Keys (after RoPE) or values as a decode step's KV cache would read them back.
+    fn stored_kv(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.clone())
+    }
 }
 
 /// candle's primitive ops: any device and dtype, differentiable.
@@ -38,6 +42,30 @@ impl SequenceOps for Composed {
     fn causal_softmax(&self, scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor> {
         let scores = (scores * scale)?.broadcast_add(mask)?;
         Ok(candle_nn::ops::softmax(&scores, D::Minus1)?)
+    }
+}
+
+/// [`Composed`] with keys and values rounded to f16, as the host KV cache stores them
+/// (`model::KvDtype::F16`): the reference for steps over an f16 cache.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ComposedF16Kv;
+
+impl SequenceOps for ComposedF16Kv {
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+        Composed.rms_norm(x, weight, eps)
+    }
+
+    fn rope(&self, x: &Tensor, rope: &Rope) -> Result<Tensor> {
+        Composed.rope(x, rope)
+    }
+
+    fn causal_softmax(&self, scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor> {
+        Composed.causal_softmax(scores, scale, mask)
+    }
+
+    fn stored_kv(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        Ok(x.to_dtype(candle_core::DType::F16)?.to_dtype(dtype)?)
     }
 }
 
@@ -133,8 +161,8 @@ impl LoopedModel {
                 .contiguous()?)
         };
         let q = ops.rope(&split(linear(&a, &w.q_proj)?, heads)?, &self.rope)?;
-        let k = ops.rope(&split(linear(&a, &w.k_proj)?, kv_heads)?, &self.rope)?;
-        let v = split(linear(&a, &w.v_proj)?, kv_heads)?;
+        let k = ops.stored_kv(&ops.rope(&split(linear(&a, &w.k_proj)?, kv_heads)?, &self.rope)?)?;
+        let v = ops.stored_kv(&split(linear(&a, &w.v_proj)?, kv_heads)?)?;
         let group = heads / kv_heads;
         let repeat = |t: Tensor| -> Result<Tensor> {
             if group == 1 {

@@ -1,0 +1,84 @@
+//! The element type of the host KV cache: f32, or f16 (half the bytes an attention row
+//! streams). Called by `kernels::attention` (reads, widened to f32 in registers) and
+//! `model::host` (writes, narrowed once when a row's K/V is stored).
+//!
+//! Why f16: a decode row's attention reads its pass's whole cache, 256 KB per layer at
+//! position 128 on the shipped model, and at hidden 256 that is the part of a step that grows
+//! with its rows (`attention`'s header). llama.cpp stores its KV cache in f16 by default for
+//! the same reason. Exactness holds because every row reads the same rounded entries: a
+//! first candidate from the cache, a second candidate its own entry rounded the same way
+//! (`round`), so a token's hidden state still does not depend on the rows beside it.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// A KV cache element: stored from f32, read back as f32 exactly (`to_f32(from_f32(x))` is
+/// the nearest representable value, and f32 represents every f16).
+pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
+    /// The nearest element to `v`.
+    fn from_f32(v: f32) -> Self;
+    /// The element's value.
+    fn to_f32(self) -> f32;
+    /// `dst := src`, each element the nearest to its f32 (vectorised where the CPU converts).
+    fn narrow(src: &[f32], dst: &mut [Self]);
+    /// `dst := src` as f32.
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Eight elements from `p`, widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX and F16C, and eight elements must be readable at `p`. Inlined
+    /// into the AVX2 kernels, whose target features cover both.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        dst.copy_from_slice(src);
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller's features and bounds.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl KvElement for f16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        // F16C's conversion where the CPU has it (half detects it at run time), rounding to
+        // nearest even like the software one.
+        dst.convert_from_f32_slice(src);
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller's features and bounds; eight f16 are the 16 bytes loaded.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
