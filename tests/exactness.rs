@@ -138,10 +138,19 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// position 1 on runs a second candidate (another token at the same position), dropped after
 /// its step. Every readout is compared with the reference (the second's with the reference of
 /// its own sequence).
+///
+/// Against an f16 KV cache the reference rounds its keys and values alike, but a value within
+/// an f32 rounding error of a midpoint between two f16s can round the other way there than
+/// in the step: one f16 ulp (2⁻¹¹ relative) in an entry. Seen on aarch64 as 3·10⁻⁴ in the
+/// logits; the tolerance allows that, not more. (A step that read unrounded entries anywhere
+/// would differ from baseline decoding, which the exactness tests compare bit for bit.)
 fn check_pipelined_steps(loaded: &LoadedModel) {
     match &loaded.backend {
-        Backend::Host(b) => check_pipelined_steps_on(&**b, loaded),
-        Backend::Device(b) => check_pipelined_steps_on(&**b, loaded),
+        Backend::Host(b) if b.options().kv_dtype == KvDtype::F16 => {
+            check_pipelined_steps_on(&**b, loaded, 2e-3)
+        }
+        Backend::Host(b) => check_pipelined_steps_on(&**b, loaded, 1e-4),
+        Backend::Device(b) => check_pipelined_steps_on(&**b, loaded, 1e-4),
     }
 }
 
@@ -168,7 +177,7 @@ fn step_members(step: usize, positions: usize, passes: usize) -> Vec<(usize, usi
         .collect()
 }
 
-fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
+fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel, tolerance: f32) {
     let ids = loaded
         .tokenizer
         .encode("Shall I compare thee to a summer's day? Thou art more")
@@ -222,8 +231,8 @@ fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel) {
         }
     }
     assert!(
-        worst < 1e-4,
-        "batched step logits differ from the reference by {worst}"
+        worst < tolerance,
+        "batched step logits differ from the reference by {worst} (tolerance {tolerance})"
     );
 }
 

@@ -1,5 +1,5 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--only shipped]`: step compute by rows on random checkpoints
+//! [--kv-cache f16|f32] [--only shipped]`: step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
 //! real weights. Prints the tables the README carries.
@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
 use spex::engine::metrics::median_step_times;
-use spex::engine::model::Backend;
 use spex::engine::model::device::DeviceBackend;
+use spex::engine::model::{Backend, KvDtype, LoadOptions};
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use std::sync::Arc;
 
@@ -59,8 +59,8 @@ fn kernel_table() {
 }
 
 /// Step compute by rows on the shipped models (their real weights; every row's input is a
-/// token embedding, all read out), host kernels.
-fn shipped_models_table(pos: usize) {
+/// token embedding, all read out), host kernels with `options`.
+fn shipped_models_table(pos: usize, options: LoadOptions) {
     println!(
         "| model | 1 row | 2 rows | 3 rows | 4 rows | 4 rows + a second | 4 rows / 1 row | ceiling R·t1/tR |"
     );
@@ -71,7 +71,8 @@ fn shipped_models_table(pos: usize) {
         "shakespeare-r4k6",
         "shakespeare-r4k4",
     ] {
-        let loaded = LoadedModel::load(&root.join(name), &Device::Cpu, DType::F32).expect("load");
+        let loaded = LoadedModel::load_with(&root.join(name), &Device::Cpu, DType::F32, options)
+            .expect("load");
         let t = median_step_times(&loaded.backend, pos, &[1, 2, 3, 4, 5], 200).expect("steps");
         let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
         let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
@@ -108,13 +109,21 @@ fn main() {
         };
         spex::engine::kernels::force_isa(isa).expect("--isa");
     }
+    let kv_dtype = match arg_value("--kv-cache").as_deref() {
+        Some("f32") => KvDtype::F32,
+        _ => KvDtype::F16,
+    };
+    let options = LoadOptions {
+        kv_dtype,
+        ..LoadOptions::default()
+    };
     let isa = spex::engine::kernels::isa();
-    println!("decode threads: {threads}, instruction set: {isa:?}\n");
+    println!("decode threads: {threads}, instruction set: {isa:?}, KV cache: {kv_dtype:?}\n");
     if arg_value("--only").as_deref() == Some("shipped") {
-        return shipped_models_table(128);
+        return shipped_models_table(128, options);
     }
     kernel_table();
-    shipped_models_table(128);
+    shipped_models_table(128, options);
     let pos = 128;
     println!(
         "| hidden | step path | 1 row | 2 rows | 3 rows | 4 rows | 4 rows / 1 row | ceiling R·t1/tR |"
@@ -139,7 +148,8 @@ fn main() {
             ..RandomSpec::default()
         };
         write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
-        let loaded = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
+        let loaded =
+            LoadedModel::load_with(dir.path(), &Device::Cpu, DType::F32, options).expect("load");
         let candle_ops = Backend::Device(Arc::new(DeviceBackend::new(loaded.model().clone())));
         for (name, backend) in [
             ("spex kernels", &loaded.backend),
