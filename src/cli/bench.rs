@@ -48,6 +48,16 @@ pub fn read_prompts(path: Option<&Path>) -> Result<Vec<String>, EngineError> {
     Ok(prompts)
 }
 
+/// ", f16 KV cache" where the host kernels decode (the device path keeps its dtype).
+fn kv_cache_note(loaded: &crate::engine::LoadedModel) -> &'static str {
+    use crate::engine::model::{Backend, KvDtype};
+    match &loaded.backend {
+        Backend::Host(b) if b.options().kv_dtype == KvDtype::F16 => ", f16 KV cache",
+        Backend::Host(_) => ", f32 KV cache",
+        Backend::Device(_) => "",
+    }
+}
+
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(args.prompts.as_deref())?;
     let session = load_model(&args.model)?;
@@ -62,12 +72,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let names: Vec<String> = policies.iter().map(ToString::to_string).collect();
     if !args.json {
         println!(
-            "{} on {} ({}), kernels {:?} on {} thread(s); {} against baseline, {}, {} interleaved runs per prompt",
+            "{} on {} ({}), kernels {:?} on {} thread(s){}; {} against baseline, {}, {} interleaved runs per prompt",
             session.name,
             cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
             session.device,
             crate::engine::kernels::isa(),
             crate::engine::kernels::pool::pool().threads(),
+            kv_cache_note(loaded),
             names.join(", "),
             options.sampling,
             args.runs

@@ -15,17 +15,15 @@ use half::slice::HalfFloatSliceExt;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// A KV cache element: stored from f32, read back as f32 exactly (`to_f32(from_f32(x))` is
-/// the nearest representable value, and f32 represents every f16).
+/// A KV cache element: stored from f32 (each value the nearest element), read back as f32
+/// exactly (f32 represents every f16).
 pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
-    /// The nearest element to `v`.
-    fn from_f32(v: f32) -> Self;
-    /// The element's value.
-    fn to_f32(self) -> f32;
     /// `dst := src`, each element the nearest to its f32 (vectorised where the CPU converts).
     fn narrow(src: &[f32], dst: &mut [Self]);
     /// `dst := src` as f32.
     fn widen(src: &[Self], dst: &mut [f32]);
+    /// The slice itself where the elements are f32 (nothing to widen).
+    fn as_f32(row: &[Self]) -> Option<&[f32]>;
     /// Eight elements from `p`, widened to f32.
     ///
     /// # Safety
@@ -36,19 +34,14 @@ pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
 }
 
 impl KvElement for f32 {
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
     fn narrow(src: &[f32], dst: &mut [Self]) {
         dst.copy_from_slice(src);
     }
     fn widen(src: &[Self], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    fn as_f32(row: &[Self]) -> Option<&[f32]> {
+        Some(row)
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -59,14 +52,6 @@ impl KvElement for f32 {
 }
 
 impl KvElement for f16 {
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
     fn narrow(src: &[f32], dst: &mut [Self]) {
         // F16C's conversion where the CPU has it (half detects it at run time), rounding to
         // nearest even like the software one.
@@ -74,6 +59,9 @@ impl KvElement for f16 {
     }
     fn widen(src: &[Self], dst: &mut [f32]) {
         src.convert_to_f32_slice(dst);
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]

@@ -63,8 +63,7 @@ pub fn softmax(x: &mut [f32]) {
 }
 
 /// One head's attention scores, `scores[s] = (q · keys[s·stride ..][..q.len()]) · scale`, each
-/// key widened to f32 (exactly) and summed in `dot`'s order, so an f16 cache sums as its f32
-/// values would.
+/// key widened to f32 (exactly) first, so an f16 cache sums as its f32 values would.
 pub fn head_scores<E: KvElement>(
     q: &[f32],
     keys: &[E],
@@ -72,27 +71,38 @@ pub fn head_scores<E: KvElement>(
     scale: f32,
     scores: &mut [f32],
 ) {
+    let mut wide = Widened::default();
     for (s, score) in scores.iter_mut().enumerate() {
-        let key = &keys[s * stride..s * stride + q.len()];
-        let mut acc = [0f32; 8];
-        let (mut qc, mut kc) = (q.chunks_exact(8), key.chunks_exact(8));
-        for (qs, ks) in (&mut qc).zip(&mut kc) {
-            for (a, (x, k)) in acc.iter_mut().zip(qs.iter().zip(ks)) {
-                *a += x * k.to_f32();
-            }
-        }
-        let tail = qc.remainder().iter().zip(kc.remainder());
-        *score = tail.fold(hsum8(&acc), |sum, (x, k)| sum + x * k.to_f32()) * scale;
+        let key = wide.of(&keys[s * stride..s * stride + q.len()]);
+        *score = dot(q, key) * scale;
     }
 }
 
 /// `out += Σ_s probs[s] · values[s·stride ..][..out.len()]` for one head, the positions in
 /// order.
 pub fn head_values<E: KvElement>(probs: &[f32], values: &[E], stride: usize, out: &mut [f32]) {
-    let width = out.len();
+    let (width, mut wide) = (out.len(), Widened::default());
     for (s, &p) in probs.iter().enumerate() {
-        for (o, v) in out.iter_mut().zip(&values[s * stride..s * stride + width]) {
-            *o += p * v.to_f32();
+        let value = wide.of(&values[s * stride..s * stride + width]);
+        for (o, v) in out.iter_mut().zip(value) {
+            *o += p * v;
         }
+    }
+}
+
+/// A cache row as f32: an f32 row as it is, another element type widened into a buffer by
+/// half's slice conversion, which uses the CPU's f16 instructions where it has them (NEON's
+/// on Apple Silicon; element by element the conversion would not vectorise).
+#[derive(Default)]
+struct Widened(Vec<f32>);
+
+impl Widened {
+    fn of<'a, E: KvElement>(&'a mut self, row: &'a [E]) -> &'a [f32] {
+        if let Some(row) = E::as_f32(row) {
+            return row;
+        }
+        self.0.resize(row.len(), 0.0);
+        E::widen(row, &mut self.0);
+        &self.0
     }
 }

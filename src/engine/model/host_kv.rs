@@ -136,7 +136,11 @@ impl KvStore for HostKv {
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         with_buffers!(self, b => {
             let (k, v) = b.pass(layer, pass, len);
-            let widen = |x: &[_]| x.iter().map(|e: &_| KvElement::to_f32(*e)).collect();
+            let widen = |x: &[_]| {
+                let mut out = vec![0f32; x.len()];
+                KvElement::widen(x, &mut out);
+                out
+            };
             Ok((widen(k), widen(v)))
         })
     }
