@@ -1,5 +1,5 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--kv-cache f16|f32] [--only shipped]`: step compute by rows on random checkpoints
+//! [--kv-cache f16|f32] [--only shipped|kernels|rows --rows N]`: step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
 //! real weights. Prints the tables the README carries.
@@ -16,15 +16,17 @@ use std::sync::Arc;
 
 /// The small-M kernel alone against candle's matmul, per weight shape and row count.
 fn kernel_table() {
-    println!("| weight (out×in) | kernel | 1 row | 2 rows | 4 rows | 4 rows / 1 row |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| weight (out×in) | kernel | 1 row | 2 rows | 4 rows | 5 rows | 6 rows | 4 rows / 1 row |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for (outs, inner) in [(256, 256), (704, 256), (256, 704), (4096, 256), (1408, 512)] {
         let w: Vec<f32> = (0..outs * inner)
             .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
             .collect();
         let wt = candle_core::Tensor::from_slice(&w, (outs, inner), &Device::Cpu).expect("tensor");
-        let mut rows_times = [[Duration::ZERO; 3]; 2];
-        for (ri, rows) in [1usize, 2, 4].into_iter().enumerate() {
+        let mut rows_times = [[Duration::ZERO; 5]; 2];
+        for (ri, rows) in [1usize, 2, 4, 5, 6].into_iter().enumerate() {
             let x: Vec<f32> = (0..rows * inner).map(|i| (i % 13) as f32 / 13.0).collect();
             let xt =
                 candle_core::Tensor::from_slice(&x, (rows, inner), &Device::Cpu).expect("tensor");
@@ -47,10 +49,12 @@ fn kernel_table() {
         for (name, t) in [("spex", rows_times[0]), ("candle", rows_times[1])] {
             let us = |d: Duration| format!("{:.1} µs", d.as_secs_f64() * 1e6);
             println!(
-                "| {outs}×{inner} | {name} | {} | {} | {} | {:.2} |",
+                "| {outs}×{inner} | {name} | {} | {} | {} | {} | {} | {:.2} |",
                 us(t[0]),
                 us(t[1]),
                 us(t[2]),
+                us(t[3]),
+                us(t[4]),
                 t[2].as_secs_f64() / t[0].as_secs_f64()
             );
         }
@@ -89,6 +93,22 @@ fn shipped_models_table(pos: usize, options: LoadOptions) {
     println!();
 }
 
+/// `--only rows --rows N`: nothing but N-row steps of the default model (about 20 s), for a
+/// profiler (`perf record`) to see one step shape alone.
+fn profile_rows(options: LoadOptions) {
+    let rows: usize = arg_value("--rows").map_or(1, |r| r.parse().expect("--rows N"));
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models");
+    let loaded = LoadedModel::load_with(
+        &root.join("shakespeare-r4k6-sync"),
+        &Device::Cpu,
+        DType::F32,
+        options,
+    )
+    .expect("load");
+    let t = median_step_times(&loaded.backend, 128, &[rows], 20_000).expect("steps");
+    println!("{rows} rows: {:.3} ms", t[0].as_secs_f64() * 1e3);
+}
+
 /// The value after `name` among the arguments after `--`.
 fn arg_value(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
@@ -119,8 +139,11 @@ fn main() {
     };
     let isa = spex::engine::kernels::isa();
     println!("decode threads: {threads}, instruction set: {isa:?}, KV cache: {kv_dtype:?}\n");
-    if arg_value("--only").as_deref() == Some("shipped") {
-        return shipped_models_table(128, options);
+    match arg_value("--only").as_deref() {
+        Some("shipped") => return shipped_models_table(128, options),
+        Some("kernels") => return kernel_table(),
+        Some("rows") => return profile_rows(options),
+        _ => {}
     }
     kernel_table();
     shipped_models_table(128, options);

@@ -107,7 +107,9 @@ pub fn detected_isa() -> Isa {
         && std::arch::is_x86_feature_detected!("fma")
         && std::arch::is_x86_feature_detected!("f16c")
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
             return Isa::Avx512;
         }
         return Isa::Avx2Fma;
@@ -346,6 +348,7 @@ fn matmul_t_serial(
     match (isa, rows) {
         // AVX-512 has 32 registers: up to 24 accumulators plus the weight and input chunks fit.
         (Isa::Avx512, 1..=2) => sweep::<8>(isa, x, w, inner, out, to),
+        (Isa::Avx512, 3..=4) => sweep::<4>(isa, x, w, inner, out, to),
         (Isa::Avx512, _) => sweep::<4>(isa, x, w, inner, out, to),
         (_, 1..=2) => sweep::<4>(isa, x, w, inner, out, to),
         _ => sweep::<2>(isa, x, w, inner, out, to),
@@ -416,7 +419,7 @@ fn dots_dispatch<const J: usize>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F, AVX2 and FMA.
+        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F and VL, AVX2 and FMA.
         Isa::Avx512 => unsafe { avx512::dots(block, ws, out, to, first) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
