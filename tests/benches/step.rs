@@ -1,5 +1,5 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--kv-cache f16|f32] [--only shipped|kernels|rows --rows N]`: step compute by rows on random checkpoints
+//! [--kv-cache f16|f32] [--only shipped|kernels|rows --rows N|attention]`: step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
 //! real weights. Prints the tables the README carries.
@@ -93,6 +93,46 @@ fn shipped_models_table(pos: usize, options: LoadOptions) {
     println!();
 }
 
+/// One row's attention over one pass's cache of one layer (the default model's shape: 4 heads
+/// of 64, f16 entries), the cache hot in L1/L2 (the same 128 positions every time) and cold
+/// (a different cache each time, 64 MB of them).
+fn attention_table() {
+    use spex::engine::kernels::{AttnShape, Query, attend_group};
+    let shape = AttnShape {
+        heads: 4,
+        kv_heads: 4,
+        head_dim: 64,
+    };
+    let (kv_dim, positions) = (256, 128);
+    let entries = positions * kv_dim;
+    let caches = (64 << 20) / (2 * entries * 2);
+    let cache: Vec<half::f16> = (0..caches * entries)
+        .map(|i| half::f16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5))
+        .collect();
+    let q: Vec<f32> = (0..256).map(|i| (i % 13) as f32 / 13.0).collect();
+    let query = Query {
+        q: &q,
+        cached: positions,
+        own: None,
+    };
+    let (mut out, mut scores) = (vec![0f32; 256], Vec::new());
+    for (name, spread) in [("hot", false), ("cold", true)] {
+        let mut times = Vec::new();
+        for n in 0..2000 {
+            let at = if spread { (n % caches) * entries } else { 0 };
+            let (k, v) = (&cache[at..at + entries], &cache[at..at + entries]);
+            let t = Instant::now();
+            attend_group(&[query], (k, v), (shape, 0..4), &mut out, &mut scores);
+            times.push(t.elapsed());
+        }
+        times.sort_unstable();
+        println!(
+            "attention, 1 row, 128 positions, 4 heads of 64, f16, {name}: {:.2} µs",
+            times[1000].as_secs_f64() * 1e6
+        );
+    }
+}
+
 /// `--only rows --rows N`: nothing but N-row steps of the default model (about 20 s), for a
 /// profiler (`perf record`) to see one step shape alone.
 fn profile_rows(options: LoadOptions) {
@@ -143,6 +183,7 @@ fn main() {
         Some("shipped") => return shipped_models_table(128, options),
         Some("kernels") => return kernel_table(),
         Some("rows") => return profile_rows(options),
+        Some("attention") => return attention_table(),
         _ => {}
     }
     kernel_table();
