@@ -1,5 +1,5 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--kv-cache f16|f32] [--only shipped|kernels|rows --rows N|attention]`: step compute by rows on random checkpoints
+//! [--kv-cache f16|f32] [--only shipped|kernels|rows --rows N|attention|stream]`: step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
 //! real weights. Prints the tables the README carries.
@@ -133,6 +133,44 @@ fn attention_table() {
     }
 }
 
+/// The small-M matmul over a weight stream the size of the default model's layers (24 MB of
+/// 704×256 matrices, one after another, as a step reads them from L3), by rows: the part of
+/// a step's cost that the weights' bandwidth and the rows' arithmetic share.
+fn stream_table() {
+    let (outs, inner, count) = (704, 256, 36);
+    let ws: Vec<Vec<f32>> = (0..count)
+        .map(|m| {
+            (0..outs * inner)
+                .map(|i| (((i + m) * 7919) % 1000) as f32 / 1000.0 - 0.5)
+                .collect()
+        })
+        .collect();
+    println!("| rows | 24 MB of weights | per row over 1 row |");
+    println!("|---|---|---|");
+    let mut one = 0.0;
+    for rows in 1..=6 {
+        let x: Vec<f32> = (0..rows * inner).map(|i| (i % 13) as f32 / 13.0).collect();
+        let mut out = vec![0f32; rows * outs];
+        let mut times = Vec::new();
+        for _ in 0..60 {
+            let t = Instant::now();
+            for w in &ws {
+                spex::engine::kernels::matmul_t(&x, w, rows, inner, &mut out);
+            }
+            times.push(t.elapsed());
+        }
+        times.sort_unstable();
+        let ms = times[30].as_secs_f64() * 1e3;
+        if rows == 1 {
+            one = ms;
+        }
+        println!(
+            "| {rows} | {ms:.3} ms | {:.3} ms |",
+            (ms - one) / (rows - 1).max(1) as f64
+        );
+    }
+}
+
 /// `--only rows --rows N`: nothing but N-row steps of the default model (about 20 s), for a
 /// profiler (`perf record`) to see one step shape alone.
 fn profile_rows(options: LoadOptions) {
@@ -184,6 +222,7 @@ fn main() {
         Some("kernels") => return kernel_table(),
         Some("rows") => return profile_rows(options),
         Some("attention") => return attention_table(),
+        Some("stream") => return stream_table(),
         _ => {}
     }
     kernel_table();

@@ -57,16 +57,17 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
     let main = inner - inner % 8;
     let mut acc = [[_mm256_setzero_ps(); J]; R];
     let xp = xs.as_ptr();
+    let ahead = super::prefetch_ahead(J * inner);
     let mut k = 0;
     while k < main {
         // SAFETY: k + 8 <= inner; every row r < R has `inner` elements in `xs`, and every
         // weight row has `inner` elements.
         unsafe {
             let w: [__m256; J] = std::array::from_fn(|j| _mm256_loadu_ps(ws[j].as_ptr().add(k)));
-            // Weight rows stream from L3: fetch the next group's rows while this one
-            // computes (a prefetch never faults, even past the end).
+            // Weight rows stream from L3: fetch later groups' rows while this one computes
+            // (a prefetch never faults, even past the end).
             for wj in ws {
-                _mm_prefetch::<_MM_HINT_T0>(wj.as_ptr().wrapping_add(k + J * inner) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wj.as_ptr().wrapping_add(k + ahead) as *const i8);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let x = _mm256_loadu_ps(xp.add(r * inner + k));
@@ -242,6 +243,22 @@ pub(super) fn reduce4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
     )
 }
 
+/// How many positions ahead the attention kernels prefetch a head's cache entry: a row's
+/// cache comes from L3 (the step's weights pass through L2 between its layers), one head's few
+/// lines at the stride of a whole entry. 4–5 % off a 4-row step on an AMD EPYC Zen 5.
+const PREFETCH_POSITIONS: usize = 16;
+
+/// Prefetches the cache lines of one head's entry, `cache[at..at + len]` (a prefetch never
+/// faults, so `at` may lie past the end).
+#[inline(always)]
+fn prefetch_head<E>(cache: &[E], at: usize, len: usize) {
+    let start = cache.as_ptr().wrapping_add(at) as *const i8;
+    for line in (0..len * std::mem::size_of::<E>()).step_by(64) {
+        // SAFETY: a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line)) };
+    }
+}
+
 /// Positions whose scores are computed together: their accumulators and the query's
 /// `C` chunks fill the 16 registers.
 const SCORE_BLOCK: usize = 8;
@@ -271,6 +288,9 @@ pub fn head_scores<const C: usize, E: KvElement>(
     let zero = _mm256_setzero_ps();
     let mut s = 0;
     while s + SCORE_BLOCK <= len {
+        for p in s..s + SCORE_BLOCK {
+            prefetch_head(keys, (p + PREFETCH_POSITIONS) * stride, 8 * C);
+        }
         let mut acc = [zero; SCORE_BLOCK];
         for (c, qc) in qv.iter().enumerate() {
             for (p, a) in acc.iter_mut().enumerate() {
@@ -313,6 +333,7 @@ pub fn head_values<const C: usize, E: KvElement>(
     let mut acc: [__m256; C] =
         std::array::from_fn(|c| unsafe { _mm256_loadu_ps(out.as_ptr().add(8 * c)) });
     for (s, &p) in probs.iter().enumerate() {
+        prefetch_head(values, (s + PREFETCH_POSITIONS) * stride, 8 * C);
         let w = _mm256_set1_ps(p);
         for (c, a) in acc.iter_mut().enumerate() {
             // SAFETY: chunk c of position s lies inside `values` by the assertion above, and

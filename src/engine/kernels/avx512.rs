@@ -55,10 +55,11 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
     // SAFETY (both): row r of `xs` starts at r · inner, inside `xs` for r < R.
     let x: [*const f32; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * inner) });
     let w: [*const f32; J] = std::array::from_fn(|j| ws[j].as_ptr());
+    let ahead = super::prefetch_ahead(J * inner);
     let mut k = 0;
     while k < full {
         // SAFETY: k + 16 <= inner, within every row of `xs` and every weight row.
-        unsafe { chunk(&mut acc, (x, w), k, !0, J * inner) };
+        unsafe { chunk(&mut acc, (x, w), k, !0, ahead) };
         k += 16;
     }
     if k < inner {
@@ -75,7 +76,7 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
 
 /// One 16-lane chunk at `k` of every (row, weight row) pair: each weight chunk loaded once
 /// for all rows, each row chunk once for all weight rows; the weight rows' chunk `ahead`
-/// floats on (the next group's, streaming from L3) is prefetched.
+/// floats on (`super::prefetch_ahead`: later groups', streaming from L3) is prefetched.
 ///
 /// # Safety
 /// The lanes of `mask` from `k` on lie within every row behind `x` and `w`.
