@@ -88,7 +88,12 @@ unsafe fn chunk<const R: usize, const J: usize>(
     mask: __mmask16,
     ahead: usize,
 ) {
-    const { assert!(R <= super::X86_ROW_BLOCK && super::X86_ROW_BLOCK == 6, "rows! unrolls six") };
+    const {
+        assert!(
+            R <= super::X86_ROW_BLOCK && super::X86_ROW_BLOCK == 6,
+            "rows! unrolls six"
+        )
+    };
     // SAFETY: the caller's bounds; a prefetch never faults, even past the end.
     unsafe {
         let wk: [__m512; J] = std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, w[j].add(k)));
