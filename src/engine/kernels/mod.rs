@@ -56,6 +56,7 @@ const X86_ROW_BLOCK: usize = 6;
 /// L3, and a group ahead (2–8 KB at hidden 256) left the loads waiting: on an AMD EPYC Zen 5,
 /// 16 KB took the default model's 4-row step from 0.74–0.80 to 0.59–0.63 ms (AVX-512) and
 /// 1.20 to 0.76 ms (AVX2), 8, 12, 20 and 24 KB in between (interleaved in one process).
+#[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_ahead(group_floats: usize) -> usize {
     group_floats.max(4096)
 }

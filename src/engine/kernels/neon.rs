@@ -22,7 +22,7 @@ pub fn dots<const J: usize>(
     first: usize,
 ) {
     let inner = ws[0].len();
-    assert!(ws.iter().all(|w| w.len() == inner) && xs.len() % inner.max(1) == 0);
+    assert!(ws.iter().all(|w| w.len() == inner) && xs.len().is_multiple_of(inner.max(1)));
     let rows = (xs.len() / inner.max(1)).min(ROW_BLOCK);
     let main = inner - inner % 8;
     // SAFETY: NEON is part of every aarch64 CPU; the zero vectors need nothing else.
