@@ -60,6 +60,7 @@ const X86_ROW_BLOCK: usize = 6;
 pub(super) fn prefetch_ahead(group_floats: usize) -> usize {
     group_floats.max(4096)
 }
+
 /// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
 /// model's) are split across threads by output rows; below it, waking a second thread costs
 /// more than it saves (measured: hidden 256 steps were 15 % slower threaded).
@@ -358,7 +359,6 @@ fn matmul_t_serial(
     match (isa, rows) {
         // AVX-512 has 32 registers: up to 24 accumulators plus the weight and input chunks fit.
         (Isa::Avx512, 1..=2) => sweep::<8>(isa, x, w, inner, out, to),
-        (Isa::Avx512, 3..=4) => sweep::<4>(isa, x, w, inner, out, to),
         (Isa::Avx512, _) => sweep::<4>(isa, x, w, inner, out, to),
         (_, 1..=2) => sweep::<4>(isa, x, w, inner, out, to),
         _ => sweep::<2>(isa, x, w, inner, out, to),
