@@ -227,7 +227,14 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
         random_kv::<E>(70 * kv_dim, seed),
         random_kv::<E>(70 * kv_dim, seed),
     );
-    let rows: Vec<(usize, bool)> = vec![(70, false), (33, true), (1, false), (0, true), (64, true)];
+    let rows: Vec<(usize, bool)> = vec![
+        (70, false),
+        (33, true),
+        (1, false),
+        (0, true),
+        (64, true),
+        (15, true),
+    ];
     let qs: Vec<Vec<f32>> = (rows.iter())
         .map(|_| (0..heads * head_dim).map(|_| 4.0 * lcg(seed)).collect())
         .collect();
