@@ -192,90 +192,39 @@ impl Walk<'_> {
 
     /// Each row's output, `Σ_s p_s · v_s` per head, the positions in order.
     fn values<E: KvElement>(&self, values: &[E], probs: &[f32], out: &mut [f32]) {
-        let kv_dim = self.kv_dim();
-        let width = self.heads.len() * self.shape.head_dim;
+        let (kv_dim, head_dim) = (self.kv_dim(), self.shape.head_dim);
+        let width = self.heads.len() * head_dim;
         let cached = self.queries.iter().map(|q| q.cached).max().unwrap_or(0);
         for s0 in (0..cached).step_by(TILE) {
-            let entries = &values[s0 * kv_dim..];
-            for (n, (query, &start)) in self.queries.iter().zip(self.starts).enumerate() {
-                let end = (s0 + TILE).min(query.cached);
-                if end > s0 {
-                    let row_probs = (&probs[start + s0..], query.len(), end - s0);
-                    self.row_values(row_probs, entries, &mut out[n * width..][..width]);
+            for h in self.heads.clone() {
+                let vh = &values[s0 * kv_dim + self.kv_offset(h)..];
+                for (n, (query, &start)) in self.queries.iter().zip(self.starts).enumerate() {
+                    let end = (s0 + TILE).min(query.cached);
+                    if end > s0 {
+                        let row = start + (h - self.heads.start) * query.len();
+                        let oh =
+                            &mut out[n * width + (h - self.heads.start) * head_dim..][..head_dim];
+                        head_values(self.isa, &probs[row..][s0..end], vh, kv_dim, oh);
+                    }
                 }
             }
         }
         for (n, (query, &start)) in self.queries.iter().zip(self.starts).enumerate() {
-            if let Some((_, own_v)) = query.own {
-                let row_probs = (&probs[start + query.cached..], query.len(), 1);
-                self.row_values(row_probs, own_v, &mut out[n * width..][..width]);
+            let Some((_, own_v)) = query.own else {
+                continue;
+            };
+            for h in self.heads.clone() {
+                let at = start + (h - self.heads.start) * query.len() + query.cached;
+                let oh = &mut out[n * width + (h - self.heads.start) * head_dim..][..head_dim];
+                head_values::<f32>(
+                    self.isa,
+                    &probs[at..=at],
+                    &own_v[self.kv_offset(h)..],
+                    kv_dim,
+                    oh,
+                );
             }
         }
-    }
-
-    /// One row's `out` (its heads side by side) `+= Σ_s p_s · v_s` over `count` positions,
-    /// head i's probabilities at `probs[i · probs_stride ..]`, the entries at `entries`
-    /// (`kv_dim` apart). Every output element is its own chain of FMAs over the positions in
-    /// order, whichever kernel runs it, so a head's bits do not depend on its neighbours.
-    fn row_values<E: KvElement>(
-        &self,
-        (probs, probs_stride, count): (&[f32], usize, usize),
-        entries: &[E],
-        out: &mut [f32],
-    ) {
-        let (kv_dim, head_dim) = (self.kv_dim(), self.shape.head_dim);
-        let paired = self.paired_values((probs, probs_stride, count), entries, out);
-        for h in paired..self.heads.end {
-            let i = h - self.heads.start;
-            let probs = &probs[i * probs_stride..][..count];
-            let entries = &entries[self.kv_offset(h)..];
-            let out = &mut out[i * head_dim..][..head_dim];
-            head_values(self.isa, probs, entries, kv_dim, out);
-        }
-    }
-
-    /// [`Walk::row_values`] for the heads AVX-512 takes in pairs
-    /// (`avx512::head_pair_values`: two chains per chunk, so the FMAs' latency does not bound
-    /// the loop); returns the first head left for the one-head kernels.
-    #[cfg(target_arch = "x86_64")]
-    fn paired_values<E: KvElement>(
-        &self,
-        (probs, probs_stride, count): (&[f32], usize, usize),
-        entries: &[E],
-        out: &mut [f32],
-    ) -> usize {
-        let (kv_dim, head_dim) = (self.kv_dim(), self.shape.head_dim);
-        let mut h = self.heads.start;
-        if self.isa != Isa::Avx512 || !matches!(head_dim, 64 | 128) {
-            return h;
-        }
-        while h + 2 <= self.heads.end {
-            let i = h - self.heads.start;
-            let probs = (&probs[i * probs_stride..], probs_stride, count);
-            let at = ([self.kv_offset(h), self.kv_offset(h + 1)], kv_dim);
-            let out = &mut out[i * head_dim..(i + 2) * head_dim];
-            // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F/VL, AVX2, FMA and
-            // F16C.
-            unsafe {
-                match head_dim {
-                    64 => super::avx512::head_pair_values::<4, E>(probs, entries, at, out),
-                    _ => super::avx512::head_pair_values::<8, E>(probs, entries, at, out),
-                }
-            }
-            h += 2;
-        }
-        h
-    }
-
-    /// No paired kernel off x86-64.
-    #[cfg(not(target_arch = "x86_64"))]
-    fn paired_values<E: KvElement>(
-        &self,
-        _: (&[f32], usize, usize),
-        _: &[E],
-        _: &mut [f32],
-    ) -> usize {
-        self.heads.start
     }
 }
 
@@ -289,16 +238,6 @@ fn head_scores<E: KvElement>(
     scores: &mut [f32],
 ) {
     match (isa, q.len()) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F/VL, AVX2, FMA and F16C.
-        (Isa::Avx512, 64) => unsafe {
-            super::avx512::head_scores::<4, E>(q, keys, stride, scale, scores)
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        (Isa::Avx512, 128) => unsafe {
-            super::avx512::head_scores::<8, E>(q, keys, stride, scale, scores)
-        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `has_avx2` holds only after AVX2, FMA and F16C were detected at run time.
         (i, 64) if i.has_avx2() => unsafe {

@@ -75,8 +75,7 @@ const SHARE_ALIGN: usize = 16;
 /// Which instruction set the kernels use, chosen once per process at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX-512F for the matmul and the attention (16 lanes, 32 registers), AVX2 + FMA for
-    /// everything else.
+    /// AVX-512F for the matmul (16 lanes, 32 registers), AVX2 + FMA for everything else.
     Avx512,
     Avx2Fma,
     /// aarch64's NEON for the matmul (every aarch64 CPU has it), portable loops elsewhere.
