@@ -56,7 +56,7 @@ impl HostKv {
     /// second candidate, leaves in `k`/`v` what the cache reads back, so that attending to its
     /// own entry outside the cache it sees what it would see in it; a first candidate's rows
     /// are read only from the cache, so they are left as they are (widening them back cost a
-    /// two-thread step ~2 µs a row, on the calling thread).
+    /// two-thread step ~1.5 µs a row, on the calling thread).
     pub(super) fn store(&mut self, at: AsideSlot, second: bool, k: &mut [f32], v: &mut [f32]) {
         with_buffers!(self, b => b.store(at, second, k, v))
     }
