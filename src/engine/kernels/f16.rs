@@ -15,6 +15,7 @@ const ALIGN_F16: usize = 32;
 /// matmul's distance (`kernels::prefetch_ahead`). The panels are one contiguous stream, so the
 /// prefetch runs on into the next panel. On an AMD EPYC Zen 5 the default model's 4-row step
 /// (every row read out) measured 0.559 → 0.537 ms with it, a 1-row one 0.344 → 0.337 ms.
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_AHEAD: usize = (16 << 10) / std::mem::size_of::<f16>();
 /// Input rows per block: 6 × 4 accumulators plus 4 weight registers fit in 32 (a `dual`
 /// step's 5 readouts widen each panel once, not twice).
