@@ -11,12 +11,12 @@ use half::f16;
 const PANEL: usize = 64;
 /// f16 values in 64 bytes: the most the buffer's start can be from a 64-byte boundary.
 const ALIGN_F16: usize = 32;
-/// How far ahead of the panel row in use the kernel prefetches, in f16 values: 16 KB, the
-/// matmul's distance (`kernels::prefetch_ahead`). The panels are one contiguous stream, so the
+/// How far ahead of the panel row in use the kernel prefetches, in f16 values: the matmul's
+/// distance (`kernels::PREFETCH_BYTES`). The panels are one contiguous stream, so the
 /// prefetch runs on into the next panel. On an AMD EPYC Zen 5 the default model's 4-row step
 /// (every row read out) measured 0.559 → 0.537 ms with it, a 1-row one 0.344 → 0.337 ms.
 #[cfg(target_arch = "x86_64")]
-const PREFETCH_AHEAD: usize = (16 << 10) / std::mem::size_of::<f16>();
+const PREFETCH_AHEAD: usize = super::PREFETCH_BYTES / std::mem::size_of::<f16>();
 /// Input rows per block: 6 × 4 accumulators plus 4 weight registers fit in 32 (a `dual`
 /// step's 5 readouts widen each panel once, not twice).
 const ROWS: usize = 6;

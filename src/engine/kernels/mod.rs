@@ -58,8 +58,13 @@ const X86_ROW_BLOCK: usize = 6;
 /// 1.20 to 0.76 ms (AVX2), 8, 12, 20 and 24 KB in between (interleaved in one process).
 #[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_ahead(group_floats: usize) -> usize {
-    group_floats.max(4096)
+    group_floats.max(PREFETCH_BYTES / std::mem::size_of::<f32>())
 }
+
+/// The least distance, in bytes, that the kernels streaming weights from L3 prefetch ahead
+/// ([`prefetch_ahead`], and the f16 LM head's panels).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_BYTES: usize = 16 << 10;
 
 /// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
 /// model's) are split across threads by output rows; below it, waking a second thread costs
