@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 use super::kv_element::KvElement;
 use super::{OutLayout, SharedOut};
 
-/// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1, 2 or 4)
+/// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1–4)
 /// weight rows: each weight chunk is loaded once for all rows and each row chunk once for all
 /// weight rows. The row count becomes a constant so that every accumulator stays in a
 /// register (6 rows × 2 weight rows + 2 weight chunks + 1 row chunk = 15 of 16).
