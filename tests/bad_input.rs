@@ -152,6 +152,10 @@ fn prompt_longer_than_context_and_empty_prompt() {
 #[test]
 fn bad_arguments_get_one_line() {
     assert_clean_error(&["bench", "--runs", "0"], "--runs");
+    for turn in ["-1", "nan", "1e9", "two"] {
+        let arg = format!("--turn-ms={turn}");
+        assert_clean_error(&["bench", &arg], "--turn-ms");
+    }
     assert_clean_error(&["generate", "--no-such-flag"], "--no-such-flag");
     assert_clean_error(&["bench", "--max-tokens", "many"], "--max-tokens");
     assert_clean_error(
@@ -211,6 +215,8 @@ fn bench_reports_identical_outputs() {
             "2",
             "--policy",
             "dual:2.5,loopspec:d2=2",
+            "--turn-ms",
+            "0.5",
             "--json",
         ],
         &[],
@@ -218,6 +224,7 @@ fn bench_reports_identical_outputs() {
     );
     let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["runs_per_lane"], 2);
+    assert_eq!(report["turn_ms"], 0.5);
     assert_eq!(
         report["policies"],
         serde_json::json!(["dual:2.5", "loopspec:d2=2"])
@@ -348,7 +355,10 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
         Path::new("."),
     );
     let table = String::from_utf8(table).unwrap();
-    assert!(table.contains("3 interleaved runs per prompt"), "{table}");
+    assert!(
+        table.contains("3 runs per prompt interleaved in turns of 2 ms"),
+        "{table}"
+    );
     assert!(table.contains("runs min–med–max"), "{table}");
 }
 

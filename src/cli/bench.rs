@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use super::{BenchArgs, load_model};
-use crate::engine::bench::{Comparison, PolicyResult, PromptResult, bench_prompt};
+use crate::engine::bench::{Comparison, PolicyResult, PromptResult, Turns, bench_prompt};
 use crate::engine::events::DecodeEvent;
 use crate::engine::metrics::RunStats;
 use crate::engine::metrics::speedup;
@@ -72,7 +72,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let names: Vec<String> = policies.iter().map(ToString::to_string).collect();
     if !args.json {
         println!(
-            "{} on {} ({}), kernels {:?} on {} thread(s){}; {} against baseline, {}, {} interleaved runs per prompt",
+            "{} on {} ({}), kernels {:?} on {} thread(s){}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
             session.name,
             cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
             session.device,
@@ -81,7 +81,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             kv_cache_note(loaded),
             names.join(", "),
             options.sampling,
-            args.runs
+            args.runs,
+            args.turn_ms
         );
     }
     let mut recorder = match &args.record {
@@ -93,7 +94,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     };
     let mut results = Vec::new();
     for (index, prompt) in prompts.iter().enumerate() {
-        let lanes = (&policies[..], args.runs as usize);
+        let turns = Turns {
+            runs: args.runs as usize,
+            turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
+        };
+        let lanes = (&policies[..], turns);
         let mut traces = match recorder.as_mut() {
             Some(r) => r.open(index, prompt, &policies)?,
             None => Vec::new(),
@@ -118,7 +123,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let overall = Overall::of(&results, passes);
     if args.json {
-        let report = json_report(&session, &results, &overall, (args.runs, options.sampling));
+        let report = json_report(&session, &results, &overall, (args, options.sampling));
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_overall(&overall, results.len(), passes);
@@ -246,7 +251,7 @@ fn json_report(
     session: &super::Session,
     results: &[PromptResult],
     overall: &Overall,
-    (runs, sampling): (u64, crate::engine::Sampling),
+    (args, sampling): (&BenchArgs, crate::engine::Sampling),
 ) -> serde_json::Value {
     json!({
         "model": session.name,
@@ -257,7 +262,8 @@ fn json_report(
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
         "threads": crate::engine::kernels::pool::pool().threads(),
         "cpu": cpu_model(),
-        "runs_per_lane": runs,
+        "runs_per_lane": args.runs,
+        "turn_ms": args.turn_ms,
         "policies": overall.policies.iter().map(|p| &p.name).collect::<Vec<_>>(),
         "sampling": sampling,
         "peak_memory_bytes": peak_memory_bytes(),

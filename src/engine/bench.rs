@@ -1,9 +1,11 @@
 //! The headless benchmark: baseline and every listed policy on the same prompts in one
 //! process, outputs compared token for token, speedups and the pipeline's ceiling measured in
-//! the same run (speculation.md §5). The lanes of a run are interleaved step by step
+//! the same run (speculation.md §5). The lanes of a run take turns of a few milliseconds
 //! (`engine::lanes`), so all see the same machine: on a shared machine whose speed drifts, a
 //! speedup from lanes run one after the other moved by ±15 % between identical runs.
 //! `spex bench` prints what this returns.
+
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -107,18 +109,35 @@ pub fn run_lane(
     prompt: &str,
     options: DecodeOptions,
 ) -> Result<LaneResult> {
-    Ok(run_interleaved(loaded, &[policy], prompt, options)?.remove(0))
+    Ok(run_interleaved(loaded, &[policy], prompt, options, Duration::ZERO)?.remove(0))
+}
+
+/// How the lanes of a bench share the machine.
+#[derive(Debug, Clone, Copy)]
+pub struct Turns {
+    /// Interleaved runs of every lane per prompt.
+    pub runs: usize,
+    /// Compute a lane runs before the next takes its turn ([`Lanes::with_turn`]).
+    pub turn: Duration,
 }
 
 /// Every policy on one prompt, interleaved by compute (`engine::lanes`): the lanes take turns
-/// a step at a time, so machine drift slows all alike. Returns the lanes in `policies` order.
+/// of `turn` (zero: a step at a time), so machine drift slows all alike. Returns the lanes in
+/// `policies` order.
 pub fn run_interleaved(
     loaded: &LoadedModel,
     policies: &[PolicyKind],
     prompt: &str,
     options: DecodeOptions,
+    turn: Duration,
 ) -> Result<Vec<LaneResult>> {
-    run_observed(loaded, policies, prompt, options, &mut |_, _| Ok(()))
+    run_observed(
+        loaded,
+        (policies, turn),
+        prompt,
+        options,
+        &mut |_, _| Ok(()),
+    )
 }
 
 /// What a bench shows of each lane's events as they come: the lane's index and the event
@@ -128,18 +147,18 @@ pub type Observer<'a> = dyn FnMut(usize, &DecodeEvent) -> Result<()> + 'a;
 /// [`run_interleaved`], showing every event to `observe` first.
 pub fn run_observed(
     loaded: &LoadedModel,
-    policies: &[PolicyKind],
+    (policies, turn): (&[PolicyKind], Duration),
     prompt: &str,
     options: DecodeOptions,
     observe: &mut Observer,
 ) -> Result<Vec<LaneResult>> {
     let passes = loaded.model().passes();
-    let mut lanes = Lanes::new(loaded, prompt, policies, options)?;
+    let mut lanes = Lanes::new(loaded, prompt, policies, options)?.with_turn(turn);
     let mut results: Vec<LaneResult> = policies
         .iter()
         .map(|&p| LaneResult::new(p, passes))
         .collect();
-    while let Some(next) = lanes.next() {
+    while let Some(next) = lanes.next_turn() {
         if let Some(event) = lanes.advance(next)? {
             observe(next, &event)?;
             results[next].record(event);
@@ -148,7 +167,7 @@ pub fn run_observed(
     Ok(results)
 }
 
-/// Benchmarks one prompt: `runs` interleaved runs of the baseline and every policy; for each
+/// Benchmarks one prompt: `turns.runs` interleaved runs of the baseline and every policy; for each
 /// policy the lanes of its median run (by its speedup) and every run's statistics; then the
 /// step times at the run's mid position. The first run's events go to `observe` (lane 0 is
 /// the baseline, lane k the k-th policy).
@@ -156,9 +175,10 @@ pub fn bench_prompt(
     loaded: &LoadedModel,
     prompt: &str,
     options: DecodeOptions,
-    (policies, runs): (&[PolicyKind], usize),
+    (policies, turns): (&[PolicyKind], Turns),
     observe: &mut Observer,
 ) -> Result<PromptResult> {
+    let Turns { runs, turn } = turns;
     if policies.is_empty() || policies.contains(&PolicyKind::Baseline) {
         return Err(EngineError::Invalid(
             "bench races baseline against speculative policies: speed, dual[:MARGIN] or loopspec[:d1=N][:d2=M]".into(),
@@ -170,8 +190,8 @@ pub fn bench_prompt(
     let mut all_runs: Vec<Vec<LaneResult>> = Vec::with_capacity(runs);
     for k in 0..runs.max(1) {
         let run = match k {
-            0 => run_observed(loaded, &lanes, prompt, options, observe)?,
-            _ => run_interleaved(loaded, &lanes, prompt, options)?,
+            0 => run_observed(loaded, (&lanes, turn), prompt, options, observe)?,
+            _ => run_interleaved(loaded, &lanes, prompt, options, turn)?,
         };
         if let Some(first) = all_runs.first()
             && let Some(lane) = run.iter().zip(first).find(|(a, b)| a.tokens != b.tokens)

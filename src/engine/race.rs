@@ -104,7 +104,7 @@ fn race_loop(
             return Ok(());
         }
         // The lane with less compute so far goes next: equal compute at every moment.
-        let Some(next) = lanes.next() else {
+        let Some(next) = lanes.next_turn() else {
             return Ok(());
         };
         if !lanes.is_behind(next) {
