@@ -259,8 +259,8 @@ pub struct BenchArgs {
     pub runs: u64,
     /// Compute, in milliseconds, each lane runs before the next takes its turn. Short turns
     /// let a drifting machine slow all lanes alike; 0 alternates every step, where the lanes
-    /// share the caches as a decoder running alone does not (speedups 3–5 % higher on a
-    /// 2-vCPU Zen 5; README, "Numbers").
+    /// share the caches as a decoder running alone does not (speedups typically 3–5 % higher
+    /// on a 2-vCPU Zen 5; README, "Numbers").
     #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
     pub turn_ms: f64,
     /// The policies raced against baseline, comma-separated, all in one interleaved run:
