@@ -46,9 +46,9 @@ pub use subnormals::SubnormalsFlushed;
 
 /// Rows of `x` processed together against one group of weight rows, NEON and portable.
 const ROW_BLOCK: usize = 4;
-/// The same on x86, whose kernels hold up to 6 rows' accumulators in registers: a `dual`
-/// step's 4 rows and a second candidate are one block, and the weights' registers are
-/// loaded once for all 5.
+/// The same on x86, whose kernels hold up to 6 rows' accumulators in registers: on AVX-512 a
+/// `dual` step's 4 rows and a second candidate are one block, and the weights' registers are
+/// loaded once for all 5 (AVX2 takes 5–6 rows as two blocks: `matmul_t_serial`).
 const X86_ROW_BLOCK: usize = 6;
 
 /// How far ahead of the chunk it multiplies a matmul kernel prefetches each weight row, in
@@ -361,27 +361,35 @@ fn matmul_t_serial(
     out: SharedOut<'_>,
     to: OutLayout,
 ) {
+    let (x86, other) = (X86_ROW_BLOCK, ROW_BLOCK);
     match (isa, rows) {
         // AVX-512 has 32 registers: up to 24 accumulators plus the weight and input chunks fit.
-        (Isa::Avx512, 1..=2) => sweep::<8>(isa, x, w, inner, out, to),
-        (Isa::Avx512, _) => sweep::<4>(isa, x, w, inner, out, to),
-        (_, 1..=2) => sweep::<4>(isa, x, w, inner, out, to),
-        // 3–4 rows × 3 weight rows: 9–12 accumulators, enough to cover the FMA latency (2
-        // weight rows measured 8 % slower at 3–4 rows; AVX2 is FMA-bound there).
-        (Isa::Avx2Fma, 3..=4) => sweep::<3>(isa, x, w, inner, out, to),
-        _ => sweep::<2>(isa, x, w, inner, out, to),
+        (Isa::Avx512, 1..=2) => sweep::<8>(isa, (x, x86), w, inner, out, to),
+        (Isa::Avx512, _) => sweep::<4>(isa, (x, x86), w, inner, out, to),
+        (Isa::Avx2Fma, 1..=2) => sweep::<4>(isa, (x, x86), w, inner, out, to),
+        // AVX2 is FMA-bound from 3 rows on, and 16 registers hold at most 12 accumulators:
+        // 3–4 rows × 3 weight rows, and 5–6 rows as two blocks of 2–3 rows × 3 weight rows
+        // (against 2 weight rows for every row of the block, one step measured 8 % faster at
+        // 3–4 rows and 6 % at 5).
+        (Isa::Avx2Fma, 3..=4) => sweep::<3>(isa, (x, x86), w, inner, out, to),
+        (Isa::Avx2Fma, 5..=6) => sweep::<3>(isa, (x, 3), w, inner, out, to),
+        (Isa::Avx2Fma, _) => sweep::<2>(isa, (x, x86), w, inner, out, to),
+        (_, 1..=2) => sweep::<4>(isa, (x, other), w, inner, out, to),
+        _ => sweep::<2>(isa, (x, other), w, inner, out, to),
     }
 }
 
+/// Every row of `x`, in blocks of at most `block_rows`, times `J` weight rows at a time (the
+/// weight rows left over one at a time).
 fn sweep<const J: usize>(
     isa: Isa,
-    x: &[f32],
+    (x, block_rows): (&[f32], usize),
     w: &[f32],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
 ) {
-    let blocks = row_blocks(x.len() / inner, isa);
+    let blocks = row_blocks(x.len() / inner, block_rows);
     let mut w_groups = w.chunks_exact(J * inner);
     for (g, wg) in (&mut w_groups).enumerate() {
         let ws: [&[f32]; J] = std::array::from_fn(|j| &wg[j * inner..(j + 1) * inner]);
@@ -413,14 +421,10 @@ fn sweep<const J: usize>(
     }
 }
 
-/// `rows` split into the fewest blocks the kernels of `isa` take, of nearly equal size (7
-/// rows are 4 + 3, not 6 + 1: a block of one row has too few accumulators to keep the FMA
-/// units busy).
-fn row_blocks(rows: usize, isa: Isa) -> impl Iterator<Item = std::ops::Range<usize>> + Clone {
-    let most = match isa {
-        Isa::Avx512 | Isa::Avx2Fma => X86_ROW_BLOCK,
-        Isa::Neon | Isa::Portable => ROW_BLOCK,
-    };
+/// `rows` split into the fewest blocks of at most `most` rows, of nearly equal size (7 rows
+/// in blocks of 6 are 4 + 3, not 6 + 1: a block of one row has too few accumulators to keep
+/// the FMA units busy).
+fn row_blocks(rows: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize>> + Clone {
     let blocks = rows.div_ceil(most);
     (0..blocks).map(move |b| b * rows / blocks..(b + 1) * rows / blocks)
 }
