@@ -56,7 +56,7 @@ impl Prediction {
             }
         }
         let max = top.first().map_or(0.0, |&(_, l)| l);
-        let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+        let sum = crate::engine::kernels::sum_exp(logits, max);
         let prob = |l: f32| (l - max).exp() / sum;
         let token = |id: u32| Token {
             id,

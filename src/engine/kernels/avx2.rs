@@ -157,6 +157,23 @@ pub fn exp_shifted(x: &mut [f32], shift: f32) {
     }
 }
 
+/// Σ e^(x[i] − shift), over 8 lanes and then the tail. Safe where AVX2 and FMA are enabled.
+#[target_feature(enable = "avx2,fma")]
+pub fn sum_exp(x: &[f32], shift: f32) -> f32 {
+    let s = _mm256_set1_ps(shift);
+    let mut acc = _mm256_setzero_ps();
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        // SAFETY: `c` holds exactly 8 floats.
+        let v = unsafe { _mm256_loadu_ps(c.as_ptr()) };
+        acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(v, s)));
+    }
+    let zero = _mm256_setzero_ps();
+    let sum = _mm_cvtss_f32(reduce4(acc, zero, zero, zero));
+    tail.iter().fold(sum, |sum, &v| sum + exp1(v - shift))
+}
+
 /// Numerically stable softmax in place: the max and the sum over 8 lanes (the sum's lanes
 /// folded by `reduce4`'s tree, then the tail in order), so neither is a chain of dependent
 /// scalar operations (they were half of a row's attention at 128 positions).

@@ -465,3 +465,19 @@ fn the_f16_head_split_across_threads_is_the_serial_one_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn sum_exp_matches_the_scalar_sum_closely() {
+    let mut seed = 11;
+    for n in [0, 1, 7, 8, 9, 100, 4096, 4099] {
+        let x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 20.0).collect();
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let shift = if n == 0 { 0.0 } else { max };
+        let want: f64 = x.iter().map(|&v| f64::from(v - shift).exp()).sum();
+        let got = f64::from(sum_exp(&x, shift));
+        assert!(
+            (got - want).abs() <= 1e-5 * want.max(1e-30),
+            "{n}: {got} vs {want}"
+        );
+    }
+}
