@@ -92,12 +92,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         )?),
         None => None,
     };
+    let turns = Turns {
+        runs: args.runs as usize,
+        turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
+    };
     let mut results = Vec::new();
     for (index, prompt) in prompts.iter().enumerate() {
-        let turns = Turns {
-            runs: args.runs as usize,
-            turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
-        };
         let lanes = (&policies[..], turns);
         let mut traces = match recorder.as_mut() {
             Some(r) => r.open(index, prompt, &policies)?,

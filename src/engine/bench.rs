@@ -131,13 +131,7 @@ pub fn run_interleaved(
     options: DecodeOptions,
     turn: Duration,
 ) -> Result<Vec<LaneResult>> {
-    run_observed(
-        loaded,
-        (policies, turn),
-        prompt,
-        options,
-        &mut |_, _| Ok(()),
-    )
+    run_observed(loaded, policies, prompt, options, turn, &mut |_, _| Ok(()))
 }
 
 /// What a bench shows of each lane's events as they come: the lane's index and the event
@@ -147,9 +141,10 @@ pub type Observer<'a> = dyn FnMut(usize, &DecodeEvent) -> Result<()> + 'a;
 /// [`run_interleaved`], showing every event to `observe` first.
 pub fn run_observed(
     loaded: &LoadedModel,
-    (policies, turn): (&[PolicyKind], Duration),
+    policies: &[PolicyKind],
     prompt: &str,
     options: DecodeOptions,
+    turn: Duration,
     observe: &mut Observer,
 ) -> Result<Vec<LaneResult>> {
     let passes = loaded.model().passes();
@@ -190,7 +185,7 @@ pub fn bench_prompt(
     let mut all_runs: Vec<Vec<LaneResult>> = Vec::with_capacity(runs);
     for k in 0..runs.max(1) {
         let run = match k {
-            0 => run_observed(loaded, (&lanes, turn), prompt, options, observe)?,
+            0 => run_observed(loaded, &lanes, prompt, options, turn, observe)?,
             _ => run_interleaved(loaded, &lanes, prompt, options, turn)?,
         };
         if let Some(first) = all_runs.first()
