@@ -336,6 +336,9 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     );
     let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["kernel_isa"], "Portable");
+    // Chosen by timing both plans on the model's steps when it loaded.
+    let plan = report["prefetch"].as_str().unwrap();
+    assert!(["l1", "l2"].contains(&plan), "{plan}");
     let overall: Vec<f64> = report["overall"]["policies"][0]["run_speedups"]
         .as_array()
         .unwrap()
@@ -350,7 +353,7 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
         assert_eq!(lane["comparison"], "identical");
     }
     let table = spex_ok(
-        &[&args[..], &["--prompts", &p]].concat(),
+        &[&args[..], &["--prompts", &p, "--prefetch", "l2"]].concat(),
         &[],
         Path::new("."),
     );
@@ -359,6 +362,7 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
         table.contains("3 runs per prompt interleaved in turns of 2 ms"),
         "{table}"
     );
+    assert!(table.contains("prefetch l2 (forced)"), "{table}");
     assert!(table.contains("runs min–med–max"), "{table}");
 }
 
@@ -369,6 +373,14 @@ fn an_instruction_set_the_cpu_lacks_or_that_does_not_exist_is_one_line() {
     if !std::arch::is_x86_feature_detected!("avx512f") {
         assert_clean_error(&["generate", "--prompt", "a", "--isa", "avx512"], "--isa");
     }
+}
+
+#[test]
+fn a_prefetch_plan_that_does_not_exist_is_one_line() {
+    assert_clean_error(
+        &["generate", "--prompt", "a", "--prefetch", "l3"],
+        "--prefetch",
+    );
 }
 
 #[test]

@@ -58,6 +58,33 @@ fn kv_cache_note(loaded: &crate::engine::LoadedModel) -> &'static str {
     }
 }
 
+/// ", prefetch l2 (…)" where the host kernels decode: the plan and, where it was timed, each
+/// candidate's one-row and R-row step.
+fn prefetch_note(loaded: &crate::engine::LoadedModel) -> String {
+    use crate::engine::kernels::prefetch::{Choice, choice};
+    let (crate::engine::model::Backend::Host(_), Some(choice)) = (&loaded.backend, choice()) else {
+        return String::new();
+    };
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    match choice {
+        Choice::Forced(plan) => format!(", prefetch {} (forced)", plan.name()),
+        Choice::Measured { chosen, trials } => {
+            let timed: Vec<String> = (trials.iter())
+                .map(|t| {
+                    let (one, many) = (ms(t.one_row), ms(t.many_rows));
+                    format!("{} {one:.2}/{many:.2} ms", t.plan.name())
+                })
+                .collect();
+            let passes = loaded.model().passes();
+            format!(
+                ", prefetch {} (1-row/{passes}-row step: {})",
+                chosen.name(),
+                timed.join(", ")
+            )
+        }
+    }
+}
+
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(args.prompts.as_deref())?;
     let session = load_model(&args.model)?;
@@ -72,13 +99,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let names: Vec<String> = policies.iter().map(ToString::to_string).collect();
     if !args.json {
         println!(
-            "{} on {} ({}), kernels {:?} on {} thread(s){}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
+            "{} on {} ({}), kernels {:?} on {} thread(s){}{}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
             session.name,
             cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
             session.device,
             crate::engine::kernels::isa(),
             crate::engine::kernels::pool::pool().threads(),
             kv_cache_note(loaded),
+            prefetch_note(loaded),
             names.join(", "),
             options.sampling,
             args.runs,
@@ -261,6 +289,7 @@ fn json_report(
         "layers": session.loaded.model().config.num_hidden_layers,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
         "threads": crate::engine::kernels::pool::pool().threads(),
+        "prefetch": crate::engine::kernels::prefetch::choice().map(|c| c.plan().name()),
         "cpu": cpu_model(),
         "runs_per_lane": args.runs,
         "turn_ms": args.turn_ms,

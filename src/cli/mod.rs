@@ -97,6 +97,31 @@ pub struct ModelArgs {
     /// Threads a CPU decode step is split over (both lanes of a race or bench use the same).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// How the CPU kernels prefetch weights: auto (each candidate timed on the model's own
+    /// steps when it loads), l1 (16 KB ahead into L1) or l2 (also 64 KB ahead into L2).
+    #[arg(long, value_enum, default_value_t = PrefetchArg::Auto)]
+    pub prefetch: PrefetchArg,
+}
+
+/// `--prefetch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrefetchArg {
+    Auto,
+    L1,
+    L2,
+}
+
+impl PrefetchArg {
+    /// Fixes the kernels' prefetch plan (nothing for `auto`, which times them at load).
+    fn apply(self) -> Result<(), EngineError> {
+        use crate::engine::kernels::prefetch::{Prefetch, force};
+        let plan = match self {
+            Self::Auto => return Ok(()),
+            Self::L1 => Prefetch::L1,
+            Self::L2 => Prefetch::L2,
+        };
+        force(plan).map_err(|e| EngineError::Invalid(format!("--prefetch: {e}")))
+    }
 }
 
 /// `--kv-cache`.
@@ -360,6 +385,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 /// Resolves and loads the model `args` name, on the device and dtype asked for.
 pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     args.isa.apply()?;
+    args.prefetch.apply()?;
     crate::engine::kernels::pool::set_threads(args.threads)
         .map_err(|e| EngineError::Invalid(format!("--threads: {e}")))?;
     let offline = args.offline || hub::offline_from_env();

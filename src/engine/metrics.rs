@@ -8,7 +8,9 @@ use serde::Serialize;
 
 use super::error::Result;
 use super::events::DecodeEvent;
+use super::kernels::prefetch;
 use super::kv_cache::KvCache;
+use super::model::host::HostBackend;
 use super::model::{Backend, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow, step};
 use super::pass::Pass;
 
@@ -329,19 +331,56 @@ fn median_times(
     batches: &[Vec<RowSlot>],
     repeats: usize,
 ) -> Result<Vec<Duration>> {
+    let mut before = |_: usize| {};
     match backend {
-        Backend::Host(b) => median_times_on(&**b, pos, batches, repeats),
-        Backend::Device(b) => median_times_on(&**b, pos, batches, repeats),
+        Backend::Host(b) => median_times_on(&**b, pos, batches, repeats, &mut before),
+        Backend::Device(b) => median_times_on(&**b, pos, batches, repeats, &mut before),
     }
+}
+
+/// Fixes the host kernels' prefetch plan (`kernels::prefetch`), the first time a process loads
+/// a host model: each candidate's median one-row and R-row step at position 64 (or the
+/// model's last), the candidates and shapes taking turns, 9 rounds (about 60 ms on the default
+/// model).
+pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choice> {
+    let passes = backend.model().passes();
+    let pos = 64.min(
+        backend
+            .model()
+            .config
+            .max_position_embeddings
+            .saturating_sub(1),
+    );
+    prefetch::choose_once(passes, |apply| {
+        let slot = |pass: Pass| RowSlot {
+            pos,
+            pass,
+            readout: every_readout(pass, passes),
+            second: false,
+        };
+        let shapes = [
+            vec![slot(Pass::FIRST)],
+            Pass::all(passes).map(slot).collect(),
+        ];
+        let plans = prefetch::Prefetch::CANDIDATES;
+        let batches: Vec<Vec<RowSlot>> = (plans.iter())
+            .flat_map(|_| shapes.iter().cloned())
+            .collect();
+        let mut before = |batch: usize| apply(plans[batch / shapes.len()]);
+        let t = median_times_on(backend, pos, &batches, 9, &mut before)?;
+        Ok(t.chunks_exact(2).map(|t| (t[0], t[1])).collect())
+    })
 }
 
 /// Median compute of each batch of rows at `pos` (every row's input a token), the batches
 /// interleaved so that machine noise hits them alike; two warm-up rounds are dropped.
+/// `before(i)` runs before batch `i` each time, untimed.
 fn median_times_on<B: StepBackend>(
     backend: &B,
     pos: usize,
     batches: &[Vec<RowSlot>],
     repeats: usize,
+    before: &mut dyn FnMut(usize),
 ) -> Result<Vec<Duration>> {
     let passes = backend.model().passes();
     let mut cache = KvCache::new(backend.new_store(pos + 1)?, passes, pos + 1);
@@ -352,7 +391,8 @@ fn median_times_on<B: StepBackend>(
     }
     let mut times = vec![Vec::with_capacity(repeats); batches.len()];
     for round in 0..repeats + 2 {
-        for (batch, t) in batches.iter().zip(&mut times) {
+        for (i, (batch, t)) in batches.iter().zip(&mut times).enumerate() {
+            before(i);
             let rows = batch
                 .iter()
                 .map(|&slot| StepRow {

@@ -17,7 +17,7 @@
 use std::ops::Range;
 
 use super::kv_element::KvElement;
-use super::{Isa, isa, portable, softmax_in_place};
+use super::{Isa, isa, portable, prefetch, softmax_in_place};
 
 /// Positions per tile: one head's keys of a tile (`TILE · head_dim` floats, 8 KB at 64)
 /// stay in L1 while every row of the group reads them.
@@ -119,6 +119,16 @@ pub(super) fn attend_group_on<E: KvElement>(
         shape,
         heads,
     };
+    // Under the L2 plan the cache rows come from DRAM: ask for all the keys and the first
+    // tile of values now, and each next tile of values as the walk reaches a tile
+    // (`Walk::values`). On an AMD EPYC Zen 4, 4-row steps 2–6 % faster in one process.
+    let far = prefetch::far_enabled();
+    if far {
+        let cached = queries.iter().map(|q| q.cached).max().unwrap_or(0);
+        let kv_dim = shape.kv_heads * shape.head_dim;
+        prefetch::into_l2(&keys[..(cached * kv_dim).min(keys.len())]);
+        prefetch::into_l2(&values[..(cached.min(TILE) * kv_dim).min(values.len())]);
+    }
     walk.scores(keys, scores);
     for (query, &start) in queries.iter().zip(&starts) {
         let len = query.len();
@@ -127,7 +137,7 @@ pub(super) fn attend_group_on<E: KvElement>(
         }
     }
     out.fill(0.0);
-    walk.values(values, scores, out);
+    walk.values(values, scores, out, far);
 }
 
 /// One group's walk over the cache in tiles (the scores, then the outputs).
@@ -190,12 +200,19 @@ impl Walk<'_> {
         }
     }
 
-    /// Each row's output, `Σ_s p_s · v_s` per head, the positions in order.
-    fn values<E: KvElement>(&self, values: &[E], probs: &[f32], out: &mut [f32]) {
+    /// Each row's output, `Σ_s p_s · v_s` per head, the positions in order; with `far`, each
+    /// tile first prefetches the next into L2.
+    fn values<E: KvElement>(&self, values: &[E], probs: &[f32], out: &mut [f32], far: bool) {
         let (kv_dim, head_dim) = (self.kv_dim(), self.shape.head_dim);
         let width = self.heads.len() * head_dim;
         let cached = self.queries.iter().map(|q| q.cached).max().unwrap_or(0);
         for s0 in (0..cached).step_by(TILE) {
+            if far {
+                let next = (s0 + TILE).min(cached) * kv_dim..(s0 + 2 * TILE).min(cached) * kv_dim;
+                prefetch::into_l2(
+                    &values[next.start.min(values.len())..next.end.min(values.len())],
+                );
+            }
             for h in self.heads.clone() {
                 let vh = &values[s0 * kv_dim + self.kv_offset(h)..];
                 for (n, (query, &start)) in self.queries.iter().zip(self.starts).enumerate() {

@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 
 use super::kv_element::KvElement;
-use super::{OutLayout, SharedOut};
+use super::{OutLayout, SharedOut, prefetch};
 
 /// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1–4)
 /// weight rows: each weight chunk is loaded once for all rows and each row chunk once for all
@@ -57,17 +57,22 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
     let main = inner - inner % 8;
     let mut acc = [[_mm256_setzero_ps(); J]; R];
     let xp = xs.as_ptr();
-    let ahead = super::prefetch_ahead(J * inner);
+    let (near, far) = (prefetch::near(4, J * inner), prefetch::far(4));
     let mut k = 0;
     while k < main {
         // SAFETY: k + 8 <= inner; every row r < R has `inner` elements in `xs`, and every
         // weight row has `inner` elements.
         unsafe {
             let w: [__m256; J] = std::array::from_fn(|j| _mm256_loadu_ps(ws[j].as_ptr().add(k)));
-            // Weight rows stream from L3: fetch later groups' rows while this one computes
-            // (a prefetch never faults, even past the end).
+            // Weight rows stream from L3 or DRAM: fetch later groups' rows while this one
+            // computes (`super::prefetch`; a prefetch never faults, even past the end).
             for wj in ws {
-                _mm_prefetch::<_MM_HINT_T0>(wj.as_ptr().wrapping_add(k + ahead) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wj.as_ptr().wrapping_add(k + near) as *const i8);
+            }
+            if far > 0 {
+                for wj in ws {
+                    _mm_prefetch::<_MM_HINT_T1>(wj.as_ptr().wrapping_add(k + far) as *const i8);
+                }
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let x = _mm256_loadu_ps(xp.add(r * inner + k));

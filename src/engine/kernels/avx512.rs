@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{OutLayout, SharedOut};
+use super::{OutLayout, SharedOut, prefetch};
 
 /// AVX-512 dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1, 4 or 8) weight rows; the
 /// row count becomes a constant so that every accumulator stays in a register.
@@ -55,7 +55,7 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
     // SAFETY (both): row r of `xs` starts at r · inner, inside `xs` for r < R.
     let x: [*const f32; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * inner) });
     let w: [*const f32; J] = std::array::from_fn(|j| ws[j].as_ptr());
-    let ahead = super::prefetch_ahead(J * inner);
+    let ahead = (prefetch::near(4, J * inner), prefetch::far(4));
     let mut k = 0;
     while k < full {
         // SAFETY: k + 16 <= inner, within every row of `xs` and every weight row.
@@ -67,7 +67,7 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
         // (zeros elsewhere), so every chunk runs the same FMAs.
         let mask: __mmask16 = (1u16 << (inner - k)) - 1;
         // SAFETY: the unmasked lanes lie within `inner`; masked-off lanes are not read.
-        unsafe { chunk(&mut acc, (x, w), k, mask, 0) };
+        unsafe { chunk(&mut acc, (x, w), k, mask, (0, 0)) };
     }
     for (r, a) in acc.iter().enumerate() {
         store_sums(a, out, to, first + r);
@@ -75,8 +75,9 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
 }
 
 /// One 16-lane chunk at `k` of every (row, weight row) pair: each weight chunk loaded once
-/// for all rows, each row chunk once for all weight rows; the weight rows' chunk `ahead`
-/// floats on (`super::prefetch_ahead`: later groups', streaming from L3) is prefetched.
+/// for all rows, each row chunk once for all weight rows; the weight rows' chunks `ahead.0`
+/// floats on (into L1) and `ahead.1` on (into L2, where not zero) are prefetched: later
+/// groups', streaming from L3 or DRAM (`super::prefetch`).
 ///
 /// # Safety
 /// The lanes of `mask` from `k` on lie within every row behind `x` and `w`.
@@ -86,7 +87,7 @@ unsafe fn chunk<const R: usize, const J: usize>(
     (x, w): ([*const f32; R], [*const f32; J]),
     k: usize,
     mask: __mmask16,
-    ahead: usize,
+    (near, far): (usize, usize),
 ) {
     const {
         assert!(
@@ -97,9 +98,14 @@ unsafe fn chunk<const R: usize, const J: usize>(
     // SAFETY: the caller's bounds; a prefetch never faults, even past the end.
     unsafe {
         let wk: [__m512; J] = std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, w[j].add(k)));
-        if ahead > 0 {
+        if near > 0 {
             for wj in w {
-                _mm_prefetch::<_MM_HINT_T0>(wj.wrapping_add(k + ahead) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wj.wrapping_add(k + near) as *const i8);
+            }
+        }
+        if far > 0 {
+            for wj in w {
+                _mm_prefetch::<_MM_HINT_T1>(wj.wrapping_add(k + far) as *const i8);
             }
         }
         // Unrolled by hand, so that every accumulator index is a constant (the rolled loop

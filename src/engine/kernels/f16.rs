@@ -11,12 +11,6 @@ use half::f16;
 const PANEL: usize = 64;
 /// f16 values in 64 bytes: the most the buffer's start can be from a 64-byte boundary.
 const ALIGN_F16: usize = 32;
-/// How far ahead of the panel row in use the kernel prefetches, in f16 values: the matmul's
-/// distance (`kernels::PREFETCH_BYTES`). The panels are one contiguous stream, so the
-/// prefetch runs on into the next panel. On an AMD EPYC Zen 5 the default model's 4-row step
-/// (every row read out) measured 0.559 → 0.537 ms with it, a 1-row one 0.344 → 0.337 ms.
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_AHEAD: usize = super::PREFETCH_BYTES / std::mem::size_of::<f16>();
 /// Input rows per block: 6 × 4 accumulators plus 4 weight registers fit in 32 (a `dual`
 /// step's 5 readouts widen each panel once, not twice).
 const ROWS: usize = 6;
@@ -131,7 +125,8 @@ mod avx512 {
 
     use half::f16;
 
-    use super::{PANEL, PREFETCH_AHEAD, ROWS};
+    use super::super::prefetch;
+    use super::{PANEL, ROWS};
 
     /// One panel's products with up to `ROWS` rows of `x` into `tile`.
     ///
@@ -170,12 +165,23 @@ mod avx512 {
     ) {
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         let wp = panel.as_ptr();
+        // The matmuls' distances (`kernels::prefetch`). The panels are one contiguous stream,
+        // so the prefetch runs on into the next panel. On an AMD EPYC Zen 5 the default
+        // model's 4-row step (every row read out) measured 0.559 → 0.537 ms with the near
+        // one, a 1-row one 0.344 → 0.337 ms.
+        let size = std::mem::size_of::<f16>();
+        let (near, far) = (prefetch::near(size, 0), prefetch::far(size));
         for k in 0..inner {
             // A panel row is two cache lines (the panels start on a 64-byte boundary); a
             // prefetch never faults, even past the end.
-            let ahead = wp.wrapping_add(k * PANEL + PREFETCH_AHEAD).cast::<i8>();
+            let ahead = wp.wrapping_add(k * PANEL + near).cast::<i8>();
             _mm_prefetch::<_MM_HINT_T0>(ahead);
             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+            if far > 0 {
+                let ahead = wp.wrapping_add(k * PANEL + far).cast::<i8>();
+                _mm_prefetch::<_MM_HINT_T1>(ahead);
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64));
+            }
             // SAFETY: row k of the panel holds PANEL = 4 × 16 f16 values (two bytes each, as
             // the 32-byte loads read); x has R rows of `inner`.
             unsafe {

@@ -36,6 +36,7 @@ mod kv_element;
 mod neon;
 pub mod pool;
 mod portable;
+pub mod prefetch;
 mod subnormals;
 #[cfg(test)]
 mod tests;
@@ -50,21 +51,6 @@ const ROW_BLOCK: usize = 4;
 /// `dual` step's 4 rows and a second candidate are one block, and the weights' registers are
 /// loaded once for all 5 (AVX2 takes 5–6 rows as two blocks: `matmul_t_serial`).
 const X86_ROW_BLOCK: usize = 6;
-
-/// How far ahead of the chunk it multiplies a matmul kernel prefetches each weight row, in
-/// floats: at least 16 KB, and at least the next group of weight rows. The weights stream from
-/// L3, and a group ahead (2–8 KB at hidden 256) left the loads waiting: on an AMD EPYC Zen 5,
-/// 16 KB took the default model's 4-row step from 0.74–0.80 to 0.59–0.63 ms (AVX-512) and
-/// 1.20 to 0.76 ms (AVX2), 8, 12, 20 and 24 KB in between (interleaved in one process).
-#[cfg(target_arch = "x86_64")]
-pub(super) fn prefetch_ahead(group_floats: usize) -> usize {
-    group_floats.max(PREFETCH_BYTES / std::mem::size_of::<f32>())
-}
-
-/// The least distance, in bytes, that the kernels streaming weights from L3 prefetch ahead
-/// ([`prefetch_ahead`], and the f16 LM head's panels).
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_BYTES: usize = 16 << 10;
 
 /// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
 /// model's) are split across threads by output rows; below it, waking a second thread costs

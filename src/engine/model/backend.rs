@@ -97,8 +97,9 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The host kernels on CPU in f32 (their weights copied to aligned huge pages first),
-    /// candle ops everywhere else.
+    /// The host kernels on CPU in f32 (their weights copied to aligned huge pages first; the
+    /// first in a process also fixes the kernels' prefetch plan by timing its steps), candle
+    /// ops everywhere else.
     pub fn for_weights(
         config: OuroConfig,
         weights: Weights,
@@ -109,10 +110,9 @@ impl Backend {
         if device.is_cpu() && dtype == DType::F32 {
             let weights = weights.aligned_for_host()?;
             let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
-            return Ok(Self::Host(Arc::new(HostBackend::new(
-                Arc::new(model),
-                options,
-            )?)));
+            let host = HostBackend::new(Arc::new(model), options)?;
+            crate::engine::metrics::choose_prefetch(&host)?;
+            return Ok(Self::Host(Arc::new(host)));
         }
         let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
         Ok(Self::Device(Arc::new(DeviceBackend::new(Arc::new(model)))))

@@ -1,0 +1,244 @@
+//! How far ahead the kernels that stream weights prefetch them: the x86 matmuls (`avx2`,
+//! `avx512`) and the f16 LM head (`f16`). A process runs one [`Prefetch`] plan, forced by
+//! `--prefetch` ([`force`]) or chosen by timing every candidate on the first model's own
+//! decode steps when it loads ([`choose_once`], called by `model::backend`).
+//!
+//! Why measured and not fixed: where a step's weights come from differs between machines, and
+//! so does the best plan. On an AMD EPYC Zen 5 (32 MB L3) the default model's weights stay in
+//! L3, one prefetch into L1 16 KB ahead is best, and a second level into L2 made the 1-row
+//! step 10–20 % slower. On an AMD EPYC Zen 4 VM (2 vCPUs of a 32 MB L3 that other tenants
+//! share) the weights come mostly from DRAM: a prefetch 16 KB ahead into L1 keeps too few
+//! misses in flight, and adding one 64 KB ahead into L2 took the 1-row step from 0.85–1.26 to
+//! 0.49–0.53 ms and the 4-row step from 1.69–2.10 to 0.86–0.92 ms (`cargo bench --bench step
+//! -- --only rows`, both plans alternating; `spex bench` prints the timings it chose by).
+//! A plan changes no result: prefetches only move data between caches.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// A prefetch plan: every weight stream is prefetched `near_bytes` ahead into L1 and, where
+/// `far_bytes` is not zero, also `far_bytes` ahead into L2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefetch {
+    pub near_bytes: usize,
+    pub far_bytes: usize,
+}
+
+impl Prefetch {
+    /// 16 KB ahead into L1: best where the weights stay in L3. A matmul's next group of weight
+    /// rows (2–8 KB at hidden 256) was too close: on an AMD EPYC Zen 5, 16 KB took the default
+    /// model's 4-row step from 0.74–0.80 to 0.59–0.63 ms (AVX-512) and 1.20 to 0.76 ms (AVX2),
+    /// 8, 12, 20 and 24 KB in between.
+    pub const L1: Self = Self {
+        near_bytes: 16 << 10,
+        far_bytes: 0,
+    };
+    /// 8 KB ahead into L1 and 64 KB ahead into L2: best where they come from DRAM.
+    pub const L2: Self = Self {
+        near_bytes: 8 << 10,
+        far_bytes: 64 << 10,
+    };
+    /// The plans [`choose_once`] times, the first the default.
+    pub const CANDIDATES: [Self; 2] = [Self::L1, Self::L2];
+
+    /// Its name for `--prefetch` and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::L1 => "l1",
+            Self::L2 => "l2",
+            _ => "custom",
+        }
+    }
+}
+
+/// The plan in use, as two distances the kernels read on every call (a relaxed load is a
+/// plain move); the default until [`set`] runs.
+static NEAR_BYTES: AtomicUsize = AtomicUsize::new(Prefetch::L1.near_bytes);
+static FAR_BYTES: AtomicUsize = AtomicUsize::new(Prefetch::L1.far_bytes);
+
+/// How the process's plan was fixed: forced, or chosen by timing, with the timings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Choice {
+    Forced(Prefetch),
+    Measured {
+        chosen: Prefetch,
+        trials: Vec<Trial>,
+    },
+}
+
+impl Choice {
+    /// The plan it fixed.
+    pub fn plan(&self) -> Prefetch {
+        match self {
+            Self::Forced(plan) | Self::Measured { chosen: plan, .. } => *plan,
+        }
+    }
+}
+
+/// One candidate's median step compute when the plan was chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Trial {
+    pub plan: Prefetch,
+    pub one_row: Duration,
+    pub many_rows: Duration,
+}
+
+impl Trial {
+    /// What a plan is chosen by: a baseline token's compute (R one-row steps) plus a full
+    /// pipeline's (one R-row step), so that neither lane is sped up at the other's expense.
+    fn cost(&self, passes: u32) -> Duration {
+        self.one_row * passes + self.many_rows
+    }
+}
+
+static CHOICE: OnceLock<Choice> = OnceLock::new();
+
+/// The plan the kernels use now.
+pub fn plan() -> Prefetch {
+    Prefetch {
+        near_bytes: NEAR_BYTES.load(Ordering::Relaxed),
+        far_bytes: FAR_BYTES.load(Ordering::Relaxed),
+    }
+}
+
+fn set(plan: Prefetch) {
+    NEAR_BYTES.store(plan.near_bytes, Ordering::Relaxed);
+    FAR_BYTES.store(plan.far_bytes, Ordering::Relaxed);
+}
+
+/// Fixes the plan for this process (`--prefetch`): an error if a different one was already
+/// fixed, by an earlier call or by timing.
+pub fn force(plan: Prefetch) -> Result<(), String> {
+    match CHOICE.get_or_init(|| Choice::Forced(plan)) {
+        Choice::Forced(p) if *p == plan => {
+            set(plan);
+            Ok(())
+        }
+        other => Err(format!("the prefetch plan was already fixed ({other:?})")),
+    }
+}
+
+/// How the plan was fixed, if it has been.
+pub fn choice() -> Option<&'static Choice> {
+    CHOICE.get()
+}
+
+/// Fixes the plan, the first time it is called in a process and nothing forced one, by timing
+/// each candidate with `measure` (its median one-row and R-row step compute, the candidates
+/// taking turns inside it) and keeping the cheapest by [`Trial::cost`]. Later calls return
+/// the first choice. `measure` runs with each candidate in use and must not decode anything
+/// of the caller's.
+pub fn choose_once<E>(
+    passes: usize,
+    measure: impl FnOnce(&mut dyn FnMut(Prefetch)) -> Result<Vec<(Duration, Duration)>, E>,
+) -> Result<&'static Choice, E> {
+    if let Some(choice) = CHOICE.get() {
+        return Ok(choice);
+    }
+    let mut apply = set;
+    let times = measure(&mut apply)?;
+    let trials: Vec<Trial> = (Prefetch::CANDIDATES.iter())
+        .zip(times)
+        .map(|(&plan, (one_row, many_rows))| Trial {
+            plan,
+            one_row,
+            many_rows,
+        })
+        .collect();
+    let chosen = cheapest(&trials, passes);
+    // A caller on another thread may have fixed it meanwhile: its choice stands.
+    let choice = CHOICE.get_or_init(|| Choice::Measured { chosen, trials });
+    set(choice.plan());
+    Ok(choice)
+}
+
+/// The plan of the cheapest trial by [`Trial::cost`] (the default where there are none).
+fn cheapest(trials: &[Trial], passes: usize) -> Prefetch {
+    let passes = u32::try_from(passes).unwrap_or(u32::MAX);
+    (trials.iter())
+        .min_by_key(|t| t.cost(passes))
+        .map_or(Prefetch::L1, |t| t.plan)
+}
+
+/// The near distance in elements of `bytes_per_element`, at least `least` (a matmul's next
+/// group of weight rows).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn near(bytes_per_element: usize, least: usize) -> usize {
+    (NEAR_BYTES.load(Ordering::Relaxed) / bytes_per_element).max(least)
+}
+
+/// The far distance in elements of `bytes_per_element`; zero for none.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn far(bytes_per_element: usize) -> usize {
+    FAR_BYTES.load(Ordering::Relaxed) / bytes_per_element
+}
+
+/// Whether the plan prefetches into L2 (the weights come from DRAM, and so, between a
+/// layer's steps, do the attention's K/V rows: `attention` then prefetches them too).
+pub(super) fn far_enabled() -> bool {
+    FAR_BYTES.load(Ordering::Relaxed) > 0
+}
+
+/// Prefetches `elements` into L2 (each cache line once); nothing off x86.
+#[inline]
+pub(super) fn into_l2<E>(elements: &[E]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        let start = elements.as_ptr().cast::<i8>();
+        for line in (0..std::mem::size_of_val(elements)).step_by(64) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = elements;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trial(plan: Prefetch, one_row_us: u64, many_rows_us: u64) -> Trial {
+        Trial {
+            plan,
+            one_row: Duration::from_micros(one_row_us),
+            many_rows: Duration::from_micros(many_rows_us),
+        }
+    }
+
+    #[test]
+    fn the_plan_is_the_one_with_the_least_baseline_token_plus_full_step() {
+        // L1: 4 · 500 + 900 = 2900 µs; L2: 4 · 450 + 1150 = 2950 µs.
+        let trials = [
+            trial(Prefetch::L1, 500, 900),
+            trial(Prefetch::L2, 450, 1150),
+        ];
+        assert_eq!(cheapest(&trials, 4), Prefetch::L1);
+        // A one-row step counts R times: at R = 8 the cheaper one-row step wins.
+        assert_eq!(cheapest(&trials, 8), Prefetch::L2);
+        assert_eq!(cheapest(&[], 4), Prefetch::L1);
+    }
+
+    #[test]
+    fn every_plan_gives_the_same_products_bit_for_bit() {
+        let (rows, inner, outs) = (5, 256, 3 * 64 + 5);
+        let x: Vec<f32> = (0..rows * inner)
+            .map(|i| (i % 17) as f32 / 17.0 - 0.4)
+            .collect();
+        let w: Vec<f32> = (0..outs * inner)
+            .map(|i| (i % 29) as f32 / 29.0 - 0.5)
+            .collect();
+        let product = |plan: Prefetch| {
+            set(plan);
+            let mut out = vec![0f32; rows * outs];
+            super::super::matmul_t(&x, &w, rows, inner, &mut out);
+            out
+        };
+        let l1 = product(Prefetch::L1);
+        let l2 = product(Prefetch::L2);
+        set(choice().map_or(Prefetch::L1, Choice::plan));
+        assert!(l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
