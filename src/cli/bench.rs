@@ -68,6 +68,12 @@ fn prefetch_note(loaded: &crate::engine::LoadedModel) -> String {
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     match choice {
         Choice::Forced(plan) => format!(", prefetch {} (forced)", plan.name()),
+        Choice::Measured { chosen, trials } if trials.is_empty() => {
+            format!(
+                ", prefetch {} (not timed: these kernels prefetch nothing)",
+                chosen.name()
+            )
+        }
         Choice::Measured { chosen, trials } => {
             let timed: Vec<String> = (trials.iter())
                 .map(|t| {

@@ -94,14 +94,6 @@ impl Trial {
 
 static CHOICE: OnceLock<Choice> = OnceLock::new();
 
-/// The plan the kernels use now.
-pub fn plan() -> Prefetch {
-    Prefetch {
-        near_bytes: NEAR_BYTES.load(Ordering::Relaxed),
-        far_bytes: FAR_BYTES.load(Ordering::Relaxed),
-    }
-}
-
 fn set(plan: Prefetch) {
     NEAR_BYTES.store(plan.near_bytes, Ordering::Relaxed);
     FAR_BYTES.store(plan.far_bytes, Ordering::Relaxed);
@@ -128,13 +120,20 @@ pub fn choice() -> Option<&'static Choice> {
 /// each candidate with `measure` (its median one-row and R-row step compute, the candidates
 /// taking turns inside it) and keeping the cheapest by [`Trial::cost`]. Later calls return
 /// the first choice. `measure` runs with each candidate in use and must not decode anything
-/// of the caller's.
+/// of the caller's. Where the kernels prefetch nothing (the portable loops, NEON) nothing is
+/// timed: the default stands, with no trials.
 pub fn choose_once<E>(
     passes: usize,
     measure: impl FnOnce(&mut dyn FnMut(Prefetch)) -> Result<Vec<(Duration, Duration)>, E>,
 ) -> Result<&'static Choice, E> {
     if let Some(choice) = CHOICE.get() {
         return Ok(choice);
+    }
+    if !super::isa().has_avx2() {
+        return Ok(CHOICE.get_or_init(|| Choice::Measured {
+            chosen: Prefetch::L1,
+            trials: Vec::new(),
+        }));
     }
     let mut apply = set;
     let times = measure(&mut apply)?;
