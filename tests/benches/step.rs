@@ -1,5 +1,5 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--kv-cache f16|f32] [--only shipped|kernels|rows --rows N|attention|stream]`: step compute by rows on random checkpoints
+//! [--kv-cache f16|f32] [--prefetch l1|l2] [--only shipped|kernels|rows --rows N|attention|stream]`: step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
 //! real weights. Prints the tables the README carries.
@@ -93,11 +93,11 @@ fn shipped_models_table(pos: usize, options: LoadOptions) {
     println!();
 }
 
-/// One row's attention over one pass's cache of one layer (the default model's shape: 4 heads
-/// of 64, f16 entries), the cache hot in L1/L2 (the same 128 positions every time) and cold
-/// (a different cache each time, 64 MB of them).
+/// One row's attention over 128 positions in each cache layout: hot (one cache, read over
+/// and over) and cold (caches spread over 64 MB, each read once in a while, as a step finds
+/// its pass's cache after streaming the weights).
 fn attention_table() {
-    use spex::engine::kernels::{AttnShape, Query, attend_group};
+    use spex::engine::kernels::{AttnShape, KvLayout, KvView, Query, attend_group};
     let shape = AttnShape {
         heads: 4,
         kv_heads: 4,
@@ -116,20 +116,35 @@ fn attention_table() {
         own: None,
     };
     let (mut out, mut scores) = (vec![0f32; 256], Vec::new());
-    for (name, spread) in [("hot", false), ("cold", true)] {
-        let mut times = Vec::new();
-        for n in 0..2000 {
-            let at = if spread { (n % caches) * entries } else { 0 };
-            let (k, v) = (&cache[at..at + entries], &cache[at..at + entries]);
-            let t = Instant::now();
-            attend_group(&[query], (k, v), (shape, 0..4), &mut out, &mut scores);
-            times.push(t.elapsed());
+    let layouts = [
+        ("rows", KvLayout::Rows),
+        (
+            "heads",
+            KvLayout::Heads {
+                capacity: positions,
+            },
+        ),
+    ];
+    for (layout_name, layout) in layouts {
+        for (name, spread) in [("hot", false), ("cold", true)] {
+            let mut times = Vec::new();
+            for n in 0..2000 {
+                let at = if spread { (n % caches) * entries } else { 0 };
+                let view = KvView {
+                    keys: &cache[at..at + entries],
+                    values: &cache[at..at + entries],
+                    layout,
+                };
+                let t = Instant::now();
+                attend_group(&[query], view, (shape, 0..4), &mut out, &mut scores);
+                times.push(t.elapsed());
+            }
+            times.sort_unstable();
+            println!(
+                "attention, 1 row, 128 positions, 4 heads of 64, f16, {layout_name} layout, {name}: {:.2} µs",
+                times[1000].as_secs_f64() * 1e6
+            );
         }
-        times.sort_unstable();
-        println!(
-            "attention, 1 row, 128 positions, 4 heads of 64, f16, {name}: {:.2} µs",
-            times[1000].as_secs_f64() * 1e6
-        );
     }
 }
 
@@ -206,6 +221,14 @@ fn main() {
             _ => Isa::Portable,
         };
         spex::engine::kernels::force_isa(isa).expect("--isa");
+    }
+    if let Some(plan) = arg_value("--prefetch") {
+        use spex::engine::kernels::prefetch::{Prefetch, force};
+        let plan = match plan.as_str() {
+            "l2" => Prefetch::L2,
+            _ => Prefetch::L1,
+        };
+        force(plan).expect("--prefetch");
     }
     let kv_dtype = match arg_value("--kv-cache").as_deref() {
         Some("f32") => KvDtype::F32,

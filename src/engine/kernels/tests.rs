@@ -253,7 +253,45 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
     let (keys_e, values_e) = (narrowed::<E>(&keys), narrowed::<E>(&values));
     let cache = (&keys_e[..], &values_e[..]);
     let all_heads = (shape, 0..heads);
-    attention::attend_group_on(isa, &queries, cache, all_heads, &mut group, &mut Vec::new());
+    attention::attend_group_on(
+        isa,
+        &queries,
+        cache,
+        all_heads.clone(),
+        &mut group,
+        &mut Vec::new(),
+    );
+    // The same cache laid out head by head, with room for more positions: the same bits.
+    let capacity = 75;
+    let by_heads = |rows: &[E]| {
+        let mut heads = vec![E::default(); shape.kv_heads * capacity * head_dim];
+        for (s, row) in rows.chunks_exact(kv_dim).enumerate() {
+            for (j, entry) in row.chunks_exact(head_dim).enumerate() {
+                heads[(j * capacity + s) * head_dim..][..head_dim].copy_from_slice(entry);
+            }
+        }
+        heads
+    };
+    let (keys_h, values_h) = (by_heads(&keys_e), by_heads(&values_e));
+    let view = KvView {
+        keys: &keys_h,
+        values: &values_h,
+        layout: KvLayout::Heads { capacity },
+    };
+    let mut by_head = vec![0f32; group.len()];
+    attention::attend_group_on(
+        isa,
+        &queries,
+        view,
+        all_heads,
+        &mut by_head,
+        &mut Vec::new(),
+    );
+    let same_bits = (by_head.iter().zip(&group)).all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(
+        same_bits,
+        "{isa:?} {shape:?}: the head-major layout gave other bits"
+    );
     // Split by heads, each head alone: the same bits.
     for h in 0..heads {
         let mut one = vec![0f32; rows.len() * head_dim];

@@ -1,16 +1,18 @@
-//! The host backend's K/V buffers (`model::host`): one `[passes, capacity, kv_dim]` pair per
-//! layer, in f32 or f16 ([`KvDtype`], chosen when the model is loaded), and the K/V rows set
+//! The host backend's K/V buffers (`model::host`): one `[passes, kv_heads, capacity,
+//! head_dim]` pair per layer (`kernels::KvLayout::Heads`: each head's positions contiguous,
+//! the stream the attention walks), in f32 or f16 ([`KvDtype`], chosen when the model is loaded), and the K/V rows set
 //! aside for second candidates. The step writes rows in f32 and the attention kernels read
 //! the element type they find (`kernels::KvElement`); `KvCache` (engine::kv_cache) keeps
 //! the fill levels and drives `swap_aside`/`forget_aside` through [`KvStore`].
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use half::f16;
 
 use super::LoopedModel;
 use crate::engine::error::Result;
-use crate::engine::kernels::KvElement;
+use crate::engine::kernels::{KvElement, KvLayout, KvView};
 use crate::engine::kv_cache::{AsideSlot, KvStore};
 use crate::engine::pass::Pass;
 
@@ -62,11 +64,26 @@ impl HostKv {
     }
 }
 
-/// One element type's buffers.
+/// Where entries lie in a layer's buffer (`KvLayout::Heads` for every pass, one after another).
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    capacity: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Geometry {
+    /// Where kv head `head`'s entry at (`pass`, `pos`) starts.
+    fn offset(self, pass: Pass, head: usize, pos: usize) -> usize {
+        ((pass.index() * self.kv_heads + head) * self.capacity + pos) * self.head_dim
+    }
+}
+
+/// One element type's buffers. A row's K/V arrives and leaves (`store`, `entries`, the aside
+/// rows) as `[kv_heads · head_dim]`, and lies in the buffers one head at a time.
 #[derive(Debug, Clone)]
 pub struct KvBuffers<E> {
-    capacity: usize,
-    kv_dim: usize,
+    geometry: Geometry,
     keys: Vec<Vec<E>>,
     values: Vec<Vec<E>>,
     aside: HashMap<AsideSlot, (Vec<E>, Vec<E>)>,
@@ -78,44 +95,61 @@ impl<E: KvElement> KvBuffers<E> {
         let (layers, kv_dim) = (cfg.num_hidden_layers, cfg.kv_dim());
         let size = cfg.total_ut_steps * capacity * kv_dim;
         Self {
-            capacity,
-            kv_dim,
+            geometry: Geometry {
+                capacity,
+                kv_heads: cfg.num_key_value_heads,
+                head_dim: cfg.head_dim,
+            },
             keys: vec![vec![E::default(); size]; layers],
             values: vec![vec![E::default(); size]; layers],
             aside: HashMap::new(),
         }
     }
 
-    fn offset(&self, pass: Pass, pos: usize) -> usize {
-        (pass.index() * self.capacity + pos) * self.kv_dim
+    fn kv_dim(&self) -> usize {
+        self.geometry.kv_heads * self.geometry.head_dim
     }
 
-    /// The first `len` entries of `pass` in `layer`: (keys, values).
-    pub(super) fn pass(&self, layer: usize, pass: Pass, len: usize) -> (&[E], &[E]) {
-        let range = self.offset(pass, 0)..self.offset(pass, len);
-        (&self.keys[layer][range.clone()], &self.values[layer][range])
+    /// Each kv head's span of a row's `[kv_heads · head_dim]` and where it lies in a layer's
+    /// buffer at (`pass`, `pos`).
+    fn heads(
+        &self,
+        pass: Pass,
+        pos: usize,
+    ) -> impl Iterator<Item = (Range<usize>, usize)> + use<E> {
+        let g = self.geometry;
+        (0..g.kv_heads).map(move |j| (j * g.head_dim..(j + 1) * g.head_dim, g.offset(pass, j, pos)))
+    }
+
+    /// The first `len` positions of `pass` in `layer`.
+    pub(super) fn pass(&self, layer: usize, pass: Pass, len: usize) -> KvView<'_, E> {
+        let g = self.geometry;
+        let range = g.offset(pass, 0, 0)..g.offset(pass, g.kv_heads - 1, len);
+        KvView {
+            keys: &self.keys[layer][range.clone()],
+            values: &self.values[layer][range],
+            layout: KvLayout::Heads {
+                capacity: g.capacity,
+            },
+        }
     }
 
     fn store(&mut self, at: AsideSlot, second: bool, k: &mut [f32], v: &mut [f32]) {
         let (layer, pass, pos) = at;
-        let kv_dim = self.kv_dim;
-        let (keys, values): (&mut [E], &mut [E]) = if second {
+        if second {
+            let kv_dim = self.kv_dim();
             let (keys, values) = (self.aside.entry(at))
                 .or_insert_with(|| (vec![E::default(); kv_dim], vec![E::default(); kv_dim]));
-            (keys, values)
-        } else {
-            let at = self.offset(pass, pos);
-            let range = at..at + kv_dim;
-            (
-                &mut self.keys[layer][range.clone()],
-                &mut self.values[layer][range],
-            )
-        };
-        for (row, stored) in [(k, keys), (v, values)] {
-            E::narrow(row, stored);
-            if second {
+            for (row, stored) in [(k, keys), (v, values)] {
+                E::narrow(row, stored);
                 E::widen(stored, row);
             }
+            return;
+        }
+        for (span, at) in self.heads(pass, pos) {
+            let stored = at..at + span.len();
+            E::narrow(&k[span.clone()], &mut self.keys[layer][stored.clone()]);
+            E::narrow(&v[span], &mut self.values[layer][stored]);
         }
     }
 }
@@ -123,12 +157,15 @@ impl<E: KvElement> KvBuffers<E> {
 impl KvStore for HostKv {
     fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
         with_buffers!(self, b => {
-            let at = b.offset(pass, pos);
-            let kv_dim = b.kv_dim;
+            let kv_dim = b.kv_dim();
+            let heads: Vec<_> = b.heads(pass, pos).collect();
             let empty = || (vec![Default::default(); kv_dim], vec![Default::default(); kv_dim]);
             let (k, v) = b.aside.entry((layer, pass, pos)).or_insert_with(empty);
-            b.keys[layer][at..at + kv_dim].swap_with_slice(k);
-            b.values[layer][at..at + kv_dim].swap_with_slice(v);
+            for (span, at) in heads {
+                let stored = at..at + span.len();
+                b.keys[layer][stored.clone()].swap_with_slice(&mut k[span.clone()]);
+                b.values[layer][stored].swap_with_slice(&mut v[span]);
+            }
         });
         Ok(())
     }
@@ -139,13 +176,17 @@ impl KvStore for HostKv {
 
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         with_buffers!(self, b => {
-            let (k, v) = b.pass(layer, pass, len);
-            let widen = |x: &[_]| {
-                let mut out = vec![0f32; x.len()];
-                KvElement::widen(x, &mut out);
+            let kv_dim = b.kv_dim();
+            let widen = |buffer: &[_]| {
+                let mut out = vec![0f32; len * kv_dim];
+                for (pos, row) in out.chunks_exact_mut(kv_dim).enumerate() {
+                    for (span, at) in b.heads(pass, pos) {
+                        KvElement::widen(&buffer[at..at + span.len()], &mut row[span]);
+                    }
+                }
                 out
             };
-            Ok((widen(k), widen(v)))
+            Ok((widen(&b.keys[layer]), widen(&b.values[layer])))
         })
     }
 
