@@ -87,6 +87,8 @@ pub struct KvBuffers<E> {
     keys: Vec<Vec<E>>,
     values: Vec<Vec<E>>,
     aside: HashMap<AsideSlot, (Vec<E>, Vec<E>)>,
+    /// A row's K or V narrowed, before it is placed head by head.
+    narrowed: Vec<E>,
 }
 
 impl<E: KvElement> KvBuffers<E> {
@@ -103,6 +105,7 @@ impl<E: KvElement> KvBuffers<E> {
             keys: vec![vec![E::default(); size]; layers],
             values: vec![vec![E::default(); size]; layers],
             aside: HashMap::new(),
+            narrowed: vec![E::default(); kv_dim],
         }
     }
 
@@ -116,7 +119,7 @@ impl<E: KvElement> KvBuffers<E> {
         &self,
         pass: Pass,
         pos: usize,
-    ) -> impl Iterator<Item = (Range<usize>, usize)> + use<E> {
+    ) -> impl Iterator<Item = (Range<usize>, usize)> + Clone + use<E> {
         let g = self.geometry;
         (0..g.kv_heads).map(move |j| (j * g.head_dim..(j + 1) * g.head_dim, g.offset(pass, j, pos)))
     }
@@ -146,10 +149,16 @@ impl<E: KvElement> KvBuffers<E> {
             }
             return;
         }
-        for (span, at) in self.heads(pass, pos) {
-            let stored = at..at + span.len();
-            E::narrow(&k[span.clone()], &mut self.keys[layer][stored.clone()]);
-            E::narrow(&v[span], &mut self.values[layer][stored]);
+        // Narrowed whole, then placed head by head: one conversion call per row, not one per
+        // head (on an AMD EPYC Zen 4, `perf` of 4-row steps: 0.5 % of the time in the
+        // conversion against 1.5 % with four 64-element calls).
+        let heads = self.heads(pass, pos);
+        let narrowed = &mut self.narrowed;
+        for (row, buffer) in [(&*k, &mut self.keys[layer]), (&*v, &mut self.values[layer])] {
+            E::narrow(row, narrowed);
+            for (span, at) in heads.clone() {
+                buffer[at..at + span.len()].copy_from_slice(&narrowed[span]);
+            }
         }
     }
 }
