@@ -11,6 +11,7 @@ use std::ops::Range;
 use half::f16;
 
 use super::LoopedModel;
+use crate::engine::config::OuroConfig;
 use crate::engine::error::Result;
 use crate::engine::kernels::{KvElement, KvLayout, KvView};
 use crate::engine::kv_cache::{AsideSlot, KvStore};
@@ -48,8 +49,8 @@ impl HostKv {
     /// Empty buffers for `capacity` positions of every pass of `model`.
     pub(super) fn new(model: &LoopedModel, capacity: usize, dtype: KvDtype) -> Self {
         match dtype {
-            KvDtype::F32 => Self::F32(KvBuffers::new(model, capacity)),
-            KvDtype::F16 => Self::F16(KvBuffers::new(model, capacity)),
+            KvDtype::F32 => Self::F32(KvBuffers::new(&model.config, capacity)),
+            KvDtype::F16 => Self::F16(KvBuffers::new(&model.config, capacity)),
         }
     }
 
@@ -92,8 +93,7 @@ pub struct KvBuffers<E> {
 }
 
 impl<E: KvElement> KvBuffers<E> {
-    fn new(model: &LoopedModel, capacity: usize) -> Self {
-        let cfg = &model.config;
+    fn new(cfg: &OuroConfig, capacity: usize) -> Self {
         let (layers, kv_dim) = (cfg.num_hidden_layers, cfg.kv_dim());
         let size = cfg.total_ut_steps * capacity * kv_dim;
         Self {
@@ -201,5 +201,71 @@ impl KvStore for HostKv {
 
     fn layers(&self) -> usize {
         with_buffers!(self, b => b.keys.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::config::ModelShape;
+
+    /// A row's K (or V, `which` 1) at (`layer`, `pass`, `pos`): every element its own value.
+    fn row(layer: usize, pass: Pass, pos: usize, which: usize) -> Vec<f32> {
+        let base = (layer * 1000 + pass.index() * 100 + pos * 10 + which) as f32;
+        (0..16).map(|i| base + i as f32 / 64.0).collect()
+    }
+
+    /// Rows stored at every (layer, pass, position) read back whole from `entries`, lie head
+    /// by head in the pass's view, and a position swapped aside and back is restored.
+    #[test]
+    fn rows_stored_head_by_head_read_back_whole() {
+        let shape = ModelShape {
+            hidden: 32,
+            layers: 2,
+            passes: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            intermediate: 64,
+            vocab: 16,
+            context: 16,
+            tied: true,
+        };
+        let (capacity, filled) = (10, 7);
+        let mut kv = HostKv::F32(KvBuffers::new(&shape.ouro_config(16, "float32"), capacity));
+        for (layer, pass, pos) in
+            (0..2).flat_map(|l| Pass::all(3).flat_map(move |p| (0..filled).map(move |s| (l, p, s))))
+        {
+            let (mut k, mut v) = (row(layer, pass, pos, 0), row(layer, pass, pos, 1));
+            kv.store((layer, pass, pos), false, &mut k, &mut v);
+        }
+        let HostKv::F32(buffers) = &kv else {
+            unreachable!("built as f32")
+        };
+        for layer in 0..2 {
+            for pass in Pass::all(3) {
+                let (k, v) = kv.entries(layer, pass, filled).expect("entries");
+                let view = buffers.pass(layer, pass, filled);
+                assert_eq!(view.layout, KvLayout::Heads { capacity });
+                for pos in 0..filled {
+                    assert_eq!(k[pos * 16..][..16], row(layer, pass, pos, 0));
+                    assert_eq!(v[pos * 16..][..16], row(layer, pass, pos, 1));
+                    for (j, d) in (0..2).flat_map(|j| (0..8).map(move |d| (j, d))) {
+                        let at = (j * capacity + pos) * 8 + d;
+                        assert_eq!(view.keys[at], row(layer, pass, pos, 0)[j * 8 + d]);
+                    }
+                }
+            }
+        }
+        let pass = Pass::all(3).nth(1).expect("pass 2");
+        kv.swap_aside(1, pass, 4).expect("aside");
+        let (k, _) = kv.entries(1, pass, filled).expect("entries");
+        assert!(
+            k[4 * 16..][..16].iter().all(|&x| x == 0.0),
+            "an empty entry swapped in"
+        );
+        kv.swap_aside(1, pass, 4).expect("back");
+        let (k, _) = kv.entries(1, pass, filled).expect("entries");
+        assert_eq!(k[4 * 16..][..16], row(1, pass, 4, 0));
     }
 }
