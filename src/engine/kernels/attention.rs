@@ -67,45 +67,46 @@ impl<'a, E> From<(&'a [E], &'a [E])> for KvView<'a, E> {
     }
 }
 
-/// Element strides of a cache in one layout, for one shape.
+impl KvLayout {
+    /// Its strides for kv heads of `head_dim` elements: the one definition of where an entry
+    /// lies, for the attention's reads and the host cache's writes (`model::host_kv`).
+    pub fn strides(self, kv_heads: usize, head_dim: usize) -> KvStrides {
+        match self {
+            Self::Rows => KvStrides {
+                pos: kv_heads * head_dim,
+                head: head_dim,
+                runs: 1,
+            },
+            Self::Heads { capacity } => KvStrides {
+                pos: head_dim,
+                head: capacity * head_dim,
+                runs: kv_heads,
+            },
+        }
+    }
+}
+
+/// Element strides of a cache in one layout ([`KvLayout::strides`]).
 #[derive(Debug, Clone, Copy)]
-struct Strides {
+pub struct KvStrides {
     /// From one position's entry of a kv head to the next position's.
     pos: usize,
     /// From kv head j's entry of a position to kv head j + 1's.
     head: usize,
-    /// Contiguous runs that hold a span of positions of every kv head, and the elements a
-    /// position adds to each: one run of whole entries in `Rows`, one per kv head in `Heads`.
+    /// Contiguous runs that hold a span of positions of every kv head: one of whole entries
+    /// in `Rows`, one per kv head in `Heads`.
     runs: usize,
-    run_per_position: usize,
 }
 
-impl Strides {
-    fn new(layout: KvLayout, shape: AttnShape) -> Self {
-        let (kv_dim, head_dim) = (shape.kv_heads * shape.head_dim, shape.head_dim);
-        match layout {
-            KvLayout::Rows => Self {
-                pos: kv_dim,
-                head: head_dim,
-                runs: 1,
-                run_per_position: kv_dim,
-            },
-            KvLayout::Heads { capacity } => Self {
-                pos: head_dim,
-                head: capacity * head_dim,
-                runs: shape.kv_heads,
-                run_per_position: head_dim,
-            },
-        }
+impl KvStrides {
+    /// Where kv head `head`'s entry at position `pos` starts.
+    pub fn offset(self, head: usize, pos: usize) -> usize {
+        head * self.head + pos * self.pos
     }
 
     /// The contiguous runs holding `positions` of every kv head.
     fn runs(self, positions: Range<usize>) -> impl Iterator<Item = Range<usize>> {
-        let per = self.run_per_position;
-        (0..self.runs).map(move |j| {
-            let base = j * self.head;
-            base + positions.start * per..base + positions.end * per
-        })
+        (0..self.runs).map(move |j| self.offset(j, positions.start)..self.offset(j, positions.end))
     }
 }
 
@@ -196,7 +197,7 @@ pub(super) fn attend_group_on<'a, E: KvElement>(
         queries,
         starts: &starts,
         shape,
-        strides: Strides::new(cache.layout, shape),
+        strides: cache.layout.strides(shape.kv_heads, shape.head_dim),
         heads,
     };
     // Under the L2 plan the cache rows come from DRAM: ask for all the keys and the first
@@ -229,7 +230,7 @@ struct Walk<'a> {
     starts: &'a [usize],
     shape: AttnShape,
     /// The cache's layout.
-    strides: Strides,
+    strides: KvStrides,
     /// The heads it computes.
     heads: Range<usize>,
 }
@@ -240,9 +241,9 @@ impl Walk<'_> {
         h / (self.shape.heads / self.shape.kv_heads)
     }
 
-    /// Where head `h` reads position 0 in the cache.
-    fn kv_offset(&self, h: usize) -> usize {
-        self.kv_head(h) * self.strides.head
+    /// Where head `h` reads position `pos` in the cache.
+    fn kv_offset(&self, h: usize, pos: usize) -> usize {
+        self.strides.offset(self.kv_head(h), pos)
     }
 
     /// Where head `h` reads its K/V row within a row's own entry (`[kv_heads·head_dim]`).
@@ -264,17 +265,15 @@ impl Walk<'_> {
     fn prefetch_block<E>(&self, cache: &[E], (h, s0): (usize, usize), cached: usize) {
         let end = (s0 + TILE).min(cached);
         if end > s0 {
-            let at = self.kv_offset(h);
-            let span =
-                at + s0 * self.strides.pos..at + (end - 1) * self.strides.pos + self.shape.head_dim;
-            prefetch::into_l2(&cache[span.start.min(cache.len())..span.end.min(cache.len())]);
+            let last = self.kv_offset(h, end - 1) + self.shape.head_dim;
+            prefetch_span(cache, self.kv_offset(h, s0)..last);
         }
     }
 
     /// Prefetches `positions` of `cache` into L2.
     fn prefetch_runs<E>(&self, cache: &[E], positions: Range<usize>) {
         for run in self.strides.runs(positions) {
-            prefetch::into_l2(&cache[run.start.min(cache.len())..run.end.min(cache.len())]);
+            prefetch_span(cache, run);
         }
     }
 
@@ -284,7 +283,7 @@ impl Walk<'_> {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let cached = self.queries.iter().map(|q| q.cached).max().unwrap_or(0);
         for (h, s0) in self.blocks(cached) {
-            let kh = &keys[s0 * stride + self.kv_offset(h)..];
+            let kh = &keys[self.kv_offset(h, s0)..];
             for (query, &start) in self.queries.iter().zip(self.starts) {
                 let end = (s0 + TILE).min(query.cached);
                 if end > s0 {
@@ -326,7 +325,7 @@ impl Walk<'_> {
             if let Some(&next) = blocks.peek().filter(|_| far) {
                 self.prefetch_block(values, next, cached);
             }
-            let vh = &values[s0 * stride + self.kv_offset(h)..];
+            let vh = &values[self.kv_offset(h, s0)..];
             for (n, (query, &start)) in self.queries.iter().zip(self.starts).enumerate() {
                 let end = (s0 + TILE).min(query.cached);
                 if end > s0 {
@@ -353,6 +352,11 @@ impl Walk<'_> {
             }
         }
     }
+}
+
+/// Prefetches `span` of `cache` into L2, as far as the cache reaches.
+fn prefetch_span<E>(cache: &[E], span: Range<usize>) {
+    prefetch::into_l2(&cache[span.start.min(cache.len())..span.end.min(cache.len())]);
 }
 
 /// `scores[s] = (q · keys[s·stride ..][..head_dim]) · scale`, `q` one head.

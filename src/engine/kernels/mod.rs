@@ -41,7 +41,7 @@ mod subnormals;
 #[cfg(test)]
 mod tests;
 
-pub use attention::{AttnShape, KvLayout, KvView, Query, attend_group, attend_row};
+pub use attention::{AttnShape, KvLayout, KvStrides, KvView, Query, attend_group, attend_row};
 pub use kv_element::KvElement;
 pub use subnormals::SubnormalsFlushed;
 

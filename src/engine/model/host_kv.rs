@@ -74,9 +74,18 @@ struct Geometry {
 }
 
 impl Geometry {
-    /// Where kv head `head`'s entry at (`pass`, `pos`) starts.
+    fn layout(self) -> KvLayout {
+        KvLayout::Heads {
+            capacity: self.capacity,
+        }
+    }
+
+    /// Where kv head `head`'s entry at (`pass`, `pos`) starts: `pass`'s buffer, then
+    /// `KvLayout::Heads` within it.
     fn offset(self, pass: Pass, head: usize, pos: usize) -> usize {
-        ((pass.index() * self.kv_heads + head) * self.capacity + pos) * self.head_dim
+        let pass_size = self.kv_heads * self.capacity * self.head_dim;
+        let strides = self.layout().strides(self.kv_heads, self.head_dim);
+        pass.index() * pass_size + strides.offset(head, pos)
     }
 }
 
@@ -131,9 +140,7 @@ impl<E: KvElement> KvBuffers<E> {
         KvView {
             keys: &self.keys[layer][range.clone()],
             values: &self.values[layer][range],
-            layout: KvLayout::Heads {
-                capacity: g.capacity,
-            },
+            layout: g.layout(),
         }
     }
 
@@ -167,7 +174,7 @@ impl KvStore for HostKv {
     fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()> {
         with_buffers!(self, b => {
             let kv_dim = b.kv_dim();
-            let heads: Vec<_> = b.heads(pass, pos).collect();
+            let heads = b.heads(pass, pos);
             let empty = || (vec![Default::default(); kv_dim], vec![Default::default(); kv_dim]);
             let (k, v) = b.aside.entry((layer, pass, pos)).or_insert_with(empty);
             for (span, at) in heads {
