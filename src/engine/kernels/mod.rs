@@ -354,11 +354,11 @@ fn matmul_t_serial(
         (Isa::Avx512, _) => sweep::<4>(isa, (x, x86), w, inner, out, to),
         (Isa::Avx2Fma, 1..=2) => sweep::<4>(isa, (x, x86), w, inner, out, to),
         // AVX2 is FMA-bound from 3 rows on, and 16 registers hold at most 12 accumulators:
-        // 3–4 rows × 3 weight rows, and 5–6 rows as two blocks of 2–3 rows × 3 weight rows
-        // (against 2 weight rows for every row of the block, one step measured 8 % faster at
-        // 3–4 rows and 6 % at 5).
+        // 3–4 rows × 3 weight rows, and from 5 rows on blocks of up to 6 rows × 2 weight rows.
+        // Splitting 5 rows as 3 + 2 rows × 3 weight rows left the 2-row block's 6 accumulators
+        // waiting on FMA latency: on an AMD EPYC Zen 4 (forced AVX2) the default model's
+        // 5-row step took 1.31–1.38 ms in one block against 1.46–1.55 ms in two.
         (Isa::Avx2Fma, 3..=4) => sweep::<3>(isa, (x, x86), w, inner, out, to),
-        (Isa::Avx2Fma, 5..=6) => sweep::<3>(isa, (x, 3), w, inner, out, to),
         (Isa::Avx2Fma, _) => sweep::<2>(isa, (x, x86), w, inner, out, to),
         (_, 1..=2) => sweep::<4>(isa, (x, other), w, inner, out, to),
         _ => sweep::<2>(isa, (x, other), w, inner, out, to),
