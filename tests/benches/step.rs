@@ -1,5 +1,6 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--kv-cache f16|f32] [--prefetch l1|l2] [--only shipped|kernels|rows --rows N|attention|stream]`: step compute by rows on random checkpoints
+//! [--kv-cache f16|f32] [--prefetch l1|l2] [--only shipped|kernels|rows --rows N|attention|stream|roofline]`:
+//! step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
 //! real weights. Prints the tables the README carries.
@@ -13,6 +14,8 @@ use spex::engine::model::device::DeviceBackend;
 use spex::engine::model::{Backend, KvDtype, LoadOptions};
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use std::sync::Arc;
+
+mod roofline;
 
 /// The small-M kernel alone against candle's matmul, per weight shape and row count.
 fn kernel_table() {
@@ -246,6 +249,7 @@ fn main() {
         Some("rows") => return profile_rows(options),
         Some("attention") => return attention_table(),
         Some("stream") => return stream_table(),
+        Some("roofline") => return roofline::table(options),
         _ => {}
     }
     kernel_table();
