@@ -94,67 +94,17 @@ fn prefetch_note(loaded: &crate::engine::LoadedModel) -> String {
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(args.prompts.as_deref())?;
     let session = load_model(&args.model)?;
-    let loaded = &session.loaded;
-    let passes = loaded.model().passes();
+    let passes = session.loaded.model().passes();
     let options = DecodeOptions {
         max_tokens: args.max_tokens,
         context: args.model.context,
         sampling: args.sampling.resolve(&session)?,
     };
     let policies = session.bench_policies(&args.policy);
-    let names: Vec<String> = policies.iter().map(ToString::to_string).collect();
     if !args.json {
-        println!(
-            "{} on {} ({}), kernels {:?} on {} thread(s){}{}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
-            session.name,
-            cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
-            session.device,
-            crate::engine::kernels::isa(),
-            crate::engine::kernels::pool::pool().threads(),
-            kv_cache_note(loaded),
-            prefetch_note(loaded),
-            names.join(", "),
-            options.sampling,
-            args.runs,
-            args.turn_ms
-        );
+        print_header(args, &session, options, &policies);
     }
-    let mut recorder = match &args.record {
-        Some(dir) => Some(BenchRecorder::new(
-            dir,
-            super::record::header(&session, options)?,
-        )?),
-        None => None,
-    };
-    let turns = Turns {
-        runs: args.runs as usize,
-        turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
-    };
-    let mut results = Vec::new();
-    for (index, prompt) in prompts.iter().enumerate() {
-        let lanes = (&policies[..], turns);
-        let mut traces = match recorder.as_mut() {
-            Some(r) => r.open(index, prompt, &policies)?,
-            None => Vec::new(),
-        };
-        let mut observe = |lane: usize, event: &DecodeEvent| record_event(&mut traces, lane, event);
-        let mut r = bench_prompt(
-            loaded,
-            &session.prompt(prompt),
-            options,
-            lanes,
-            &mut observe,
-        )?;
-        for trace in &mut traces {
-            trace.record(&RaceEvent::StepTimes(r.step_times))?;
-            trace.record(&RaceEvent::Done)?;
-        }
-        r.prompt.clone_from(prompt);
-        if !args.json {
-            print_prompt(&r, results.is_empty(), passes);
-        }
-        results.push(r);
-    }
+    let results = bench_prompts(args, &session, options, (&prompts, &policies))?;
     let overall = Overall::of(&results, passes);
     if args.json {
         let report = json_report(&session, &results, &overall, (args, options.sampling));
@@ -173,6 +123,78 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The line above the table: the model, the machine, the kernels and the method.
+fn print_header(
+    args: &BenchArgs,
+    session: &super::Session,
+    options: DecodeOptions,
+    policies: &[PolicyKind],
+) {
+    let names: Vec<String> = policies.iter().map(ToString::to_string).collect();
+    println!(
+        "{} on {} ({}), kernels {:?} on {} thread(s){}{}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
+        session.name,
+        cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
+        session.device,
+        crate::engine::kernels::isa(),
+        crate::engine::kernels::pool::pool().threads(),
+        kv_cache_note(&session.loaded),
+        prefetch_note(&session.loaded),
+        names.join(", "),
+        options.sampling,
+        args.runs,
+        args.turn_ms
+    );
+}
+
+/// Every prompt's race of the baseline and `policies`, each printed as it ends (unless
+/// `--json`) and recorded where `--record` asks.
+fn bench_prompts(
+    args: &BenchArgs,
+    session: &super::Session,
+    options: DecodeOptions,
+    (prompts, policies): (&[String], &[PolicyKind]),
+) -> anyhow::Result<Vec<PromptResult>> {
+    let passes = session.loaded.model().passes();
+    let mut recorder = match &args.record {
+        Some(dir) => Some(BenchRecorder::new(
+            dir,
+            super::record::header(session, options)?,
+        )?),
+        None => None,
+    };
+    let turns = Turns {
+        runs: args.runs as usize,
+        turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
+    };
+    let mut results = Vec::new();
+    for (index, prompt) in prompts.iter().enumerate() {
+        let mut traces = match recorder.as_mut() {
+            Some(r) => r.open(index, prompt, policies)?,
+            None => Vec::new(),
+        };
+        let mut observe = |lane: usize, event: &DecodeEvent| record_event(&mut traces, lane, event);
+        let lanes = (policies, turns);
+        let mut r = bench_prompt(
+            &session.loaded,
+            &session.prompt(prompt),
+            options,
+            lanes,
+            &mut observe,
+        )?;
+        for trace in &mut traces {
+            trace.record(&RaceEvent::StepTimes(r.step_times))?;
+            trace.record(&RaceEvent::Done)?;
+        }
+        r.prompt.clone_from(prompt);
+        if !args.json {
+            print_prompt(&r, results.is_empty(), passes);
+        }
+        results.push(r);
+    }
+    Ok(results)
 }
 
 /// Where `--record` writes: one trace per prompt and policy, each with the policy's lane and

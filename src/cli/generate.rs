@@ -9,6 +9,7 @@ use crate::engine::race::{Lane, RaceEvent};
 use crate::engine::trace::TraceWriter;
 use crate::engine::{DecodeOptions, Decoder};
 
+/// Runs `spex generate`: one-line errors for bad input; a failed write to stdout ends it.
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let session = load_model(&args.model)?;
     let loaded = &session.loaded;
@@ -52,21 +53,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
                 event: event.clone(),
             })?;
         }
-        if args.json {
-            serde_json::to_writer(&mut out, &event)?;
-            writeln!(out)?;
-            continue;
-        }
-        match &event {
-            DecodeEvent::Prefill(p) => write!(out, "{}", p.first.text_delta)?,
-            DecodeEvent::Step(s) => {
-                for c in &s.committed {
-                    write!(out, "{}", c.text_delta)?;
-                }
-            }
-            DecodeEvent::Finished(f) => write!(out, "{}", f.text_tail)?,
-        }
-        out.flush()?;
+        write_event(&mut out, &event, args.json)?;
     }
     if !args.json {
         writeln!(out)?;
@@ -74,5 +61,25 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     if let Some(r) = recorder.as_mut() {
         r.record(&RaceEvent::Done)?;
     }
+    Ok(())
+}
+
+/// One event on `out`: as a JSON line, or the text it commits.
+fn write_event(out: &mut impl Write, event: &DecodeEvent, json: bool) -> anyhow::Result<()> {
+    if json {
+        serde_json::to_writer(&mut *out, event)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    match event {
+        DecodeEvent::Prefill(p) => write!(out, "{}", p.first.text_delta)?,
+        DecodeEvent::Step(s) => {
+            for c in &s.committed {
+                write!(out, "{}", c.text_delta)?;
+            }
+        }
+        DecodeEvent::Finished(f) => write!(out, "{}", f.text_tail)?,
+    }
+    out.flush()?;
     Ok(())
 }

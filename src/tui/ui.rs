@@ -9,6 +9,7 @@ use ratatui::widgets::{Block, BorderType, Borders, Clear, Paragraph, Sparkline, 
 
 use super::app::{Agreement, App, CellKind, Focus, LaneView, RunView};
 use super::keymap::BINDINGS;
+use super::run_view::PositionView;
 use crate::engine::Pass;
 
 /// Width of one pipeline column (token text plus a space).
@@ -136,37 +137,7 @@ fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
     // Borders, the context and commit lines, a line per pass, the flips (or "no flips").
     let h = passes as u16 + 4 + view.flips.len().clamp(1, 3) as u16;
     let popup = centered(area, (96, h));
-    let text_at = |p: usize| {
-        run.positions
-            .get(&p)
-            .and_then(|v| v.committed.as_ref())
-            .map_or(String::new(), |c| c.1.text.clone())
-    };
-    let before: String = (pos.saturating_sub(4).max(run.first_pos)..pos)
-        .map(text_at)
-        .collect();
-    let after: String = (pos + 1..pos + 5).map(text_at).collect();
-    let mut lines = vec![Line::from(vec![
-        Span::raw(format!("…{before}")),
-        Span::styled(
-            format!("[{}]", text_at(pos)),
-            Style::new().fg(Color::Cyan).bold(),
-        ),
-        Span::raw(format!("{after}…")),
-    ])];
-    lines.push(Line::from(match &view.committed {
-        Some((step, token, depth, second)) => {
-            let source = if *second {
-                format!("a second proposal from pass {depth}")
-            } else if depth.number() == passes {
-                "no proposal survived: committed from pass R".to_string()
-            } else {
-                format!("the proposal from pass {depth}")
-            };
-            format!("committed {:?} at step {step}: {source}", token.text)
-        }
-        None => "not committed yet".to_string(),
-    }));
+    let mut lines = vec![context_line(run, pos), commit_line(&view, passes)];
     for (i, readout) in view.readouts.iter().enumerate().take(passes) {
         let text = match readout {
             Some((step, p)) => {
@@ -198,6 +169,45 @@ fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
     );
     frame.render_widget(Clear, popup);
     frame.render_widget(Paragraph::new(lines).block(block(&title, true)), popup);
+}
+
+/// The inspected token among its neighbours: up to four committed tokens either side.
+fn context_line(run: &RunView, pos: usize) -> Line<'static> {
+    let text_at = |p: usize| {
+        run.positions
+            .get(&p)
+            .and_then(|v| v.committed.as_ref())
+            .map_or(String::new(), |c| c.1.text.clone())
+    };
+    let before: String = (pos.saturating_sub(4).max(run.first_pos)..pos)
+        .map(text_at)
+        .collect();
+    let after: String = (pos + 1..pos + 5).map(text_at).collect();
+    Line::from(vec![
+        Span::raw(format!("…{before}")),
+        Span::styled(
+            format!("[{}]", text_at(pos)),
+            Style::new().fg(Color::Cyan).bold(),
+        ),
+        Span::raw(format!("{after}…")),
+    ])
+}
+
+/// How the inspected token was committed: at which step, from which proposal.
+fn commit_line(view: &PositionView, passes: usize) -> Line<'static> {
+    Line::from(match &view.committed {
+        Some((step, token, depth, second)) => {
+            let source = if *second {
+                format!("a second proposal from pass {depth}")
+            } else if depth.number() == passes {
+                "no proposal survived: committed from pass R".to_string()
+            } else {
+                format!("the proposal from pass {depth}")
+            };
+            format!("committed {:?} at step {step}: {source}", token.text)
+        }
+        None => "not committed yet".to_string(),
+    })
 }
 
 fn block(title: &str, focused: bool) -> Block<'static> {

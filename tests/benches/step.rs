@@ -254,7 +254,12 @@ fn main() {
     }
     kernel_table();
     shipped_models_table(128, options);
-    let pos = 128;
+    random_models_table(128, options);
+}
+
+/// Step compute by rows on random checkpoints of hidden 256 and 512 (K=4, R=4, vocab 4096),
+/// spex's kernels against candle's ops.
+fn random_models_table(pos: usize, options: LoadOptions) {
     println!(
         "| hidden | step path | 1 row | 2 rows | 3 rows | 4 rows | 4 rows / 1 row | ceiling R·t1/tR |"
     );
