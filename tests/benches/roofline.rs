@@ -1,17 +1,17 @@
 //! `cargo bench --bench step -- --only roofline`: where the default model's 1-row and R-row
 //! steps stand against this core's two limits, measured in the same process: its peak
 //! multiply-adds per second (independent FMA chains, no memory) and the bytes per second the
-//! kernels' 1-row product streams over the model's own layer matrices. A 1-row step cannot beat its bytes over the
-//! stream rate, an R-row one neither that nor its multiply-adds over the peak, so the ceiling
-//! R·t1/tR has a bound that this machine sets, whatever the kernels do (speculation.md §5, §6).
+//! kernels' 1-row product streams over the model's own layer matrices. A 1-row step cannot
+//! beat its bytes over the stream rate, an R-row one neither that nor its multiply-adds over
+//! the peak, so the ceiling R·t1/tR has a bound that this machine sets, whatever the kernels
+//! do (speculation.md §5, §6).
 
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
 use spex::engine::kernels;
 use spex::engine::metrics::median_step_times;
-use spex::engine::model::LoadOptions;
+use spex::engine::model::{Backend, LoadOptions};
 
 /// The position the steps attend up to, as in the other step tables.
 const POS: usize = 128;
@@ -35,8 +35,9 @@ impl RowCost {
         );
         let layer = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * c.intermediate_size;
         let head = c.vocab_size * hidden;
-        // The readouts go through the f16 head where the CPU has one (`model::half_head`).
-        let head_bytes = if kernels::f16::fast() { 2 } else { 4 };
+        // The proposal readouts go through the f16 head where the backend built one.
+        let half_head = matches!(&loaded.backend, Backend::Host(b) if b.has_half_head());
+        let head_bytes = if half_head { 2 } else { 4 };
         let attention = 2 * POS * q_dim;
         Self {
             macs: (c.num_hidden_layers * (layer + attention) + head) as f64,
@@ -48,21 +49,14 @@ impl RowCost {
 
 /// Prints the two limits, the default model's steps against them, and the ceilings.
 pub fn table(options: LoadOptions) {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models");
-    let loaded = LoadedModel::load_with(
-        &root.join("shakespeare-r4k6-sync"),
-        &Device::Cpu,
-        DType::F32,
-        options,
-    )
-    .expect("load");
+    let loaded = super::load_shipped("shakespeare-r4k6-sync", options);
     let kv_bytes = match options.kv_dtype {
         spex::engine::model::KvDtype::F16 => 2,
         spex::engine::model::KvDtype::F32 => 4,
     };
     let cost = RowCost::of(&loaded, kv_bytes);
     let (peak, stream) = (peak_macs_per_sec(), stream_bytes_per_sec(&loaded));
-    let passes = loaded.model().config.total_ut_steps;
+    let passes = loaded.model().passes();
     let t = median_step_times(&loaded.backend, POS, &[1, passes], 300).expect("steps");
     let bounds = Bounds {
         memory: (cost.weight_bytes, cost.own_bytes, stream),

@@ -72,14 +72,12 @@ fn shipped_models_table(pos: usize, options: LoadOptions) {
         "| model | 1 row | 2 rows | 3 rows | 4 rows | 4 rows + a second | 4 rows / 1 row | ceiling R·t1/tR |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models");
     for name in [
         "shakespeare-r4k6-sync",
         "shakespeare-r4k6",
         "shakespeare-r4k4",
     ] {
-        let loaded = LoadedModel::load_with(&root.join(name), &Device::Cpu, DType::F32, options)
-            .expect("load");
+        let loaded = load_shipped(name, options);
         let t = median_step_times(&loaded.backend, pos, &[1, 2, 3, 4, 5], 200).expect("steps");
         let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
         let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
@@ -193,16 +191,15 @@ fn stream_table() {
 /// profiler (`perf record`) to see one step shape alone.
 fn profile_rows(options: LoadOptions) {
     let rows: usize = arg_value("--rows").map_or(1, |r| r.parse().expect("--rows N"));
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models");
-    let loaded = LoadedModel::load_with(
-        &root.join("shakespeare-r4k6-sync"),
-        &Device::Cpu,
-        DType::F32,
-        options,
-    )
-    .expect("load");
+    let loaded = load_shipped("shakespeare-r4k6-sync", options);
     let t = median_step_times(&loaded.backend, 128, &[rows], 20_000).expect("steps");
     println!("{rows} rows: {:.3} ms", t[0].as_secs_f64() * 1e3);
+}
+
+/// The shipped model `name` (`assets/models/`) on the host kernels with `options`.
+fn load_shipped(name: &str, options: LoadOptions) -> LoadedModel {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/models");
+    LoadedModel::load_with(&root.join(name), &Device::Cpu, DType::F32, options).expect("load")
 }
 
 /// The value after `name` among the arguments after `--`.

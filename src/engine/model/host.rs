@@ -116,6 +116,12 @@ impl HostBackend {
         self.options
     }
 
+    /// Whether proposal readouts go through the f16 head (built where it is faster and
+    /// faithful, and the options did not ask for f32 proposals).
+    pub fn has_half_head(&self) -> bool {
+        self.half_head.is_some()
+    }
+
     fn eps(&self) -> f32 {
         self.model.config.rms_norm_eps as f32
     }
