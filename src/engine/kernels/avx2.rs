@@ -9,31 +9,34 @@ use std::arch::x86_64::*;
 use super::kv_element::KvElement;
 use super::{OutLayout, SharedOut, prefetch};
 
-/// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1–4)
-/// weight rows: each weight chunk is loaded once for all rows and each row chunk once for all
-/// weight rows. The row count becomes a constant so that every accumulator stays in a
-/// register (6 rows × 2 weight rows + 2 weight chunks + 1 row chunk = 15 of 16).
+/// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with every weight row of
+/// `w`, `J` (1–4) rows at a time: `w` holds whole groups of `J` rows of `inner`. Each weight
+/// chunk is loaded once for all rows and each row chunk once for all weight rows. The row
+/// count becomes a constant so that every accumulator stays in a register (6 rows × 2 weight
+/// rows + 2 weight chunks + 1 row chunk = 15 of 16). One call takes a run of groups, so the
+/// call, the row dispatch and the setup are paid once a run (`super::sweep`).
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA, and every weight row in `ws` must hold `ws[0].len()`
-/// elements (the rows of `xs` are whole: it holds a multiple of that many).
+/// The CPU must have AVX2 and FMA; `w` must hold a multiple of `J · inner` elements and `xs`
+/// a multiple of `inner`.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dots<const J: usize>(
     xs: &[f32],
-    ws: [&[f32]; J],
+    w: &[f32],
+    inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     // SAFETY: the caller's features; that many rows of `xs` exist.
     unsafe {
-        match xs.len() / ws[0].len() {
-            1 => dots_rows::<1, J>(xs, ws, out, to, first),
-            2 => dots_rows::<2, J>(xs, ws, out, to, first),
-            3 => dots_rows::<3, J>(xs, ws, out, to, first),
-            4 => dots_rows::<4, J>(xs, ws, out, to, first),
-            5 => dots_rows::<5, J>(xs, ws, out, to, first),
-            _ => dots_rows::<6, J>(xs, ws, out, to, first),
+        match xs.len() / inner {
+            1 => dots_rows::<1, J>(xs, w, inner, out, to, first),
+            2 => dots_rows::<2, J>(xs, w, inner, out, to, first),
+            3 => dots_rows::<3, J>(xs, w, inner, out, to, first),
+            4 => dots_rows::<4, J>(xs, w, inner, out, to, first),
+            5 => dots_rows::<5, J>(xs, w, inner, out, to, first),
+            _ => dots_rows::<6, J>(xs, w, inner, out, to, first),
         }
     }
 }
@@ -48,24 +51,45 @@ pub unsafe fn dots<const J: usize>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dots_rows<const R: usize, const J: usize>(
     xs: &[f32],
-    ws: [&[f32]; J],
+    w: &[f32],
+    inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
+    let (near, far) = (prefetch::near(4, J * inner), prefetch::far(4));
+    for (g, group) in w.chunks_exact(J * inner).enumerate() {
+        let ws: [&[f32]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
+        // SAFETY: the caller's features; `ws` rows and `xs`' R rows hold `inner` elements.
+        let acc = unsafe { group_sums::<R, J>(xs, ws, (near, far)) };
+        store_sums(&acc, (xs, ws), out.from(g * J * to.col), to, first);
+    }
+}
+
+/// The 8-lane accumulators of every (row, weight row) pair of one group of weight rows `ws`,
+/// over the multiple-of-8 part of each row; the weight rows `near` and `far` floats on (later
+/// groups', streaming from L3 or DRAM: `super::prefetch`) prefetched into L1 and L2.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `xs` holds at least R rows of `ws[0].len()`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_sums<const R: usize, const J: usize>(
+    xs: &[f32],
+    ws: [&[f32]; J],
+    (near, far): (usize, usize),
+) -> [[__m256; J]; R] {
     let inner = ws[0].len();
     let main = inner - inner % 8;
     let mut acc = [[_mm256_setzero_ps(); J]; R];
     let xp = xs.as_ptr();
-    let (near, far) = (prefetch::near(4, J * inner), prefetch::far(4));
     let mut k = 0;
     while k < main {
         // SAFETY: k + 8 <= inner; every row r < R has `inner` elements in `xs`, and every
         // weight row has `inner` elements.
         unsafe {
             let w: [__m256; J] = std::array::from_fn(|j| _mm256_loadu_ps(ws[j].as_ptr().add(k)));
-            // Weight rows stream from L3 or DRAM: fetch later groups' rows while this one
-            // computes (`super::prefetch`; a prefetch never faults, even past the end).
+            // A prefetch never faults, even past the end.
             for wj in ws {
                 _mm_prefetch::<_MM_HINT_T0>(wj.as_ptr().wrapping_add(k + near) as *const i8);
             }
@@ -83,10 +107,25 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
         }
         k += 8;
     }
-    // Horizontal sums of four rows at a time, every weight row's before any store (a group of
-    // fewer rows repeats its last and drops the copies). Summing them all first keeps the
-    // accumulators in registers: sums and stores interleaved spilled every accumulator to the
-    // stack, and cost 5 % of a 4-row step on forced AVX2.
+    acc
+}
+
+/// Horizontal sums of four rows at a time, every weight row's before any store (a group of
+/// fewer rows repeats its last and drops the copies), plus each row's tail past the last
+/// multiple of 8. Summing them all first keeps the accumulators in registers: sums and
+/// stores interleaved spilled every accumulator to the stack, and cost 5 % of a 4-row step on
+/// forced AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn store_sums<const R: usize, const J: usize>(
+    acc: &[[__m256; J]; R],
+    (xs, ws): (&[f32], [&[f32]; J]),
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let inner = ws[0].len();
+    let main = inner - inner % 8;
     let mut sums = [[0f32; 4]; J];
     for r0 in (0..R).step_by(4) {
         for (j, four) in sums.iter_mut().enumerate() {

@@ -6,30 +6,34 @@ use std::arch::x86_64::*;
 
 use super::{OutLayout, SharedOut, prefetch};
 
-/// AVX-512 dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with `J` (1, 4 or 8) weight rows; the
-/// row count becomes a constant so that every accumulator stays in a register.
+/// AVX-512 dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with every weight row of
+/// `w`, `J` (1 or 4) rows at a time: `w` holds whole groups of `J` rows of `inner`. The row
+/// count becomes a constant so that every accumulator stays in a register. One call takes a
+/// run of groups, so the call, the row dispatch and the setup are paid once a run, not once a
+/// group (`super::sweep`).
 ///
 /// # Safety
-/// The CPU must have AVX-512F and VL, AVX2 and FMA, and every weight row in `ws` must hold
-/// `ws[0].len()` elements (the rows of `xs` are whole: it holds a multiple of that many).
+/// The CPU must have AVX-512F and VL, AVX2 and FMA; `w` must hold a multiple of `J · inner`
+/// elements and `xs` a multiple of `inner`.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 pub unsafe fn dots<const J: usize>(
     xs: &[f32],
-    ws: [&[f32]; J],
+    w: &[f32],
+    inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
-    let rows = xs.len() / ws[0].len();
+    let rows = xs.len() / inner;
     // SAFETY: the caller's features; `rows` rows of `xs` exist.
     unsafe {
         match rows {
-            1 => dots_rows::<1, J>(xs, ws, out, to, first),
-            2 => dots_rows::<2, J>(xs, ws, out, to, first),
-            3 => dots_rows::<3, J>(xs, ws, out, to, first),
-            4 => dots_rows::<4, J>(xs, ws, out, to, first),
-            5 => dots_rows::<5, J>(xs, ws, out, to, first),
-            _ => dots_rows::<6, J>(xs, ws, out, to, first),
+            1 => dots_rows::<1, J>(xs, w, inner, out, to, first),
+            2 => dots_rows::<2, J>(xs, w, inner, out, to, first),
+            3 => dots_rows::<3, J>(xs, w, inner, out, to, first),
+            4 => dots_rows::<4, J>(xs, w, inner, out, to, first),
+            5 => dots_rows::<5, J>(xs, w, inner, out, to, first),
+            _ => dots_rows::<6, J>(xs, w, inner, out, to, first),
         }
     }
 }
@@ -44,33 +48,37 @@ pub unsafe fn dots<const J: usize>(
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 unsafe fn dots_rows<const R: usize, const J: usize>(
     xs: &[f32],
-    ws: [&[f32]; J],
+    w: &[f32],
+    inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
-    let inner = ws[0].len();
     let full = inner - inner % 16;
-    let mut acc = [[_mm512_setzero_ps(); J]; R];
-    // SAFETY (both): row r of `xs` starts at r · inner, inside `xs` for r < R.
+    // SAFETY: row r of `xs` starts at r · inner, inside `xs` for r < R.
     let x: [*const f32; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * inner) });
-    let w: [*const f32; J] = std::array::from_fn(|j| ws[j].as_ptr());
     let ahead = (prefetch::near(4, J * inner), prefetch::far(4));
-    let mut k = 0;
-    while k < full {
-        // SAFETY: k + 16 <= inner, within every row of `xs` and every weight row.
-        unsafe { chunk(&mut acc, (x, w), k, !0, ahead) };
-        k += 16;
-    }
-    if k < inner {
-        // The last chunk of a row not a multiple of 16 long loads its tail under a mask
-        // (zeros elsewhere), so every chunk runs the same FMAs.
-        let mask: __mmask16 = (1u16 << (inner - k)) - 1;
-        // SAFETY: the unmasked lanes lie within `inner`; masked-off lanes are not read.
-        unsafe { chunk(&mut acc, (x, w), k, mask, (0, 0)) };
-    }
-    for (r, a) in acc.iter().enumerate() {
-        store_sums(a, out, to, first + r);
+    for (g, group) in w.chunks_exact(J * inner).enumerate() {
+        // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < J.
+        let wj: [*const f32; J] = std::array::from_fn(|j| unsafe { group.as_ptr().add(j * inner) });
+        let mut acc = [[_mm512_setzero_ps(); J]; R];
+        let mut k = 0;
+        while k < full {
+            // SAFETY: k + 16 <= inner, within every row of `xs` and every weight row.
+            unsafe { chunk(&mut acc, (x, wj), k, !0, ahead) };
+            k += 16;
+        }
+        if k < inner {
+            // The last chunk of a row not a multiple of 16 long loads its tail under a mask
+            // (zeros elsewhere), so every chunk runs the same FMAs.
+            let mask: __mmask16 = (1u16 << (inner - k)) - 1;
+            // SAFETY: the unmasked lanes lie within `inner`; masked-off lanes are not read.
+            unsafe { chunk(&mut acc, (x, wj), k, mask, (0, 0)) };
+        }
+        let group_out = out.from(g * J * to.col);
+        for (r, a) in acc.iter().enumerate() {
+            store_sums(a, group_out, to, first + r);
+        }
     }
 }
 

@@ -335,8 +335,8 @@ struct OutLayout {
 }
 
 /// One thread's share: writes the products with the weight rows in `w` where `to` says. Few
-/// input rows take more weight rows at a time, so that there are always 4–12 (AVX2) or 8–24
-/// (AVX-512) independent accumulators and each input load feeds several FMAs. The grouping does not
+/// input rows take more weight rows at a time on AVX2, so that there are always 4–12
+/// independent accumulators and each input load feeds several FMAs. The grouping does not
 /// change any result: every (row, weight row) pair is computed the same way.
 fn matmul_t_serial(
     isa: Isa,
@@ -349,8 +349,10 @@ fn matmul_t_serial(
 ) {
     let (x86, other) = (X86_ROW_BLOCK, ROW_BLOCK);
     match (isa, rows) {
-        // AVX-512 has 32 registers: up to 24 accumulators plus the weight and input chunks fit.
-        (Isa::Avx512, 1..=2) => sweep::<8>(isa, (x, x86), w, inner, out, to),
+        // AVX-512 has 32 registers: 6 rows × 4 weight rows of accumulators plus the weight and
+        // input chunks fit. Fewer rows take 4 weight rows too: 1–2 rows × 8 weight rows, in
+        // runs of groups, made the default model's 1-row step 11–23 % dearer on an AMD EPYC
+        // Zen 4 (weights streaming from DRAM); one or two rows are bound by memory, not FMAs.
         (Isa::Avx512, _) => sweep::<4>(isa, (x, x86), w, inner, out, to),
         (Isa::Avx2Fma, 1..=2) => sweep::<4>(isa, (x, x86), w, inner, out, to),
         // AVX2 is FMA-bound from 3 rows on, and 16 registers hold at most 12 accumulators:
@@ -366,7 +368,11 @@ fn matmul_t_serial(
 }
 
 /// Every row of `x`, in blocks of at most `block_rows`, times `J` weight rows at a time (the
-/// weight rows left over one at a time).
+/// weight rows left over one at a time). Each call of a kernel takes a run of weight groups,
+/// so its call, row dispatch and setup are paid once a run: one run of the whole matrix where
+/// the rows are one block, else runs of [`RUN_BYTES`], still in L1 when the next block reads
+/// them. On an AMD EPYC Zen 4, a call for each group made the default model's 3–5-row steps
+/// 10–14 % dearer than one run (AVX-512) and its 1–5-row steps 6–9 % (forced AVX2).
 fn sweep<const J: usize>(
     isa: Isa,
     (x, block_rows): (&[f32], usize),
@@ -375,37 +381,34 @@ fn sweep<const J: usize>(
     out: SharedOut<'_>,
     to: OutLayout,
 ) {
-    let blocks = row_blocks(x.len() / inner, block_rows);
-    let mut w_groups = w.chunks_exact(J * inner);
-    for (g, wg) in (&mut w_groups).enumerate() {
-        let ws: [&[f32]; J] = std::array::from_fn(|j| &wg[j * inner..(j + 1) * inner]);
+    let rows = x.len() / inner;
+    let blocks = row_blocks(rows, block_rows);
+    let group = J * inner;
+    let grouped = w.len() / group * group;
+    let run = if rows <= block_rows {
+        grouped.max(group)
+    } else {
+        (RUN_BYTES / std::mem::size_of::<f32>()).div_ceil(group) * group
+    };
+    for (c, run_w) in w[..grouped].chunks(run).enumerate() {
+        let run_out = out.from(c * (run / inner) * to.col);
         for block in blocks.clone() {
-            let o = out.from(g * J * to.col);
-            dots_dispatch(
-                isa,
-                &x[block.start * inner..block.end * inner],
-                ws,
-                o,
-                to,
-                block.start,
-            );
+            let xs = &x[block.start * inner..block.end * inner];
+            dots_dispatch::<J>(isa, xs, run_w, inner, run_out, to, block.start);
         }
     }
-    let done = w.len() / inner - w_groups.remainder().len() / inner;
-    for (j, w_row) in w_groups.remainder().chunks_exact(inner).enumerate() {
-        for block in blocks.clone() {
-            let o = out.from((done + j) * to.col);
-            dots_dispatch(
-                isa,
-                &x[block.start * inner..block.end * inner],
-                [w_row],
-                o,
-                to,
-                block.start,
-            );
+    if grouped < w.len() {
+        let rest_out = out.from(grouped / inner * to.col);
+        for block in blocks {
+            let xs = &x[block.start * inner..block.end * inner];
+            dots_dispatch::<1>(isa, xs, &w[grouped..], inner, rest_out, to, block.start);
         }
     }
 }
+
+/// The most weight bytes a kernel call takes where the rows are several blocks (L1 holds them
+/// for the next block).
+const RUN_BYTES: usize = 16 << 10;
 
 /// `rows` split into the fewest blocks of at most `most` rows, of nearly equal size (7 rows
 /// in blocks of 6 are 4 + 3, not 6 + 1: a block of one row has too few accumulators to keep
@@ -415,26 +418,29 @@ fn row_blocks(rows: usize, most: usize) -> impl Iterator<Item = std::ops::Range<
     (0..blocks).map(move |b| b * rows / blocks..(b + 1) * rows / blocks)
 }
 
-/// Writes `out[j·to.col + (first + r)·to.row]` = row r of `block` · `ws[j]`.
+/// Writes `out[j·to.col + (first + r)·to.row]` = row r of `block` · weight row j of `w`, for
+/// every weight row of `w` (whole groups of `J`).
 #[inline(always)]
 fn dots_dispatch<const J: usize>(
     isa: Isa,
     block: &[f32],
-    ws: [&[f32]; J],
+    w: &[f32],
+    inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F and VL, AVX2 and FMA.
-        Isa::Avx512 => unsafe { avx512::dots(block, ws, out, to, first) },
+        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F and VL, AVX2 and FMA;
+        // `sweep` passes whole groups and whole rows.
+        Isa::Avx512 => unsafe { avx512::dots::<J>(block, w, inner, out, to, first) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2Fma => unsafe { avx2::dots(block, ws, out, to, first) },
+        Isa::Avx2Fma => unsafe { avx2::dots::<J>(block, w, inner, out, to, first) },
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon => neon::dots(block, ws, out, to, first),
-        _ => portable::dots(block, ws, out, to, first),
+        Isa::Neon => neon::dots::<J>(block, w, inner, out, to, first),
+        _ => portable::dots::<J>(block, w, inner, out, to, first),
     }
 }
 

@@ -10,11 +10,29 @@ use std::arch::aarch64::*;
 
 use super::{OutLayout, ROW_BLOCK, SharedOut};
 
-/// NEON dot products of up to 4 rows of `xs` with `J` weight rows: each weight chunk is loaded
-/// once for all rows and each row chunk once for all weight rows.
+/// NEON dot products of up to 4 rows of `xs` with every weight row of `w`, `J` at a time: `w`
+/// holds whole groups of `J` rows of `inner` (`super::sweep`).
+///
+/// Panics unless `xs` holds whole rows of `inner`.
+pub fn dots<const J: usize>(
+    xs: &[f32],
+    w: &[f32],
+    inner: usize,
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    for (g, group) in w.chunks_exact(J * inner).enumerate() {
+        let ws: [&[f32]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
+        group_dots(xs, ws, out.from(g * J * to.col), to, first);
+    }
+}
+
+/// [`dots`] with one group of `J` weight rows: each weight chunk is loaded once for all rows
+/// and each row chunk once for all weight rows.
 ///
 /// Panics unless every weight row in `ws` holds `ws[0].len()` elements and `xs` whole rows.
-pub fn dots<const J: usize>(
+fn group_dots<const J: usize>(
     xs: &[f32],
     ws: [&[f32]; J],
     out: SharedOut<'_>,

@@ -5,20 +5,20 @@
 use super::kv_element::KvElement;
 use super::{OutLayout, SharedOut};
 
-/// Dot products of up to `ROW_BLOCK` rows of `xs` with each weight row in `ws`. Every
-/// (row, weight row) pair uses one 8-lane accumulator and the same order, whatever the
-/// block sizes.
+/// Dot products of up to `ROW_BLOCK` rows of `xs` with each weight row of `w` (rows of
+/// `inner`; `J` only sets the grouping, which changes nothing here). Every (row, weight row)
+/// pair uses one 8-lane accumulator and the same order, whatever the block sizes.
 pub fn dots<const J: usize>(
     xs: &[f32],
-    ws: [&[f32]; J],
+    w: &[f32],
+    inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
-    let inner = ws[0].len();
-    for (j, w) in ws.iter().enumerate() {
+    for (j, w_row) in w.chunks_exact(inner).enumerate() {
         for (r, x) in xs.chunks_exact(inner).enumerate() {
-            out.set(j * to.col + (first + r) * to.row, dot(x, w));
+            out.set(j * to.col + (first + r) * to.row, dot(x, w_row));
         }
     }
 }
