@@ -24,18 +24,8 @@ pub unsafe fn dots<const J: usize>(
     to: OutLayout,
     first: usize,
 ) {
-    let rows = xs.len() / inner;
-    // SAFETY: the caller's features; `rows` rows of `xs` exist.
-    unsafe {
-        match rows {
-            1 => dots_rows::<1, J>(xs, w, inner, out, to, first),
-            2 => dots_rows::<2, J>(xs, w, inner, out, to, first),
-            3 => dots_rows::<3, J>(xs, w, inner, out, to, first),
-            4 => dots_rows::<4, J>(xs, w, inner, out, to, first),
-            5 => dots_rows::<5, J>(xs, w, inner, out, to, first),
-            _ => dots_rows::<6, J>(xs, w, inner, out, to, first),
-        }
-    }
+    // SAFETY: the caller's features; that many rows of `xs` exist.
+    unsafe { with_rows!(xs.len() / inner, R => dots_rows::<R, J>(xs, w, inner, out, to, first)) }
 }
 
 /// Each (row, weight row) pair has one 16-lane accumulator fed in the same order and the

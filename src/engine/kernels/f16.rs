@@ -141,16 +141,7 @@ mod avx512 {
         tile: &mut [f32; ROWS * PANEL],
     ) {
         // SAFETY: the caller's features and shapes.
-        unsafe {
-            match x.len() / inner {
-                1 => rows::<1>(x, panel, inner, tile),
-                2 => rows::<2>(x, panel, inner, tile),
-                3 => rows::<3>(x, panel, inner, tile),
-                4 => rows::<4>(x, panel, inner, tile),
-                5 => rows::<5>(x, panel, inner, tile),
-                _ => rows::<6>(x, panel, inner, tile),
-            }
-        }
+        unsafe { with_rows!(x.len() / inner, R => rows::<R>(x, panel, inner, tile)) }
     }
 
     /// # Safety

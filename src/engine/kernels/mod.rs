@@ -25,6 +25,42 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use rayon::prelude::*;
 
+/// Evaluates `$call` with the constant `$r` equal to `$rows` (1–6; more count as 6), so that
+/// a kernel's loops over its rows unroll and every accumulator stays in a register: the one
+/// dispatch on a row count that the x86 matmuls and the f16 head share. Defined above the
+/// `mod` lines so that those modules see it.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
+macro_rules! with_rows {
+    ($rows:expr, $r:ident => $call:expr) => {
+        match $rows {
+            1 => {
+                const $r: usize = 1;
+                $call
+            }
+            2 => {
+                const $r: usize = 2;
+                $call
+            }
+            3 => {
+                const $r: usize = 3;
+                $call
+            }
+            4 => {
+                const $r: usize = 4;
+                $call
+            }
+            5 => {
+                const $r: usize = 5;
+                $call
+            }
+            _ => {
+                const $r: usize = 6;
+                $call
+            }
+        }
+    };
+}
+
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
