@@ -124,6 +124,9 @@ impl Bounds {
             r * hidden(1.0) / hidden(r),
             r * serial(1.0) / serial(r),
         );
+        println!(
+            "(every row here is read out, the 1-row step's too; `spex bench` reads a baseline token out at pass R only, so its ceiling is lower)"
+        );
     }
 }
 
