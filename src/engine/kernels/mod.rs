@@ -370,10 +370,10 @@ struct OutLayout {
     row: usize,
 }
 
-/// One thread's share: writes the products with the weight rows in `w` where `to` says. Few
-/// input rows take more weight rows at a time on AVX2, so that there are always 4–12
-/// independent accumulators and each input load feeds several FMAs. The grouping does not
-/// change any result: every (row, weight row) pair is computed the same way.
+/// One thread's share: writes the products with the weight rows in `w` where `to` says. How
+/// many weight rows a kernel takes at a time is chosen per ISA and row count, as measured
+/// (below). The grouping does not change any result: every (row, weight row) pair is computed
+/// the same way.
 fn matmul_t_serial(
     isa: Isa,
     x: &[f32],
@@ -390,13 +390,15 @@ fn matmul_t_serial(
         // runs of groups, made the default model's 1-row step 11–23 % dearer on an AMD EPYC
         // Zen 4 (weights streaming from DRAM); one or two rows are bound by memory, not FMAs.
         (Isa::Avx512, _) => sweep::<4>(isa, (x, x86), w, inner, out, to),
-        (Isa::Avx2Fma, 1..=2) => sweep::<4>(isa, (x, x86), w, inner, out, to),
-        // AVX2 is FMA-bound from 3 rows on, and 16 registers hold at most 12 accumulators:
-        // 3–4 rows × 3 weight rows, and from 5 rows on blocks of up to 6 rows × 2 weight rows.
+        // AVX2's 16 registers hold at most 12 accumulators: 1–4 rows × 3 weight rows, and from
+        // 5 rows on blocks of up to 6 rows × 2 weight rows. One or two rows are bound by
+        // memory, and fewer weight streams were faster: on an AMD EPYC Zen 4 (forced AVX2,
+        // kernels taking runs of groups) the default model's 1-row step took 0.50–0.51 ms with
+        // 3 weight rows at a time against 0.58–0.59 ms with 4, and its 2-row step 3 % less.
         // Splitting 5 rows as 3 + 2 rows × 3 weight rows left the 2-row block's 6 accumulators
         // waiting on FMA latency: on an AMD EPYC Zen 4 (forced AVX2) the default model's
         // 5-row step took 1.31–1.38 ms in one block against 1.46–1.55 ms in two.
-        (Isa::Avx2Fma, 3..=4) => sweep::<3>(isa, (x, x86), w, inner, out, to),
+        (Isa::Avx2Fma, 1..=4) => sweep::<3>(isa, (x, x86), w, inner, out, to),
         (Isa::Avx2Fma, _) => sweep::<2>(isa, (x, x86), w, inner, out, to),
         (_, 1..=2) => sweep::<4>(isa, (x, other), w, inner, out, to),
         _ => sweep::<2>(isa, (x, other), w, inner, out, to),
