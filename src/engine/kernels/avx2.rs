@@ -10,7 +10,7 @@ use super::kv_element::KvElement;
 use super::{OutLayout, SharedOut, prefetch};
 
 /// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with every weight row of
-/// `w`, `J` (1–4) rows at a time: `w` holds whole groups of `J` rows of `inner`. Each weight
+/// `w`, `J` (1–3) rows at a time: `w` holds whole groups of `J` rows of `inner`. Each weight
 /// chunk is loaded once for all rows and each row chunk once for all weight rows. The row
 /// count becomes a constant so that every accumulator stays in a register (6 rows × 2 weight
 /// rows + 2 weight chunks + 1 row chunk = 15 of 16). One call takes a run of groups, so the

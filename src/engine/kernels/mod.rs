@@ -83,9 +83,9 @@ pub use subnormals::SubnormalsFlushed;
 
 /// Rows of `x` processed together against one group of weight rows, NEON and portable.
 const ROW_BLOCK: usize = 4;
-/// The same on x86, whose kernels hold up to 6 rows' accumulators in registers: on AVX-512 a
-/// `dual` step's 4 rows and a second candidate are one block, and the weights' registers are
-/// loaded once for all 5 (AVX2 takes 5–6 rows as two blocks: `matmul_t_serial`).
+/// The same on x86, whose kernels hold up to 6 rows' accumulators in registers: a `dual`
+/// step's 4 rows and a second candidate are one block, and the weights' registers are loaded
+/// once for all 5 (AVX2 with 2 weight rows at a time, AVX-512 with 4: `matmul_t_serial`).
 const X86_ROW_BLOCK: usize = 6;
 
 /// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
