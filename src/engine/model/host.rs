@@ -10,6 +10,7 @@ use candle_core::{CpuStorage, DType, Storage, StorageRef, Tensor};
 
 use super::backend::StepBackend;
 use super::half_head::HalfHead;
+use super::host_buffers;
 use super::host_kv::{HostKv, KvBuffers};
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
@@ -56,7 +57,19 @@ pub struct HostRows {
     rows: usize,
 }
 
+impl Drop for HostRows {
+    /// Its buffer goes back to the thread's spares (`host_buffers`).
+    fn drop(&mut self) {
+        host_buffers::give(std::mem::take(&mut self.data));
+    }
+}
+
 impl HostRows {
+    /// Its rows' elements, taken out (the buffer is not recycled).
+    fn into_data(mut self) -> Vec<f32> {
+        std::mem::take(&mut self.data)
+    }
+
     fn width(&self) -> usize {
         self.data.len() / self.rows.max(1)
     }
@@ -137,7 +150,7 @@ impl HostBackend {
             .map(|w| HostView::new(w))
             .collect::<Result<Vec<_>>>()?;
         let mut outs: Vec<Vec<f32>> = (views.iter())
-            .map(|view| vec![0f32; x.rows * (view.len() / inner)])
+            .map(|view| host_buffers::take(x.rows * (view.len() / inner)))
             .collect();
         let products = views.iter().map(|view| &view[..]);
         let mut pairs: Vec<(&[f32], &mut [f32])> = products
@@ -271,7 +284,7 @@ impl StepBackend for HostBackend {
 
     fn rms_norm(&self, x: &HostRows, weight: &Tensor) -> Result<HostRows> {
         let w = HostView::new(weight)?;
-        let mut data = vec![0f32; x.data.len()];
+        let mut data = host_buffers::take(x.data.len());
         kernels::rms_norm(&x.data, &w, self.eps(), &mut data);
         Ok(HostRows { data, ..*x })
     }
@@ -279,7 +292,7 @@ impl StepBackend for HostBackend {
     fn linear(&self, x: &HostRows, weight: &Tensor) -> Result<HostRows> {
         let w = HostView::new(weight)?;
         let inner = x.width();
-        let mut data = vec![0f32; x.rows * (w.len() / inner)];
+        let mut data = host_buffers::take(x.rows * (w.len() / inner));
         kernels::matmul_t(&x.data, &w, x.rows, inner, &mut data);
         Ok(HostRows { data, ..*x })
     }
@@ -287,8 +300,8 @@ impl StepBackend for HostBackend {
     fn gated(&self, x: &HostRows, gate: &Tensor, up: &Tensor) -> Result<HostRows> {
         let (gate_w, up_w) = (HostView::new(gate)?, HostView::new(up)?);
         let inner = x.width();
-        let mut gate = vec![0f32; x.rows * (gate_w.len() / inner)];
-        let mut up = vec![0f32; x.rows * (up_w.len() / inner)];
+        let mut gate = host_buffers::take(x.rows * (gate_w.len() / inner));
+        let mut up = host_buffers::take(x.rows * (up_w.len() / inner));
         kernels::gated_t(
             &x.data,
             x.rows,
@@ -296,6 +309,7 @@ impl StepBackend for HostBackend {
             (&gate_w, &up_w),
             (&mut gate, &mut up),
         );
+        host_buffers::give(up);
         Ok(HostRows {
             data: gate,
             rows: x.rows,
@@ -331,8 +345,8 @@ impl StepBackend for HostBackend {
             cfg.head_dim,
         );
         let [q, k, v] = self.linears(a, [&w.q_proj, &w.k_proj, &w.v_proj])?;
-        let (mut q, mut k, mut v) = (q.data, k.data, v.data);
-        let mut out = vec![0f32; a.rows * q_dim];
+        let (mut q, mut k, mut v) = (q.into_data(), k.into_data(), v.into_data());
+        let mut out = host_buffers::take(a.rows * q_dim);
         // RoPE; every first candidate's K/V written in row order and every second
         // candidate's set aside, each rounded as the cache stores it; then every row's
         // attention.
@@ -385,7 +399,7 @@ impl StepBackend for HostBackend {
                         .collect();
                     head.readouts(&x.data, &screened, &HostView::new(lm_head)?)
                 }
-                _ => self.linear(&x, lm_head)?.data,
+                _ => self.linear(&x, lm_head)?.into_data(),
             };
             let vocab = all.len() / rows.len();
             for (n, &i) in rows.iter().enumerate() {

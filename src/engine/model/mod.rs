@@ -10,6 +10,7 @@ pub mod backend;
 pub mod device;
 mod half_head;
 pub mod host;
+mod host_buffers;
 mod host_kv;
 pub mod reference;
 mod step;
