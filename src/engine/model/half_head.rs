@@ -67,10 +67,11 @@ impl HalfHead {
     }
 
     /// Logits for the rows of `x` (`[rows × inner]`); rows with `exact[m]` are screened against
-    /// `f32_head` so that their argmax is the f32 head's.
+    /// `f32_head` so that their argmax is the f32 head's. The buffer is a recycled one
+    /// (`host_buffers`): the product writes every logit.
     pub fn readouts(&self, x: &[f32], exact: &[bool], f32_head: &[f32]) -> Vec<f32> {
         let (rows, vocab) = (exact.len(), self.vocab);
-        let mut out = vec![0f32; rows * vocab];
+        let mut out = super::host_buffers::take(rows * vocab);
         self.weights.matmul(x, rows, &mut out);
         for ((xr, logits), _) in x
             .chunks_exact(self.inner)

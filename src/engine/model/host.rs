@@ -367,6 +367,7 @@ impl StepBackend for HostBackend {
             HostKv::F32(b) => self.attend_groups(layer, slots, qkv, &mut out, b),
             HostKv::F16(b) => self.attend_groups(layer, slots, qkv, &mut out, b),
         }
+        [q, k, v].into_iter().for_each(host_buffers::give);
         Ok(HostRows {
             data: out,
             rows: a.rows,
@@ -405,6 +406,7 @@ impl StepBackend for HostBackend {
             for (n, &i) in rows.iter().enumerate() {
                 logits[i] = Some(all[n * vocab..(n + 1) * vocab].to_vec());
             }
+            host_buffers::give(all);
         }
         Ok(logits)
     }
