@@ -195,3 +195,47 @@ mod avx512 {
         }
     }
 }
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// The AVX-512 panel kernel gives, for every output, the FMA chain over k in order
+    /// (`f32::mul_add` is the fused multiply-add), bit for bit, for 1–6 rows: the order the
+    /// `matmul` doc promises.
+    #[test]
+    fn the_avx512_panel_kernel_is_the_fma_chain_in_order_bit_for_bit() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        for inner in [37, 256] {
+            let w: Vec<f32> = (0..PANEL * inner)
+                .map(|i| ((i * 7919) % 997) as f32 / 500.0 - 1.0)
+                .collect();
+            let packed = PackedF16::new(&w, inner);
+            let panel = &packed.panels()[..inner * PANEL];
+            for rows in 1..=ROWS {
+                let x: Vec<f32> = (0..rows * inner)
+                    .map(|i| ((i * 104_729) % 1009) as f32 / 300.0 - 1.5)
+                    .collect();
+                let chain = |r: usize, j: usize| {
+                    (0..inner).fold(0f32, |a, k| {
+                        x[r * inner + k].mul_add(panel[k * PANEL + j].to_f32(), a)
+                    })
+                };
+                let mut tile = [f32::NAN; ROWS * PANEL];
+                // SAFETY: AVX-512F was detected; the panel and the rows are whole.
+                unsafe { avx512::panel_tile(&x, panel, inner, &mut tile) };
+                for at in 0..rows * PANEL {
+                    let (r, j) = (at / PANEL, at % PANEL);
+                    let expected = chain(r, j);
+                    assert_eq!(
+                        tile[at].to_bits(),
+                        expected.to_bits(),
+                        "{rows} rows, inner {inner}, output ({r}, {j})"
+                    );
+                }
+            }
+        }
+    }
+}
