@@ -226,11 +226,11 @@ mod tests {
                 let mut tile = [f32::NAN; ROWS * PANEL];
                 // SAFETY: AVX-512F was detected; the panel and the rows are whole.
                 unsafe { avx512::panel_tile(&x, panel, inner, &mut tile) };
-                for at in 0..rows * PANEL {
+                for (at, got) in tile.iter().enumerate().take(rows * PANEL) {
                     let (r, j) = (at / PANEL, at % PANEL);
                     let expected = chain(r, j);
                     assert_eq!(
-                        tile[at].to_bits(),
+                        got.to_bits(),
                         expected.to_bits(),
                         "{rows} rows, inner {inner}, output ({r}, {j})"
                     );
