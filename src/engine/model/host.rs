@@ -65,7 +65,8 @@ impl Drop for HostRows {
 }
 
 impl HostRows {
-    /// Its rows' elements, taken out (the buffer is not recycled).
+    /// Its rows' elements, taken out: not given back to the spares when it drops (a caller
+    /// done with them may `host_buffers::give` them).
     fn into_data(mut self) -> Vec<f32> {
         std::mem::take(&mut self.data)
     }
@@ -344,8 +345,9 @@ impl StepBackend for HostBackend {
             cfg.kv_dim(),
             cfg.head_dim,
         );
-        let [q, k, v] = self.linears(a, [&w.q_proj, &w.k_proj, &w.v_proj])?;
-        let (mut q, mut k, mut v) = (q.into_data(), k.into_data(), v.into_data());
+        let [mut q, mut k, mut v] = self.linears(a, [&w.q_proj, &w.k_proj, &w.v_proj])?;
+        // Borrowed in place: the three go back to the spares when dropped.
+        let (q, k, v) = (&mut q.data, &mut k.data, &mut v.data);
         let mut out = host_buffers::take(a.rows * q_dim);
         // RoPE; every first candidate's K/V written in row order and every second
         // candidate's set aside, each rounded as the cache stores it; then every row's
@@ -367,7 +369,6 @@ impl StepBackend for HostBackend {
             HostKv::F32(b) => self.attend_groups(layer, slots, qkv, &mut out, b),
             HostKv::F16(b) => self.attend_groups(layer, slots, qkv, &mut out, b),
         }
-        [q, k, v].into_iter().for_each(host_buffers::give);
         Ok(HostRows {
             data: out,
             rows: a.rows,
