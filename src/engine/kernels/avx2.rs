@@ -74,19 +74,26 @@ unsafe fn group_sums<const R: usize, const J: usize>(
     let main = inner - inner % 8;
     let mut acc = [[_mm256_setzero_ps(); J]; R];
     let xp = xs.as_ptr();
+    // The group's J rows are contiguous: J · 8 floats of the lines `near` and `far` floats
+    // past it are prefetched a chunk, in order, from one pointer each, as `avx512::dots_rows`
+    // does (one pointer per row and distance left too few registers).
+    let (near_at, far_at) = (
+        ws[0].as_ptr().wrapping_add(near),
+        ws[0].as_ptr().wrapping_add(far),
+    );
     let mut k = 0;
     while k < main {
         // SAFETY: k + 8 <= inner; every row r < R has `inner` elements in `xs`, and every
         // weight row has `inner` elements.
         unsafe {
             let w: [__m256; J] = std::array::from_fn(|j| _mm256_loadu_ps(ws[j].as_ptr().add(k)));
-            // A prefetch never faults, even past the end.
-            for wj in ws {
-                _mm_prefetch::<_MM_HINT_T0>(wj.as_ptr().wrapping_add(k + near) as *const i8);
-            }
-            if far > 0 {
-                for wj in ws {
-                    _mm_prefetch::<_MM_HINT_T1>(wj.as_ptr().wrapping_add(k + far) as *const i8);
+            // Every line of the J · 8 floats: lines of 16, at most 16 apart.
+            for line in 0..J.div_ceil(2) {
+                let at = J * k + 16 * line;
+                // A prefetch never faults, even past the end.
+                _mm_prefetch::<_MM_HINT_T0>(near_at.wrapping_add(at) as *const i8);
+                if far > 0 {
+                    _mm_prefetch::<_MM_HINT_T1>(far_at.wrapping_add(at) as *const i8);
                 }
             }
             for (r, a) in acc.iter_mut().enumerate() {

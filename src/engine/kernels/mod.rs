@@ -344,6 +344,15 @@ impl<'a> SharedOut<'a> {
         self.0[i].store(v.to_bits(), Ordering::Relaxed);
     }
 
+    /// Elements `at..at + len`, checked to exist, as a pointer a kernel stores a vector
+    /// through (this thread's elements, as for [`Self::set`]).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn span(self, at: usize, len: usize) -> *mut f32 {
+        // AtomicU32 is an UnsafeCell: writing through a pointer to it is allowed.
+        self.0[at..at + len].as_ptr() as *mut f32
+    }
+
     /// `values` := the first `values.len()` elements (this thread's own writes, or ones
     /// published to it by the pool's rendezvous).
     #[inline]
