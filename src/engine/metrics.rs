@@ -333,15 +333,18 @@ fn median_times(
 ) -> Result<Vec<Duration>> {
     let mut before = |_: usize| {};
     match backend {
-        Backend::Host(b) => median_times_on(&**b, pos, batches, repeats, &mut before),
-        Backend::Device(b) => median_times_on(&**b, pos, batches, repeats, &mut before),
+        Backend::Host(b) => median_times_on(&**b, (pos, 1), batches, repeats, &mut before),
+        Backend::Device(b) => median_times_on(&**b, (pos, 1), batches, repeats, &mut before),
     }
 }
 
 /// Fixes the host kernels' prefetch plan (`kernels::prefetch`), the first time a process loads
 /// a host model: each candidate's median one-row and R-row step at position 64 (or the
-/// model's last), the candidates and shapes taking turns, 9 rounds (about 60 ms on the default
-/// model).
+/// model's last), 25 rounds (about 0.1 s on the default model). Each round gives every
+/// candidate a turn, as a race gives its lanes: a baseline token's R one-row steps, then one
+/// R-row step, over the candidate's own KV cache, so that its steps follow its own and find
+/// its cache where the other's turn left it. The cost counts a one-row step R times, so the
+/// choice is close where the plans' one-row steps are (`prefetch::cheapest`).
 pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choice> {
     let passes = backend.model().passes();
     let pos = 64.min(
@@ -358,41 +361,58 @@ pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choic
             readout: every_readout(pass, passes),
             second: false,
         };
-        let shapes = [
-            vec![slot(Pass::FIRST)],
-            Pass::all(passes).map(slot).collect(),
-        ];
+        // Each plan's turn is a baseline token's one-row steps, then a full pipeline step, as
+        // the race's lanes run them: a plan's step follows its own, not another plan's.
+        let one_row = vec![slot(Pass::FIRST)];
+        let mut shapes = vec![one_row; passes];
+        shapes.push(Pass::all(passes).map(slot).collect());
         let plans = prefetch::Prefetch::CANDIDATES;
         let batches: Vec<Vec<RowSlot>> = (plans.iter())
             .flat_map(|_| shapes.iter().cloned())
             .collect();
         let mut before = |batch: usize| apply(plans[batch / shapes.len()]);
-        let t = median_times_on(backend, pos, &batches, 9, &mut before)?;
-        Ok(t.chunks_exact(2).map(|t| (t[0], t[1])).collect())
+        let t = median_times_on(backend, (pos, plans.len()), &batches, 25, &mut before)?;
+        Ok(t.chunks_exact(shapes.len())
+            .map(|t| {
+                let (one_rows, full) = t.split_at(passes);
+                let one_row =
+                    one_rows.iter().sum::<Duration>() / u32::try_from(passes).unwrap_or(1);
+                (one_row, full[0])
+            })
+            .collect())
     })
 }
 
 /// Median compute of each batch of rows at `pos` (every row's input a token), the batches
 /// interleaved so that machine noise hits them alike; two warm-up rounds are dropped.
-/// `before(i)` runs before batch `i` each time, untimed.
+/// `before(i)` runs before batch `i` each time, untimed. The batches split evenly into
+/// `lanes` runs with a KV cache each, as a race's lanes have (one lane's turn leaves the
+/// other's cache to come from memory).
 fn median_times_on<B: StepBackend>(
     backend: &B,
-    pos: usize,
+    (pos, lanes): (usize, usize),
     batches: &[Vec<RowSlot>],
     repeats: usize,
     before: &mut dyn FnMut(usize),
 ) -> Result<Vec<Duration>> {
     let passes = backend.model().passes();
-    let mut cache = KvCache::new(backend.new_store(pos + 1)?, passes, pos + 1);
-    if pos > 0 {
-        for pass in Pass::all(passes) {
-            cache.mark_written(pass, pos - 1);
-        }
-    }
+    let mut caches = (0..lanes.max(1))
+        .map(|_| {
+            let mut cache = KvCache::new(backend.new_store(pos + 1)?, passes, pos + 1);
+            if pos > 0 {
+                for pass in Pass::all(passes) {
+                    cache.mark_written(pass, pos - 1);
+                }
+            }
+            Ok(cache)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let per_lane = batches.len().div_ceil(caches.len());
     let mut times = vec![Vec::with_capacity(repeats); batches.len()];
     for round in 0..repeats + 2 {
         for (i, (batch, t)) in batches.iter().zip(&mut times).enumerate() {
             before(i);
+            let cache = &mut caches[i / per_lane];
             let rows = batch
                 .iter()
                 .map(|&slot| StepRow {
@@ -401,7 +421,7 @@ fn median_times_on<B: StepBackend>(
                 })
                 .collect();
             let started = Instant::now();
-            step(backend, rows, &mut cache)?;
+            step(backend, rows, cache)?;
             if round >= 2 {
                 t.push(started.elapsed());
             }
