@@ -68,7 +68,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// KV cache capacity in positions (prompt plus output); sizes the cache's memory.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = crate::engine::decoder::DEFAULT_CONTEXT)]
     pub context: usize,
     /// auto, cpu, cuda, cuda:N or metal (default: the entry's, else auto).
     #[arg(long)]

@@ -15,6 +15,9 @@ use super::pipeline::Pipeline;
 use super::policy::Policy;
 use super::sampling::Sampling;
 
+/// The KV cache capacity in positions a run gets unless told otherwise (`--context`).
+pub const DEFAULT_CONTEXT: usize = 512;
+
 /// Limits and the sampling rule of one run.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeOptions {

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::decoder::DEFAULT_CONTEXT;
 use super::error::Result;
 use super::events::DecodeEvent;
 use super::kernels::prefetch;
@@ -261,6 +262,13 @@ impl StepTimes {
 /// model the LM head is a quarter of a step's weights.
 pub fn measure_step_times(backend: &Backend, pos: usize, repeats: usize) -> Result<StepTimes> {
     let passes = backend.model().passes();
+    let t = median_times(backend, pos, &token_and_pipeline(passes, pos), repeats)?;
+    Ok(step_times(&t, passes))
+}
+
+/// A baseline token's R one-row steps at `pos` (the LM head only on the last) and one R-row
+/// step with every row read out: what [`measure_step_times`] and [`choose_prefetch`] time.
+fn token_and_pipeline(passes: usize, pos: usize) -> Vec<Vec<RowSlot>> {
     let slot = |pass: Pass, readout: ReadoutKind| RowSlot {
         pos,
         pass,
@@ -278,13 +286,17 @@ pub fn measure_step_times(backend: &Backend, pos: usize, repeats: usize) -> Resu
             .map(|pass| slot(pass, every_readout(pass, passes)))
             .collect(),
     );
-    let t = median_times(backend, pos, &batches, repeats)?;
-    let token: Duration = t[..passes].iter().sum();
-    Ok(StepTimes {
-        one_row: token / passes as u32,
-        full: t[passes],
+    batches
+}
+
+/// The mean one-row step and the R-row step from [`token_and_pipeline`]'s medians.
+fn step_times(medians: &[Duration], passes: usize) -> StepTimes {
+    let token: Duration = medians[..passes].iter().sum();
+    StepTimes {
+        one_row: token / u32::try_from(passes).unwrap_or(u32::MAX),
+        full: medians[passes],
         rows: passes,
-    })
+    }
 }
 
 /// Median compute of a step of each of `row_counts` rows (rows at passes 1, 2, …, all at
@@ -333,52 +345,40 @@ fn median_times(
 ) -> Result<Vec<Duration>> {
     let mut before = |_: usize| {};
     match backend {
-        Backend::Host(b) => median_times_on(&**b, (pos, 1), batches, repeats, &mut before),
-        Backend::Device(b) => median_times_on(&**b, (pos, 1), batches, repeats, &mut before),
+        Backend::Host(b) => median_times_on(&**b, (pos, pos + 1, 1), batches, repeats, &mut before),
+        Backend::Device(b) => {
+            median_times_on(&**b, (pos, pos + 1, 1), batches, repeats, &mut before)
+        }
     }
 }
 
 /// Fixes the host kernels' prefetch plan (`kernels::prefetch`), the first time a process loads
 /// a host model: each candidate's median one-row and R-row step at position 64 (or the
 /// model's last), 25 rounds (about 0.1 s on the default model). Each round gives every
-/// candidate a turn, as a race gives its lanes: a baseline token's R one-row steps, then one
-/// R-row step, over the candidate's own KV cache, so that its steps follow its own and find
-/// its cache where the other's turn left it. The cost counts a one-row step R times, so the
-/// choice is close where the plans' one-row steps are (`prefetch::cheapest`).
+/// candidate a turn, as a race gives its lanes: a baseline token's R one-row steps (the LM
+/// head on the last only), then one R-row step, over the candidate's own KV cache of the
+/// default context, so that its steps follow its own and find its cache laid out as a run's
+/// and where the other's turn left it. On an AMD EPYC Zen 4 VM, one-row steps that each read
+/// out a proposal over a cache of 65 positions (as timed before) put `l1` within a few
+/// percent of `l2` and sometimes chose it, though `l1` ran both lanes of a race slower
+/// (`spex bench --prefetch l1|l2`: speculative lane 15–35 %); with a 512-position cache the
+/// plans' 4-row steps differ more, as in the race (`prefetch::cheapest` weighs the rest).
 pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choice> {
     let passes = backend.model().passes();
-    let pos = 64.min(
-        backend
-            .model()
-            .config
-            .max_position_embeddings
-            .saturating_sub(1),
-    );
+    let positions = backend.model().config.max_position_embeddings;
+    let pos = 64.min(positions.saturating_sub(1));
+    let capacity = DEFAULT_CONTEXT.clamp(pos + 1, positions.max(pos + 1));
     prefetch::choose_once(passes, |apply| {
-        let slot = |pass: Pass| RowSlot {
-            pos,
-            pass,
-            readout: every_readout(pass, passes),
-            second: false,
-        };
-        // Each plan's turn is a baseline token's one-row steps, then a full pipeline step, as
-        // the race's lanes run them: a plan's step follows its own, not another plan's.
-        let one_row = vec![slot(Pass::FIRST)];
-        let mut shapes = vec![one_row; passes];
-        shapes.push(Pass::all(passes).map(slot).collect());
+        let turn = token_and_pipeline(passes, pos);
         let plans = prefetch::Prefetch::CANDIDATES;
-        let batches: Vec<Vec<RowSlot>> = (plans.iter())
-            .flat_map(|_| shapes.iter().cloned())
-            .collect();
-        let mut before = |batch: usize| apply(plans[batch / shapes.len()]);
-        let t = median_times_on(backend, (pos, plans.len()), &batches, 25, &mut before)?;
-        Ok(t.chunks_exact(shapes.len())
-            .map(|t| {
-                let (one_rows, full) = t.split_at(passes);
-                let one_row =
-                    one_rows.iter().sum::<Duration>() / u32::try_from(passes).unwrap_or(1);
-                (one_row, full[0])
-            })
+        let batches: Vec<Vec<RowSlot>> =
+            (plans.iter()).flat_map(|_| turn.iter().cloned()).collect();
+        let mut before = |batch: usize| apply(plans[batch / turn.len()]);
+        let lanes = (pos, capacity, plans.len());
+        let t = median_times_on(backend, lanes, &batches, 25, &mut before)?;
+        Ok(t.chunks_exact(turn.len())
+            .map(|t| step_times(t, passes))
+            .map(|times| (times.one_row, times.full))
             .collect())
     })
 }
@@ -386,11 +386,11 @@ pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choic
 /// Median compute of each batch of rows at `pos` (every row's input a token), the batches
 /// interleaved so that machine noise hits them alike; two warm-up rounds are dropped.
 /// `before(i)` runs before batch `i` each time, untimed. The batches split evenly into
-/// `lanes` runs with a KV cache each, as a race's lanes have (one lane's turn leaves the
-/// other's cache to come from memory).
+/// `lanes` runs with a KV cache of `capacity` positions each, as a race's lanes have (one
+/// lane's turn leaves the other's cache to come from memory).
 fn median_times_on<B: StepBackend>(
     backend: &B,
-    (pos, lanes): (usize, usize),
+    (pos, capacity, lanes): (usize, usize, usize),
     batches: &[Vec<RowSlot>],
     repeats: usize,
     before: &mut dyn FnMut(usize),
@@ -398,7 +398,7 @@ fn median_times_on<B: StepBackend>(
     let passes = backend.model().passes();
     let mut caches = (0..lanes.max(1))
         .map(|_| {
-            let mut cache = KvCache::new(backend.new_store(pos + 1)?, passes, pos + 1);
+            let mut cache = KvCache::new(backend.new_store(capacity)?, passes, capacity);
             if pos > 0 {
                 for pass in Pass::all(passes) {
                     cache.mark_written(pass, pos - 1);
