@@ -177,12 +177,20 @@ fn store_four(out: SharedOut<'_>, to: OutLayout, at: usize, four: __m128) {
         // SAFETY: `span` checked that the four elements exist and are this view's to write.
         unsafe { _mm_storeu_ps(out.span(at * to.row, 4), four) };
     } else {
-        let mut sums = [0f32; 4];
-        // SAFETY: `sums` holds exactly 4 floats.
-        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), four) };
-        for (j, v) in sums.iter().enumerate() {
-            out.set(j * to.col + at * to.row, *v);
-        }
+        store_first(out, to, at, four, 4);
+    }
+}
+
+/// The first `count` (≤ 4) of row `at`'s sums `four` into `out[j·to.col + at·to.row]`, one
+/// store each.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+fn store_first(out: SharedOut<'_>, to: OutLayout, at: usize, four: __m128, count: usize) {
+    let mut sums = [0f32; 4];
+    // SAFETY: `sums` holds exactly 4 floats.
+    unsafe { _mm_storeu_ps(sums.as_mut_ptr(), four) };
+    for (j, v) in sums.iter().enumerate().take(count) {
+        out.set(j * to.col + at * to.row, *v);
     }
 }
 
@@ -235,15 +243,11 @@ fn store_sums<const J: usize>(acc: &[__m512; J], out: SharedOut<'_>, to: OutLayo
     for j0 in (0..J).step_by(4) {
         let lane = |j: usize| halves(acc[(j0 + j).min(J - 1)]);
         let sums = reduce4(lane(0), lane(1), lane(2), lane(3));
+        let group_out = out.from(j0 * to.col);
         if J - j0 >= 4 {
-            store_four(out.from(j0 * to.col), to, at, sums);
-            continue;
-        }
-        let mut four = [0f32; 4];
-        // SAFETY: `four` holds exactly 4 floats.
-        unsafe { _mm_storeu_ps(four.as_mut_ptr(), sums) };
-        for (j, v) in four.iter().enumerate().take(J - j0) {
-            out.set((j0 + j) * to.col + at * to.row, *v);
+            store_four(group_out, to, at, sums);
+        } else {
+            store_first(group_out, to, at, sums, J - j0);
         }
     }
 }
