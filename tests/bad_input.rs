@@ -381,6 +381,10 @@ fn a_prefetch_plan_that_does_not_exist_is_one_line() {
         &["generate", "--prompt", "a", "--prefetch", "l3"],
         "--prefetch",
     );
+    assert_clean_error(
+        &["generate", "--prompt", "a", "--threads", "0"],
+        "--threads 0: must be at least 1",
+    );
 }
 
 #[test]

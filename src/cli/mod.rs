@@ -387,7 +387,7 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     args.isa.apply()?;
     args.prefetch.apply()?;
     crate::engine::kernels::pool::set_threads(args.threads)
-        .map_err(|e| EngineError::Invalid(format!("--threads: {e}")))?;
+        .map_err(|e| EngineError::Invalid(format!("--threads {}: {e}", args.threads)))?;
     let offline = args.offline || hub::offline_from_env();
     let resolved = models::resolve(args.model.as_deref(), offline)?;
     let entry = resolved.entry.as_ref();

@@ -230,9 +230,9 @@ pub fn pool() -> &'static Pool {
 /// before anything decodes: an error if the pool already has another size.
 pub fn set_threads(threads: usize) -> Result<(), String> {
     if threads == 0 {
-        return Err("--threads must be at least 1".into());
+        return Err("must be at least 1".into());
     }
-    let wanted = Pool::new(threads).map_err(|e| format!("cannot start {threads} threads: {e}"))?;
+    let wanted = Pool::new(threads).map_err(|e| format!("cannot start the threads: {e}"))?;
     match POOL.set(wanted) {
         Ok(()) => Ok(()),
         Err(_) if pool().threads() == threads => Ok(()),
