@@ -452,3 +452,16 @@ fn replay_with_another_model_names_what_differs() {
     let c = copy.path().display().to_string();
     assert_clean_error(&["replay", &t, "--model", &c], "differs: tokenizer sha256");
 }
+
+#[test]
+fn a_run_cut_short_by_its_context_says_so_on_stderr() {
+    let args = ["generate", "--prompt", "To be", "--max-tokens", "40"];
+    let (ok, stderr) = spex(&[&args[..], &["--context", "16"]].concat());
+    assert!(ok, "a full context ends the run, not in an error: {stderr}");
+    assert_eq!(
+        stderr.trim(),
+        "spex: stopped after 15 of 40 tokens: the context of 16 positions is full (--context)"
+    );
+    let (ok, stderr) = spex(&args);
+    assert!(ok && stderr.is_empty(), "nothing to say: {stderr}");
+}

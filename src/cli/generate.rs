@@ -4,7 +4,7 @@
 use std::io::Write;
 
 use super::{GenerateArgs, load_model};
-use crate::engine::events::DecodeEvent;
+use crate::engine::events::{DecodeEvent, FinishReason};
 use crate::engine::race::{Lane, RaceEvent};
 use crate::engine::trace::TraceWriter;
 use crate::engine::{DecodeOptions, Decoder};
@@ -46,7 +46,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     if !args.json {
         write!(out, "{}", args.prompt)?;
     }
+    let mut finished = None;
     while let Some(event) = decoder.next_event()? {
+        if let DecodeEvent::Finished(f) = &event {
+            finished = Some((f.reason, f.tokens.len()));
+        }
         if let Some(r) = recorder.as_mut() {
             r.record(&RaceEvent::Decode {
                 lane,
@@ -57,6 +61,21 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     }
     if !args.json {
         writeln!(out)?;
+        // Fewer tokens than asked for, and stdout holds only the text: say why on stderr.
+        if let Some((FinishReason::ContextFull, tokens)) = finished {
+            let positions = loaded.model().rope.positions();
+            let full = match options.context < positions {
+                true => format!(
+                    "the context of {} positions is full (--context)",
+                    options.context
+                ),
+                false => format!("the model's {positions} positions are all used"),
+            };
+            eprintln!(
+                "spex: stopped after {tokens} of {} tokens: {full}",
+                args.max_tokens
+            );
+        }
     }
     if let Some(r) = recorder.as_mut() {
         r.record(&RaceEvent::Done)?;
