@@ -158,6 +158,9 @@ fn bad_arguments_get_one_line() {
     }
     assert_clean_error(&["generate", "--no-such-flag"], "--no-such-flag");
     assert_clean_error(&["bench", "--max-tokens", "many"], "--max-tokens");
+    for command in ["bench", "generate", "tui"] {
+        assert_clean_error(&[command, "--max-tokens", "0"], "must be at least 1");
+    }
     assert_clean_error(
         &["bench", "--policy", "fastest"],
         "expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M] or baseline",

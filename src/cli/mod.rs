@@ -255,7 +255,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
     /// Record the run to this trace file (JSON Lines; `spex replay FILE` shows it).
     #[arg(long)]
@@ -276,11 +276,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub prompts: Option<PathBuf>,
     /// Tokens to generate per prompt.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
     /// Runs per prompt, each interleaving the lanes (see --turn-ms); the table shows the run
     /// with the median speedup, and the overall line every run's speedup (min–median–max).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 3, value_parser = parse_count::<u64>)]
     pub runs: u64,
     /// Compute, in milliseconds, each lane runs before the next takes its turn. Short turns
     /// let a drifting machine slow all lanes alike; 0 alternates every step, where the lanes
@@ -314,7 +314,7 @@ pub struct TuiArgs {
     #[arg(long)]
     pub prompt: Option<String>,
     /// Tokens to generate per run.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
     /// The policy raced against baseline: speed, dual, dual:MARGIN or loopspec[:d1=N][:d2=M] (default: the entry's, else speed).
     #[arg(long)]
@@ -541,6 +541,18 @@ fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
         config.vocab_size
     );
     Ok(())
+}
+
+/// A count of at least 1 (`--max-tokens`, `--runs`): refused as the command line is read,
+/// before a model loads.
+fn parse_count<T: std::str::FromStr + PartialEq + From<u8>>(s: &str) -> Result<T, String> {
+    let n: T = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a whole number"))?;
+    if n == T::from(0) {
+        return Err("must be at least 1".into());
+    }
+    Ok(n)
 }
 
 /// `--turn-ms`: a finite number of milliseconds, 0 to 1000.
