@@ -11,7 +11,6 @@ fn main() -> std::process::ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     tune_malloc();
-    pin_candle_threads();
     let cli = match spex::cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version: print and succeed
@@ -23,6 +22,8 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    // After parsing (`--help` and bad flags start no pool), before anything starts a thread.
+    pin_candle_threads();
     match spex::cli::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -51,10 +52,10 @@ fn tune_malloc() {
 /// Asks candle once how many threads its CPU matmuls use. candle 0.11 asks on every matmul,
 /// and without `RAYON_NUM_THREADS` its answer reads `/proc/cpuinfo` (`num_cpus::get_physical`)
 /// each time: tens of microseconds a product, on every candle op path on the CPU (bf16 and f16
-/// models, training). Measured on an AMD EPYC Zen 4 (2 vCPUs): `spex generate --dtype bf16
-/// --max-tokens 64 --policy baseline` 1.63–1.73 s → 0.89–0.98 s. Its answer goes into the
-/// variable, which candle reads instead; rayon's pool is then built at the size it would have
-/// chosen without the variable, so only candle's repeated question changes.
+/// models, training). Measured on an AMD EPYC Zen 4 (2 vCPUs, AVX-512): `spex generate
+/// --dtype bf16 --max-tokens 64 --policy baseline` 1.63–1.73 s → 0.89–0.98 s. Its answer goes
+/// into the variable, which candle reads instead; rayon's pool is then built at the size it
+/// would have chosen without the variable, so only candle's repeated question changes.
 fn pin_candle_threads() {
     if std::env::var_os("RAYON_NUM_THREADS").is_some() {
         return;

@@ -63,13 +63,15 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         writeln!(out)?;
         // Fewer tokens than asked for, and stdout holds only the text: say why on stderr.
         if let Some((FinishReason::ContextFull, tokens)) = finished {
-            let positions = loaded.model().rope.positions();
-            let full = match options.context < positions {
-                true => format!(
+            // The decoder's cache holds `context.min(positions)` (`engine::pipeline`).
+            let positions = loaded.model().config.max_position_embeddings;
+            let full = if options.context < positions {
+                format!(
                     "the context of {} positions is full (--context)",
                     options.context
-                ),
-                false => format!("the model's {positions} positions are all used"),
+                )
+            } else {
+                format!("the model's {positions} positions are all used")
             };
             eprintln!(
                 "spex: stopped after {tokens} of {} tokens: {full}",
