@@ -44,10 +44,11 @@ def step_ms(report, key):
 
 def rows(out, label, stem, dtype, peer):
     report = load(out, f"spex-{stem}-{dtype}.json")
-    if report is None:
-        return [f"| {label} | {dtype} | (no report: see {stem}-{dtype}) |"]
     rc_file = os.path.join(out, f"mem-{stem}-{dtype}.log.rc")
-    rc = open(rc_file).read().strip() if os.path.exists(rc_file) else "?"
+    rc = open(rc_file).read().strip() if os.path.exists(rc_file) else None
+    if report is None:
+        why = {None: "not run", "124": "stopped at the time budget"}.get(rc, f"exit {rc}")
+        return [f"| {label} | {dtype} | ({why}) |"]
     lines = []
     for p in report["overall"]["policies"]:
         same = "identical" if p["identical"] else f"differs (exit {rc})"
@@ -105,16 +106,28 @@ def main():
     for n in range(3):
         for dtype in ["f32", "bf16"]:
             report = load(out, f"spex-shape{n}-{dtype}.json")
+            rc_file = os.path.join(out, f"mem-shape{n}-{dtype}.log.rc")
+            if report is None and os.path.exists(rc_file):
+                rc = open(rc_file).read().strip()
+                why = "stopped at the time budget" if rc == "124" else f"no report (exit {rc})"
+                print(f"- Random shape {n}, {dtype}: {why}.")
             if report is None:
                 continue
-            counts = {}
+            counts, margins = {}, {}
             for prompt in report["prompts"]:
                 for p in prompt["policies"]:
                     same, total = counts.get(p["policy"], (0, 0))
                     counts[p["policy"]] = (same + (p["comparison"] == "identical"), total + 1)
+                    if p["comparison"] != "identical":
+                        margin = p["comparison"]["differs"]["margin"]
+                        margins[p["policy"]] = max(margins.get(p["policy"], 0.0), margin)
             same = ", ".join(f"{name} {s}/{t}" for name, (s, t) in counts.items())
+            # Where a lane differs, the baseline's logit margin there (top-1 minus top-2): a
+            # bf16 near-tie that rows computed together may round the other way.
+            worst = "".join(f"; {name} differs where the margin is at most {m:.3g}"
+                            for name, m in margins.items())
             print(f"- Random shape {n} ({report['layers']} layers, {report['passes']} passes), "
-                  f"{dtype}, prompts identical to baseline: {same}.")
+                  f"{dtype}, prompts identical to baseline: {same}{worst}.")
     check = load(out, "shipped-gpu-vs-cpu.json")
     if check:
         print(f"- The shipped model in f32, GPU against CPU greedy text: identical "
@@ -123,6 +136,12 @@ def main():
     if peer and spex:
         same = "equal" if peer["tokens"] == spex.get("tokens") else "NOT equal"
         print(f"- The PyTorch peer's greedy tokens on the shipped model (f32) are {same} to spex's.")
+    timings = os.path.join(out, "timings.txt")
+    if os.path.exists(timings):
+        with open(timings) as f:
+            parts = [line.strip() for line in f if line.strip()]
+        if parts:
+            print(f"- Parts, in the order run: {'; '.join(parts)}.")
 
 
 if __name__ == "__main__":

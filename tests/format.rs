@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use spex::engine::events::DecodeEvent;
 use spex::engine::format::{self, NEUTRAL_EXIT_GATE_BIAS};
 use spex::engine::{DecodeOptions, Decoder, OuroConfig, PolicyKind};
@@ -42,8 +42,9 @@ fn assert_neutral_gate(dir: &Path) {
     let values = |name: &str| -> Vec<f32> {
         tensors[name]
             .flatten_all()
+            .and_then(|t| t.to_dtype(DType::F32))
             .and_then(|t| t.to_vec1())
-            .expect("f32 tensor")
+            .expect("a float tensor")
     };
     assert!(values(format::EXIT_GATE_WEIGHT).iter().all(|&w| w == 0.0));
     assert_eq!(values(format::EXIT_GATE_BIAS), [NEUTRAL_EXIT_GATE_BIAS]);
@@ -68,11 +69,15 @@ fn shipped_checkpoints_hold_exactly_the_format_tensors() {
 #[test]
 fn random_checkpoints_hold_exactly_the_format_tensors() {
     let tmp = tempfile::TempDir::new().expect("temp dir");
-    for untied in [false, true] {
+    // Untied in bf16, as Ouro's released checkpoints are stored.
+    for (untied, dtype, stored, torch_dtype) in [
+        (false, "f32", DType::F32, "float32"),
+        (true, "bf16", DType::BF16, "bfloat16"),
+    ] {
         let out = tmp.path().join(format!("untied-{untied}"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_spex"));
         cmd.args(["random-checkpoint", "--hidden", "32", "--layers", "2"])
-            .args(["--heads", "2", "--vocab", "300", "--out"])
+            .args(["--heads", "2", "--vocab", "300", "--dtype", dtype, "--out"])
             .arg(&out);
         if untied {
             cmd.arg("--untied");
@@ -82,6 +87,18 @@ fn random_checkpoints_hold_exactly_the_format_tensors() {
         let (have, want) = names_in(&out);
         assert_eq!(have, want, "untied {untied}");
         assert_neutral_gate(&out);
+        let tensors = candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu)
+            .expect("model.safetensors");
+        assert!(tensors.values().all(|t| t.dtype() == stored), "{dtype}");
+        let config = OuroConfig::load(&out.join("config.json")).expect("config.json");
+        assert_eq!(config.torch_dtype, torch_dtype);
+        let generated = Command::new(env!("CARGO_BIN_EXE_spex"))
+            .args(["generate", "--max-tokens", "4", "--prompt", "To be"])
+            .arg("--model")
+            .arg(&out)
+            .output()
+            .expect("spex runs");
+        assert!(generated.status.success(), "{dtype}: {generated:?}");
     }
     for spec in [
         common::spec(2, 3, common::Variant::Untied, 4),

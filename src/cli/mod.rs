@@ -363,6 +363,10 @@ pub struct RandomArgs {
     /// A separate LM head (as Ouro's released models have) instead of tied embeddings.
     #[arg(long)]
     pub untied: bool,
+    /// The tensors' element type in the files: f32, bf16 (as Ouro's released models are
+    /// stored) or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: device::DTypeSpec,
 }
 
 /// Parses the command line and runs it.
@@ -529,16 +533,18 @@ fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
         random_exit_gate: false,
         seed: args.seed,
         pad_vocab_to: Some(args.vocab),
+        dtype: args.dtype.0,
         ..RandomSpec::default()
     };
     let config = write_random_checkpoint(&args.out, &spec)?;
     println!(
-        "wrote {}: hidden {} K={} R={} vocab {}",
+        "wrote {}: hidden {} K={} R={} vocab {}, {}",
         args.out.display(),
         config.hidden_size,
         config.num_hidden_layers,
         config.total_ut_steps,
-        config.vocab_size
+        config.vocab_size,
+        device::dtype_name(args.dtype.0)
     );
     Ok(())
 }
