@@ -3,10 +3,12 @@
 //! the whole step on the GPU. Where the build finds no GPU (no driver: `.ci/cuda-env`'s stub
 //! libcuda answers), it says so and checks nothing; `.ci/cuda-check` compiles it.
 //!
-//! In f32 a difference fails the test. In bf16 a near-tie at pass R can resolve differently
-//! when the speculative step batches rows the baseline computes alone; each difference is
-//! printed with pass R's logit margin at that position, and fails the test unless the margin
-//! is within bf16's rounding of the logits.
+//! In f32 a difference fails the test. In bf16 every step's matrices have one shape (the
+//! device step pads its rows), but a row's attention still sums over spans that start where
+//! the other rows' passes put them, which a GPU's reductions may round differently; so a
+//! near-tie at pass R may resolve differently. Each difference is printed with pass R's logit
+//! margin at that position, and fails the test unless the margin is within bf16's rounding
+//! of the logits.
 #![cfg(feature = "cuda")]
 
 mod common;

@@ -77,8 +77,9 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     /// The LM head on the rows that ask for a readout (logits over the vocabulary, f32).
     fn readouts(&self, slots: &[RowSlot], h: &Self::Act) -> Result<Vec<Option<Vec<f32>>>>;
 
-    /// Each row's state, to carry into its next pass.
-    fn row_states(&self, h: Self::Act) -> Result<Vec<Self::Hidden>>;
+    /// Each of the step's rows' state, to carry into its next pass (a backend that pads its
+    /// matrices drops the padding here).
+    fn row_states(&self, slots: &[RowSlot], h: Self::Act) -> Result<Vec<Self::Hidden>>;
 
     /// How far a proposal readout's logits may be from the f32 head's for a row whose new
     /// state is `state`; `None` where readouts are the f32 head's.

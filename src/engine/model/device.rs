@@ -1,8 +1,10 @@
 //! The device step backend: candle ops on the model's device and dtype, the GPU path. A
 //! step uploads what its layers need of the rows once ([`DeviceStep`]); each layer then runs
 //! a fixed number of ops whatever the rows and passes (one K/V scatter, one masked attention
-//! for all rows), and copies nothing from the host. It also runs on CPU (the tests drive it
-//! there), so the code a GPU executes is exercised here.
+//! for all rows), and copies nothing from the host. Every decode step's matrices have the
+//! same number of rows ([`padded_rows`]), so a row's arithmetic does not depend on the rows
+//! beside it. It also runs on CPU (the tests drive it there), so the code a GPU executes is
+//! exercised here.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -64,6 +66,18 @@ pub struct DeviceStep {
     mask: Tensor,
 }
 
+/// The rows a device step's matrices have: its own, padded with zero rows to 2·R (a window of
+/// R tokens, each with a second candidate at most). Matrix kernels (cuBLAS, candle's CPU gemm)
+/// are chosen by the matrices' shape, and with them the order of a row's sums; with one shape
+/// for every decode step a row's results no longer depend on how many rows ran beside it, so
+/// a speculative step computes a token's pass bit for bit as the baseline's one-row step does
+/// (batch invariance; bf16 on candle's CPU ops went from 3–7 of 8 prompts identical to 8 of
+/// 8). On a GPU the extra rows ride on the weights the step reads anyway. A prefill's rows,
+/// the same in both lanes, are not padded.
+fn padded_rows(model: &LoopedModel, rows: usize) -> usize {
+    rows.max(2 * model.passes())
+}
+
 impl DeviceStep {
     fn new(model: &LoopedModel, slots: &[RowSlot], capacity: usize) -> Result<Self> {
         let device = &model.device;
@@ -83,7 +97,9 @@ impl DeviceStep {
             .broadcast_as((kv_heads, firsts.len(), head_dim))?
             .contiguous()?;
         let spans = spans(slots);
-        let positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
+        let padded = padded_rows(model, slots.len());
+        let mut positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
+        positions.resize(padded, 0);
         let positions = Tensor::new(positions.as_slice(), device)?;
         let second_slots = (seconds.iter())
             .map(|&i| (slots[i as usize].pass, slots[i as usize].pos))
@@ -91,7 +107,8 @@ impl DeviceStep {
         Ok(Self {
             cos: model.rope.cos_t.index_select(&positions, 0)?,
             sin: model.rope.sin_t.index_select(&positions, 0)?,
-            firsts: match seconds.is_empty() {
+            // Padding rows write nothing: only the firsts' K/V are scattered.
+            firsts: match seconds.is_empty() && padded == slots.len() {
                 true => None,
                 false => Some(Tensor::new(firsts.as_slice(), device)?),
             },
@@ -100,7 +117,7 @@ impl DeviceStep {
                 true => None,
                 false => Some((Tensor::new(seconds.as_slice(), device)?, second_slots)),
             },
-            mask: mask(slots, &spans).to_device_dtype(model)?,
+            mask: mask(slots, &spans, padded).to_device_dtype(model)?,
             spans,
         })
     }
@@ -119,12 +136,16 @@ fn spans(slots: &[RowSlot]) -> Vec<(Pass, usize)> {
     spans
 }
 
-/// [`DeviceStep::mask`], on the host: `[rows, Σ entries + second candidates]`.
-fn mask(slots: &[RowSlot], spans: &[(Pass, usize)]) -> HostMask {
+/// [`DeviceStep::mask`], on the host: `[padded rows, Σ entries + second candidates]`; a padding
+/// row sees the first column, so that its softmax stays finite.
+fn mask(slots: &[RowSlot], spans: &[(Pass, usize)], padded: usize) -> HostMask {
     let seconds = slots.iter().filter(|s| s.second).count();
     let entries: usize = spans.iter().map(|(_, len)| len).sum();
     let columns = entries + seconds;
-    let mut mask = vec![f32::NEG_INFINITY; slots.len() * columns];
+    let mut mask = vec![f32::NEG_INFINITY; padded * columns];
+    for row in mask.chunks_exact_mut(columns.max(1)).skip(slots.len()) {
+        row[0] = 0.0;
+    }
     let mut next_second = entries;
     for (row, slot) in mask.chunks_exact_mut(columns.max(1)).zip(slots) {
         let offset: usize = (spans.iter())
@@ -140,7 +161,7 @@ fn mask(slots: &[RowSlot], spans: &[(Pass, usize)]) -> HostMask {
     }
     HostMask {
         values: mask,
-        rows: slots.len(),
+        rows: padded,
         columns,
     }
 }
@@ -177,7 +198,8 @@ impl StepBackend for DeviceBackend {
         DeviceStep::new(&self.model, slots, cache.store().capacity)
     }
 
-    /// `[rows, hidden]`: embeddings for pass-1 rows, carried states for the others.
+    /// `[padded rows, hidden]`: embeddings for pass-1 rows, carried states for the others,
+    /// then zero rows up to [`padded_rows`].
     fn embed(&self, inputs: Vec<RowInput<Tensor>>) -> Result<Tensor> {
         let parts = inputs
             .into_iter()
@@ -191,7 +213,14 @@ impl StepBackend for DeviceBackend {
                 RowInput::Hidden(t) => Ok(t),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&parts, 0)?)
+        let h = Tensor::cat(&parts, 0)?;
+        let (rows, hidden) = h.dims2()?;
+        let padding = padded_rows(&self.model, rows) - rows;
+        if padding == 0 {
+            return Ok(h);
+        }
+        let zeros = Tensor::zeros((padding, hidden), h.dtype(), h.device())?;
+        Ok(Tensor::cat(&[&h, &zeros], 0)?)
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
@@ -261,9 +290,13 @@ impl StepBackend for DeviceBackend {
         if wanted.is_empty() {
             return Ok(logits);
         }
-        let sel = h.index_select(&Tensor::new(wanted.as_slice(), &self.model.device)?, 0)?;
+        // The head's product padded like the step's (repeating a wanted row).
+        let mut picked = wanted.clone();
+        picked.resize(padded_rows(&self.model, wanted.len()), wanted[0]);
+        let sel = h.index_select(&Tensor::new(picked.as_slice(), &self.model.device)?, 0)?;
         let all = self
             .linear(&sel, &self.model.weights.lm_head)?
+            .narrow(0, 0, wanted.len())?
             .to_dtype(DType::F32)?
             .to_vec2::<f32>()?;
         for (&i, l) in wanted.iter().zip(all) {
@@ -272,9 +305,8 @@ impl StepBackend for DeviceBackend {
         Ok(logits)
     }
 
-    fn row_states(&self, h: Tensor) -> Result<Vec<Tensor>> {
-        let (rows, _) = h.dims2()?;
-        (0..rows).map(|i| Ok(h.narrow(0, i, 1)?)).collect()
+    fn row_states(&self, slots: &[RowSlot], h: Tensor) -> Result<Vec<Tensor>> {
+        (0..slots.len()).map(|i| Ok(h.narrow(0, i, 1)?)).collect()
     }
 }
 

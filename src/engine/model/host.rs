@@ -412,7 +412,7 @@ impl StepBackend for HostBackend {
         Ok(logits)
     }
 
-    fn row_states(&self, h: HostRows) -> Result<Vec<Vec<f32>>> {
+    fn row_states(&self, _: &[RowSlot], h: HostRows) -> Result<Vec<Vec<f32>>> {
         let width = h.width();
         Ok(h.data.chunks_exact(width).map(<[f32]>::to_vec).collect())
     }

@@ -162,7 +162,7 @@ fn sweep<B: StepBackend>(
     let h = backend.rms_norm(&h, &model.weights.norm)?;
     let logits = backend.readouts(&slots, &h)?;
     Ok(StepOutput {
-        hidden: backend.row_states(h)?,
+        hidden: backend.row_states(&slots, h)?,
         logits,
     })
 }
