@@ -339,6 +339,8 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     );
     let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["kernel_isa"], "Portable");
+    assert_eq!(report["backend"], "host kernels");
+    assert!(report["step_rows"].is_null());
     // Chosen by timing both plans on the model's steps when it loaded.
     let plan = report["prefetch"].as_str().unwrap();
     assert!(["l1", "l2"].contains(&plan), "{plan}");
@@ -367,6 +369,18 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     );
     assert!(table.contains("prefetch l2 (forced)"), "{table}");
     assert!(table.contains("runs min–med–max"), "{table}");
+    // bf16 decodes on candle's ops, every decode step padded to 2·R rows, and says so.
+    let bf16 = ["bench", "--model", &d, "--max-tokens", "4", "--runs", "1"];
+    let table = spex_ok(
+        &[&bf16[..], &["--prompts", &p, "--dtype", "bf16"]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let table = String::from_utf8(table).unwrap();
+    assert!(
+        table.contains("candle ops in bf16, each decode step padded to 6 rows"),
+        "{table}"
+    );
 }
 
 #[test]

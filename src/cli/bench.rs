@@ -48,6 +48,24 @@ pub fn read_prompts(path: Option<&Path>) -> Result<Vec<String>, EngineError> {
     Ok(prompts)
 }
 
+/// What decodes: spex's kernels (their instruction set and threads), or candle's ops (the
+/// dtype, and the rows every decode step is padded to, which a CPU pays for in full).
+fn backend_note(loaded: &crate::engine::LoadedModel) -> String {
+    use crate::engine::model::Backend;
+    match &loaded.backend {
+        Backend::Host(_) => format!(
+            "kernels {:?} on {} thread(s)",
+            crate::engine::kernels::isa(),
+            crate::engine::kernels::pool::pool().threads()
+        ),
+        Backend::Device(b) => format!(
+            "candle ops in {}, each decode step padded to {} rows",
+            super::device::dtype_name(loaded.model().dtype),
+            b.step_rows()
+        ),
+    }
+}
+
 /// ", f16 KV cache" where the host kernels decode (the device path keeps its dtype).
 fn kv_cache_note(loaded: &crate::engine::LoadedModel) -> &'static str {
     use crate::engine::model::{Backend, KvDtype};
@@ -134,12 +152,11 @@ fn print_header(
 ) {
     let names: Vec<String> = policies.iter().map(ToString::to_string).collect();
     println!(
-        "{} on {} ({}), kernels {:?} on {} thread(s){}{}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
+        "{} on {} ({}), {}{}{}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
         session.name,
         cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
         session.device,
-        crate::engine::kernels::isa(),
-        crate::engine::kernels::pool::pool().threads(),
+        backend_note(&session.loaded),
         kv_cache_note(&session.loaded),
         prefetch_note(&session.loaded),
         names.join(", "),
@@ -315,6 +332,11 @@ fn json_report(
         "dtype": session.dtype,
         "passes": session.loaded.model().passes(),
         "layers": session.loaded.model().config.num_hidden_layers,
+        "backend": session.loaded.backend.name(),
+        "step_rows": match &session.loaded.backend {
+            crate::engine::model::Backend::Device(b) => Some(b.step_rows()),
+            crate::engine::model::Backend::Host(_) => None,
+        },
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
         "threads": crate::engine::kernels::pool::pool().threads(),
         "prefetch": crate::engine::kernels::prefetch::choice().map(|c| c.plan().name()),

@@ -36,6 +36,11 @@ impl DeviceBackend {
     pub fn shared_model(&self) -> &Arc<LoopedModel> {
         &self.model
     }
+
+    /// The rows every decode step's matrices have ([`padded_rows`]).
+    pub fn step_rows(&self) -> usize {
+        padded_rows(&self.model, 0)
+    }
 }
 
 /// What every layer of a device step needs of its rows, uploaded once per step rather than
