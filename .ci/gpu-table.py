@@ -42,13 +42,22 @@ def step_ms(report, key):
     return f"{statistics.median(values) / 1000:.2f}" if values else "—"
 
 
+def exit_status(out, stem):
+    """The exit status .ci/gpu-bench kept for the bench whose memory log is mem-STEM.log."""
+    path = os.path.join(out, f"mem-{stem}.log.rc")
+    return open(path).read().strip() if os.path.exists(path) else None
+
+
+def why_missing(rc):
+    """Why a bench left no report, from its exit status (None: it never ran)."""
+    return {None: "not run", "124": "stopped at the time budget"}.get(rc, f"exit {rc}")
+
+
 def rows(out, label, stem, dtype, peer):
     report = load(out, f"spex-{stem}-{dtype}.json")
-    rc_file = os.path.join(out, f"mem-{stem}-{dtype}.log.rc")
-    rc = open(rc_file).read().strip() if os.path.exists(rc_file) else None
+    rc = exit_status(out, f"{stem}-{dtype}")
     if report is None:
-        why = {None: "not run", "124": "stopped at the time budget"}.get(rc, f"exit {rc}")
-        return [f"| {label} | {dtype} | ({why}) |"]
+        return [f"| {label} | {dtype} | ({why_missing(rc)}) |"]
     lines = []
     for p in report["overall"]["policies"]:
         same = "identical" if p["identical"] else f"differs (exit {rc})"
@@ -106,12 +115,10 @@ def main():
     for n in range(3):
         for dtype in ["f32", "bf16"]:
             report = load(out, f"spex-shape{n}-{dtype}.json")
-            rc_file = os.path.join(out, f"mem-shape{n}-{dtype}.log.rc")
-            if report is None and os.path.exists(rc_file):
-                rc = open(rc_file).read().strip()
-                why = "stopped at the time budget" if rc == "124" else f"no report (exit {rc})"
-                print(f"- Random shape {n}, {dtype}: {why}.")
             if report is None:
+                rc = exit_status(out, f"shape{n}-{dtype}")
+                if rc is not None:
+                    print(f"- Random shape {n}, {dtype}: {why_missing(rc)}.")
                 continue
             counts, margins = {}, {}
             for prompt in report["prompts"]:
