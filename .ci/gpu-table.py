@@ -135,10 +135,12 @@ def main():
                             for name, m in margins.items())
             print(f"- Random shape {n} ({report['layers']} layers, {report['passes']} passes), "
                   f"{dtype}, prompts identical to baseline: {same}{worst}.")
-    check = load(out, "shipped-gpu-vs-cpu.json")
-    if check:
-        print(f"- The shipped model in f32, GPU against CPU greedy text: identical "
-              f"{check['same']}/{check['prompts']}.")
+    for name, what in [("exact", "first prompts, before the exactness part"),
+                       ("shipped", "every prompt")]:
+        check = load(out, f"{name}-gpu-vs-cpu.json")
+        if check:
+            print(f"- The shipped model in f32, GPU against CPU greedy text ({what}): "
+                  f"identical {check['same']}/{check['prompts']}.")
     peer, spex = load(out, "peer-shipped-f32.json"), load(out, "spex-shipped-f32-tokens.json")
     if peer and spex:
         same = "equal" if peer["tokens"] == spex.get("tokens") else "NOT equal"

@@ -1,19 +1,20 @@
 //! The device step backend: candle ops on the model's device and dtype, the GPU path. A
 //! step uploads what its layers need of the rows once ([`DeviceStep`]); each layer then runs
-//! a fixed number of ops whatever the rows and passes (one K/V scatter, one masked attention
-//! for all rows), and copies nothing from the host. Every decode step's matrices have the
-//! same number of rows ([`padded_rows`]), so a row's arithmetic does not depend on the rows
-//! beside it. It also runs on CPU (the tests drive it there), so the code a GPU executes is
+//! a fixed number of ops whatever the rows and passes (one K/V scatter, one
+//! [`decode_attention`] for all rows), and copies nothing from the host. Every decode step's
+//! matrices have the same number of rows ([`padded_rows`]) and the attention reduces each row
+//! over its own span, so a row's arithmetic does not depend on the rows beside it. It also runs on CPU (the tests drive it there), so the code a GPU executes is
 //! exercised here.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use candle_nn::ops::{rms_norm, softmax_last_dim};
+use candle_nn::ops::rms_norm;
 use candle_nn::rotary_emb::rope;
 
 use super::backend::StepBackend;
+use super::decode_attention::{RowSpan, decode_attention, spans_tensor};
 use super::{LayerWeights, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::AttnShape;
@@ -49,7 +50,7 @@ impl DeviceBackend {
 /// their passes.
 ///
 /// A second candidate shares its (pass, position) with a first candidate whose entry stays in
-/// the cache; it attends to its own K/V as an extra column after the spans instead (the host
+/// the cache; it attends to its own K/V as an extra column after its span instead (the host
 /// swaps its entry in around the row; both leave the first's entry in place and the second's
 /// aside), so both run in the same sweep.
 #[derive(Debug)]
@@ -64,11 +65,9 @@ pub struct DeviceStep {
     write_rows: Tensor,
     /// The second candidates' rows, and their (pass, position), in row order.
     seconds: Option<(Tensor, Vec<(Pass, usize)>)>,
-    /// The cache spans the rows attend to: (pass, entries), one per pass present, in order.
-    spans: Vec<(Pass, usize)>,
-    /// `[rows, Σ entries + seconds]`: 0 where a row may attend (its own pass's span up to its
-    /// position; a second candidate: up to the one before, and its own column), −∞ elsewhere.
-    mask: Tensor,
+    /// What each (padded) row attends to, for [`decode_attention`]: its own pass's span up to
+    /// its position (a second candidate: up to the one before, then its own K/V).
+    spans: Tensor,
 }
 
 /// The rows a device step's matrices have: its own, padded with zero rows to 2·R (a window of
@@ -101,7 +100,6 @@ impl DeviceStep {
             .reshape((1, firsts.len(), 1))?
             .broadcast_as((kv_heads, firsts.len(), head_dim))?
             .contiguous()?;
-        let spans = spans(slots);
         let padded = padded_rows(model, slots.len());
         let mut positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
         positions.resize(padded, 0);
@@ -122,67 +120,25 @@ impl DeviceStep {
                 true => None,
                 false => Some((Tensor::new(seconds.as_slice(), device)?, second_slots)),
             },
-            mask: mask(slots, &spans, padded).to_device_dtype(model)?,
-            spans,
+            spans: spans_tensor(&row_spans(slots, capacity, padded), device)?,
         })
     }
 }
 
-/// The cache spans `slots` attend to: (pass, entries), one per pass present, in pass order.
-fn spans(slots: &[RowSlot]) -> Vec<(Pass, usize)> {
-    let mut spans: Vec<(Pass, usize)> = Vec::new();
-    for slot in slots {
-        match spans.iter_mut().find(|(p, _)| *p == slot.pass) {
-            Some((_, len)) => *len = (*len).max(slot.pos + 1),
-            None => spans.push((slot.pass, slot.pos + 1)),
-        }
-    }
-    spans.sort_unstable();
+/// What each row of `slots` attends to, padded with empty rows to `padded`: a first
+/// candidate its pass's entries up to its position (its own just written); a second candidate
+/// those before its position, then its own K/V (row `i` of the step's), in the column its
+/// entry has in the baseline, so the online softmax's chunks fall alike.
+fn row_spans(slots: &[RowSlot], capacity: usize, padded: usize) -> Vec<RowSpan> {
+    let mut spans: Vec<RowSpan> = (slots.iter().enumerate())
+        .map(|(i, slot)| RowSpan {
+            start: slot.pass.index() * capacity,
+            len: slot.pos + usize::from(!slot.second),
+            extra: slot.second.then_some(i),
+        })
+        .collect();
+    spans.resize(padded, RowSpan::EMPTY);
     spans
-}
-
-/// [`DeviceStep::mask`], on the host: `[padded rows, Σ entries + second candidates]`; a padding
-/// row sees the first column, so that its softmax stays finite.
-fn mask(slots: &[RowSlot], spans: &[(Pass, usize)], padded: usize) -> HostMask {
-    let seconds = slots.iter().filter(|s| s.second).count();
-    let entries: usize = spans.iter().map(|(_, len)| len).sum();
-    let columns = entries + seconds;
-    let mut mask = vec![f32::NEG_INFINITY; padded * columns];
-    for row in mask.chunks_exact_mut(columns.max(1)).skip(slots.len()) {
-        row[0] = 0.0;
-    }
-    let mut next_second = entries;
-    for (row, slot) in mask.chunks_exact_mut(columns.max(1)).zip(slots) {
-        let offset: usize = (spans.iter())
-            .take_while(|(pass, _)| *pass != slot.pass)
-            .map(|(_, len)| len)
-            .sum();
-        let visible = if slot.second { slot.pos } else { slot.pos + 1 };
-        row[offset..offset + visible].fill(0.0);
-        if slot.second {
-            row[next_second] = 0.0;
-            next_second += 1;
-        }
-    }
-    HostMask {
-        values: mask,
-        rows: padded,
-        columns,
-    }
-}
-
-/// An attention mask built on the host, uploaded once per step.
-struct HostMask {
-    values: Vec<f32>,
-    rows: usize,
-    columns: usize,
-}
-
-impl HostMask {
-    fn to_device_dtype(&self, model: &LoopedModel) -> Result<Tensor> {
-        let t = Tensor::from_slice(&self.values, (self.rows, self.columns), &model.device)?;
-        Ok(t.to_dtype(model.dtype)?)
-    }
 }
 
 impl StepBackend for DeviceBackend {
@@ -244,11 +200,10 @@ impl StepBackend for DeviceBackend {
         Ok((candle_nn::ops::silu(&gate)? * up)?)
     }
 
-    /// Q/K/V projections, RoPE, one scatter of the first candidates' K/V, then one attention
-    /// for all rows over the spans of the passes present (and the second candidates' own
-    /// entries), the mask keeping each row to its own pass's entries up to its position.
-    /// Grouped-query heads share their K/V head by grouping the queries, so the cache is never
-    /// repeated per head.
+    /// Q/K/V projections, RoPE, one scatter of the first candidates' K/V, then one
+    /// [`decode_attention`] for all rows: each over its own pass's span of the cache (a second
+    /// candidate also over its own K/V), read in place. Grouped-query heads share their K/V
+    /// head in the kernel, so the cache is never repeated per head.
     fn attention(
         &self,
         step: &DeviceStep,
@@ -271,20 +226,11 @@ impl StepBackend for DeviceBackend {
             .reshape((rows, kv_heads, head_dim))?)
         .transpose(0, 1)?
         .contiguous()?;
-        let (keys, values) = write_and_gather(step, layer, (&k, &v), cache)?;
-        let (_, columns, _) = keys.dims3()?;
-        let group = heads / kv_heads;
-        let q = q.reshape((kv_heads, group * rows, head_dim))?;
-        let scale = 1.0 / (head_dim as f64).sqrt();
-        let scores = ((q.matmul(&keys.t()?)? * scale)?)
-            .reshape((kv_heads, group, rows, columns))?
-            .broadcast_add(&step.mask)?;
-        let probs = softmax_last_dim(&scores)?.reshape((kv_heads, group * rows, columns))?;
-        let out = probs.matmul(&values)?; // [kv_heads, group · rows, head_dim]
-        Ok(out
-            .reshape((heads, rows, head_dim))?
-            .transpose(0, 1)?
-            .reshape((rows, heads * head_dim))?)
+        write(step, layer, (&k, &v), cache)?;
+        let store = cache.store();
+        let layer_kv = (&store.keys[layer], &store.values[layer]);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        decode_attention(&q, layer_kv, (&k, &v), &step.spans, scale)
     }
 
     fn readouts(&self, slots: &[RowSlot], h: &Tensor) -> Result<Vec<Option<Vec<f32>>>> {
@@ -315,15 +261,14 @@ impl StepBackend for DeviceBackend {
     }
 }
 
-/// Writes the first candidates' K/V (`[kv_heads, rows, head_dim]`) into the cache and the
-/// second candidates' aside, and returns what the rows attend to: the spans, then the second
-/// candidates' own entries.
-fn write_and_gather(
+/// Writes the first candidates' K/V (`[kv_heads, rows, head_dim]`) into the cache and sets
+/// the second candidates' aside (the attention reads theirs from the step's own K/V).
+fn write(
     step: &DeviceStep,
     layer: usize,
     (k, v): (&Tensor, &Tensor),
     cache: &mut KvCache<DeviceKv>,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<()> {
     let select = |t: &Tensor, rows: &Option<Tensor>| -> Result<Tensor> {
         Ok(match rows {
             Some(rows) => t.index_select(rows, 1)?,
@@ -333,9 +278,8 @@ fn write_and_gather(
     let store = cache.store_mut();
     let (k_first, v_first) = (select(k, &step.firsts)?, select(v, &step.firsts)?);
     store.write_rows(layer, &step.write_rows, &k_first, &v_first)?;
-    let (keys, values) = store.spans(layer, &step.spans)?;
     let Some((rows, slots)) = &step.seconds else {
-        return Ok((keys, values));
+        return Ok(());
     };
     let (k_second, v_second) = (k.index_select(rows, 1)?, v.index_select(rows, 1)?);
     for (n, &(pass, pos)) in slots.iter().enumerate() {
@@ -343,10 +287,7 @@ fn write_and_gather(
         (cache.store_mut()).set_aside(layer, pass, pos, entry(&k_second)?, entry(&v_second)?);
         cache.note_second(pass, pos);
     }
-    Ok((
-        Tensor::cat(&[&keys, &k_second], 1)?,
-        Tensor::cat(&[&values, &v_second], 1)?,
-    ))
+    Ok(())
 }
 
 /// `[rows, heads · head_dim]` → `[heads, rows, head_dim]`, each row rotated at its own
@@ -401,23 +342,6 @@ impl DeviceKv {
     /// `pass`, `pos`): where [`KvStore::swap_aside`] around its row would leave it.
     fn set_aside(&mut self, layer: usize, pass: Pass, pos: usize, k: Tensor, v: Tensor) {
         self.aside.insert((layer, pass, pos), (k, v));
-    }
-
-    /// The entries of `spans` in `layer`, each `[kv_heads, Σ entries, head_dim]`, copied side
-    /// by side. One span is copied too: candle's CPU matmul packs a strided view's whole
-    /// storage (the bf16 baseline ran at 42 instead of 74 tok/s on a view), and on a GPU the
-    /// copy is one launch and the entries' bytes, small beside a layer's weights.
-    fn spans(&self, layer: usize, spans: &[(Pass, usize)]) -> Result<(Tensor, Tensor)> {
-        let gather = |t: &Tensor| -> Result<Tensor> {
-            let parts = (spans.iter())
-                .map(|&(pass, len)| t.narrow(1, pass.index() * self.capacity, len))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            Ok(match parts.as_slice() {
-                [one] => one.contiguous()?,
-                _ => Tensor::cat(&parts, 1)?,
-            })
-        };
-        Ok((gather(&self.keys[layer])?, gather(&self.values[layer])?))
     }
 }
 

@@ -7,6 +7,7 @@
 //! forward used for training and as the tests' unbatched reference.
 
 pub mod backend;
+pub mod decode_attention;
 pub mod device;
 mod half_head;
 pub mod host;
