@@ -1,12 +1,12 @@
-//! Build script: with the `cuda` feature, compiles the decode-attention kernel
-//! (src/engine/model/decode_attention/kernel.cu) to PTX for `CUDA_COMPUTE_CAP` (default 90: H100,
+//! Build script: with the `cuda` feature, compiles the device step's kernels
+//! (src/engine/model/device_ops/kernels.cu) to PTX for `CUDA_COMPUTE_CAP` (default 90: H100,
 //! H200) with the nvcc that candle's kernels are built with (`NVCC`, `CUDA_HOME/bin` or
 //! PATH; `.ci/cuda-env` sets them up). Without the feature it does nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNEL: &str = "src/engine/model/decode_attention/kernel.cu";
+const KERNEL: &str = "src/engine/model/device_ops/kernels.cu";
 
 fn main() {
     println!("cargo:rerun-if-changed={KERNEL}");
@@ -25,7 +25,7 @@ fn main() {
         path.exists().then(|| path.display().to_string())
     });
     let nvcc = nvcc.unwrap_or_else(|| "nvcc".into());
-    let ptx = out.join("decode_attention.ptx");
+    let ptx = out.join("device_ops.ptx");
     let status = Command::new(&nvcc)
         .args(["--ptx", "-O3", "-std=c++17"])
         .arg(format!("-arch=compute_{cap}"))

@@ -71,13 +71,7 @@ fn check(loaded: &LoadedModel, label: &str) {
 
 #[test]
 fn speculative_equals_baseline_on_a_cuda_gpu() {
-    let device = match Device::new_cuda(0) {
-        Ok(device) => device,
-        Err(e) => {
-            eprintln!("no CUDA device ({e}): nothing checked");
-            return;
-        }
-    };
+    let Some(device) = cuda_device() else { return };
     for dtype in [DType::F32, DType::BF16] {
         for (variant, seed) in [(Variant::Tied, 7), (Variant::Untied, 8), (Variant::Gqa, 9)] {
             let dir = tempfile::TempDir::new().expect("temp dir");
@@ -88,29 +82,61 @@ fn speculative_equals_baseline_on_a_cuda_gpu() {
     }
 }
 
-/// The decode-attention kernel against its CPU implementation on the same inputs: a span that
-/// crosses a chunk, grouped heads, a second candidate's extra column and a padding row, in
-/// every dtype (f32 to within its rounding, bf16 and f16 to within theirs).
-#[test]
-fn decode_attention_kernel_matches_the_cpu() {
-    use spex::engine::model::decode_attention::{RowSpan, decode_attention, spans_tensor};
-    let gpu = match Device::new_cuda(0) {
-        Ok(device) => device,
+/// The GPU, or `None` (said on stderr) where there is none.
+fn cuda_device() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(device) => Some(device),
         Err(e) => {
             eprintln!("no CUDA device ({e}): nothing checked");
-            return;
+            None
         }
+    }
+}
+
+/// A kernel's output against its CPU twin's: equal to within one rounding of `dtype` (both
+/// compute in f32 and round once, so a value near a midpoint may round either way).
+fn assert_close(what: &str, dtype: DType, want: &Tensor, got: &Tensor) {
+    let flat = |t: &Tensor| -> Vec<f32> {
+        (t.to_dtype(DType::F32).and_then(|t| t.flatten_all()))
+            .and_then(|t| t.to_device(&Device::Cpu))
+            .and_then(|t| t.to_vec1())
+            .expect("readable")
     };
+    let relative = match dtype {
+        DType::BF16 => 1.0 / 128.0,
+        DType::F16 => 1.0 / 1024.0,
+        _ => 1e-5,
+    };
+    let (want, got) = (flat(want), flat(got));
+    assert_eq!(want.len(), got.len(), "{what} {dtype:?}: sizes");
+    for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+        let bound = 1e-5 + relative * a.abs();
+        assert!(
+            (a - b).abs() <= bound,
+            "{what} {dtype:?}: element {i} is {b} on the GPU, {a} on the CPU"
+        );
+    }
+}
+
+/// Each device op's kernel against its CPU twin on the same inputs, in every dtype. Attention:
+/// a span that crosses a chunk, grouped heads, a second candidate's extra column and a
+/// padding row (zeros).
+#[test]
+fn device_op_kernels_match_their_cpu_twins() {
+    use spex::engine::model::device_ops::{
+        NO_ROW, RowSpan, decode_attention, rope_split, silu_mul, spans_tensor, write_rows,
+    };
+    let Some(gpu) = cuda_device() else { return };
     let (heads, kv_heads, head_dim, capacity, rows) = (8, 2, 128, 1500, 4);
-    let randn = |shape: (usize, usize, usize)| Tensor::randn(0f32, 1.0, shape, &Device::Cpu);
-    let q = randn((heads, rows, head_dim)).expect("q");
-    let cache = (randn((kv_heads, 2 * capacity, head_dim)).expect("keys"))
-        .broadcast_mul(&Tensor::new(0.5f32, &Device::Cpu).expect("scalar"))
-        .expect("scaled");
-    let values = randn((kv_heads, 2 * capacity, head_dim)).expect("values");
+    let randn = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &Device::Cpu).expect("randn");
+    let q = randn(&[heads, rows, head_dim]);
+    let (keys, values) = (
+        randn(&[kv_heads, 2 * capacity, head_dim]),
+        randn(&[kv_heads, 2 * capacity, head_dim]),
+    );
     let (k_step, v_step) = (
-        randn((kv_heads, rows, head_dim)).expect("k"),
-        randn((kv_heads, rows, head_dim)).expect("v"),
+        randn(&[kv_heads, rows, head_dim]),
+        randn(&[kv_heads, rows, head_dim]),
     );
     let spans = [
         RowSpan {
@@ -130,34 +156,63 @@ fn decode_attention_kernel_matches_the_cpu() {
         },
         RowSpan::EMPTY,
     ];
-    for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 0.02), (DType::F16, 4e-3)] {
-        let run = |device: &Device| -> Vec<Vec<f32>> {
-            let on = |t: &Tensor| {
-                t.to_dtype(dtype)
-                    .and_then(|t| t.to_device(device))
-                    .expect("operand")
-            };
-            let spans = spans_tensor(&spans, device).expect("spans");
+    let (q_lin, k_lin, v_lin) = (
+        randn(&[rows, heads * head_dim]),
+        randn(&[rows, kv_heads * head_dim]),
+        randn(&[rows, kv_heads * head_dim]),
+    );
+    let angles = randn(&[rows, head_dim / 2]);
+    let (cos, sin) = (angles.cos().expect("cos"), angles.sin().expect("sin"));
+    let (gate, up) = (randn(&[rows, 512]), randn(&[rows, 512]));
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let on = |t: &Tensor, device: &Device| {
+            t.to_dtype(dtype)
+                .and_then(|t| t.to_device(device))
+                .expect("operand")
+        };
+        let attention = |d: &Device| {
+            let spans = spans_tensor(&spans, d).expect("spans");
+            let scale = 1.0 / (head_dim as f32).sqrt();
             decode_attention(
-                &on(&q),
-                (&on(&cache), &on(&values)),
-                (&on(&k_step), &on(&v_step)),
+                &on(&q, d),
+                (&on(&keys, d), &on(&values, d)),
+                (&on(&k_step, d), &on(&v_step, d)),
                 &spans,
-                1.0 / (head_dim as f32).sqrt(),
+                scale,
             )
-            .and_then(|t| Ok(t.to_dtype(DType::F32)?.to_vec2::<f32>()?))
             .expect("decode attention")
         };
-        let (want, got) = (run(&Device::Cpu), run(&gpu));
-        let worst = (want.iter().flatten().zip(got.iter().flatten()))
-            .fold(0f32, |w, (a, b)| w.max((a - b).abs()));
+        let got = attention(&gpu);
+        assert_close("decode attention", dtype, &attention(&Device::Cpu), &got);
+        let padding = got
+            .narrow(0, 3, 1)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("row 3");
         assert!(
-            worst <= tolerance,
-            "{dtype:?}: the kernel differs from the CPU by {worst}"
-        );
-        assert!(
-            got[3].iter().all(|&x| x == 0.0),
+            padding.iter().all(|&x| x == 0.0),
             "{dtype:?}: a padding row is zeros"
         );
+        let split = |d: &Device| {
+            rope_split(
+                &on(&q_lin, d),
+                &on(&k_lin, d),
+                &on(&v_lin, d),
+                &on(&cos, d),
+                &on(&sin, d),
+            )
+            .expect("rope split")
+        };
+        assert_close("rope split", dtype, &split(&Device::Cpu), &split(&gpu));
+        let silu = |d: &Device| silu_mul(&on(&gate, d), &on(&up, d)).expect("silu mul");
+        assert_close("silu mul", dtype, &silu(&Device::Cpu), &silu(&gpu));
+        let written = |d: &Device| {
+            let cache = on(&keys, d);
+            let to = Tensor::new(&[5u32, NO_ROW, 2 * capacity as u32 - 1, 0], d).expect("to");
+            write_rows(&cache, &on(&k_step, d), &to).expect("write rows");
+            cache
+        };
+        assert_close("write rows", dtype, &written(&Device::Cpu), &written(&gpu));
     }
 }

@@ -1,20 +1,23 @@
-//! The device step backend: candle ops on the model's device and dtype, the GPU path. A
-//! step uploads what its layers need of the rows once ([`DeviceStep`]); each layer then runs
-//! a fixed number of ops whatever the rows and passes (one K/V scatter, one
-//! [`decode_attention`] for all rows), and copies nothing from the host. Every decode step's
-//! matrices have the same number of rows ([`padded_rows`]) and the attention reduces each row
-//! over its own span, so a row's arithmetic does not depend on the rows beside it. It also runs on CPU (the tests drive it there), so the code a GPU executes is
-//! exercised here.
+//! The device step backend: candle ops on the model's device and dtype, the GPU path, with
+//! spex's own ops ([`super::device_ops`]) where candle's would take several launches or sum a
+//! row beside others. A step uploads what its layers need of the rows once ([`DeviceStep`]);
+//! each layer then runs a fixed number of ops whatever the rows and passes (one RoPE split,
+//! one write of every row's K and V, one [`decode_attention`] for all rows), and copies
+//! nothing from the host. Every decode step's matrices have the same number of rows
+//! ([`padded_rows`]) and the attention reduces each row over its own span, so a row's
+//! arithmetic does not depend on the rows beside it. It also runs on the CPU (the tests drive
+//! it there), so the code a GPU executes is exercised here.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use candle_nn::ops::rms_norm;
-use candle_nn::rotary_emb::rope;
 
 use super::backend::StepBackend;
-use super::decode_attention::{RowSpan, decode_attention, spans_tensor};
+use super::device_ops::{
+    NO_ROW, RowSpan, decode_attention, rope_split, silu_mul, spans_tensor, write_rows,
+};
 use super::{LayerWeights, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::AttnShape;
@@ -58,11 +61,10 @@ pub struct DeviceStep {
     /// RoPE's cos and sin at each row's position, `[rows, head_dim / 2]`.
     cos: Tensor,
     sin: Tensor,
-    /// The first candidates' rows, `None` when every row is one.
-    firsts: Option<Tensor>,
-    /// Each first candidate's cache row (pass · capacity + position), repeated over
-    /// `[kv_heads, firsts, head_dim]` for one scatter of their K/V.
-    write_rows: Tensor,
+    /// Each row's cache row (pass · capacity + position), `[padded rows]` u32; [`NO_ROW`] for
+    /// second candidates (their entries are set aside) and padding rows: one write of every
+    /// row's K/V, the same shape in every step.
+    write_to: Tensor,
     /// The second candidates' rows, and their (pass, position), in row order.
     seconds: Option<(Tensor, Vec<(Pass, usize)>)>,
     /// What each (padded) row attends to, for [`decode_attention`]: its own pass's span up to
@@ -85,37 +87,27 @@ fn padded_rows(model: &LoopedModel, rows: usize) -> usize {
 impl DeviceStep {
     fn new(model: &LoopedModel, slots: &[RowSlot], capacity: usize) -> Result<Self> {
         let device = &model.device;
-        let (kv_heads, head_dim) = (model.config.num_key_value_heads, model.config.head_dim);
-        let indices = |f: &dyn Fn(&RowSlot) -> bool| -> Vec<u32> {
-            (0..slots.len() as u32)
-                .filter(|&i| f(&slots[i as usize]))
-                .collect()
-        };
-        let (firsts, seconds) = (indices(&|s| !s.second), indices(&|s| s.second));
-        let cache_rows: Vec<u32> = (firsts.iter())
-            .map(|&i| slots[i as usize])
-            .map(|s| (s.pass.index() * capacity + s.pos) as u32)
-            .collect();
-        let write_rows = Tensor::new(cache_rows.as_slice(), device)?
-            .reshape((1, firsts.len(), 1))?
-            .broadcast_as((kv_heads, firsts.len(), head_dim))?
-            .contiguous()?;
         let padded = padded_rows(model, slots.len());
+        let mut write_to: Vec<u32> = (slots.iter())
+            .map(|s| match s.second {
+                true => NO_ROW,
+                false => (s.pass.index() * capacity + s.pos) as u32,
+            })
+            .collect();
+        write_to.resize(padded, NO_ROW);
         let mut positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
         positions.resize(padded, 0);
         let positions = Tensor::new(positions.as_slice(), device)?;
+        let seconds: Vec<u32> = (0..slots.len() as u32)
+            .filter(|&i| slots[i as usize].second)
+            .collect();
         let second_slots = (seconds.iter())
             .map(|&i| (slots[i as usize].pass, slots[i as usize].pos))
             .collect();
         Ok(Self {
             cos: model.rope.cos_t.index_select(&positions, 0)?,
             sin: model.rope.sin_t.index_select(&positions, 0)?,
-            // Padding rows write nothing: only the firsts' K/V are scattered.
-            firsts: match seconds.is_empty() && padded == slots.len() {
-                true => None,
-                false => Some(Tensor::new(firsts.as_slice(), device)?),
-            },
-            write_rows,
+            write_to: Tensor::new(write_to.as_slice(), device)?,
             seconds: match seconds.is_empty() {
                 true => None,
                 false => Some((Tensor::new(seconds.as_slice(), device)?, second_slots)),
@@ -197,11 +189,11 @@ impl StepBackend for DeviceBackend {
     }
 
     fn silu_mul(&self, gate: Tensor, up: &Tensor) -> Result<Tensor> {
-        Ok((candle_nn::ops::silu(&gate)? * up)?)
+        silu_mul(&gate, up)
     }
 
-    /// Q/K/V projections, RoPE, one scatter of the first candidates' K/V, then one
-    /// [`decode_attention`] for all rows: each over its own pass's span of the cache (a second
+    /// Q/K/V projections, one [`rope_split`], one write of the first candidates' K and V,
+    /// then one [`decode_attention`] for all rows: each over its own pass's span of the cache (a second
     /// candidate also over its own K/V), read in place. Grouped-query heads share their K/V
     /// head in the kernel, so the cache is never repeated per head.
     fn attention(
@@ -218,14 +210,11 @@ impl StepBackend for DeviceBackend {
             kv_heads,
             head_dim,
         } = self.model.attn_shape();
-        let (rows, _) = a.dims2()?;
-        let q = rotate(&self.linear(a, &w.q_proj)?, heads, head_dim, step)?;
-        let k = rotate(&self.linear(a, &w.k_proj)?, kv_heads, head_dim, step)?;
-        let v = (self
-            .linear(a, &w.v_proj)?
-            .reshape((rows, kv_heads, head_dim))?)
-        .transpose(0, 1)?
-        .contiguous()?;
+        let projections = [&w.q_proj, &w.k_proj, &w.v_proj].map(|w| self.linear(a, w));
+        let [q, k, v] = projections;
+        let qkv = rope_split(&q?, &k?, &v?, &step.cos, &step.sin)?;
+        let (q, k) = (qkv.narrow(0, 0, heads)?, qkv.narrow(0, heads, kv_heads)?);
+        let v = qkv.narrow(0, heads + kv_heads, kv_heads)?;
         write(step, layer, (&k, &v), cache)?;
         let store = cache.store();
         let layer_kv = (&store.keys[layer], &store.values[layer]);
@@ -261,23 +250,18 @@ impl StepBackend for DeviceBackend {
     }
 }
 
-/// Writes the first candidates' K/V (`[kv_heads, rows, head_dim]`) into the cache and sets
-/// the second candidates' aside (the attention reads theirs from the step's own K/V).
+/// Writes the first candidates' K/V (`[kv_heads, rows, head_dim]`) into the cache, one write
+/// each for all rows, and sets the second candidates' aside (the attention reads theirs from
+/// the step's own K/V).
 fn write(
     step: &DeviceStep,
     layer: usize,
     (k, v): (&Tensor, &Tensor),
     cache: &mut KvCache<DeviceKv>,
 ) -> Result<()> {
-    let select = |t: &Tensor, rows: &Option<Tensor>| -> Result<Tensor> {
-        Ok(match rows {
-            Some(rows) => t.index_select(rows, 1)?,
-            None => t.clone(),
-        })
-    };
-    let store = cache.store_mut();
-    let (k_first, v_first) = (select(k, &step.firsts)?, select(v, &step.firsts)?);
-    store.write_rows(layer, &step.write_rows, &k_first, &v_first)?;
+    let store = cache.store();
+    write_rows(&store.keys[layer], k, &step.write_to)?;
+    write_rows(&store.values[layer], v, &step.write_to)?;
     let Some((rows, slots)) = &step.seconds else {
         return Ok(());
     };
@@ -288,17 +272,6 @@ fn write(
         cache.note_second(pass, pos);
     }
     Ok(())
-}
-
-/// `[rows, heads · head_dim]` → `[heads, rows, head_dim]`, each row rotated at its own
-/// position (`step`'s RoPE rows).
-fn rotate(x: &Tensor, heads: usize, head_dim: usize, step: &DeviceStep) -> Result<Tensor> {
-    let (rows, _) = x.dims2()?;
-    let x = x
-        .reshape((1, rows, heads, head_dim))?
-        .transpose(1, 2)?
-        .contiguous()?;
-    Ok(rope(&x, &step.cos, &step.sin)?.reshape((heads, rows, head_dim))?)
 }
 
 /// Device K/V buffers, one `[kv_heads, passes · capacity, head_dim]` tensor pair per layer
@@ -328,14 +301,6 @@ impl DeviceKv {
             values: (0..layers).map(zeros).collect::<candle_core::Result<_>>()?,
             aside: HashMap::new(),
         })
-    }
-
-    /// Writes every row's K/V (`[kv_heads, rows, head_dim]`) at its cache row (`rows`, a
-    /// [`DeviceStep`]'s write indices): one scatter each.
-    fn write_rows(&mut self, layer: usize, rows: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
-        self.keys[layer].scatter_set(rows, k, 1)?;
-        self.values[layer].scatter_set(rows, v, 1)?;
-        Ok(())
     }
 
     /// Sets a second candidate's entry (`[kv_heads, 1, head_dim]` each) aside at (`layer`,

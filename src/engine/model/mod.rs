@@ -7,8 +7,8 @@
 //! forward used for training and as the tests' unbatched reference.
 
 pub mod backend;
-pub mod decode_attention;
 pub mod device;
+pub mod device_ops;
 mod half_head;
 pub mod host;
 mod host_buffers;

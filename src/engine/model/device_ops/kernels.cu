@@ -1,7 +1,10 @@
-// Decode attention over the stacked per-pass KV cache: one launch per layer for every row of a
-// device step, each (row, head) reduced over its own pass's span from column 0 in a fixed
-// order. Compiled to PTX by build.rs (feature `cuda`) and launched by cuda.rs beside it,
-// while cpu.rs is the same algorithm in Rust.
+// spex's device-step kernels, compiled to PTX by build.rs (feature `cuda`) and launched by
+// cuda.rs beside it; attention.rs and elementwise.rs hold each one's CPU twin, the same
+// algorithm in Rust. Every kernel computes in f32 and rounds once, and every output element
+// depends on its own row's inputs alone (batch invariance, speculation.md "Exact first").
+//
+// decode_attention: one launch per layer for every row of a device step, each (row, head)
+// reduced over its own pass's span from column 0 in a fixed order.
 //
 // Why one kernel: candle's composed attention (gather the spans, Q·Kᵀ, scale, mask, softmax,
 // P·V) is about ten launches per layer, and it sums a row's scores over the spans of every
@@ -20,8 +23,13 @@
 // Grid (rows, heads), THREADS threads. The softmax is online over CHUNK columns at a time,
 // chunks counted from the span's column 0, so a row's sums never depend on its span's place.
 
+// Without nvcc (tests/kernels_on_the_host.rs compiles this file as C++ with
+// tests/kernels_host/shim.h, which defines the few CUDA names used here) the CUDA headers are
+// not read.
+#ifdef __CUDACC__
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 #include <stdint.h>
 
 #define THREADS 128
@@ -147,3 +155,90 @@ __device__ void decode_attention(const T *__restrict__ q, const T *__restrict__ 
 DECODE_ATTENTION(decode_attention_f32, float)
 DECODE_ATTENTION(decode_attention_bf16, __nv_bfloat16)
 DECODE_ATTENTION(decode_attention_f16, __half)
+
+// RoPE and the head-major split of a step's projections (was a copy and a rope for each of Q
+// and K, and a copy for V): q [rows, heads * head_dim], k and v [rows, kv_heads * head_dim],
+// cos and sin [rows, head_dim / 2] -> out [heads + 2 * kv_heads, rows, head_dim]: Q rotated,
+// K rotated, V as it is. One thread per (head, row, pair of a head's halves).
+template <typename T>
+__device__ void rope_split(const T *__restrict__ q, const T *__restrict__ k,
+                           const T *__restrict__ v, const T *__restrict__ cos,
+                           const T *__restrict__ sin, T *__restrict__ out, int rows, int heads,
+                           int kv_heads, int head_dim) {
+  const int half = head_dim / 2;
+  const size_t n = (size_t)(heads + 2 * kv_heads) * rows * half;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x) {
+    const int d = (int)(i % half);
+    const int row = (int)((i / half) % rows);
+    const int h = (int)(i / ((size_t)half * rows));
+    const T *src = q;
+    int width = heads, head = h;
+    if (h >= heads + kv_heads) {
+      src = v, width = kv_heads, head = h - heads - kv_heads;
+    } else if (h >= heads) {
+      src = k, width = kv_heads, head = h - heads;
+    }
+    const T *x = src + ((size_t)row * width + head) * head_dim;
+    T *o = out + ((size_t)h * rows + row) * head_dim;
+    if (h >= heads + kv_heads) {
+      o[d] = x[d];
+      o[d + half] = x[d + half];
+      continue;
+    }
+    const float x1 = to_f32(x[d]), x2 = to_f32(x[d + half]);
+    const float c = to_f32(cos[(size_t)row * half + d]), s = to_f32(sin[(size_t)row * half + d]);
+    o[d] = from_f32<T>(x1 * c - x2 * s);
+    o[d + half] = from_f32<T>(x1 * s + x2 * c);
+  }
+}
+
+// A step's K or V rows into the layer's cache: src [kv_heads, rows, head_dim] row r to cache
+// [kv_heads, cache_rows, head_dim] row to[r]; NO_ROW (a second candidate's, or padding) and
+// rows past the cache are not written.
+template <typename T>
+__device__ void write_rows(T *__restrict__ cache, const T *__restrict__ src,
+                           const uint32_t *__restrict__ to, int rows, int kv_heads,
+                           int cache_rows, int head_dim) {
+  const size_t n = (size_t)kv_heads * rows * head_dim;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x) {
+    const int d = (int)(i % head_dim);
+    const int row = (int)((i / head_dim) % rows);
+    const int h = (int)(i / ((size_t)head_dim * rows));
+    const uint32_t at = to[row];
+    if (at == NO_EXTRA || at >= (uint32_t)cache_rows) continue;
+    cache[((size_t)h * cache_rows + at) * head_dim + d] = src[i];
+  }
+}
+
+// SiLU(gate) * up, elementwise (was two launches).
+template <typename T>
+__device__ void silu_mul(const T *__restrict__ gate, const T *__restrict__ up,
+                         T *__restrict__ out, unsigned long long n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x) {
+    const float g = to_f32(gate[i]);
+    out[i] = from_f32<T>(g / (1.0f + expf(-g)) * to_f32(up[i]));
+  }
+}
+
+#define ELEMENTWISE(T, SUFFIX)                                                                   \
+  extern "C" __global__ void rope_split_##SUFFIX(const T *q, const T *k, const T *v,           \
+                                                  const T *cos, const T *sin, T *out, int rows, \
+                                                  int heads, int kv_heads, int head_dim) {     \
+    rope_split<T>(q, k, v, cos, sin, out, rows, heads, kv_heads, head_dim);                     \
+  }                                                                                              \
+  extern "C" __global__ void write_rows_##SUFFIX(T *cache, const T *src, const uint32_t *to,   \
+                                                  int rows, int kv_heads, int cache_rows,        \
+                                                  int head_dim) {                                \
+    write_rows<T>(cache, src, to, rows, kv_heads, cache_rows, head_dim);                        \
+  }                                                                                              \
+  extern "C" __global__ void silu_mul_##SUFFIX(const T *gate, const T *up, T *out,             \
+                                                unsigned long long n) {                          \
+    silu_mul<T>(gate, up, out, n);                                                               \
+  }
+
+ELEMENTWISE(float, f32)
+ELEMENTWISE(__nv_bfloat16, bf16)
+ELEMENTWISE(__half, f16)

@@ -1,8 +1,8 @@
 //! Decode attention over the stacked per-pass KV cache, as one candle op: every row of a device
 //! step attends to its own pass's span of the layer's cache (and, for a second candidate, to
-//! its own K/V as one column after it) in a single launch. The device backend
-//! ([`super::device`]) calls [`decode_attention`] once per layer; on CUDA it runs
-//! `kernel.cu`, elsewhere [`DecodeAttention::cpu_fwd`], the same algorithm.
+//! its own K/V as one column after it) in a single launch. The device backend calls
+//! [`decode_attention`] once per layer; on CUDA it runs `decode_attention` in `kernels.cu`,
+//! elsewhere the CPU twin below, the same algorithm.
 //!
 //! Why an op of its own rather than candle's composed ops (gather the spans, Q·Kᵀ, mask,
 //! softmax, P·V):
@@ -14,17 +14,19 @@
 //! - **Launches.** One launch replaces about ten per layer, and the spans are read in place.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Storage, Tensor};
-use half::{bf16, f16};
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor};
 
+use super::{Elem, by_dtype, cpu_slice};
 use crate::engine::error::Result;
+
+const OP: &str = "decode attention";
 
 /// Columns per chunk of the online softmax (the kernel's shared-memory score buffer).
 pub const CHUNK: usize = 1024;
 /// The widest head the kernel takes (its per-thread accumulators).
 pub const MAX_HEAD_DIM: usize = 256;
 /// [`RowSpan::extra`]'s encoding of "none" in the metadata tensor.
-const NO_EXTRA: u32 = u32::MAX;
+pub(super) const NO_EXTRA: u32 = u32::MAX;
 
 /// What one row of a step attends to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,38 +84,27 @@ pub fn decode_attention(
 }
 
 /// The op: the operands beyond candle's three (q, keys, values) ride along as tensors.
-struct DecodeAttention {
-    k_step: Tensor,
-    v_step: Tensor,
-    spans: Tensor,
-    scale: f32,
+pub(super) struct DecodeAttention {
+    pub(super) k_step: Tensor,
+    pub(super) v_step: Tensor,
+    pub(super) spans: Tensor,
+    pub(super) scale: f32,
 }
 
 /// The sizes of one call, checked against every operand's layout.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    rows: usize,
-    heads: usize,
-    kv_heads: usize,
-    cache_rows: usize,
-    head_dim: usize,
+pub(super) struct Dims {
+    pub(super) rows: usize,
+    pub(super) heads: usize,
+    pub(super) kv_heads: usize,
+    pub(super) cache_rows: usize,
+    pub(super) head_dim: usize,
 }
 
 impl Dims {
     fn out_shape(&self) -> Shape {
         Shape::from((self.rows, self.heads * self.head_dim))
     }
-}
-
-fn bail(message: String) -> candle_core::Error {
-    candle_core::Error::Msg(format!("decode attention: {message}"))
-}
-
-/// The contiguous range of `layout` in its storage.
-fn range(layout: &Layout, what: &str) -> candle_core::Result<std::ops::Range<usize>> {
-    let (start, end) =
-        (layout.contiguous_offsets()).ok_or_else(|| bail(format!("{what} is not contiguous")))?;
-    Ok(start..end)
 }
 
 impl DecodeAttention {
@@ -138,15 +129,18 @@ impl DecodeAttention {
             && head_dim <= MAX_HEAD_DIM;
         match ok {
             true => Ok(dims),
-            false => Err(bail(format!(
-                "shapes q {:?}, keys {:?}, values {:?}, k_step {:?}, v_step {:?}, spans {:?} do not fit",
-                q.dims(),
-                keys.dims(),
-                values.dims(),
-                self.k_step.dims(),
-                self.v_step.dims(),
-                self.spans.dims()
-            ))),
+            false => Err(super::bail(
+                OP,
+                format!(
+                    "shapes q {:?}, keys {:?}, values {:?}, k_step {:?}, v_step {:?}, spans {:?} do not fit",
+                    q.dims(),
+                    keys.dims(),
+                    values.dims(),
+                    self.k_step.dims(),
+                    self.v_step.dims(),
+                    self.spans.dims()
+                ),
+            )),
         }
     }
 }
@@ -172,17 +166,20 @@ impl CustomOp3 for DecodeAttention {
         let (Storage::Cpu(spans), Storage::Cpu(k_step), Storage::Cpu(v_step)) =
             (&*spans, &*k_step, &*v_step)
         else {
-            return Err(bail("the step's operands are not on the CPU".into()));
+            return Err(super::bail(OP, "the step's operands are not on the CPU"));
         };
-        let spans = &spans.as_slice::<u32>()?[range(ls, "spans")?];
-        let storages = [(q, lq, "q"), (keys, lk, "keys"), (values, lv, "values")];
-        let steps = [(k_step, lks, "k_step"), (v_step, lvs, "v_step")];
-        let out = match q.dtype() {
-            DType::F32 => cpu::run::<f32>(self, dims, spans, storages, steps)?,
-            DType::BF16 => cpu::run::<bf16>(self, dims, spans, storages, steps)?,
-            DType::F16 => cpu::run::<f16>(self, dims, spans, storages, steps)?,
-            dtype => return Err(bail(format!("{dtype:?} is not supported"))),
-        };
+        let spans = cpu_slice::<u32>(OP, (spans, ls), "spans")?;
+        let out = by_dtype!(OP, q.dtype(), |T| {
+            let operand = |s, l, what| cpu_slice::<T>(OP, (s, l), what);
+            let inputs = Inputs {
+                q: operand(q, lq, "q")?,
+                keys: operand(keys, lk, "keys")?,
+                values: operand(values, lv, "values")?,
+                k_step: operand(k_step, lks, "k_step")?,
+                v_step: operand(v_step, lvs, "v_step")?,
+            };
+            run(self.scale, dims, spans, inputs)
+        })?;
         Ok((out, dims.out_shape()))
     }
 
@@ -198,18 +195,110 @@ impl CustomOp3 for DecodeAttention {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let dims = self.dims(lq, lk, lv)?;
         let operands = [(q, lq), (keys, lk), (values, lv)];
-        let out = match q.dtype() {
-            DType::F32 => cuda::run::<f32>(self, dims, operands, "decode_attention_f32")?,
-            DType::BF16 => cuda::run::<bf16>(self, dims, operands, "decode_attention_bf16")?,
-            DType::F16 => cuda::run::<f16>(self, dims, operands, "decode_attention_f16")?,
-            dtype => return Err(bail(format!("{dtype:?} is not supported"))),
-        };
+        let out = by_dtype!(OP, q.dtype(), |T| {
+            super::cuda::decode_attention::<T>(self, dims, operands)
+        })?;
         Ok((out, dims.out_shape()))
     }
 }
 
-mod cpu;
-#[cfg(feature = "cuda")]
-mod cuda;
-#[cfg(test)]
-mod tests;
+/// The CPU twin's operands, contiguous slices of one element type.
+struct Inputs<'a, T> {
+    q: &'a [T],
+    keys: &'a [T],
+    values: &'a [T],
+    k_step: &'a [T],
+    v_step: &'a [T],
+}
+
+/// The CPU twin of the kernel: one (row, head) at a time.
+fn run<T: Elem>(
+    scale: f32,
+    dims: Dims,
+    spans: &[u32],
+    Inputs {
+        q,
+        keys,
+        values,
+        k_step,
+        v_step,
+    }: Inputs<T>,
+) -> candle_core::Result<CpuStorage> {
+    let Dims {
+        rows,
+        heads,
+        kv_heads,
+        cache_rows,
+        head_dim: hd,
+    } = dims;
+    let mut out = vec![T::of(0.0); rows * heads * hd];
+    for (row, span) in spans.chunks_exact(3).enumerate() {
+        let (start, len, extra) = (span[0] as usize, span[1] as usize, span[2]);
+        if start + len > cache_rows || (extra != NO_EXTRA && extra as usize >= rows) {
+            let message = format!("row {row}'s span {span:?} is outside the cache");
+            return Err(super::bail(OP, message));
+        }
+        for head in 0..heads {
+            let kv = head / (heads / kv_heads);
+            let total = len + usize::from(extra != NO_EXTRA);
+            // A column's entry: the span's in the cache, then the step's extra row.
+            let at = |col: usize| match col < len {
+                true => (true, (kv * cache_rows + start + col) * hd),
+                false => (false, (kv * rows + extra as usize) * hd),
+            };
+            let key = |col: usize| match at(col) {
+                (true, o) => &keys[o..o + hd],
+                (false, o) => &k_step[o..o + hd],
+            };
+            let value = |col: usize| match at(col) {
+                (true, o) => &values[o..o + hd],
+                (false, o) => &v_step[o..o + hd],
+            };
+            let q_row = &q[(head * rows + row) * hd..(head * rows + row + 1) * hd];
+            let o = (row * heads + head) * hd;
+            attend(q_row, total, key, value, scale, &mut out[o..o + hd]);
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+/// One (row, head): an online softmax over chunks of [`CHUNK`] columns from column 0.
+fn attend<'a, T: Elem>(
+    q: &[T],
+    total: usize,
+    key: impl Fn(usize) -> &'a [T],
+    value: impl Fn(usize) -> &'a [T],
+    scale: f32,
+    out: &mut [T],
+) {
+    let q: Vec<f32> = q.iter().map(|&x| x.f32()).collect();
+    let mut acc = vec![0f32; q.len()];
+    let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+    let mut p = Vec::with_capacity(CHUNK);
+    for c0 in (0..total).step_by(CHUNK) {
+        let n = CHUNK.min(total - c0);
+        p.clear();
+        p.extend((c0..c0 + n).map(|col| {
+            let s: f32 = q.iter().zip(key(col)).map(|(a, b)| a * b.f32()).sum();
+            s * scale
+        }));
+        let m_new = p.iter().fold(m, |a, &b| a.max(b));
+        let mut sum = 0f32;
+        for e in p.iter_mut() {
+            *e = (*e - m_new).exp();
+            sum += *e;
+        }
+        let rescale = (m - m_new).exp();
+        l = l * rescale + sum;
+        acc.iter_mut().for_each(|a| *a *= rescale);
+        for (j, &pj) in p.iter().enumerate() {
+            for (a, v) in acc.iter_mut().zip(value(c0 + j)) {
+                *a += pj * v.f32();
+            }
+        }
+        m = m_new;
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = T::of(if total > 0 { a / l } else { 0.0 });
+    }
+}

@@ -1,0 +1,374 @@
+//! The device ops' CUDA kernels (src/engine/model/device_ops/kernels.cu), compiled for the
+//! host with tests/kernels_host/shim.h and run by tests/kernels_host/harness.cpp, against
+//! spex's CPU twins of the same ops on the same inputs, in every dtype; and the attention
+//! kernel's batch invariance, bit for bit. Where no GPU is lent, this is how the kernels' own
+//! code is checked (indices, chunks, reductions, the extra column, padding rows); the GPU run
+//! (`tests/exactness_cuda.rs`) checks the same against the device.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{DType, Device, Tensor};
+use spex::engine::model::device_ops::{
+    CHUNK, NO_ROW, RowSpan, decode_attention, rope_split, silu_mul, spans_tensor, write_rows,
+};
+
+/// The harness, built once per test binary into a temporary folder (`None`: no C++ compiler).
+fn harness() -> Option<PathBuf> {
+    static BUILT: std::sync::OnceLock<Option<(tempfile::TempDir, PathBuf)>> =
+        std::sync::OnceLock::new();
+    let built = BUILT.get_or_init(|| {
+        let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        let exe = dir.path().join("harness");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let status = Command::new(&compiler)
+            .args(["-std=c++20", "-O2", "-pthread", "-I"])
+            .arg(root.join("src/engine/model/device_ops"))
+            .arg("-include")
+            .arg(root.join("tests/kernels_host/shim.h"))
+            .arg(root.join("tests/kernels_host/harness.cpp"))
+            .arg("-o")
+            .arg(&exe)
+            .status();
+        match status {
+            Ok(s) if s.success() => Some((dir, exe)),
+            Ok(s) => panic!("{compiler} could not build the kernel harness ({s})"),
+            Err(e) => {
+                eprintln!("no C++ compiler ({compiler}: {e}): the kernels are not checked here");
+                None
+            }
+        }
+    });
+    built.as_ref().map(|(_, exe)| exe.clone())
+}
+
+/// An operand as the harness reads it.
+enum Operand<'a> {
+    Floats(&'a Tensor),
+    Indices(&'a [u32]),
+}
+
+/// Runs kernel `op` on the host in `dtype` with `sizes`, then `operands`; its output as f32.
+fn on_host(exe: &Path, op: &str, dtype: DType, sizes: &[u32], operands: &[Operand]) -> Vec<f32> {
+    let mut bytes: Vec<u8> = sizes.iter().flat_map(|x| x.to_le_bytes()).collect();
+    for operand in operands {
+        match operand {
+            Operand::Floats(t) => {
+                let v: Vec<f32> = t.flatten_all().and_then(|t| t.to_vec1()).expect("f32");
+                bytes.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            }
+            Operand::Indices(v) => bytes.extend(v.iter().flat_map(|x| x.to_le_bytes())),
+        }
+    }
+    let dir = tempfile::TempDir::new().expect("temp dir");
+    let (input, output) = (dir.path().join("in"), dir.path().join("out"));
+    std::fs::write(&input, bytes).expect("write input");
+    let name = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => "f32",
+    };
+    let out = Command::new(exe)
+        .args([op, name])
+        .arg(&input)
+        .arg(&output)
+        .output()
+        .expect("run the harness");
+    assert!(
+        out.status.success(),
+        "harness {op} {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&output).expect("read output");
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// The CPU twin's result, as f32.
+fn flat(t: &Tensor) -> Vec<f32> {
+    (t.to_dtype(DType::F32).and_then(|t| t.flatten_all()))
+        .and_then(|t| t.to_vec1())
+        .expect("f32")
+}
+
+/// Equal to within one rounding of `dtype`: both compute in f32 and round once, but sum in
+/// different orders, so a value near a midpoint may round either way.
+fn assert_close(what: &str, dtype: DType, twin: &[f32], kernel: &[f32]) {
+    let relative = match dtype {
+        DType::BF16 => 1.0 / 128.0,
+        DType::F16 => 1.0 / 1024.0,
+        _ => 1e-5,
+    };
+    assert_eq!(twin.len(), kernel.len(), "{what} {dtype:?}: sizes");
+    for (i, (a, b)) in twin.iter().zip(kernel).enumerate() {
+        let bound = 1e-5 + relative * a.abs();
+        assert!(
+            (a - b).abs() <= bound,
+            "{what} {dtype:?}: element {i}: kernel {b}, CPU twin {a}"
+        );
+    }
+}
+
+const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+fn randn(shape: &[usize]) -> Tensor {
+    Tensor::randn(0f32, 1.0, shape, &Device::Cpu).expect("randn")
+}
+
+/// Inputs are rounded to `dtype` first, so the kernel and the twin read the same values.
+fn rounded(t: &Tensor, dtype: DType) -> Tensor {
+    t.to_dtype(dtype)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .expect("rounded")
+}
+
+fn cast(t: &Tensor, dtype: DType) -> Tensor {
+    t.to_dtype(dtype).expect("cast")
+}
+
+/// One attention call: q `[heads, rows, dim]` over a cache of two passes' spans.
+struct Attention {
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    k_step: Tensor,
+    v_step: Tensor,
+    spans: Vec<RowSpan>,
+}
+
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const DIM: usize = 32;
+const CAPACITY: usize = 1200;
+
+impl Attention {
+    fn new(dtype: DType) -> Self {
+        let rows = 4;
+        let r = |shape: &[usize]| rounded(&randn(shape), dtype);
+        // The long span's second chunk scores higher, so its running maximum moves there and
+        // the first chunk's sums are rescaled.
+        let second_chunk = CAPACITY + CHUNK..CAPACITY + 1100;
+        let boost: Vec<f32> = (0..2 * CAPACITY)
+            .map(|row| {
+                if second_chunk.contains(&row) {
+                    3.0
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        let boost = Tensor::from_vec(boost, (1, 2 * CAPACITY, 1), &Device::Cpu).expect("boost");
+        let keys = randn(&[KV_HEADS, 2 * CAPACITY, DIM])
+            .broadcast_mul(&boost)
+            .expect("keys");
+        Self {
+            q: r(&[HEADS, rows, DIM]),
+            keys: rounded(&keys, dtype),
+            values: r(&[KV_HEADS, 2 * CAPACITY, DIM]),
+            k_step: r(&[KV_HEADS, rows, DIM]),
+            v_step: r(&[KV_HEADS, rows, DIM]),
+            spans: vec![
+                RowSpan {
+                    start: 0,
+                    len: 9,
+                    extra: None,
+                },
+                RowSpan {
+                    start: CAPACITY,
+                    len: 1100,
+                    extra: None,
+                },
+                RowSpan {
+                    start: CAPACITY,
+                    len: 5,
+                    extra: Some(2),
+                },
+                RowSpan::EMPTY,
+            ],
+        }
+    }
+
+    fn flat_spans(&self) -> Vec<u32> {
+        (self.spans.iter())
+            .flat_map(|s| {
+                [
+                    s.start as u32,
+                    s.len as u32,
+                    s.extra.map_or(NO_ROW, |e| e as u32),
+                ]
+            })
+            .collect()
+    }
+
+    fn kernel(&self, exe: &Path, dtype: DType) -> Vec<f32> {
+        let rows = self.spans.len() as u32;
+        let scale = 1.0 / (DIM as f32).sqrt();
+        let sizes = [
+            rows,
+            HEADS as u32,
+            KV_HEADS as u32,
+            2 * CAPACITY as u32,
+            DIM as u32,
+            scale.to_bits(),
+        ];
+        let spans = self.flat_spans();
+        let operands = [
+            &self.q,
+            &self.keys,
+            &self.values,
+            &self.k_step,
+            &self.v_step,
+        ]
+        .map(Operand::Floats);
+        let mut operands: Vec<Operand> = operands.into_iter().collect();
+        operands.push(Operand::Indices(&spans));
+        on_host(exe, "decode_attention", dtype, &sizes, &operands)
+    }
+
+    fn twin(&self, dtype: DType) -> Vec<f32> {
+        let c = |t: &Tensor| cast(t, dtype);
+        let spans = spans_tensor(&self.spans, &Device::Cpu).expect("spans");
+        let scale = 1.0 / (DIM as f32).sqrt();
+        let out = decode_attention(
+            &c(&self.q),
+            (&c(&self.keys), &c(&self.values)),
+            (&c(&self.k_step), &c(&self.v_step)),
+            &spans,
+            scale,
+        )
+        .expect("decode attention");
+        flat(&out)
+    }
+}
+
+#[test]
+fn the_attention_kernel_matches_its_cpu_twin() {
+    let Some(exe) = harness() else { return };
+    for dtype in DTYPES {
+        let a = Attention::new(dtype);
+        let kernel = a.kernel(&exe, dtype);
+        assert_close("decode attention", dtype, &a.twin(dtype), &kernel);
+        assert!(
+            kernel[3 * HEADS * DIM..].iter().all(|&x| x == 0.0),
+            "a padding row is zeros"
+        );
+    }
+}
+
+/// The kernel's bits for a row alone equal its bits beside other rows, and a second
+/// candidate's extra column gives the bits of its entry in the cache at its position.
+#[test]
+fn the_attention_kernel_is_batch_invariant() {
+    let Some(exe) = harness() else { return };
+    for dtype in DTYPES {
+        let full = Attention::new(dtype);
+        let all = full.kernel(&exe, dtype);
+        let width = HEADS * DIM;
+        for row in 0..3 {
+            let one = |t: &Tensor| {
+                t.narrow(1, row, 1)
+                    .and_then(|t| t.contiguous())
+                    .expect("row")
+            };
+            let span = full.spans[row];
+            let alone = Attention {
+                q: one(&full.q),
+                k_step: one(&full.k_step),
+                v_step: one(&full.v_step),
+                keys: full.keys.clone(),
+                values: full.values.clone(),
+                spans: vec![RowSpan {
+                    extra: span.extra.map(|_| 0),
+                    ..span
+                }],
+            };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let beside = &all[row * width..(row + 1) * width];
+            assert_eq!(
+                bits(&alone.kernel(&exe, dtype)),
+                bits(beside),
+                "{dtype:?} row {row}"
+            );
+        }
+        let span = full.spans[2];
+        let put = |cache: &Tensor, step: &Tensor| {
+            let cache = cache.copy().expect("copy");
+            let entry = step
+                .narrow(1, 2, 1)
+                .and_then(|t| t.contiguous())
+                .expect("entry");
+            cache
+                .slice_set(&entry, 1, span.start + span.len)
+                .expect("slice_set");
+            cache
+        };
+        let mut spans = full.spans.clone();
+        spans[2] = RowSpan {
+            len: span.len + 1,
+            extra: None,
+            ..span
+        };
+        let cached = Attention {
+            keys: put(&full.keys, &full.k_step),
+            values: put(&full.values, &full.v_step),
+            spans,
+            q: full.q.clone(),
+            k_step: full.k_step.clone(),
+            v_step: full.v_step.clone(),
+        };
+        let from_cache = cached.kernel(&exe, dtype);
+        assert_eq!(
+            from_cache[2 * width..3 * width],
+            all[2 * width..3 * width],
+            "{dtype:?}"
+        );
+    }
+}
+
+#[test]
+fn the_elementwise_kernels_match_their_cpu_twins() {
+    let Some(exe) = harness() else { return };
+    let (rows, heads, kv, dim, cache_rows) = (5usize, 4usize, 2usize, 16usize, 9usize);
+    for dtype in DTYPES {
+        let r = |shape: &[usize]| rounded(&randn(shape), dtype);
+        let (q, k, v) = (
+            r(&[rows, heads * dim]),
+            r(&[rows, kv * dim]),
+            r(&[rows, kv * dim]),
+        );
+        let angles = randn(&[rows, dim / 2]);
+        let (cos, sin) = (
+            rounded(&angles.cos().expect("cos"), dtype),
+            rounded(&angles.sin().expect("sin"), dtype),
+        );
+        let sizes = [rows, heads, kv, dim].map(|x| x as u32);
+        let operands = [&q, &k, &v, &cos, &sin].map(Operand::Floats);
+        let kernel = on_host(&exe, "rope_split", dtype, &sizes, &operands);
+        let c = |t: &Tensor| cast(t, dtype);
+        let twin = rope_split(&c(&q), &c(&k), &c(&v), &c(&cos), &c(&sin)).expect("rope split");
+        assert_close("rope split", dtype, &flat(&twin), &kernel);
+
+        let (gate, up) = (r(&[rows, 40]), r(&[rows, 40]));
+        let operands = [&gate, &up].map(Operand::Floats);
+        let kernel = on_host(&exe, "silu_mul", dtype, &[(rows * 40) as u32], &operands);
+        let twin = silu_mul(&c(&gate), &c(&up)).expect("silu mul");
+        assert_close("silu mul", dtype, &flat(&twin), &kernel);
+
+        let (cache, src) = (r(&[kv, cache_rows, dim]), r(&[kv, rows, dim]));
+        let to = [3, NO_ROW, 8, 0, NO_ROW];
+        let sizes = [rows, kv, cache_rows, dim].map(|x| x as u32);
+        let operands = [
+            Operand::Floats(&cache),
+            Operand::Floats(&src),
+            Operand::Indices(&to),
+        ];
+        let kernel = on_host(&exe, "write_rows", dtype, &sizes, &operands);
+        let twin = c(&cache);
+        let to = Tensor::new(&to, &Device::Cpu).expect("to");
+        write_rows(&twin, &c(&src), &to).expect("write rows");
+        assert_eq!(flat(&twin), kernel, "write rows {dtype:?}");
+    }
+}
