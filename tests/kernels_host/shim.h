@@ -1,7 +1,7 @@
 // The CUDA names kernels.cu uses, for a host C++ compiler: each block's threads are real
 // threads meeting at a std::barrier for __syncthreads, blocks run one at a time (so a
 // __shared__ array can be a static), and bf16/f16 convert with round-to-nearest-even as the
-// device's __float2bfloat16_rn / __float2half_rn do. tests/kernels_on_the_host.rs compiles
+// device's __float2bfloat16_rn / __float2half_rn do. tests/device_ops.rs compiles
 // kernels.cu with it (harness.cpp) and compares every kernel with spex's CPU twin.
 #pragma once
 #include <math.h>

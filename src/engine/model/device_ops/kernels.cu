@@ -23,7 +23,7 @@
 // Grid (rows, heads), THREADS threads. The softmax is online over CHUNK columns at a time,
 // chunks counted from the span's column 0, so a row's sums never depend on its span's place.
 
-// Without nvcc (tests/kernels_on_the_host.rs compiles this file as C++ with
+// Without nvcc (tests/device_ops.rs compiles this file as C++ with
 // tests/kernels_host/shim.h, which defines the few CUDA names used here) the CUDA headers are
 // not read.
 #ifdef __CUDACC__

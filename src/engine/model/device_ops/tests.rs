@@ -1,5 +1,5 @@
-//! The device ops' CPU twins against candle's composed ops (or f64 softmax attention), and
-//! their batch invariance.
+//! The device ops' CPU twins against candle's composed ops (or f64 softmax attention);
+//! tests/device_ops.rs holds the kernels to the twins and both to batch invariance.
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 
@@ -151,68 +151,6 @@ fn matches_softmax_attention_across_chunks_groups_and_extra_columns() {
         run(&c, DType::F32)[3].iter().all(|&x| x == 0.0),
         "a padding row is zeros"
     );
-}
-
-#[test]
-fn a_row_has_the_same_bits_alone_beside_others_and_from_the_cache() {
-    let full = case();
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let all = run(&full, dtype);
-        for (row, want) in all.iter().enumerate().take(3) {
-            let one_row = |t: &Tensor| {
-                t.narrow(1, row, 1)
-                    .and_then(|t| t.contiguous())
-                    .expect("row")
-            };
-            let alone = Case {
-                q: one_row(&full.q),
-                k_step: one_row(&full.k_step),
-                v_step: one_row(&full.v_step),
-                keys: full.keys.clone(),
-                values: full.values.clone(),
-                spans: vec![RowSpan {
-                    extra: full.spans[row].extra.map(|_| 0),
-                    ..full.spans[row]
-                }],
-            };
-            assert_eq!(&run(&alone, dtype)[0], want, "{dtype:?} row {row}");
-        }
-        // Row 2's extra column (step row 2) written at its position in the cache instead.
-        let span = full.spans[2];
-        let put = |cache: &Tensor, step: &Tensor| {
-            let entry = step
-                .narrow(1, 2, 1)
-                .and_then(|t| t.contiguous())
-                .expect("entry");
-            let cache = cache.copy().expect("copy");
-            cache
-                .slice_set(&entry, 1, span.start + span.len)
-                .expect("slice_set");
-            cache
-        };
-        let cached = Case {
-            keys: put(&full.keys, &full.k_step),
-            values: put(&full.values, &full.v_step),
-            spans: vec![
-                full.spans[0],
-                full.spans[1],
-                RowSpan {
-                    len: span.len + 1,
-                    extra: None,
-                    ..span
-                },
-                RowSpan::EMPTY,
-            ],
-            q: full.q.clone(),
-            k_step: full.k_step.clone(),
-            v_step: full.v_step.clone(),
-        };
-        assert_eq!(
-            run(&cached, dtype)[2],
-            all[2],
-            "{dtype:?}: extra column vs cache"
-        );
-    }
 }
 
 #[test]

@@ -1,7 +1,7 @@
-//! The device ops' CUDA kernels (src/engine/model/device_ops/kernels.cu), compiled for the
-//! host with tests/kernels_host/shim.h and run by tests/kernels_host/harness.cpp, against
-//! spex's CPU twins of the same ops on the same inputs, in every dtype; and the attention
-//! kernel's batch invariance, bit for bit. Where no GPU is lent, this is how the kernels' own
+//! The device ops (src/engine/model/device_ops): their CUDA kernels (kernels.cu), compiled for
+//! the host with tests/kernels_host/shim.h and run by tests/kernels_host/harness.cpp, against
+//! spex's CPU twins of the same ops on the same inputs, in every dtype; and the attention's
+//! batch invariance, bit for bit, in the kernel and in the twin. Where no GPU is lent, this is how the kernels' own
 //! code is checked (indices, chunks, reductions, the extra column, padding rows); the GPU run
 //! (`tests/exactness_cuda.rs`) checks the same against the device.
 
@@ -258,15 +258,14 @@ fn the_attention_kernel_matches_its_cpu_twin() {
     }
 }
 
-/// The kernel's bits for a row alone equal its bits beside other rows, and a second
-/// candidate's extra column gives the bits of its entry in the cache at its position.
-#[test]
-fn the_attention_kernel_is_batch_invariant() {
-    let Some(exe) = harness() else { return };
+/// `attend`'s bits for a row alone equal its bits beside other rows, and a second candidate's
+/// extra column gives the bits of its entry in the cache at its position.
+fn assert_batch_invariant(what: &str, attend: &dyn Fn(&Attention, DType) -> Vec<f32>) {
+    let width = HEADS * DIM;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for dtype in DTYPES {
         let full = Attention::new(dtype);
-        let all = full.kernel(&exe, dtype);
-        let width = HEADS * DIM;
+        let all = attend(&full, dtype);
         for row in 0..3 {
             let one = |t: &Tensor| {
                 t.narrow(1, row, 1)
@@ -285,12 +284,11 @@ fn the_attention_kernel_is_batch_invariant() {
                     ..span
                 }],
             };
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let beside = &all[row * width..(row + 1) * width];
             assert_eq!(
-                bits(&alone.kernel(&exe, dtype)),
+                bits(&attend(&alone, dtype)),
                 bits(beside),
-                "{dtype:?} row {row}"
+                "{what} {dtype:?} row {row}"
             );
         }
         let span = full.spans[2];
@@ -319,13 +317,25 @@ fn the_attention_kernel_is_batch_invariant() {
             k_step: full.k_step.clone(),
             v_step: full.v_step.clone(),
         };
-        let from_cache = cached.kernel(&exe, dtype);
+        let from_cache = attend(&cached, dtype);
+        let row = 2 * width..3 * width;
         assert_eq!(
-            from_cache[2 * width..3 * width],
-            all[2 * width..3 * width],
-            "{dtype:?}"
+            bits(&from_cache[row.clone()]),
+            bits(&all[row]),
+            "{what} {dtype:?}: extra column"
         );
     }
+}
+
+#[test]
+fn the_attention_kernel_is_batch_invariant() {
+    let Some(exe) = harness() else { return };
+    assert_batch_invariant("kernel", &|a, dtype| a.kernel(&exe, dtype));
+}
+
+#[test]
+fn the_attention_cpu_twin_is_batch_invariant() {
+    assert_batch_invariant("CPU twin", &|a, dtype| a.twin(dtype));
 }
 
 #[test]
