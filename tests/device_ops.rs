@@ -191,16 +191,10 @@ impl Attention {
         }
     }
 
+    /// The spans as the op encodes them ([`spans_tensor`]).
     fn flat_spans(&self) -> Vec<u32> {
-        (self.spans.iter())
-            .flat_map(|s| {
-                [
-                    s.start as u32,
-                    s.len as u32,
-                    s.extra.map_or(NO_ROW, |e| e as u32),
-                ]
-            })
-            .collect()
+        let spans = spans_tensor(&self.spans, &Device::Cpu).expect("spans");
+        (spans.flatten_all().and_then(|t| t.to_vec1())).expect("spans")
     }
 
     fn kernel(&self, exe: &Path, dtype: DType) -> Vec<f32> {

@@ -65,8 +65,8 @@ pub struct DeviceStep {
     /// second candidates (their entries are set aside) and padding rows: one write of every
     /// row's K/V, the same shape in every step.
     write_to: Tensor,
-    /// The second candidates' rows, and their (pass, position), in row order.
-    seconds: Option<(Tensor, Vec<(Pass, usize)>)>,
+    /// The second candidates: (row, pass, position), in row order.
+    seconds: Vec<(usize, Pass, usize)>,
     /// What each (padded) row attends to, for [`decode_attention`]: its own pass's span up to
     /// its position (a second candidate: up to the one before, then its own K/V).
     spans: Tensor,
@@ -98,20 +98,15 @@ impl DeviceStep {
         let mut positions: Vec<u32> = slots.iter().map(|s| s.pos as u32).collect();
         positions.resize(padded, 0);
         let positions = Tensor::new(positions.as_slice(), device)?;
-        let seconds: Vec<u32> = (0..slots.len() as u32)
-            .filter(|&i| slots[i as usize].second)
-            .collect();
-        let second_slots = (seconds.iter())
-            .map(|&i| (slots[i as usize].pass, slots[i as usize].pos))
+        let seconds = (slots.iter().enumerate())
+            .filter(|(_, s)| s.second)
+            .map(|(row, s)| (row, s.pass, s.pos))
             .collect();
         Ok(Self {
             cos: model.rope.cos_t.index_select(&positions, 0)?,
             sin: model.rope.sin_t.index_select(&positions, 0)?,
             write_to: Tensor::new(write_to.as_slice(), device)?,
-            seconds: match seconds.is_empty() {
-                true => None,
-                false => Some((Tensor::new(seconds.as_slice(), device)?, second_slots)),
-            },
+            seconds,
             spans: spans_tensor(&row_spans(slots, capacity, padded), device)?,
         })
     }
@@ -262,20 +257,17 @@ fn write(
     let store = cache.store();
     write_rows(&store.keys[layer], k, &step.write_to)?;
     write_rows(&store.values[layer], v, &step.write_to)?;
-    let Some((rows, slots)) = &step.seconds else {
-        return Ok(());
-    };
-    let (k_second, v_second) = (k.index_select(rows, 1)?, v.index_select(rows, 1)?);
-    for (n, &(pass, pos)) in slots.iter().enumerate() {
-        let entry = |t: &Tensor| t.narrow(1, n, 1)?.contiguous()?.copy();
-        (cache.store_mut()).set_aside(layer, pass, pos, entry(&k_second)?, entry(&v_second)?);
+    for &(row, pass, pos) in &step.seconds {
+        // A copy of its own: a view would keep the step's whole Q/K/V tensor alive.
+        let entry = |t: &Tensor| t.narrow(1, row, 1)?.force_contiguous();
+        (cache.store_mut()).set_aside(layer, pass, pos, entry(k)?, entry(v)?);
         cache.note_second(pass, pos);
     }
     Ok(())
 }
 
 /// Device K/V buffers, one `[kv_heads, passes · capacity, head_dim]` tensor pair per layer
-/// (head-major: the attention's batched matmuls take one head per batch entry), and the K/V
+/// (head-major: the attention kernel reads a head's span contiguously), and the K/V
 /// rows set aside for second candidates, by (layer, pass, position).
 #[derive(Debug, Clone)]
 pub struct DeviceKv {

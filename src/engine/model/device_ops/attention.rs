@@ -212,7 +212,7 @@ struct Inputs<'a, T> {
 }
 
 /// The CPU twin of the kernel: one (row, head) at a time.
-fn run<T: Elem>(
+fn run<'a, T: Elem>(
     scale: f32,
     dims: Dims,
     spans: &[u32],
@@ -222,7 +222,7 @@ fn run<T: Elem>(
         values,
         k_step,
         v_step,
-    }: Inputs<T>,
+    }: Inputs<'a, T>,
 ) -> candle_core::Result<CpuStorage> {
     let Dims {
         rows,
@@ -238,22 +238,16 @@ fn run<T: Elem>(
             let message = format!("row {row}'s span {span:?} is outside the cache");
             return Err(super::bail(OP, message));
         }
+        let total = len + usize::from(extra != NO_EXTRA);
         for head in 0..heads {
             let kv = head / (heads / kv_heads);
-            let total = len + usize::from(extra != NO_EXTRA);
             // A column's entry: the span's in the cache, then the step's extra row.
-            let at = |col: usize| match col < len {
-                true => (true, (kv * cache_rows + start + col) * hd),
-                false => (false, (kv * rows + extra as usize) * hd),
+            let entry = |cache: &'a [T], step: &'a [T], col: usize| match col < len {
+                true => &cache[(kv * cache_rows + start + col) * hd..][..hd],
+                false => &step[(kv * rows + extra as usize) * hd..][..hd],
             };
-            let key = |col: usize| match at(col) {
-                (true, o) => &keys[o..o + hd],
-                (false, o) => &k_step[o..o + hd],
-            };
-            let value = |col: usize| match at(col) {
-                (true, o) => &values[o..o + hd],
-                (false, o) => &v_step[o..o + hd],
-            };
+            let key = |col: usize| entry(keys, k_step, col);
+            let value = |col: usize| entry(values, v_step, col);
             let q_row = &q[(head * rows + row) * hd..(head * rows + row + 1) * hd];
             let o = (row * heads + head) * hd;
             attend(q_row, total, key, value, scale, &mut out[o..o + hd]);

@@ -9,6 +9,7 @@ use candle_core::{Storage, Tensor, WithDType};
 
 use super::{Elem, bail, by_dtype, cpu_slice};
 use crate::engine::error::Result;
+use crate::engine::kernels::rope_row;
 
 /// [`write_rows`]'s "this row is not written" (a second candidate's, or a padding row's).
 pub const NO_ROW: u32 = u32::MAX;
@@ -158,7 +159,8 @@ impl CustomOp3 for RopeSplit {
     }
 }
 
-/// The CPU twin of `rope_split`: each output row from its own input row.
+/// The CPU twin of `rope_split`: each output row from its own input row, rotated by the host
+/// kernels' [`rope_row`] in f32.
 fn rope_split_cpu<T: Elem>(
     dims: SplitDims,
     [q, k, v]: [&[T]; 3],
@@ -171,6 +173,8 @@ fn rope_split_cpu<T: Elem>(
         head_dim,
     } = dims;
     let half = head_dim / 2;
+    let widen = |x: &[T]| x.iter().map(|&x| x.f32()).collect::<Vec<f32>>();
+    let (cos, sin) = (widen(cos), widen(sin));
     let mut out = Vec::with_capacity((heads + 2 * kv_heads) * rows * head_dim);
     let parts = [(q, heads, true), (k, kv_heads, true), (v, kv_heads, false)];
     for (src, width, rotated) in parts {
@@ -181,16 +185,10 @@ fn rope_split_cpu<T: Elem>(
                     out.extend_from_slice(x);
                     continue;
                 }
-                let (c, s) = (&cos[row * half..][..half], &sin[row * half..][..half]);
-                let pair = |d: usize| (x[d].f32(), x[d + half].f32(), c[d].f32(), s[d].f32());
-                out.extend((0..half).map(|d| {
-                    let (x1, x2, c, s) = pair(d);
-                    T::of(x1 * c - x2 * s)
-                }));
-                out.extend((0..half).map(|d| {
-                    let (x1, x2, c, s) = pair(d);
-                    T::of(x1 * s + x2 * c)
-                }));
+                let mut x = widen(x);
+                let angles = row * half..(row + 1) * half;
+                rope_row(&mut x, head_dim, &cos[angles.clone()], &sin[angles]);
+                out.extend(x.into_iter().map(T::of));
             }
         }
     }
