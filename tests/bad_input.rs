@@ -369,14 +369,14 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     );
     assert!(table.contains("prefetch l2 (forced)"), "{table}");
     assert!(table.contains("runs min–med–max"), "{table}");
-    // bf16 decodes on candle's ops, every decode step padded to 2·R rows, and says so.
-    let bf16 = ["bench", "--model", &d, "--max-tokens", "4", "--runs", "1"];
-    let table = spex_ok(
-        &[&bf16[..], &["--prompts", &p, "--dtype", "bf16"]].concat(),
-        &[],
-        Path::new("."),
-    );
+    // bf16 decodes on spex's kernels, its weights read as stored, and says so; with
+    // --candle-ops on candle's ops, every decode step padded to 2·R rows.
+    let bf16 = ["bench", "--model", &d, "--max-tokens", "4", "--runs", "1", "--dtype", "bf16"];
+    let table = spex_ok(&[&bf16[..], &["--prompts", &p]].concat(), &[], Path::new("."));
     let table = String::from_utf8(table).unwrap();
+    assert!(table.contains("thread(s), bf16 weights"), "{table}");
+    let candle = [&bf16[..], &["--prompts", &p, "--candle-ops"]].concat();
+    let table = String::from_utf8(spex_ok(&candle, &[], Path::new("."))).unwrap();
     assert!(
         table.contains("candle ops in bf16, each decode step padded to 6 rows"),
         "{table}"

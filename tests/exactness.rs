@@ -10,7 +10,9 @@ use common::{
 };
 use spex::engine::bench::run_lane;
 use spex::engine::kv_cache::KvCache;
-use spex::engine::model::{Backend, KvDtype, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow};
+use spex::engine::model::{
+    Backend, KvDtype, LoadOptions, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow,
+};
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
 use spex::engine::{DecodeOptions, LoadedModel};
@@ -124,6 +126,46 @@ fn speed_equals_baseline_on_every_gqa_shape() {
     every_shape(Variant::Gqa);
 }
 
+/// Weights the host kernels read as stored, in bf16 or f16, on every shape of every variant:
+/// every lane equals the baseline, and the baseline equals, token for token, the same
+/// checkpoint widened to f32 (a widened bf16 or f16 is exact, and the kernels widen in
+/// registers before the f32 arithmetic).
+fn every_shape_stored(dtype: DType) {
+    let mut tally = Tally::default();
+    let prompts = &PROMPTS[..6];
+    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
+        for (layers, passes) in [1, 2, 4].into_iter().flat_map(|k| (1..=4).map(move |r| (k, r))) {
+            let mut spec = spec(layers, passes, variant, (layers * 10 + passes) as u64);
+            spec.dtype = dtype;
+            let dir = tempfile::TempDir::new().expect("temp dir");
+            write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
+            let stored = LoadedModel::load(dir.path(), &Device::Cpu, dtype).expect("load");
+            assert!(matches!(stored.backend, Backend::Host(_)), "host kernels");
+            let label = format!("{dtype:?} {variant:?} K={layers} R={passes}");
+            assert_lanes_equal_on(&stored, prompts, &label, &mut tally);
+            let widened = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
+            let widened = with_f32_readouts(&widened);
+            for &prompt in prompts {
+                let a = run_lane(&stored, PolicyKind::Baseline, prompt, OPTIONS).expect("lane");
+                let b = run_lane(&widened, PolicyKind::Baseline, prompt, OPTIONS).expect("lane");
+                assert_eq!(a.tokens, b.tokens, "{label}: stored and widened, {prompt:?}");
+            }
+        }
+    }
+    assert!(tally.flips > 100, "{dtype:?}: {} flips", tally.flips);
+    assert!(tally.accepted_second > 10, "{dtype:?}: {}", tally.accepted_second);
+}
+
+#[test]
+fn speed_equals_baseline_on_every_shape_with_bf16_weights() {
+    every_shape_stored(DType::BF16);
+}
+
+#[test]
+fn speed_equals_baseline_on_every_shape_with_f16_weights() {
+    every_shape_stored(DType::F16);
+}
+
 #[test]
 fn speed_equals_baseline_on_the_device_code_path() {
     let mut tally = Tally::default();
@@ -161,10 +203,15 @@ fn speed_equals_baseline_on_the_device_code_path_in_bf16() {
         spec.pad_vocab_to = Some(4096);
         let dir = tempfile::TempDir::new().expect("temp dir");
         write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
-        let loaded = LoadedModel::load(dir.path(), &Device::Cpu, DType::BF16).expect("load");
+        let candle = LoadOptions {
+            candle_ops: true,
+            ..LoadOptions::default()
+        };
+        let loaded =
+            LoadedModel::load_with(dir.path(), &Device::Cpu, DType::BF16, candle).expect("load");
         assert!(
             matches!(loaded.backend, Backend::Device(_)),
-            "bf16 runs on candle's ops"
+            "--candle-ops runs bf16 on candle's ops"
         );
         let label = format!("device bf16 {variant:?}");
         assert_lanes_equal_on(&loaded, &PROMPTS[..8], &label, &mut tally);

@@ -54,9 +54,10 @@ fn backend_note(loaded: &crate::engine::LoadedModel) -> String {
     use crate::engine::model::Backend;
     match &loaded.backend {
         Backend::Host(_) => format!(
-            "kernels {:?} on {} thread(s)",
+            "kernels {:?} on {} thread(s), {} weights",
             crate::engine::kernels::isa(),
-            crate::engine::kernels::pool::pool().threads()
+            crate::engine::kernels::pool::pool().threads(),
+            super::device::dtype_name(loaded.model().dtype),
         ),
         Backend::Device(b) => format!(
             "candle ops in {}, each decode step padded to {} rows",

@@ -73,9 +73,14 @@ pub struct ModelArgs {
     /// auto, cpu, cuda, cuda:N or metal (default: the entry's, else auto).
     #[arg(long)]
     pub device: Option<device::DeviceSpec>,
-    /// f32, bf16 or f16 (default: the entry's, else f32).
+    /// f32, bf16 or f16 (default: the entry's, else the checkpoint's stored type). On the CPU,
+    /// spex's kernels read bf16 and f16 weights as stored; f32 widens them.
     #[arg(long)]
     pub dtype: Option<device::DTypeSpec>,
+    /// Decode through candle's ops even on the CPU (the GPU path's code; slower), not spex's
+    /// kernels.
+    #[arg(long)]
+    pub candle_ops: bool,
     /// Use only the local hub cache (also HF_HUB_OFFLINE=1).
     #[arg(long)]
     pub offline: bool,
@@ -399,16 +404,17 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
         .device
         .or(entry.and_then(|e| e.device))
         .unwrap_or(device::DeviceSpec::Auto);
-    let dtype = args
-        .dtype
-        .or(entry.and_then(|e| e.dtype))
-        .map_or(DType::F32, |d| d.0);
+    let dtype = match args.dtype.or(entry.and_then(|e| e.dtype)) {
+        Some(d) => d.0,
+        None => stored_dtype(&resolved.source),
+    };
     let dev = device::open(spec)?;
     device::check_dtype(&dev, dtype)?;
     let chat = args.chat || entry.is_some_and(|e| e.chat);
     let options = LoadOptions {
         f32_proposals: args.f32_proposals,
         kv_dtype: args.kv_cache.into(),
+        candle_ops: args.candle_ops,
     };
     let mut loaded = match &resolved.source {
         models::ModelSource::Dir(dir) => LoadedModel::load_with(dir, &dev, dtype, options)?,
@@ -433,6 +439,19 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
             seed: entry.and_then(|e| e.seed).unwrap_or(0),
         },
     })
+}
+
+/// The element type a checkpoint stores its weights in, by its config's `torch_dtype` (f32 for
+/// the embedded model, and where the config cannot be read: loading then names the fault).
+fn stored_dtype(source: &models::ModelSource) -> DType {
+    let models::ModelSource::Dir(dir) = source else {
+        return DType::F32;
+    };
+    match crate::engine::config::OuroConfig::load(&dir.join("config.json")) {
+        Ok(config) if config.torch_dtype == "bfloat16" => DType::BF16,
+        Ok(config) if config.torch_dtype == "float16" => DType::F16,
+        _ => DType::F32,
+    }
 }
 
 fn list_models() -> anyhow::Result<()> {

@@ -38,7 +38,7 @@ fn kernel_table() {
             let mut t_candle = Vec::new();
             for _ in 0..300 {
                 let t = Instant::now();
-                spex::engine::kernels::matmul_t(&x, &w, rows, inner, &mut out);
+                spex::engine::kernels::matmul_t(&x, (&w).into(), rows, inner, &mut out);
                 t_spex.push(t.elapsed());
                 let t = Instant::now();
                 let _ = xt.matmul(&wt.t().expect("t")).expect("matmul");
@@ -171,7 +171,7 @@ fn stream_table() {
         for _ in 0..60 {
             let t = Instant::now();
             for w in &ws {
-                spex::engine::kernels::matmul_t(&x, w, rows, inner, &mut out);
+                spex::engine::kernels::matmul_t(&x, w.into(), rows, inner, &mut out);
             }
             times.push(t.elapsed());
         }

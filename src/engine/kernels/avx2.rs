@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 
 use super::kv_element::KvElement;
-use super::{OutLayout, SharedOut, prefetch};
+use super::{OutLayout, SharedOut, WeightElement, prefetch};
 
 /// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with every weight row of
 /// `w`, `J` (1–3) rows at a time: `w` holds whole groups of `J` rows of `inner`. Each weight
@@ -17,19 +17,19 @@ use super::{OutLayout, SharedOut, prefetch};
 /// call, the row dispatch and the setup are paid once a run (`super::sweep`).
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `w` must hold a multiple of `J · inner` elements and `xs`
-/// a multiple of `inner`.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn dots<const J: usize>(
+/// The CPU must have AVX2, FMA and F16C; `w` must hold a multiple of `J · inner` elements and
+/// `xs` a multiple of `inner`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dots<const J: usize, W: WeightElement>(
     xs: &[f32],
-    w: &[f32],
+    w: &[W],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     // SAFETY: the caller's features; that many rows of `xs` exist.
-    unsafe { with_rows!(xs.len() / inner, R => dots_rows::<R, J>(xs, w, inner, out, to, first)) }
+    unsafe { with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, to, first)) }
 }
 
 /// Each (row, weight row) pair has one accumulator fed in the same order and reduced by
@@ -39,20 +39,21 @@ pub unsafe fn dots<const J: usize>(
 /// # Safety
 /// As [`dots`], and `xs` holds at least `R` rows.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots_rows<const R: usize, const J: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     xs: &[f32],
-    w: &[f32],
+    w: &[W],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
-    let (near, far) = (prefetch::near(4, J * inner), prefetch::far(4));
+    let bytes = std::mem::size_of::<W>();
+    let (near, far) = (prefetch::near(bytes, J * inner), prefetch::far(bytes));
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
-        let ws: [&[f32]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
+        let ws: [&[W]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
         // SAFETY: the caller's features; `ws` rows and `xs`' R rows hold `inner` elements.
-        let acc = unsafe { group_sums::<R, J>(xs, ws, (near, far)) };
+        let acc = unsafe { group_sums::<R, J, W>(xs, ws, (near, far)) };
         store_sums(&acc, (xs, ws), out.from(g * J * to.col), to, first);
     }
 }
@@ -62,12 +63,12 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
 /// groups', streaming from L3 or DRAM: `super::prefetch`) prefetched into L1 and L2.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `xs` holds at least R rows of `ws[0].len()`.
+/// The CPU must have AVX2, FMA and F16C; `xs` holds at least R rows of `ws[0].len()`.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn group_sums<const R: usize, const J: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_sums<const R: usize, const J: usize, W: WeightElement>(
     xs: &[f32],
-    ws: [&[f32]; J],
+    ws: [&[W]; J],
     (near, far): (usize, usize),
 ) -> [[__m256; J]; R] {
     let inner = ws[0].len();
@@ -86,10 +87,11 @@ unsafe fn group_sums<const R: usize, const J: usize>(
         // SAFETY: k + 8 <= inner; every row r < R has `inner` elements in `xs`, and every
         // weight row has `inner` elements.
         unsafe {
-            let w: [__m256; J] = std::array::from_fn(|j| _mm256_loadu_ps(ws[j].as_ptr().add(k)));
-            // Every line of the J · 8 floats: lines of 16, at most 16 apart.
-            for line in 0..J.div_ceil(2) {
-                let at = J * k + 16 * line;
+            let w: [__m256; J] = std::array::from_fn(|j| W::load8(ws[j].as_ptr().add(k)));
+            // Every line of the J · 8 elements: lines of 64 bytes, at most a line apart.
+            let bytes = std::mem::size_of::<W>();
+            for line in 0..(J * 8 * bytes).div_ceil(64) {
+                let at = J * k + line * 64 / bytes;
                 // A prefetch never faults, even past the end.
                 _mm_prefetch::<_MM_HINT_T0>(near_at.wrapping_add(at) as *const i8);
                 if far > 0 {
@@ -114,10 +116,10 @@ unsafe fn group_sums<const R: usize, const J: usize>(
 /// stores interleaved spilled every accumulator to the stack, and cost 5 % of a 4-row step on
 /// forced AVX2.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-fn store_sums<const R: usize, const J: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+fn store_sums<const R: usize, const J: usize, W: WeightElement>(
     acc: &[[__m256; J]; R],
-    (xs, ws): (&[f32], [&[f32]; J]),
+    (xs, ws): (&[f32], [&[W]; J]),
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
@@ -134,7 +136,7 @@ fn store_sums<const R: usize, const J: usize>(
         for (j, four) in sums.iter().enumerate() {
             for (r, &sum) in four.iter().enumerate().take(R - r0) {
                 let row = r0 + r;
-                let tail = (main..inner).map(|kk| xs[row * inner + kk] * ws[j][kk]);
+                let tail = (main..inner).map(|kk| xs[row * inner + kk] * ws[j][kk].to_f32());
                 let at = j * to.col + (first + row) * to.row;
                 out.set(at, tail.fold(sum, |s, p| s + p));
             }

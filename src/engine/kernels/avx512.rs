@@ -1,10 +1,11 @@
 //! AVX-512F dot products for the small-M matmul (16 lanes, 32 registers: twice the
-//! accumulators of AVX2). Compiled for AVX-512F/VL, AVX2 and FMA; `super`'s dispatch calls
-//! them only after `isa()` detected all four.
+//! accumulators of AVX2), over f32 weights or bf16/f16 ones widened as they load
+//! (`WeightElement::load16`). Compiled for AVX-512F/BW/VL, AVX2, FMA and F16C; `super`'s
+//! dispatch calls them only after `isa()` detected them all.
 
 use std::arch::x86_64::*;
 
-use super::{OutLayout, SharedOut, prefetch};
+use super::{OutLayout, SharedOut, WeightElement, prefetch};
 
 /// AVX-512 dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with every weight row of
 /// `w`, `J` (1 or 4) rows at a time: `w` holds whole groups of `J` rows of `inner`. The row
@@ -13,19 +14,19 @@ use super::{OutLayout, SharedOut, prefetch};
 /// group (`super::sweep`).
 ///
 /// # Safety
-/// The CPU must have AVX-512F and VL, AVX2 and FMA; `w` must hold a multiple of `J · inner`
-/// elements and `xs` a multiple of `inner`.
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-pub unsafe fn dots<const J: usize>(
+/// The CPU must have AVX-512F, BW and VL, AVX2, FMA and F16C; `w` must hold a multiple of
+/// `J · inner` elements and `xs` a multiple of `inner`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn dots<const J: usize, W: WeightElement>(
     xs: &[f32],
-    w: &[f32],
+    w: &[W],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     // SAFETY: the caller's features; that many rows of `xs` exist.
-    unsafe { with_rows!(xs.len() / inner, R => dots_rows::<R, J>(xs, w, inner, out, to, first)) }
+    unsafe { with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, to, first)) }
 }
 
 /// Each (row, weight row) pair has one 16-lane accumulator fed in the same order and the
@@ -35,10 +36,10 @@ pub unsafe fn dots<const J: usize>(
 /// # Safety
 /// As [`dots`], and `xs` holds at least `R` rows.
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn dots_rows<const R: usize, const J: usize>(
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     xs: &[f32],
-    w: &[f32],
+    w: &[W],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
@@ -47,10 +48,11 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
     let full = inner - inner % 16;
     // SAFETY: row r of `xs` starts at r · inner, inside `xs` for r < R.
     let x: [*const f32; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * inner) });
-    let (near, far) = (prefetch::near(4, J * inner), prefetch::far(4));
+    let bytes = std::mem::size_of::<W>();
+    let (near, far) = (prefetch::near(bytes, J * inner), prefetch::far(bytes));
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
         // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < J.
-        let wj: [*const f32; J] = std::array::from_fn(|j| unsafe { group.as_ptr().add(j * inner) });
+        let wj: [*const W; J] = std::array::from_fn(|j| unsafe { group.as_ptr().add(j * inner) });
         // The group's J rows are contiguous: the lines `near` and `far` floats past it are
         // prefetched J a chunk, in order, from one pointer each. Per row, beside the loads,
         // they were the same lines from 2·J pointers, more than the registers left beside the
@@ -68,9 +70,9 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
         while k < full {
             // SAFETY: k + 16 <= inner, within every row of `xs` and every weight row.
             unsafe { chunk(&mut acc, (x, wj), k, !0) };
-            lines_ahead::<J, _MM_HINT_T0>(near_at.wrapping_add(J * k));
+            lines_ahead::<J, W, _MM_HINT_T0>(near_at.wrapping_add(J * k));
             if far > 0 {
-                lines_ahead::<J, _MM_HINT_T1>(far_at.wrapping_add(J * k));
+                lines_ahead::<J, W, _MM_HINT_T1>(far_at.wrapping_add(J * k));
             }
             k += 16;
         }
@@ -85,13 +87,14 @@ unsafe fn dots_rows<const R: usize, const J: usize>(
     }
 }
 
-/// Prefetches the `J` lines of 16 floats from `at` on with `HINT` (a prefetch never faults,
-/// even past the end).
+/// Prefetches the cache lines of `J` chunks of 16 elements from `at` on with `HINT`: `J`
+/// lines of f32, half as many of bf16 or f16 (a prefetch never faults, even past the end).
 #[inline(always)]
-fn lines_ahead<const J: usize, const HINT: i32>(at: *const f32) {
-    for line in 0..J {
+fn lines_ahead<const J: usize, W, const HINT: i32>(at: *const W) {
+    let bytes = std::mem::size_of::<W>();
+    for line in 0..(J * 16 * bytes).div_ceil(64) {
         // SAFETY: a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<HINT>(at.wrapping_add(16 * line) as *const i8) };
+        unsafe { _mm_prefetch::<HINT>(at.wrapping_add(line * 64 / bytes) as *const i8) };
     }
 }
 
@@ -101,9 +104,9 @@ fn lines_ahead<const J: usize, const HINT: i32>(at: *const f32) {
 /// # Safety
 /// The lanes of `mask` from `k` on lie within every row behind `x` and `w`.
 #[inline(always)]
-unsafe fn chunk<const R: usize, const J: usize>(
+unsafe fn chunk<const R: usize, const J: usize, W: WeightElement>(
     acc: &mut [[__m512; J]; R],
-    (x, w): ([*const f32; R], [*const f32; J]),
+    (x, w): ([*const f32; R], [*const W; J]),
     k: usize,
     mask: __mmask16,
 ) {
@@ -115,7 +118,7 @@ unsafe fn chunk<const R: usize, const J: usize>(
     };
     // SAFETY: the caller's bounds.
     unsafe {
-        let wk: [__m512; J] = std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, w[j].add(k)));
+        let wk: [__m512; J] = std::array::from_fn(|j| W::load16(mask, w[j].add(k)));
         // Unrolled by hand, so that every accumulator index is a constant (the rolled loop
         // measured 5–15 % slower at 5 and 6 rows).
         macro_rules! rows {
@@ -138,7 +141,7 @@ unsafe fn chunk<const R: usize, const J: usize>(
 /// only 16 chunks, so the reductions count: four rows at once took 2–3 % off hot 4-row
 /// products on an AMD EPYC Zen 4 (`cargo bench --bench step -- --only kernels`).
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn store_group<const R: usize, const J: usize>(
     acc: &[[__m512; J]; R],
     out: SharedOut<'_>,
@@ -171,7 +174,7 @@ fn store_group<const R: usize, const J: usize>(
 /// Row `at`'s four sums `four` into `out[j·to.col + at·to.row]`: one vector store where the
 /// four are contiguous (`to.col` 1), else one store each.
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn store_four(out: SharedOut<'_>, to: OutLayout, at: usize, four: __m128) {
     if to.col == 1 {
         // SAFETY: `span` checked that the four elements exist and are this view's to write.
@@ -184,7 +187,7 @@ fn store_four(out: SharedOut<'_>, to: OutLayout, at: usize, four: __m128) {
 /// The first `count` (≤ 4) of row `at`'s sums `four` into `out[j·to.col + at·to.row]`, one
 /// store each.
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn store_first(out: SharedOut<'_>, to: OutLayout, at: usize, four: __m128, count: usize) {
     let mut sums = [0f32; 4];
     // SAFETY: `sums` holds exactly 4 floats.
@@ -199,7 +202,7 @@ fn store_first(out: SharedOut<'_>, to: OutLayout, at: usize, four: __m128, count
 /// same order, but 16 at a time in 512-bit shuffles and adds: 45 instructions where four
 /// [`store_sums`] take 76, and one vector store per row where they take four scalar ones.
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn reduce16(a: [[__m512; 4]; 4]) -> __m512 {
     // Rows 0 and 1, then 2 and 3: per weight row j, both rows' lanes i + (i + 8); then the
     // neighbours twice, leaving each row's j-th partial pair (o₀, o₁) in two 128-bit lanes.
@@ -217,7 +220,7 @@ fn reduce16(a: [[__m512; 4]; 4]) -> __m512 {
 
 /// `x`'s lanes i + (i + 8) in lanes 0–7 and `y`'s in lanes 8–15: [`halves`] of both at once.
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn fold_halves(x: __m512, y: __m512) -> __m512 {
     _mm512_add_ps(
         _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
@@ -227,7 +230,7 @@ fn fold_halves(x: __m512, y: __m512) -> __m512 {
 
 /// [`hadd`] on 512 bits: `[a0+a1, a2+a3, b0+b1, b2+b3]` in each 128-bit lane.
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn hadd512(a: __m512, b: __m512) -> __m512 {
     _mm512_add_ps(
         _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
@@ -238,7 +241,7 @@ fn hadd512(a: __m512, b: __m512) -> __m512 {
 /// Writes `out[j·to.col + at·to.row]` = the sum of accumulator `j`'s 16 lanes, four at a time
 /// (a group of fewer repeats its last accumulator and drops the copies).
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn store_sums<const J: usize>(acc: &[__m512; J], out: SharedOut<'_>, to: OutLayout, at: usize) {
     for j0 in (0..J).step_by(4) {
         let lane = |j: usize| halves(acc[(j0 + j).min(J - 1)]);
@@ -254,7 +257,7 @@ fn store_sums<const J: usize>(acc: &[__m512; J], out: SharedOut<'_>, to: OutLayo
 
 /// Lanes i and i + 8 added: the first level of every accumulator's reduction tree.
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn halves(a: __m512) -> __m256 {
     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
     _mm256_add_ps(_mm512_castps512_ps256(a), hi)
@@ -265,7 +268,7 @@ fn halves(a: __m512) -> __m256 {
 /// accumulator of the dot products there, spilling those beyond 16 to the stack on every
 /// chunk (a 5-row product cost 1.8× a 4-row one).
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn reduce4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
     let abcd = hadd(hadd(a, b), hadd(c, d));
     _mm_add_ps(
@@ -277,7 +280,7 @@ fn reduce4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
 /// `_mm256_hadd_ps(a, b)`: `[a0+a1, a2+a3, b0+b1, b2+b3]` in each 128-bit half, from two
 /// shuffles and an add (IEEE addition commutes, so the bits are `vhaddps`'s).
 #[inline]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn hadd(a: __m256, b: __m256) -> __m256 {
     _mm256_add_ps(
         _mm256_shuffle_ps::<0b10_00_10_00>(a, b),

@@ -61,6 +61,18 @@ macro_rules! with_rows {
     };
 }
 
+/// Evaluates `$call` with `$w` bound to the typed slice inside the [`Weight`] `$weight`: the
+/// one dispatch from a stored element type to the generic kernels.
+macro_rules! with_weight {
+    ($weight:expr, $w:ident => $call:expr) => {
+        match $weight {
+            Weight::F32($w) => $call,
+            Weight::Bf16($w) => $call,
+            Weight::F16($w) => $call,
+        }
+    };
+}
+
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -76,10 +88,12 @@ pub mod prefetch;
 mod subnormals;
 #[cfg(test)]
 mod tests;
+mod weight_element;
 
 pub use attention::{AttnShape, KvLayout, KvStrides, KvView, Query, attend_group, attend_row};
 pub use kv_element::KvElement;
 pub use subnormals::SubnormalsFlushed;
+pub use weight_element::{Weight, WeightElement};
 
 /// Rows of `x` processed together against one group of weight rows, NEON and portable.
 const ROW_BLOCK: usize = 4;
@@ -102,7 +116,8 @@ const SHARE_ALIGN: usize = 16;
 /// Which instruction set the kernels use, chosen once per process at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX-512F for the matmul (16 lanes, 32 registers), AVX2 + FMA for everything else.
+    /// AVX-512F, BW and VL for the matmul (16 lanes, 32 registers; BW loads 16-bit weights
+    /// under a mask), AVX2 + FMA for everything else.
     Avx512,
     Avx2Fma,
     /// aarch64's NEON for the matmul (every aarch64 CPU has it), portable loops elsewhere.
@@ -147,6 +162,7 @@ pub fn detected_isa() -> Isa {
     {
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512bw")
         {
             return Isa::Avx512;
         }
@@ -176,16 +192,28 @@ pub fn force_isa(isa: Isa) -> Result<(), String> {
 }
 
 /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `w: [outs × inner]` (a linear
-/// layer's weight as stored, no transpose), `out: [rows × outs]`.
-pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]) {
+/// layer's weight as stored: no transpose, and bf16 or f16 read as such), `out: [rows ×
+/// outs]`.
+pub fn matmul_t(x: &[f32], w: Weight<'_>, rows: usize, inner: usize, out: &mut [f32]) {
+    let pool = pool::pool();
+    if pool.threads() > 1 && w.len() >= POOL_MIN_ELEMENTS {
+        return matmul_t_pooled(pool, isa(), (x, rows, inner), &mut [(w, out)]);
+    }
+    with_weight!(w, w => matmul_t_typed(x, w, rows, inner, out))
+}
+
+/// [`matmul_t`] on weights of one element type.
+fn matmul_t_typed<W: WeightElement>(
+    x: &[f32],
+    w: &[W],
+    rows: usize,
+    inner: usize,
+    out: &mut [f32],
+) {
     let outs = w.len() / inner;
     debug_assert_eq!(x.len(), rows * inner);
     debug_assert_eq!(out.len(), rows * outs);
     let isa = isa();
-    let pool = pool::pool();
-    if pool.threads() > 1 && w.len() >= POOL_MIN_ELEMENTS {
-        return matmul_t_pooled(pool, isa, (x, rows, inner), &mut [(w, out)]);
-    }
     if w.len() < PARALLEL_MIN_ELEMENTS || rayon::current_num_threads() == 1 {
         let to = OutLayout { col: 1, row: outs };
         return matmul_t_serial(isa, x, w, rows, inner, SharedOut::new(out), to);
@@ -208,13 +236,13 @@ pub fn matmul_t(x: &[f32], w: &[f32], rows: usize, inner: usize, out: &mut [f32]
 /// Products of one input `x: [rows × inner]` with several weights, `outᵢ = x · wᵢᵀ` (the Q,
 /// K and V projections; gate and up): one job of the decode threads for all of them, so that
 /// the threads meet once instead of once per weight.
-pub fn matmuls_t(x: &[f32], rows: usize, inner: usize, products: &mut [(&[f32], &mut [f32])]) {
+pub fn matmuls_t(x: &[f32], rows: usize, inner: usize, products: &mut [(Weight<'_>, &mut [f32])]) {
     let pool = pool::pool();
     if pool.threads() > 1 && products.iter().all(|(w, _)| w.len() >= POOL_MIN_ELEMENTS) {
         return matmul_t_pooled(pool, isa(), (x, rows, inner), products);
     }
     for (w, out) in products.iter_mut() {
-        matmul_t(x, w, rows, inner, out);
+        matmul_t(x, *w, rows, inner, out);
     }
 }
 
@@ -226,7 +254,7 @@ pub fn gated_t(
     x: &[f32],
     rows: usize,
     inner: usize,
-    weights: (&[f32], &[f32]),
+    weights: (Weight<'_>, Weight<'_>),
     outs: (&mut [f32], &mut [f32]),
 ) {
     gated_t_on(pool::pool(), (x, rows, inner), weights, outs);
@@ -236,7 +264,7 @@ pub fn gated_t(
 fn gated_t_on(
     pool: &pool::Pool,
     (x, rows, inner): (&[f32], usize, usize),
-    (gate_w, up_w): (&[f32], &[f32]),
+    (gate_w, up_w): (Weight<'_>, Weight<'_>),
     (gate, up): (&mut [f32], &mut [f32]),
 ) {
     if pool.threads() == 1 || gate_w.len() < POOL_MIN_ELEMENTS || up_w.len() != gate_w.len() {
@@ -279,10 +307,10 @@ fn matmul_t_pooled(
     pool: &pool::Pool,
     isa: Isa,
     (x, rows, inner): (&[f32], usize, usize),
-    products: &mut [(&[f32], &mut [f32])],
+    products: &mut [(Weight<'_>, &mut [f32])],
 ) {
     let parts = pool.threads();
-    let outs: Vec<(&[f32], SharedOut<'_>)> = (products.iter_mut())
+    let outs: Vec<(Weight<'_>, SharedOut<'_>)> = (products.iter_mut())
         .map(|(w, out)| (*w, SharedOut::new(out)))
         .collect();
     pool.run(&|part| {
@@ -298,7 +326,7 @@ fn matmul_t_pooled(
 fn product_columns(
     isa: Isa,
     (x, rows, inner): (&[f32], usize, usize),
-    w: &[f32],
+    w: Weight<'_>,
     out: SharedOut<'_>,
     range: std::ops::Range<usize>,
 ) {
@@ -306,8 +334,9 @@ fn product_columns(
         col: 1,
         row: w.len() / inner,
     };
-    let w = &w[range.start * inner..range.end * inner];
-    matmul_t_serial(isa, x, w, rows, inner, out.from(range.start), to);
+    let w = w.slice(range.start * inner..range.end * inner);
+    let out = out.from(range.start);
+    with_weight!(w, w => matmul_t_serial(isa, x, w, rows, inner, out, to));
 }
 
 /// An output that the decode threads write at disjoint elements (each its own columns of
@@ -383,10 +412,10 @@ struct OutLayout {
 /// many weight rows a kernel takes at a time is chosen per ISA and row count, as measured
 /// (below). The grouping does not change any result: every (row, weight row) pair is computed
 /// the same way.
-fn matmul_t_serial(
+fn matmul_t_serial<W: WeightElement>(
     isa: Isa,
     x: &[f32],
-    w: &[f32],
+    w: &[W],
     rows: usize,
     inner: usize,
     out: SharedOut<'_>,
@@ -398,7 +427,7 @@ fn matmul_t_serial(
         // input chunks fit. Fewer rows take 4 weight rows too: 1–2 rows × 8 weight rows, in
         // runs of groups, made the default model's 1-row step 11–23 % dearer on an AMD EPYC
         // Zen 4 (weights streaming from DRAM); one or two rows are bound by memory, not FMAs.
-        (Isa::Avx512, _) => sweep::<4>(isa, (x, x86), w, inner, out, to),
+        (Isa::Avx512, _) => sweep::<4, W>(isa, (x, x86), w, inner, out, to),
         // AVX2's 16 registers hold at most 12 accumulators: 1–4 rows × 3 weight rows, and from
         // 5 rows on blocks of up to 6 rows × 2 weight rows. One or two rows are bound by
         // memory, and fewer weight streams were faster: on an AMD EPYC Zen 4 (forced AVX2,
@@ -407,10 +436,10 @@ fn matmul_t_serial(
         // Splitting 5 rows as 3 + 2 rows × 3 weight rows left the 2-row block's 6 accumulators
         // waiting on FMA latency: on an AMD EPYC Zen 4 (forced AVX2) the default model's
         // 5-row step took 1.31–1.38 ms in one block against 1.46–1.55 ms in two.
-        (Isa::Avx2Fma, 1..=4) => sweep::<3>(isa, (x, x86), w, inner, out, to),
-        (Isa::Avx2Fma, _) => sweep::<2>(isa, (x, x86), w, inner, out, to),
-        (_, 1..=2) => sweep::<4>(isa, (x, other), w, inner, out, to),
-        _ => sweep::<2>(isa, (x, other), w, inner, out, to),
+        (Isa::Avx2Fma, 1..=4) => sweep::<3, W>(isa, (x, x86), w, inner, out, to),
+        (Isa::Avx2Fma, _) => sweep::<2, W>(isa, (x, x86), w, inner, out, to),
+        (_, 1..=2) => sweep::<4, W>(isa, (x, other), w, inner, out, to),
+        _ => sweep::<2, W>(isa, (x, other), w, inner, out, to),
     }
 }
 
@@ -420,10 +449,10 @@ fn matmul_t_serial(
 /// the rows are one block, else runs of [`RUN_BYTES`], still in L1 when the next block reads
 /// them. On an AMD EPYC Zen 4, a call for each group made the default model's 3–5-row steps
 /// 10–14 % dearer than one run (AVX-512) and its 1–5-row steps 6–9 % (forced AVX2).
-fn sweep<const J: usize>(
+fn sweep<const J: usize, W: WeightElement>(
     isa: Isa,
     (x, block_rows): (&[f32], usize),
-    w: &[f32],
+    w: &[W],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
@@ -435,20 +464,20 @@ fn sweep<const J: usize>(
     let run = if rows <= block_rows {
         grouped.max(group)
     } else {
-        (RUN_BYTES / std::mem::size_of::<f32>()).div_ceil(group) * group
+        (RUN_BYTES / std::mem::size_of::<W>()).div_ceil(group) * group
     };
     for (c, run_w) in w[..grouped].chunks(run).enumerate() {
         let run_out = out.from(c * (run / inner) * to.col);
         for block in blocks.clone() {
             let xs = &x[block.start * inner..block.end * inner];
-            dots_dispatch::<J>(isa, xs, run_w, inner, run_out, to, block.start);
+            dots_dispatch::<J, W>(isa, xs, run_w, inner, run_out, to, block.start);
         }
     }
     if grouped < w.len() {
         let rest_out = out.from(grouped / inner * to.col);
         for block in blocks {
             let xs = &x[block.start * inner..block.end * inner];
-            dots_dispatch::<1>(isa, xs, &w[grouped..], inner, rest_out, to, block.start);
+            dots_dispatch::<1, W>(isa, xs, &w[grouped..], inner, rest_out, to, block.start);
         }
     }
 }
@@ -468,10 +497,10 @@ fn row_blocks(rows: usize, most: usize) -> impl Iterator<Item = std::ops::Range<
 /// Writes `out[j·to.col + (first + r)·to.row]` = row r of `block` · weight row j of `w`, for
 /// every weight row of `w` (whole groups of `J`).
 #[inline(always)]
-fn dots_dispatch<const J: usize>(
+fn dots_dispatch<const J: usize, W: WeightElement>(
     isa: Isa,
     block: &[f32],
-    w: &[f32],
+    w: &[W],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
@@ -479,15 +508,16 @@ fn dots_dispatch<const J: usize>(
 ) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F and VL, AVX2 and FMA;
+        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F, BW and VL, AVX2, FMA
+        // and F16C;
         // `sweep` passes whole groups and whole rows.
-        Isa::Avx512 => unsafe { avx512::dots::<J>(block, w, inner, out, to, first) },
+        Isa::Avx512 => unsafe { avx512::dots::<J, W>(block, w, inner, out, to, first) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2Fma => unsafe { avx2::dots::<J>(block, w, inner, out, to, first) },
+        Isa::Avx2Fma => unsafe { avx2::dots::<J, W>(block, w, inner, out, to, first) },
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon => neon::dots::<J>(block, w, inner, out, to, first),
-        _ => portable::dots::<J>(block, w, inner, out, to, first),
+        Isa::Neon => neon::dots::<J, W>(block, w, inner, out, to, first),
+        _ => portable::dots::<J, W>(block, w, inner, out, to, first),
     }
 }
 

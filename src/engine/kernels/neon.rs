@@ -8,22 +8,22 @@
 
 use std::arch::aarch64::*;
 
-use super::{OutLayout, ROW_BLOCK, SharedOut};
+use super::{OutLayout, ROW_BLOCK, SharedOut, WeightElement};
 
 /// NEON dot products of up to 4 rows of `xs` with every weight row of `w`, `J` at a time: `w`
 /// holds whole groups of `J` rows of `inner` (`super::sweep`).
 ///
 /// Panics unless `xs` holds whole rows of `inner`.
-pub fn dots<const J: usize>(
+pub fn dots<const J: usize, W: WeightElement>(
     xs: &[f32],
-    w: &[f32],
+    w: &[W],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
-        let ws: [&[f32]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
+        let ws: [&[W]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
         group_dots(xs, ws, out.from(g * J * to.col), to, first);
     }
 }
@@ -32,9 +32,9 @@ pub fn dots<const J: usize>(
 /// and each row chunk once for all weight rows.
 ///
 /// Panics unless every weight row in `ws` holds `ws[0].len()` elements and `xs` whole rows.
-fn group_dots<const J: usize>(
+fn group_dots<const J: usize, W: WeightElement>(
     xs: &[f32],
-    ws: [&[f32]; J],
+    ws: [&[W]; J],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
@@ -51,10 +51,8 @@ fn group_dots<const J: usize>(
         // SAFETY: k + 8 <= inner; every weight row holds `inner` elements (asserted) and every
         // row r < rows of `xs` too, so each 4-float load is in bounds.
         unsafe {
-            let w: [(float32x4_t, float32x4_t); J] = std::array::from_fn(|j| {
-                let p = ws[j].as_ptr().add(k);
-                (vld1q_f32(p), vld1q_f32(p.add(4)))
-            });
+            let w: [(float32x4_t, float32x4_t); J] =
+                std::array::from_fn(|j| W::load8(ws[j].as_ptr().add(k)));
             for (r, a) in acc.iter_mut().enumerate().take(rows) {
                 let p = xs.as_ptr().add(r * inner + k);
                 let (lo, hi) = (vld1q_f32(p), vld1q_f32(p.add(4)));
@@ -71,7 +69,7 @@ fn group_dots<const J: usize>(
             // SAFETY: NEON is part of every aarch64 CPU.
             let mut sum = unsafe { hsum8(a[j]) };
             for kk in main..inner {
-                sum += xs[r * inner + kk] * ws[j][kk];
+                sum += xs[r * inner + kk] * ws[j][kk].to_f32();
             }
             out.set(j * to.col + (first + r) * to.row, sum);
         }

@@ -3,14 +3,14 @@
 //! every ISA to them.
 
 use super::kv_element::KvElement;
-use super::{OutLayout, SharedOut};
+use super::{OutLayout, SharedOut, WeightElement};
 
 /// Dot products of up to `ROW_BLOCK` rows of `xs` with each weight row of `w` (rows of
 /// `inner`; `J` only sets the grouping, which changes nothing here). Every (row, weight row)
 /// pair uses one 8-lane accumulator and the same order, whatever the block sizes.
-pub fn dots<const J: usize>(
+pub fn dots<const J: usize, W: WeightElement>(
     xs: &[f32],
-    w: &[f32],
+    w: &[W],
     inner: usize,
     out: SharedOut<'_>,
     to: OutLayout,
@@ -23,19 +23,20 @@ pub fn dots<const J: usize>(
     }
 }
 
+/// `x · w` with 8 partial sums in order of k, reduced by [`hsum8`]; weights widened exactly.
 #[inline(always)]
-pub fn dot(x: &[f32], w: &[f32]) -> f32 {
+pub fn dot<W: WeightElement>(x: &[f32], w: &[W]) -> f32 {
     let mut acc = [0f32; 8];
     let mut xc = x.chunks_exact(8);
     let mut wc = w.chunks_exact(8);
     for (xs, ws) in (&mut xc).zip(&mut wc) {
         for (a, (x, w)) in acc.iter_mut().zip(xs.iter().zip(ws)) {
-            *a += x * w;
+            *a += x * w.to_f32();
         }
     }
     let mut sum = hsum8(&acc);
     for (a, b) in xc.remainder().iter().zip(wc.remainder()) {
-        sum += a * b;
+        sum += a * b.to_f32();
     }
     sum
 }

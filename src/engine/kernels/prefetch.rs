@@ -252,7 +252,7 @@ mod tests {
         let product = |plan: Prefetch| {
             set(plan);
             let mut out = vec![0f32; rows * outs];
-            super::super::matmul_t(&x, &w, rows, inner, &mut out);
+            super::super::matmul_t(&x, (&w).into(), rows, inner, &mut out);
             out
         };
         let l1 = product(Prefetch::L1);

@@ -36,10 +36,10 @@ fn matmul_is_row_invariant() {
     let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
     let x: Vec<f32> = (0..6 * inner).map(|_| lcg(&mut seed)).collect();
     let mut all = vec![0f32; 6 * outs];
-    matmul_t(&x, &w, 6, inner, &mut all);
+    matmul_t(&x, (&w).into(), 6, inner, &mut all);
     for m in 0..6 {
         let mut one = vec![0f32; outs];
-        matmul_t(&x[m * inner..(m + 1) * inner], &w, 1, inner, &mut one);
+        matmul_t(&x[m * inner..(m + 1) * inner], (&w).into(), 1, inner, &mut one);
         assert_eq!(one, all[m * outs..(m + 1) * outs], "row {m}");
     }
 }
@@ -83,6 +83,45 @@ fn every_isa_is_row_invariant_on_tails_and_odd_groups() {
     }
 }
 
+/// Weights stored in bf16 or f16 give, on every ISA, every row count and the lane tails, the
+/// bits the f32 kernel gives over the same weights widened (a widened bf16 or f16 is exact),
+/// serially and split across threads: the stored types inherit the f32 kernels' exactness.
+#[test]
+fn stored_bf16_and_f16_weights_give_the_bits_of_their_f32_widening() {
+    use half::{bf16, f16};
+    let mut seed = 29;
+    for (inner, outs) in [(203, 13), (40, 9), (256, 70), (5, 3)] {
+        let raw: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
+        let b: Vec<bf16> = raw.iter().map(|&v| bf16::from_f32(v)).collect();
+        let h: Vec<f16> = raw.iter().map(|&v| f16::from_f32(v)).collect();
+        let b_wide: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
+        let h_wide: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+        let x: Vec<f32> = (0..7 * inner).map(|_| lcg(&mut seed) * 3.0).collect();
+        let stored = [(Weight::from(&b[..]), &b_wide), (Weight::from(&h[..]), &h_wide)];
+        for isa in supported_isas() {
+            for rows in 1..=7 {
+                for (w, wide) in stored {
+                    let (mut got, mut want) = (vec![0f32; rows * outs], vec![0f32; rows * outs]);
+                    let (xs, to) = (&x[..rows * inner], OutLayout { col: 1, row: outs });
+                    let out = SharedOut::new(&mut got);
+                    with_weight!(w, w => matmul_t_serial(isa, xs, w, rows, inner, out, to));
+                    let out = SharedOut::new(&mut want);
+                    matmul_t_serial(isa, xs, wide, rows, inner, out, to);
+                    assert_eq!(got, want, "{isa:?} {inner} {rows} {}", w.element_bytes());
+                }
+            }
+        }
+        for threads in [2, 3] {
+            let pool = pool::Pool::new(threads).expect("threads");
+            let (mut got, mut want) = (vec![0f32; 5 * outs], vec![0f32; 5 * outs]);
+            let xs = (&x[..5 * inner], 5, inner);
+            matmul_t_pooled(&pool, isa(), xs, &mut [(Weight::from(&b[..]), &mut got)]);
+            matmul_t_pooled(&pool, isa(), xs, &mut [(Weight::from(&b_wide), &mut want)]);
+            assert_eq!(got, want, "{threads} threads, inner {inner}");
+        }
+    }
+}
+
 #[test]
 fn matmul_matches_candle_on_odd_shapes() {
     use candle_core::{Device, Tensor};
@@ -101,7 +140,7 @@ fn matmul_matches_candle_on_odd_shapes() {
         let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
         let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
         let mut out = vec![0f32; rows * outs];
-        matmul_t(&x, &w, rows, inner, &mut out);
+        matmul_t(&x, (&w).into(), rows, inner, &mut out);
         let xt = Tensor::from_slice(&x, (rows, inner), &Device::Cpu).unwrap();
         let wt = Tensor::from_slice(&w, (outs, inner), &Device::Cpu).unwrap();
         let expect: Vec<f32> = xt
@@ -417,7 +456,7 @@ fn products_split_across_threads_are_the_serial_ones_bit_for_bit() {
             let mut outs: Vec<Vec<f32>> = (ws.iter())
                 .map(|w| vec![0f32; rows * w.len() / inner])
                 .collect();
-            let mut pairs: Vec<(&[f32], &mut [f32])> = (ws.iter().map(Vec::as_slice))
+            let mut pairs: Vec<(Weight<'_>, &mut [f32])> = (ws.iter().map(Weight::from))
                 .zip(outs.iter_mut().map(Vec::as_mut_slice))
                 .collect();
             matmul_t_pooled(&pool, isa(), (&x, rows, inner), &mut pairs);
@@ -453,7 +492,7 @@ fn the_gated_mlp_split_across_threads_is_the_serial_one_bit_for_bit() {
                 gated_t_on(
                     &pool,
                     (&x, rows, inner),
-                    (&gate_w, &up_w),
+                    ((&gate_w).into(), (&up_w).into()),
                     (&mut gate, &mut up),
                 );
                 gate

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 
 use super::device::DeviceBackend;
-use super::host::HostBackend;
+use super::host::{HOST_DTYPES, HostBackend};
 use super::{LayerWeights, LoadOptions, LoopedModel, RowSlot, Weights};
 use crate::engine::config::OuroConfig;
 use crate::engine::error::Result;
@@ -98,9 +98,10 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The host kernels on CPU in f32 (their weights copied to aligned huge pages first; the
-    /// first in a process also fixes the kernels' prefetch plan by timing its steps), candle
-    /// ops everywhere else.
+    /// The host kernels on the CPU in f32, bf16 or f16, reading the weights in that type (copied
+    /// to aligned huge pages first; the first in a process also fixes the kernels' prefetch
+    /// plan by timing its steps); candle ops on other devices, and on the CPU where `options`
+    /// ask for them (the GPU path's CPU twin).
     pub fn for_weights(
         config: OuroConfig,
         weights: Weights,
@@ -108,7 +109,7 @@ impl Backend {
         dtype: DType,
         options: LoadOptions,
     ) -> Result<Self> {
-        if device.is_cpu() && dtype == DType::F32 {
+        if device.is_cpu() && HOST_DTYPES.contains(&dtype) && !options.candle_ops {
             let weights = weights.aligned_for_host()?;
             let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
             let host = HostBackend::new(Arc::new(model), options)?;

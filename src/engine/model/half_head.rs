@@ -89,7 +89,7 @@ impl HalfHead {
         let inner = self.inner;
         let bound = self.error_bound(x);
         if !bound.is_finite() || logits.iter().any(|l| !l.is_finite()) {
-            kernels::matmul_t(x, f32_head, 1, inner, logits);
+            kernels::matmul_t(x, f32_head.into(), 1, inner, logits);
             return;
         }
         let top = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -97,7 +97,7 @@ impl HalfHead {
         for (j, l) in logits.iter_mut().enumerate() {
             if f64::from(*l) >= floor {
                 let row = &f32_head[j * inner..(j + 1) * inner];
-                kernels::matmul_t(x, row, 1, inner, std::slice::from_mut(l));
+                kernels::matmul_t(x, row.into(), 1, inner, std::slice::from_mut(l));
             }
         }
     }
@@ -138,7 +138,7 @@ mod tests {
         for rows in 1..=5 {
             let x = normal(&mut rng, rows * inner, 3.0);
             let mut exact = vec![0f32; rows * vocab];
-            kernels::matmul_t(&x, &head, rows, inner, &mut exact);
+            kernels::matmul_t(&x, (&head).into(), rows, inner, &mut exact);
             let proposals = half.readouts(&x, &vec![false; rows], &head);
             let commits = half.readouts(&x, &vec![true; rows], &head);
             for m in 0..rows {

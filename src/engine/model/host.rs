@@ -1,9 +1,9 @@
-//! The host step backend: spex's CPU kernels (`engine::kernels`) on f32 host memory. Weights
-//! stay in their candle tensors and are viewed in place; the KV cache is host memory.
-//! Readouts go through `half_head` where there is one (proposals in f16, commits screened
-//! exact).
+//! The host step backend: spex's CPU kernels (`engine::kernels`) on host memory, over weight
+//! matrices in the type the checkpoint stores (f32, bf16 or f16: `kernels::Weight`) and f32
+//! activations, norms and KV cache (or an f16 cache). Weights stay in their candle tensors
+//! and are viewed in place. Readouts of an f32 model go through `half_head` where there is
+//! one (proposals in f16, commits screened exact).
 
-use std::ops::Deref;
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, DType, Storage, StorageRef, Tensor};
@@ -14,10 +14,10 @@ use super::host_buffers;
 use super::host_kv::{HostKv, KvBuffers};
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::{self, KvElement, SubnormalsFlushed};
+use crate::engine::kernels::{self, KvElement, SubnormalsFlushed, Weight};
 use crate::engine::kv_cache::KvCache;
 
-/// A read view of a contiguous CPU f32 tensor's elements.
+/// A read view of a contiguous CPU tensor's elements as stored.
 struct HostView<'a> {
     guard: StorageRef<'a>,
     start: usize,
@@ -27,9 +27,9 @@ struct HostView<'a> {
 impl<'a> HostView<'a> {
     fn new(t: &'a Tensor) -> Result<Self> {
         let (guard, layout) = t.storage_and_layout();
-        if !layout.is_contiguous() || !matches!(&*guard, Storage::Cpu(CpuStorage::F32(_))) {
+        if !layout.is_contiguous() || !matches!(&*guard, Storage::Cpu(_)) {
             return Err(EngineError::Invalid(
-                "host kernels need contiguous CPU f32 weights".to_string(),
+                "host kernels need contiguous CPU weights".to_string(),
             ));
         }
         Ok(Self {
@@ -38,14 +38,28 @@ impl<'a> HostView<'a> {
             len: layout.shape().elem_count(),
         })
     }
-}
 
-impl Deref for HostView<'_> {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
+    /// The elements as the matmuls take them: f32, bf16 or f16.
+    fn weight(&self) -> Result<Weight<'_>> {
+        let range = self.start..self.start + self.len;
         match &*self.guard {
-            Storage::Cpu(CpuStorage::F32(v)) => &v[self.start..self.start + self.len],
-            _ => unreachable!("HostView::new checked the storage: this is a bug"),
+            Storage::Cpu(CpuStorage::F32(v)) => Ok(Weight::F32(&v[range])),
+            Storage::Cpu(CpuStorage::BF16(v)) => Ok(Weight::Bf16(&v[range])),
+            Storage::Cpu(CpuStorage::F16(v)) => Ok(Weight::F16(&v[range])),
+            other => Err(EngineError::Invalid(format!(
+                "host kernels read f32, bf16 or f16 weights, not {:?}",
+                other.dtype()
+            ))),
+        }
+    }
+
+    /// The elements of an f32 tensor (norm gains, which loading keeps in f32).
+    fn f32(&self) -> Result<&[f32]> {
+        match self.weight()? {
+            Weight::F32(v) => Ok(v),
+            _ => Err(EngineError::Invalid(
+                "host kernels need f32 norm gains".to_string(),
+            )),
         }
     }
 }
@@ -89,7 +103,10 @@ impl HostRows {
     }
 }
 
-/// spex's kernels on CPU f32 weights, with the f16 proposal head where it is faster.
+/// The weight types the host kernels read as stored.
+pub const HOST_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+/// spex's kernels on CPU weights as stored, with the f16 proposal head where it is faster.
 #[derive(Debug)]
 pub struct HostBackend {
     model: Arc<LoopedModel>,
@@ -98,16 +115,17 @@ pub struct HostBackend {
 }
 
 impl HostBackend {
-    /// The host kernels over `model`, whose weights must be CPU f32 (a one-line error
-    /// otherwise); builds the f16 proposal head unless `options` ask for f32 proposals.
+    /// The host kernels over `model`, whose weights must be on the CPU in f32, bf16 or f16 (a
+    /// one-line error otherwise); builds the f16 proposal head for f32 weights unless
+    /// `options` ask for f32 proposals (a bf16 or f16 head is already half the bytes).
     pub fn new(model: Arc<LoopedModel>, options: LoadOptions) -> Result<Self> {
-        if !model.device.is_cpu() || model.dtype != DType::F32 {
+        if !model.device.is_cpu() || !HOST_DTYPES.contains(&model.dtype) {
             return Err(EngineError::Invalid(format!(
-                "the host kernels need CPU f32 weights, not {:?} {:?}",
+                "the host kernels need CPU weights in f32, bf16 or f16, not {:?} {:?}",
                 model.device, model.dtype
             )));
         }
-        let half_head = if options.f32_proposals {
+        let half_head = if options.f32_proposals || model.dtype != DType::F32 {
             None
         } else {
             let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
@@ -150,11 +168,13 @@ impl HostBackend {
         let views = (weights.iter())
             .map(|w| HostView::new(w))
             .collect::<Result<Vec<_>>>()?;
-        let mut outs: Vec<Vec<f32>> = (views.iter())
-            .map(|view| host_buffers::take(x.rows * (view.len() / inner)))
+        let products = (views.iter())
+            .map(HostView::weight)
+            .collect::<Result<Vec<_>>>()?;
+        let mut outs: Vec<Vec<f32>> = (products.iter())
+            .map(|w| host_buffers::take(x.rows * (w.len() / inner)))
             .collect();
-        let products = views.iter().map(|view| &view[..]);
-        let mut pairs: Vec<(&[f32], &mut [f32])> = products
+        let mut pairs: Vec<(Weight<'_>, &mut [f32])> = (products.into_iter())
             .zip(outs.iter_mut().map(Vec::as_mut_slice))
             .collect();
         kernels::matmuls_t(&x.data, x.rows, inner, &mut pairs);
@@ -261,7 +281,8 @@ impl StepBackend for HostBackend {
 
     fn embed(&self, inputs: Vec<RowInput<Vec<f32>>>) -> Result<HostRows> {
         let (hidden, vocab) = (self.model.config.hidden_size, self.model.config.vocab_size);
-        let embed = HostView::new(&self.model.weights.embed_tokens)?;
+        let view = HostView::new(&self.model.weights.embed_tokens)?;
+        let embed = view.weight()?;
         let mut data = Vec::with_capacity(inputs.len() * hidden);
         for input in &inputs {
             match input {
@@ -272,7 +293,7 @@ impl StepBackend for HostBackend {
                 }
                 RowInput::Token(id) => {
                     let id = *id as usize;
-                    data.extend_from_slice(&embed[id * hidden..(id + 1) * hidden]);
+                    embed.widen_into(id * hidden..(id + 1) * hidden, &mut data);
                 }
                 RowInput::Hidden(state) => data.extend_from_slice(state),
             }
@@ -284,22 +305,24 @@ impl StepBackend for HostBackend {
     }
 
     fn rms_norm(&self, x: &HostRows, weight: &Tensor) -> Result<HostRows> {
-        let w = HostView::new(weight)?;
+        let view = HostView::new(weight)?;
         let mut data = host_buffers::take(x.data.len());
-        kernels::rms_norm(&x.data, &w, self.eps(), &mut data);
+        kernels::rms_norm(&x.data, view.f32()?, self.eps(), &mut data);
         Ok(HostRows { data, ..*x })
     }
 
     fn linear(&self, x: &HostRows, weight: &Tensor) -> Result<HostRows> {
-        let w = HostView::new(weight)?;
+        let view = HostView::new(weight)?;
+        let w = view.weight()?;
         let inner = x.width();
         let mut data = host_buffers::take(x.rows * (w.len() / inner));
-        kernels::matmul_t(&x.data, &w, x.rows, inner, &mut data);
+        kernels::matmul_t(&x.data, w, x.rows, inner, &mut data);
         Ok(HostRows { data, ..*x })
     }
 
     fn gated(&self, x: &HostRows, gate: &Tensor, up: &Tensor) -> Result<HostRows> {
-        let (gate_w, up_w) = (HostView::new(gate)?, HostView::new(up)?);
+        let views = (HostView::new(gate)?, HostView::new(up)?);
+        let (gate_w, up_w) = (views.0.weight()?, views.1.weight()?);
         let inner = x.width();
         let mut gate = host_buffers::take(x.rows * (gate_w.len() / inner));
         let mut up = host_buffers::take(x.rows * (up_w.len() / inner));
@@ -307,7 +330,7 @@ impl StepBackend for HostBackend {
             &x.data,
             x.rows,
             inner,
-            (&gate_w, &up_w),
+            (gate_w, up_w),
             (&mut gate, &mut up),
         );
         host_buffers::give(up);
@@ -399,7 +422,8 @@ impl StepBackend for HostBackend {
                         .iter()
                         .map(|&i| slots[i].readout == ReadoutKind::Argmax)
                         .collect();
-                    head.readouts(&x.data, &screened, &HostView::new(lm_head)?)
+                    let view = HostView::new(lm_head)?;
+                    head.readouts(&x.data, &screened, view.f32()?)
                 }
                 _ => self.linear(&x, lm_head)?.into_data(),
             };

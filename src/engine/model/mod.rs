@@ -35,9 +35,12 @@ pub struct LoadOptions {
     /// Every readout through the f32 LM head, no f16 proposal head (to compare speculation
     /// with exact proposals; commits are exact either way). CLI: `--f32-proposals`.
     pub f32_proposals: bool,
-    /// The host KV cache's element type (CPU f32 models; the device path keeps its dtype).
+    /// The host KV cache's element type (CPU models; the device path keeps its dtype).
     /// CLI: `--kv-cache`.
     pub kv_dtype: KvDtype,
+    /// Decode through candle's ops even on the CPU: the GPU path's code, as its CPU twin and
+    /// the reference the host kernels are held to. CLI: `--candle-ops`.
+    pub candle_ops: bool,
 }
 
 /// Initial values when a `VarMap`-backed builder creates weights (training): projections
@@ -134,10 +137,22 @@ impl Weights {
     }
 
     /// The same weights with every matrix the host kernels stream copied into one arena of
-    /// huge pages, each on a 64-byte boundary (`into_arena`): no 16-float load straddles two
-    /// cache lines, a step's 17 MB of weights need a handful of TLB entries instead of
-    /// thousands, and step times no longer depend on where a process's allocations land.
+    /// huge pages in its stored type, each on a 64-byte boundary (`into_arena`): no 16-float
+    /// load straddles two cache lines, a step's 17 MB of weights need a handful of TLB entries
+    /// instead of thousands, and step times no longer depend on where a process's allocations
+    /// land. The norm gains, a few KB, become f32, which the host's norms read.
     pub fn aligned_for_host(mut self) -> candle_core::Result<Self> {
+        let to_f32 = |t: &mut Tensor| -> candle_core::Result<()> {
+            *t = t.to_dtype(DType::F32)?;
+            Ok(())
+        };
+        to_f32(&mut self.norm)?;
+        for layer in &mut self.layers {
+            to_f32(&mut layer.input_layernorm)?;
+            to_f32(&mut layer.input_layernorm_2)?;
+            to_f32(&mut layer.post_attention_layernorm)?;
+            to_f32(&mut layer.post_attention_layernorm_2)?;
+        }
         let mut mats: Vec<&mut Tensor> = Vec::new();
         for layer in &mut self.layers {
             mats.extend([

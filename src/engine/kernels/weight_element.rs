@@ -1,0 +1,218 @@
+//! The element type of a weight matrix the matmul streams: f32, or bf16 and f16 as a
+//! checkpoint stores them (Ouro's released models are bf16). Called by the matmul kernels
+//! (`avx512`, `avx2`, `neon`, `portable`), which widen each chunk of weights to f32 in
+//! registers and then run the f32 arithmetic, and by `model::host`, which hands them the
+//! weights as stored ([`Weight`]).
+//!
+//! Why as stored: at real size a decode step is bound by the bytes of weights it reads, so a
+//! bf16 matrix read as bf16 costs half of its f32 copy, and no f32 copy is ever made. Why
+//! widened and not multiplied in bf16 (AVX-512 BF16's `vdpbf16ps`): every bf16 and f16 value
+//! is exactly an f32, so a product over stored weights has, bit for bit, the value of the f32
+//! kernel over the same weights widened. The row-invariance that makes speculation exact
+//! carries over unchanged, and the f32 kernels' tests hold the stored types too. The
+//! activations stay f32, so nothing is rounded that the f32 path does not round.
+
+use half::{bf16, f16};
+
+#[cfg(target_arch = "aarch64")]
+use std::arch::aarch64::*;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// A weight element: read as f32 exactly.
+pub trait WeightElement: Copy + Send + Sync + std::fmt::Debug + 'static {
+    /// The value as f32 (exact for every implementor).
+    fn to_f32(self) -> f32;
+
+    /// Eight elements from `p`, widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C, and eight elements must be readable at `p`. Inlined
+    /// into the AVX2 kernels, whose target features cover both.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> __m256;
+
+    /// The elements of `p`'s 16 that `mask` selects, widened to f32, zeros elsewhere.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, BW and VL, and the selected elements must be readable.
+    /// Inlined into the AVX-512 kernels, whose target features cover them.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(mask: __mmask16, p: *const Self) -> __m512;
+
+    /// Eight elements from `p`, widened to f32, as two 4-lane registers.
+    ///
+    /// # Safety
+    /// Eight elements must be readable at `p` (NEON is part of every aarch64 CPU).
+    #[cfg(target_arch = "aarch64")]
+    unsafe fn load8(p: *const Self) -> (float32x4_t, float32x4_t);
+}
+
+impl WeightElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller's features and bounds.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(mask: __mmask16, p: *const Self) -> __m512 {
+        // SAFETY: the caller's features and bounds; masked-off lanes are not read.
+        unsafe { _mm512_maskz_loadu_ps(mask, p) }
+    }
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> (float32x4_t, float32x4_t) {
+        // SAFETY: the caller's bounds.
+        unsafe { (vld1q_f32(p), vld1q_f32(p.add(4))) }
+    }
+}
+
+impl WeightElement for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        // bf16 is the top half of an f32: the widening is a shift, exact.
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller's features and bounds; eight bf16 are the 16 bytes loaded.
+        unsafe {
+            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(mask: __mmask16, p: *const Self) -> __m512 {
+        // SAFETY: the caller's features and bounds; masked-off lanes are not read.
+        unsafe {
+            let wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> (float32x4_t, float32x4_t) {
+        // SAFETY: the caller's bounds; eight bf16 are the 16 bytes loaded.
+        unsafe {
+            let halves = vld1q_u16(p.cast());
+            (
+                vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(halves))),
+                vreinterpretq_f32_u32(vshll_high_n_u16::<16>(halves)),
+            )
+        }
+    }
+}
+
+impl WeightElement for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller's features and bounds; eight f16 are the 16 bytes loaded.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(mask: __mmask16, p: *const Self) -> __m512 {
+        // SAFETY: the caller's features and bounds; masked-off lanes are not read.
+        unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())) }
+    }
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> (float32x4_t, float32x4_t) {
+        // NEON's f16 conversions are not in stable Rust: widened one by one (exact), then
+        // loaded. f16 weights are rare on aarch64 (Ouro is bf16); the result is the same.
+        let mut wide = [0f32; 8];
+        for (i, w) in wide.iter_mut().enumerate() {
+            // SAFETY: the caller's bounds: eight elements are readable at `p`.
+            *w = unsafe { *p.add(i) }.to_f32();
+        }
+        // SAFETY: `wide` holds eight floats.
+        unsafe { (vld1q_f32(wide.as_ptr()), vld1q_f32(wide.as_ptr().add(4))) }
+    }
+}
+
+/// A weight matrix's elements as stored, `[outs × inner]` row-major: what the matmuls take.
+#[derive(Debug, Clone, Copy)]
+pub enum Weight<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl<'a> From<&'a [f32]> for Weight<'a> {
+    fn from(w: &'a [f32]) -> Self {
+        Self::F32(w)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for Weight<'a> {
+    fn from(w: &'a Vec<f32>) -> Self {
+        Self::F32(w)
+    }
+}
+
+impl<'a> From<&'a [bf16]> for Weight<'a> {
+    fn from(w: &'a [bf16]) -> Self {
+        Self::Bf16(w)
+    }
+}
+
+impl<'a> From<&'a [f16]> for Weight<'a> {
+    fn from(w: &'a [f16]) -> Self {
+        Self::F16(w)
+    }
+}
+
+impl<'a> Weight<'a> {
+    /// Its number of elements.
+    pub fn len(self) -> usize {
+        match self {
+            Self::F32(w) => w.len(),
+            Self::Bf16(w) => w.len(),
+            Self::F16(w) => w.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes of one element.
+    pub fn element_bytes(self) -> usize {
+        match self {
+            Self::F32(_) => 4,
+            Self::Bf16(_) | Self::F16(_) => 2,
+        }
+    }
+
+    /// Elements `range`.
+    pub fn slice(self, range: std::ops::Range<usize>) -> Self {
+        match self {
+            Self::F32(w) => Self::F32(&w[range]),
+            Self::Bf16(w) => Self::Bf16(&w[range]),
+            Self::F16(w) => Self::F16(&w[range]),
+        }
+    }
+
+    /// Elements `range`, widened to f32 (a row of the embedding, say).
+    pub fn widen_into(self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        match self {
+            Self::F32(w) => out.extend_from_slice(&w[range]),
+            Self::Bf16(w) => out.extend(w[range].iter().map(|v| v.to_f32())),
+            Self::F16(w) => out.extend(w[range].iter().map(|v| WeightElement::to_f32(*v))),
+        }
+    }
+}
