@@ -99,9 +99,10 @@ pub struct ModelArgs {
     /// (aarch64) or portable (a lower one measures it on this machine).
     #[arg(long, value_enum, default_value_t = IsaArg::Auto)]
     pub isa: IsaArg,
-    /// Threads a CPU decode step is split over (both lanes of a race or bench use the same).
-    #[arg(long, default_value_t = 1)]
-    pub threads: usize,
+    /// Threads a CPU decode step is split over (both lanes of a race or bench use the same;
+    /// default and most: the physical cores this process may use).
+    #[arg(long)]
+    pub threads: Option<usize>,
     /// How the CPU kernels prefetch weights: auto (each candidate timed on the model's own
     /// steps when it loads), l1 (16 KB ahead into L1) or l2 (also 64 KB ahead into L2).
     #[arg(long, value_enum, default_value_t = PrefetchArg::Auto)]
@@ -395,8 +396,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     args.isa.apply()?;
     args.prefetch.apply()?;
-    crate::engine::kernels::pool::set_threads(args.threads)
-        .map_err(|e| EngineError::Invalid(format!("--threads {}: {e}", args.threads)))?;
+    let threads = decode_threads(args.threads)?;
+    crate::engine::kernels::pool::set_threads(threads)
+        .map_err(|e| EngineError::Invalid(format!("--threads {threads}: {e}")))?;
     let offline = args.offline || hub::offline_from_env();
     let resolved = models::resolve(args.model.as_deref(), offline)?;
     let entry = resolved.entry.as_ref();
@@ -439,6 +441,21 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
             seed: entry.and_then(|e| e.seed).unwrap_or(0),
         },
     })
+}
+
+/// The decode threads `--threads` asks for: the available cores by default, and at most them
+/// (a one-line note on stderr where more were asked for); 0 is an error.
+fn decode_threads(asked: Option<usize>) -> Result<usize, EngineError> {
+    let cores = crate::engine::kernels::pool::available_cores();
+    match asked {
+        None => Ok(cores),
+        Some(0) => Err(EngineError::Invalid("--threads 0: must be at least 1".into())),
+        Some(n) if n > cores => {
+            eprintln!("spex: --threads {n}: this machine has {cores} core(s) free for spex; using {cores}");
+            Ok(cores)
+        }
+        Some(n) => Ok(n),
+    }
 }
 
 /// The element type a checkpoint stores its weights in, by its config's `torch_dtype` (f32 for
