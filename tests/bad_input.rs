@@ -371,8 +371,22 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     assert!(table.contains("runs min–med–max"), "{table}");
     // bf16 decodes on spex's kernels, its weights read as stored, and says so; with
     // --candle-ops on candle's ops, every decode step padded to 2·R rows.
-    let bf16 = ["bench", "--model", &d, "--max-tokens", "4", "--runs", "1", "--dtype", "bf16"];
-    let table = spex_ok(&[&bf16[..], &["--prompts", &p]].concat(), &[], Path::new("."));
+    let bf16 = [
+        "bench",
+        "--model",
+        &d,
+        "--max-tokens",
+        "4",
+        "--runs",
+        "1",
+        "--dtype",
+        "bf16",
+    ];
+    let table = spex_ok(
+        &[&bf16[..], &["--prompts", &p]].concat(),
+        &[],
+        Path::new("."),
+    );
     let table = String::from_utf8(table).unwrap();
     assert!(table.contains("thread(s), bf16 weights"), "{table}");
     let candle = [&bf16[..], &["--prompts", &p, "--candle-ops"]].concat();

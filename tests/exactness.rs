@@ -134,7 +134,10 @@ fn every_shape_stored(dtype: DType) {
     let mut tally = Tally::default();
     let prompts = &PROMPTS[..6];
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
-        for (layers, passes) in [1, 2, 4].into_iter().flat_map(|k| (1..=4).map(move |r| (k, r))) {
+        for (layers, passes) in [1, 2, 4]
+            .into_iter()
+            .flat_map(|k| (1..=4).map(move |r| (k, r)))
+        {
             let mut spec = spec(layers, passes, variant, (layers * 10 + passes) as u64);
             spec.dtype = dtype;
             let dir = tempfile::TempDir::new().expect("temp dir");
@@ -148,12 +151,19 @@ fn every_shape_stored(dtype: DType) {
             for &prompt in prompts {
                 let a = run_lane(&stored, PolicyKind::Baseline, prompt, OPTIONS).expect("lane");
                 let b = run_lane(&widened, PolicyKind::Baseline, prompt, OPTIONS).expect("lane");
-                assert_eq!(a.tokens, b.tokens, "{label}: stored and widened, {prompt:?}");
+                assert_eq!(
+                    a.tokens, b.tokens,
+                    "{label}: stored and widened, {prompt:?}"
+                );
             }
         }
     }
     assert!(tally.flips > 100, "{dtype:?}: {} flips", tally.flips);
-    assert!(tally.accepted_second > 10, "{dtype:?}: {}", tally.accepted_second);
+    assert!(
+        tally.accepted_second > 10,
+        "{dtype:?}: {}",
+        tally.accepted_second
+    );
 }
 
 #[test]

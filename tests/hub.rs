@@ -252,7 +252,10 @@ fn devices_this_build_lacks_are_one_line_errors() {
             ],
             &[],
         );
-        assert!(ok, "{dtype} on the CPU runs spex's kernels on stored weights: {err}");
+        assert!(
+            ok,
+            "{dtype} on the CPU runs spex's kernels on stored weights: {err}"
+        );
     }
 }
 

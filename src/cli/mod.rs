@@ -6,6 +6,7 @@ pub mod device;
 mod explain;
 mod generate;
 pub mod hub;
+mod load_bar;
 pub mod models;
 mod record;
 mod replay;
@@ -419,7 +420,13 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
         candle_ops: args.candle_ops,
     };
     let mut loaded = match &resolved.source {
-        models::ModelSource::Dir(dir) => LoadedModel::load_with(dir, &dev, dtype, options)?,
+        models::ModelSource::Dir(dir) => {
+            let mut bar = load_bar::LoadBar::new(dir);
+            let loaded =
+                LoadedModel::load_reporting(dir, &dev, dtype, options, &mut |p| bar.show(p));
+            bar.finish();
+            loaded?
+        }
         models::ModelSource::Embedded => {
             LoadedModel::from_bytes(models::EMBEDDED, &dev, dtype, options)?
         }
@@ -449,9 +456,13 @@ fn decode_threads(asked: Option<usize>) -> Result<usize, EngineError> {
     let cores = crate::engine::kernels::pool::available_cores();
     match asked {
         None => Ok(cores),
-        Some(0) => Err(EngineError::Invalid("--threads 0: must be at least 1".into())),
+        Some(0) => Err(EngineError::Invalid(
+            "--threads 0: must be at least 1".into(),
+        )),
         Some(n) if n > cores => {
-            eprintln!("spex: --threads {n}: this machine has {cores} core(s) free for spex; using {cores}");
+            eprintln!(
+                "spex: --threads {n}: this machine has {cores} core(s) free for spex; using {cores}"
+            );
             Ok(cores)
         }
         Some(n) => Ok(n),

@@ -13,9 +13,18 @@ use candle_nn::VarBuilder;
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
 use super::memory::check_device_room;
-use super::model::{Backend, LoadOptions, LoopedModel, Weights};
-use super::tensor_files::TensorFiles;
+use super::model::{Backend, LoadOptions, LoopedModel, Weights, host_matrix_specs};
+use super::tensor_files::{Preloaded, TensorFiles};
 use super::tokenizer::TextTokenizer;
+
+/// How far a load has come, for a progress bar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadProgress {
+    /// The host kernels' matrices: `read_bytes` of `total_bytes` read into their arena.
+    Reading { read_bytes: u64, total_bytes: u64 },
+    /// Read; the first host model of a process times its steps to fix the prefetch plan.
+    TimingSteps,
+}
 
 /// The files of one checkpoint directory, checked to exist.
 #[derive(Debug, Clone)]
@@ -57,11 +66,63 @@ impl Checkpoint {
         dtype: DType,
         options: LoadOptions,
     ) -> Result<Backend> {
+        self.load_model_reporting(device, dtype, options, &mut |_| {})
+    }
+
+    /// [`Checkpoint::load_model`], telling `progress` how far the host kernels' weights are
+    /// read (the bulk of a large checkpoint's load).
+    pub fn load_model_reporting(
+        &self,
+        device: &Device,
+        dtype: DType,
+        options: LoadOptions,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Backend> {
         check_device_room(device, &self.config, dtype, &self.dir)?;
         let files = TensorFiles::open(&self.weight_files)?;
+        if Backend::runs_on_host(device, dtype, options) {
+            return self.load_host(files, dtype, options, progress);
+        }
         let vb = VarBuilder::from_backend(Box::new(files), dtype, device.clone());
         let weights = Weights::load(&vb, &self.config).map_err(|e| self.tensor_error(e))?;
         Backend::for_weights(self.config.clone(), weights, device, dtype, options)
+    }
+
+    /// The host kernels' model: the matrices they stream read straight from the files into
+    /// one arena in `dtype` (`TensorFiles::read_into_arena`), so the load holds the weights
+    /// once and copies them once; the rest read as tensors.
+    fn load_host(
+        &self,
+        files: TensorFiles,
+        dtype: DType,
+        options: LoadOptions,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Backend> {
+        let specs = host_matrix_specs(&self.config);
+        let total_bytes = (specs.iter())
+            .map(|(_, shape)| (shape.elem_count() * dtype.size_in_bytes()) as u64)
+            .sum();
+        let mut read_bytes = 0;
+        let mut read = |bytes: u64| {
+            read_bytes += bytes;
+            progress(LoadProgress::Reading {
+                read_bytes,
+                total_bytes,
+            });
+        };
+        let tensors = match dtype {
+            DType::BF16 => files.read_into_arena::<half::bf16>(&specs, &mut read),
+            DType::F16 => files.read_into_arena::<half::f16>(&specs, &mut read),
+            _ => files.read_into_arena::<f32>(&specs, &mut read),
+        }
+        .map_err(|e| self.tensor_error(e))?;
+        let preloaded = Preloaded { files, tensors };
+        let vb = VarBuilder::from_backend(Box::new(preloaded), dtype, Device::Cpu);
+        let weights = Weights::load(&vb, &self.config)
+            .and_then(Weights::with_f32_norms)
+            .map_err(|e| self.tensor_error(e))?;
+        progress(LoadProgress::TimingSteps);
+        Backend::host(self.config.clone(), weights, dtype, options)
     }
 
     fn tensor_error(&self, e: candle_core::Error) -> EngineError {
@@ -175,9 +236,20 @@ impl LoadedModel {
         dtype: DType,
         options: LoadOptions,
     ) -> Result<Self> {
+        Self::load_reporting(dir, device, dtype, options, &mut |_| {})
+    }
+
+    /// [`LoadedModel::load_with`], telling `progress` how far the weights are read.
+    pub fn load_reporting(
+        dir: &Path,
+        device: &Device,
+        dtype: DType,
+        options: LoadOptions,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
         let checkpoint = Checkpoint::open(dir)?;
         let tokenizer = checkpoint.load_tokenizer()?;
-        let backend = checkpoint.load_model(device, dtype, options)?;
+        let backend = checkpoint.load_model_reporting(device, dtype, options, progress)?;
         Self::assemble(
             backend,
             tokenizer,

@@ -3,7 +3,7 @@
 //! handing freed heap memory back to the kernel while loading; and whether a GPU has room for
 //! a checkpoint's weights before they are loaded (`check_device_room`, for the loaders). Best effort everywhere: a system without either loses nothing else.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Shape, Tensor};
 
 /// Offers `buf`'s whole 2 MB pages to the kernel as transparent huge pages: before the memory
 /// is first written (`collapse` false: later faults get huge pages) or after it (`collapse`
@@ -35,21 +35,34 @@ pub fn advise_huge_pages<T>(buf: &[T], collapse: bool) {
 }
 
 /// Checks that `device` has room for the weights of a checkpoint of `config` in `dtype` before
-/// they are loaded, so that a model too large for a GPU is one line naming both sizes instead
-/// of a failed allocation halfway through the load. The CPU and Metal: nothing to check.
+/// they are loaded, so that a model too large for a GPU, or for the machine's memory, is one
+/// line naming both sizes instead of a failed allocation (or the OOM killer) halfway through
+/// the load. Metal, and a system that does not say what it has: nothing to check.
 pub fn check_device_room(
     device: &candle_core::Device,
     config: &super::OuroConfig,
     dtype: DType,
     what: &std::path::Path,
 ) -> super::error::Result<()> {
+    let elements: usize = (super::format::checkpoint_tensors(config).iter())
+        .map(|t| t.shape.iter().product::<usize>())
+        .sum();
+    let bytes = elements * dtype.size_in_bytes();
+    let gb = |b: usize| b as f64 / 1e9;
+    if let (true, Some(available)) = (device.is_cpu(), available_memory_bytes()) {
+        if bytes > available {
+            return Err(super::EngineError::file(
+                what,
+                format!(
+                    "the weights need {:.2} GB in {dtype:?} and this machine has {:.2} GB of memory available",
+                    gb(bytes),
+                    gb(available)
+                ),
+            ));
+        }
+    }
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(cuda) = device {
-        let elements: usize = (super::format::checkpoint_tensors(config).iter())
-            .map(|t| t.shape.iter().product::<usize>())
-            .sum();
-        let bytes = elements * dtype.size_in_bytes();
-        let gb = |b: usize| b as f64 / 1e9;
         let (free, total) = (cuda.cuda_stream().context().mem_get_info())
             .map_err(|e| super::EngineError::file(what, format!("cuda: {e}")))?;
         if bytes > free {
@@ -64,8 +77,27 @@ pub fn check_device_room(
             ));
         }
     }
-    let _ = (device, config, dtype, what);
     Ok(())
+}
+
+/// The memory this process can still take: Linux's MemAvailable (free memory plus what the
+/// page cache can give back), at most what its cgroup's limit leaves. `None` elsewhere.
+fn available_memory_bytes() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = (meminfo.lines())
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<usize>()
+        .ok()?;
+    let read = |f: &str| {
+        let text = std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok()?;
+        text.trim().parse::<usize>().ok()
+    };
+    let cgroup_room = read("memory.max").zip(read("memory.current"));
+    let room = cgroup_room.map_or(usize::MAX, |(max, used)| max.saturating_sub(used));
+    Some((kb * 1024).min(room))
 }
 
 /// Hands memory the allocator holds free back to the kernel. glibc raises its mmap threshold
@@ -80,9 +112,8 @@ pub fn release_free_memory() {
 }
 
 /// Copies CPU matrices into one arena of their element type (the first matrix's; the others
-/// are converted to it, which a checkpoint loaded in one dtype never needs): it starts on a
-/// 2 MB boundary and is offered to the kernel as huge pages, and every matrix starts on a
-/// 64-byte boundary. Each tensor becomes a view into the arena.
+/// are converted to it, which a checkpoint loaded in one dtype never needs). Each tensor
+/// becomes a view into the arena ([`Arena`]).
 pub fn into_arena(mats: &mut [&mut Tensor]) -> candle_core::Result<()> {
     match mats.first().map(|t| t.dtype()) {
         None => Ok(()),
@@ -93,38 +124,93 @@ pub fn into_arena(mats: &mut [&mut Tensor]) -> candle_core::Result<()> {
 }
 
 /// [`into_arena`] with elements `T`.
-fn into_arena_of<T: candle_core::WithDType>(mats: &mut [&mut Tensor]) -> candle_core::Result<()> {
-    const HUGE_BYTES: usize = 2 << 20;
-    let (huge, line) = (HUGE_BYTES / T::DTYPE.size_in_bytes(), 64 / T::DTYPE.size_in_bytes());
+fn into_arena_of<T: ArenaElement>(mats: &mut [&mut Tensor]) -> candle_core::Result<()> {
     let Some(device) = mats.first().map(|t| t.device().clone()) else {
         return Ok(());
     };
-    let slots: Vec<usize> = mats
-        .iter()
-        .map(|t| t.elem_count().div_ceil(line) * line)
-        .collect();
-    let total: usize = slots.iter().sum();
-    let mut arena = vec![T::zero(); total + huge];
-    let base = arena.as_ptr().align_offset(HUGE_BYTES).min(huge);
-    advise_huge_pages(&arena[base..base + total], false);
-    let mut placed = Vec::with_capacity(mats.len());
-    let mut at = base;
-    for (t, slot) in mats.iter_mut().zip(&slots) {
+    let shapes: Vec<Shape> = mats.iter().map(|t| t.shape().clone()).collect();
+    let mut arena = Arena::<T>::new(&shapes)?;
+    for (i, t) in mats.iter_mut().enumerate() {
         let data = t.flatten_all()?.to_dtype(T::DTYPE)?.to_vec1::<T>()?;
-        arena[at..at + data.len()].copy_from_slice(&data);
-        placed.push((at, t.shape().clone()));
+        arena.slot_mut(i).copy_from_slice(&data);
         // Drop the original now, not after the loop: loading then holds the weights about
-        // once plus one matrix, not twice (a 1.4B model on CPU is 2.8 GB of bf16).
+        // once plus one matrix, not twice.
         **t = Tensor::zeros((), T::DTYPE, &device)?;
         drop(data);
         release_free_memory();
-        at += slot;
     }
-    advise_huge_pages(&arena[base..base + total], true);
-    let len = arena.len();
-    let arena = Tensor::from_vec(arena, len, &device)?;
-    for (t, (start, shape)) in mats.iter_mut().zip(placed) {
-        **t = arena.narrow(0, start, shape.elem_count())?.reshape(shape)?;
+    for (t, view) in mats.iter_mut().zip(arena.finish(&device)?) {
+        **t = view;
     }
     Ok(())
+}
+
+/// An element an arena holds: a candle dtype whose every bit pattern is a value (f32, bf16,
+/// f16), so a file's bytes can be read straight into it.
+pub trait ArenaElement: candle_core::WithDType + bytemuck::Pod {}
+impl ArenaElement for f32 {}
+impl ArenaElement for half::bf16 {}
+impl ArenaElement for half::f16 {}
+
+/// Weight matrices in one allocation: it starts on a 2 MB boundary and is offered to the
+/// kernel as huge pages (a step's weights then need a handful of TLB entries, not thousands),
+/// every matrix starts on a 64-byte boundary (no 16-float load straddles two cache lines), and
+/// its pages are zeroed by the kernel on first touch, so filling it (from a file, or from a
+/// tensor freed right after) never holds the weights twice.
+pub struct Arena<T> {
+    data: Vec<T>,
+    slots: Vec<(usize, Shape)>,
+    /// Where the first slot starts (the 2 MB boundary) and the slots' total length.
+    base: usize,
+    total: usize,
+}
+
+impl<T: ArenaElement> Arena<T> {
+    /// An arena with one zeroed slot per shape, in order; an error naming the size if the
+    /// memory cannot be had.
+    pub fn new(shapes: &[Shape]) -> candle_core::Result<Self> {
+        const HUGE_BYTES: usize = 2 << 20;
+        let size = std::mem::size_of::<T>();
+        let (huge, line) = (HUGE_BYTES / size, 64 / size);
+        let lens: Vec<usize> = shapes.iter().map(|s| s.elem_count()).collect();
+        let total: usize = lens.iter().map(|n| n.div_ceil(line) * line).sum();
+        let data = bytemuck::try_zeroed_vec::<T>(total + huge).map_err(|()| {
+            candle_core::Error::Msg(format!(
+                "cannot allocate {:.2} GB for the weights",
+                ((total + huge) * size) as f64 / 1e9
+            ))
+        })?;
+        let base = data.as_ptr().align_offset(HUGE_BYTES).min(huge);
+        advise_huge_pages(&data[base..base + total], false);
+        let mut at = base;
+        let slots = (shapes.iter().zip(&lens))
+            .map(|(shape, &len)| {
+                let start = at;
+                at += len.div_ceil(line) * line;
+                (start, shape.clone())
+            })
+            .collect();
+        Ok(Self {
+            data,
+            slots,
+            base,
+            total,
+        })
+    }
+
+    /// Slot `i`'s elements, to fill.
+    pub fn slot_mut(&mut self, i: usize) -> &mut [T] {
+        let (start, shape) = &self.slots[i];
+        &mut self.data[*start..*start + shape.elem_count()]
+    }
+
+    /// The filled arena as one tensor on `device`, and each slot as a view of its shape.
+    pub fn finish(self, device: &candle_core::Device) -> candle_core::Result<Vec<Tensor>> {
+        advise_huge_pages(&self.data[self.base..self.base + self.total], true);
+        let len = self.data.len();
+        let arena = Tensor::from_vec(self.data, len, device)?;
+        (self.slots.into_iter())
+            .map(|(start, shape)| arena.narrow(0, start, shape.elem_count())?.reshape(shape))
+            .collect()
+    }
 }

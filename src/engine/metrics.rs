@@ -345,16 +345,27 @@ fn median_times(
 ) -> Result<Vec<Duration>> {
     let mut before = |_: usize| {};
     match backend {
-        Backend::Host(b) => median_times_on(&**b, (pos, pos + 1, 1), batches, repeats, &mut before),
-        Backend::Device(b) => {
-            median_times_on(&**b, (pos, pos + 1, 1), batches, repeats, &mut before)
-        }
+        Backend::Host(b) => median_times_on(
+            &**b,
+            (pos, pos + 1, 1),
+            batches,
+            repeats.into(),
+            &mut before,
+        ),
+        Backend::Device(b) => median_times_on(
+            &**b,
+            (pos, pos + 1, 1),
+            batches,
+            repeats.into(),
+            &mut before,
+        ),
     }
 }
 
 /// Fixes the host kernels' prefetch plan (`kernels::prefetch`), the first time a process loads
 /// a host model: each candidate's median one-row and R-row step at position 64 (or the
-/// model's last), 25 rounds (about 0.1 s on the default model). Each round gives every
+/// model's last), 25 rounds (about 0.1 s on the default model), fewer where that would take
+/// more than [`PLAN_TIMING_BUDGET`] (Ouro-1.4B's shape: 2 rounds of 0.9 s). Each round gives every
 /// candidate a turn, as a race gives its lanes: a baseline token's R one-row steps (the LM
 /// head on the last only), then one R-row step, over the candidate's own KV cache of the
 /// default context, so that its steps follow its own and find its cache laid out as a run's
@@ -375,7 +386,11 @@ pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choic
             (plans.iter()).flat_map(|_| turn.iter().cloned()).collect();
         let mut before = |batch: usize| apply(plans[batch / turn.len()]);
         let lanes = (pos, capacity, plans.len());
-        let t = median_times_on(backend, lanes, &batches, 25, &mut before)?;
+        let rounds = Rounds {
+            most: 25,
+            budget: Some(PLAN_TIMING_BUDGET),
+        };
+        let t = median_times_on(backend, lanes, &batches, rounds, &mut before)?;
         Ok(t.chunks_exact(turn.len())
             .map(|t| step_times(t, passes))
             .map(|times| (times.one_row, times.full))
@@ -383,8 +398,43 @@ pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choic
     })
 }
 
+/// How long the prefetch plan's timing may take when a model loads: a model so large that its
+/// 25 rounds would take longer streams its weights from DRAM, where the plans differ by far
+/// more than the noise of a few rounds (Ouro-1.4B's shape on an AMD EPYC Zen 4: 4-row steps of
+/// 130 ms with `l1` against 101 ms with `l2`), and 25 rounds made its load 22 s longer.
+const PLAN_TIMING_BUDGET: Duration = Duration::from_secs(2);
+
+/// How many timed rounds: `most`, or as many as fit in `budget` (at least one) after the
+/// first warm-up round shows a round's time.
+#[derive(Debug, Clone, Copy)]
+struct Rounds {
+    most: usize,
+    budget: Option<Duration>,
+}
+
+impl From<usize> for Rounds {
+    fn from(most: usize) -> Self {
+        Self { most, budget: None }
+    }
+}
+
+impl Rounds {
+    /// Warm-up rounds and timed rounds, given the first warm-up round's time: two warm-ups
+    /// and `most` rounds where they fit the budget, else one warm-up and what fits.
+    fn plan(self, first_round: Duration) -> (usize, usize) {
+        match self.budget {
+            Some(budget) if first_round * (self.most as u32 + 2) > budget => {
+                let fit = budget.as_secs_f64() / first_round.as_secs_f64().max(1e-9);
+                (1, (fit as usize).clamp(1, self.most))
+            }
+            _ => (2, self.most),
+        }
+    }
+}
+
 /// Median compute of each batch of rows at `pos` (every row's input a token), the batches
-/// interleaved so that machine noise hits them alike; two warm-up rounds are dropped.
+/// interleaved so that machine noise hits them alike; the warm-up rounds (`Rounds::plan`) are
+/// dropped.
 /// `before(i)` runs before batch `i` each time, untimed. The batches split evenly into
 /// `lanes` runs with a KV cache of `capacity` positions each, as a race's lanes have (one
 /// lane's turn leaves the other's cache to come from memory).
@@ -392,7 +442,7 @@ fn median_times_on<B: StepBackend>(
     backend: &B,
     (pos, capacity, lanes): (usize, usize, usize),
     batches: &[Vec<RowSlot>],
-    repeats: usize,
+    rounds: Rounds,
     before: &mut dyn FnMut(usize),
 ) -> Result<Vec<Duration>> {
     let passes = backend.model().passes();
@@ -408,8 +458,11 @@ fn median_times_on<B: StepBackend>(
         })
         .collect::<Result<Vec<_>>>()?;
     let per_lane = batches.len().div_ceil(caches.len());
-    let mut times = vec![Vec::with_capacity(repeats); batches.len()];
-    for round in 0..repeats + 2 {
+    let mut times = vec![Vec::with_capacity(rounds.most); batches.len()];
+    let (mut warm_ups, mut repeats) = (2, rounds.most);
+    let mut round = 0;
+    while round < warm_ups + repeats {
+        let started_round = Instant::now();
         for (i, (batch, t)) in batches.iter().zip(&mut times).enumerate() {
             before(i);
             let cache = &mut caches[i / per_lane];
@@ -422,10 +475,14 @@ fn median_times_on<B: StepBackend>(
                 .collect();
             let started = Instant::now();
             step(backend, rows, cache)?;
-            if round >= 2 {
+            if round >= warm_ups {
                 t.push(started.elapsed());
             }
         }
+        if round == 0 {
+            (warm_ups, repeats) = rounds.plan(started_round.elapsed());
+        }
+        round += 1;
     }
     Ok(times.iter_mut().map(|t| median(t)).collect())
 }

@@ -15,6 +15,7 @@ use candle_nn::var_builder::SimpleBackend;
 use safetensors::tensor::{Metadata, TensorInfo};
 
 use super::error::{EngineError, Result};
+use super::memory::{Arena, ArenaElement};
 
 /// Headers beyond this are not a plausible safetensors file (the format caps them at 100 MB).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -44,6 +45,73 @@ impl TensorFiles {
         self.shards
             .iter()
             .find_map(|s| s.tensors.get(name).map(|info| (s, info)))
+    }
+
+    /// Reads the tensors `specs` (name and shape) into one host arena of `T`, each straight
+    /// from its file where it is stored as `T` (one copy, no tensor in between), else read and
+    /// converted; `progress(bytes)` after each. The arena's views, by name.
+    pub fn read_into_arena<T: ArenaElement>(
+        &self,
+        specs: &[(String, Shape)],
+        progress: &mut dyn FnMut(u64),
+    ) -> candle_core::Result<HashMap<String, Tensor>> {
+        let shapes: Vec<Shape> = specs.iter().map(|(_, shape)| shape.clone()).collect();
+        let mut arena = Arena::<T>::new(&shapes)?;
+        for (i, (name, shape)) in specs.iter().enumerate() {
+            let slot = arena.slot_mut(i);
+            if !self.read_stored_into(name, shape, T::DTYPE, bytemuck::cast_slice_mut(slot))? {
+                let data = self.get(
+                    shape.clone(),
+                    name,
+                    candle_nn::Init::Const(0.0),
+                    T::DTYPE,
+                    &Device::Cpu,
+                )?;
+                slot.copy_from_slice(&data.flatten_all()?.to_vec1::<T>()?);
+            }
+            progress(std::mem::size_of_val(slot) as u64);
+        }
+        let views = arena.finish(&Device::Cpu)?;
+        Ok(specs
+            .iter()
+            .map(|(name, _)| name.clone())
+            .zip(views)
+            .collect())
+    }
+
+    /// Reads tensor `name`'s bytes straight into `dst` where it is stored as `dtype` (true),
+    /// else reads nothing (false: the caller converts); an error if it is missing or its shape
+    /// is not `shape`.
+    fn read_stored_into(
+        &self,
+        name: &str,
+        shape: &Shape,
+        dtype: DType,
+        dst: &mut [u8],
+    ) -> candle_core::Result<bool> {
+        let Some((shard, info)) = self.find(name) else {
+            return Err(candle_core::Error::CannotFindTensor {
+                path: name.to_string(),
+            });
+        };
+        if info.shape != shape.dims() {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: shape.clone(),
+                got: info.shape.clone().into(),
+            });
+        }
+        let (start, end) = info.data_offsets;
+        if DType::try_from(info.dtype).ok() != Some(dtype) || end - start != dst.len() {
+            return Ok(false);
+        }
+        let mut file = shard
+            .file
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("a tensor read panicked".into()))?;
+        file.seek(SeekFrom::Start(shard.data_start + start as u64))?;
+        file.read_exact(dst)?;
+        Ok(true)
     }
 
     /// The tensor as stored (its file dtype), on `device`.
@@ -144,6 +212,46 @@ impl SimpleBackend for TensorFiles {
 
     fn contains_tensor(&self, name: &str) -> bool {
         self.find(name).is_some()
+    }
+}
+
+/// A `VarBuilder` backend that serves some tensors from memory (the host's weight arena, read
+/// by [`TensorFiles::read_into_arena`]) and the rest from the files.
+pub struct Preloaded {
+    pub files: TensorFiles,
+    pub tensors: HashMap<String, Tensor>,
+}
+
+impl SimpleBackend for Preloaded {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        init: candle_nn::Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        match self.tensors.get(name) {
+            // Read with this shape into the arena (`read_stored_into` checked it).
+            Some(tensor) if tensor.shape() == &shape => tensor.to_dtype(dtype),
+            _ => self.files.get(shape, name, init, dtype, device),
+        }
+    }
+
+    fn get_unchecked(
+        &self,
+        name: &str,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        match self.tensors.get(name) {
+            Some(tensor) => tensor.to_dtype(dtype),
+            None => self.files.get_unchecked(name, dtype, device),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name) || self.files.contains_tensor(name)
     }
 }
 

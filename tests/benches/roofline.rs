@@ -164,7 +164,13 @@ fn stream_bytes_per_sec(loaded: &LoadedModel) -> f64 {
         .map(|_| {
             let t = Instant::now();
             for (w, inner) in &matrices {
-                kernels::matmul_t(&x[..*inner], w.into(), 1, *inner, &mut out[..w.len() / inner]);
+                kernels::matmul_t(
+                    &x[..*inner],
+                    w.into(),
+                    1,
+                    *inner,
+                    &mut out[..w.len() / inner],
+                );
             }
             t.elapsed()
         })

@@ -39,7 +39,13 @@ fn matmul_is_row_invariant() {
     matmul_t(&x, (&w).into(), 6, inner, &mut all);
     for m in 0..6 {
         let mut one = vec![0f32; outs];
-        matmul_t(&x[m * inner..(m + 1) * inner], (&w).into(), 1, inner, &mut one);
+        matmul_t(
+            &x[m * inner..(m + 1) * inner],
+            (&w).into(),
+            1,
+            inner,
+            &mut one,
+        );
         assert_eq!(one, all[m * outs..(m + 1) * outs], "row {m}");
     }
 }
@@ -97,7 +103,10 @@ fn stored_bf16_and_f16_weights_give_the_bits_of_their_f32_widening() {
         let b_wide: Vec<f32> = b.iter().map(|v| v.to_f32()).collect();
         let h_wide: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
         let x: Vec<f32> = (0..7 * inner).map(|_| lcg(&mut seed) * 3.0).collect();
-        let stored = [(Weight::from(&b[..]), &b_wide), (Weight::from(&h[..]), &h_wide)];
+        let stored = [
+            (Weight::from(&b[..]), &b_wide),
+            (Weight::from(&h[..]), &h_wide),
+        ];
         for isa in supported_isas() {
             for rows in 1..=7 {
                 for (w, wide) in stored {

@@ -109,15 +109,32 @@ impl Backend {
         dtype: DType,
         options: LoadOptions,
     ) -> Result<Self> {
-        if device.is_cpu() && HOST_DTYPES.contains(&dtype) && !options.candle_ops {
-            let weights = weights.aligned_for_host()?;
-            let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
-            let host = HostBackend::new(Arc::new(model), options)?;
-            crate::engine::metrics::choose_prefetch(&host)?;
-            return Ok(Self::Host(Arc::new(host)));
+        if Self::runs_on_host(device, dtype, options) {
+            return Self::host(config, weights.aligned_for_host()?, dtype, options);
         }
         let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
         Ok(Self::Device(Arc::new(DeviceBackend::new(Arc::new(model)))))
+    }
+
+    /// Whether a model loaded on `device` in `dtype` with `options` decodes on the host
+    /// kernels: the one rule [`Backend::for_weights`] and the loaders follow.
+    pub fn runs_on_host(device: &Device, dtype: DType, options: LoadOptions) -> bool {
+        device.is_cpu() && HOST_DTYPES.contains(&dtype) && !options.candle_ops
+    }
+
+    /// The host kernels over weights already laid out for them (`Weights::aligned_for_host`,
+    /// or read straight into an arena); the first in a process also fixes the kernels'
+    /// prefetch plan by timing its steps.
+    pub fn host(
+        config: OuroConfig,
+        weights: Weights,
+        dtype: DType,
+        options: LoadOptions,
+    ) -> Result<Self> {
+        let model = LoopedModel::new(config, weights, Device::Cpu, dtype)?;
+        let host = HostBackend::new(Arc::new(model), options)?;
+        crate::engine::metrics::choose_prefetch(&host)?;
+        Ok(Self::Host(Arc::new(host)))
     }
 
     /// The model the backend steps.

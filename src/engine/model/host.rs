@@ -326,13 +326,7 @@ impl StepBackend for HostBackend {
         let inner = x.width();
         let mut gate = host_buffers::take(x.rows * (gate_w.len() / inner));
         let mut up = host_buffers::take(x.rows * (up_w.len() / inner));
-        kernels::gated_t(
-            &x.data,
-            x.rows,
-            inner,
-            (gate_w, up_w),
-            (&mut gate, &mut up),
-        );
+        kernels::gated_t(&x.data, x.rows, inner, (gate_w, up_w), (&mut gate, &mut up));
         host_buffers::give(up);
         Ok(HostRows {
             data: gate,

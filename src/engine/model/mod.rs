@@ -141,18 +141,15 @@ impl Weights {
     /// load straddles two cache lines, a step's 17 MB of weights need a handful of TLB entries
     /// instead of thousands, and step times no longer depend on where a process's allocations
     /// land. The norm gains, a few KB, become f32, which the host's norms read.
-    pub fn aligned_for_host(mut self) -> candle_core::Result<Self> {
-        let to_f32 = |t: &mut Tensor| -> candle_core::Result<()> {
-            *t = t.to_dtype(DType::F32)?;
-            Ok(())
-        };
-        to_f32(&mut self.norm)?;
-        for layer in &mut self.layers {
-            to_f32(&mut layer.input_layernorm)?;
-            to_f32(&mut layer.input_layernorm_2)?;
-            to_f32(&mut layer.post_attention_layernorm)?;
-            to_f32(&mut layer.post_attention_layernorm_2)?;
-        }
+    pub fn aligned_for_host(self) -> candle_core::Result<Self> {
+        let mut weights = self.with_f32_norms()?;
+        memory::into_arena(&mut weights.host_matrices())?;
+        Ok(weights)
+    }
+
+    /// The matrices the host kernels stream, in [`host_matrix_specs`]' order: every layer's
+    /// projections, then the LM head.
+    fn host_matrices(&mut self) -> Vec<&mut Tensor> {
         let mut mats: Vec<&mut Tensor> = Vec::new();
         for layer in &mut self.layers {
             mats.extend([
@@ -166,9 +163,47 @@ impl Weights {
             ]);
         }
         mats.push(&mut self.lm_head);
-        memory::into_arena(&mut mats)?;
+        mats
+    }
+
+    /// The same weights with the norm gains in f32, which the host's norms read (a few KB).
+    pub fn with_f32_norms(mut self) -> candle_core::Result<Self> {
+        let to_f32 = |t: &mut Tensor| -> candle_core::Result<()> {
+            *t = t.to_dtype(DType::F32)?;
+            Ok(())
+        };
+        to_f32(&mut self.norm)?;
+        for layer in &mut self.layers {
+            to_f32(&mut layer.input_layernorm)?;
+            to_f32(&mut layer.input_layernorm_2)?;
+            to_f32(&mut layer.post_attention_layernorm)?;
+            to_f32(&mut layer.post_attention_layernorm_2)?;
+        }
         Ok(self)
     }
+}
+
+/// The names and shapes of the matrices the host kernels stream, in the order a host arena
+/// holds them: every layer's projections in the format's order, then the LM head (the
+/// embedding where the checkpoint ties them). The loaders read these straight into the arena.
+pub fn host_matrix_specs(config: &OuroConfig) -> Vec<(String, candle_core::Shape)> {
+    let mut specs = Vec::new();
+    for layer in 0..config.num_hidden_layers {
+        for t in LayerTensor::ALL {
+            if let (shape, Role::Linear { .. }) = t.shape_and_role(config) {
+                specs.push((t.name(layer), shape.into()));
+            }
+        }
+    }
+    let head = match config.tie_word_embeddings {
+        true => format::EMBED_TOKENS,
+        false => format::LM_HEAD,
+    };
+    specs.push((
+        head.to_string(),
+        (config.vocab_size, config.hidden_size).into(),
+    ));
+    specs
 }
 
 /// Rotary tables for positions `0..positions`: `[positions, head_dim / 2]`, host and device.
