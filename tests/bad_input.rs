@@ -90,6 +90,60 @@ fn missing_directory_and_missing_files() {
     run_with(dir.path(), "model.safetensors: missing");
 }
 
+/// A checkpoint whose weights outgrow the machine's available memory is refused before a byte
+/// is read, naming both sizes.
+#[test]
+fn a_checkpoint_larger_than_the_available_memory_is_one_line() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    edit_config(dir.path(), |c| {
+        c.insert("intermediate_size".into(), 100_000_000_000u64.into());
+    });
+    run_with(dir.path(), "GB of memory available");
+}
+
+/// A chat template that does not compile names tokenizer_config.json and the field; a
+/// checkpoint's own template wraps the prompt (its system turn shows in the prompt's tokens).
+#[test]
+fn a_bad_chat_template_is_one_line_and_a_good_one_is_used() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let config = dir.path().join("tokenizer_config.json");
+    std::fs::write(&config, r#"{"chat_template": "{% if messages %}"}"#).unwrap();
+    let mut args = generate_args(dir.path());
+    args.push("--chat".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_clean_error(&args, "tokenizer_config.json: field `chat_template`");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    std::fs::copy(fixture.join("tokenizer_config.json"), &config).unwrap();
+    let (ok, stderr) = spex(&args);
+    assert!(ok, "{stderr}");
+}
+
+/// A tensor stored in a type spex cannot read names the tensor and the type.
+#[test]
+fn a_tensor_of_an_unreadable_type_names_itself_and_its_type() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + header_len]).unwrap();
+    let name = "model.layers.0.self_attn.q_proj.weight";
+    let mut json: serde_json::Value = serde_json::from_str(header).unwrap();
+    // The same bytes as booleans, one an element: four times the rows.
+    json[name]["dtype"] = "BOOL".into();
+    let rows = json[name]["shape"][0].as_u64().unwrap();
+    json[name]["shape"][0] = (rows * 4).into();
+    let mut header = serde_json::to_vec(&json).unwrap();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&header);
+    file.extend_from_slice(&bytes[8 + header_len..]);
+    std::fs::write(&path, file).unwrap();
+    run_with(
+        dir.path(),
+        &format!("tensor `{name}`: {name} is stored as BOOL"),
+    );
+}
+
 #[test]
 fn truncated_safetensors() {
     let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));

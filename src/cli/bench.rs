@@ -197,7 +197,7 @@ fn bench_prompts(
         let lanes = (policies, turns);
         let mut r = bench_prompt(
             &session.loaded,
-            &session.prompt(prompt),
+            &session.prompt(prompt)?,
             options,
             lanes,
             &mut observe,

@@ -25,7 +25,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let mut decoder = Decoder::new(
         loaded,
         policy.build(),
-        &session.prompt(&args.prompt),
+        &session.prompt(&args.prompt)?,
         options,
     )?;
     let mut recorder = match &args.record {

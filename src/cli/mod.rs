@@ -238,12 +238,13 @@ impl Session {
         }
     }
 
-    /// The prompt as the model sees it: wrapped in the chat template for chat models.
-    pub fn prompt(&self, prompt: &str) -> String {
+    /// The prompt as the model sees it: wrapped in the checkpoint's chat template for chat
+    /// models.
+    pub fn prompt(&self, prompt: &str) -> Result<String, EngineError> {
         if self.chat {
-            crate::engine::tokenizer::chat_prompt(prompt)
+            self.loaded.tokenizer.chat_prompt(prompt)
         } else {
-            prompt.to_string()
+            Ok(prompt.to_string())
         }
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
+use super::chat::ChatTemplate;
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
 use super::memory::check_device_room;
@@ -146,9 +147,11 @@ impl Checkpoint {
         }
     }
 
-    /// Loads `tokenizer.json`.
+    /// Loads `tokenizer.json`, with the chat template of `tokenizer_config.json` where there
+    /// is one.
     pub fn load_tokenizer(&self) -> Result<TextTokenizer> {
-        TextTokenizer::load(&self.tokenizer_file, &self.config.eos_token_ids)
+        let tokenizer = TextTokenizer::load(&self.tokenizer_file, &self.config.eos_token_ids)?;
+        Ok(tokenizer.with_chat_template(ChatTemplate::load(&self.dir)?))
     }
 }
 

@@ -49,17 +49,18 @@ pub fn check_device_room(
         .sum();
     let bytes = elements * dtype.size_in_bytes();
     let gb = |b: usize| b as f64 / 1e9;
-    if let (true, Some(available)) = (device.is_cpu(), available_memory_bytes()) {
-        if bytes > available {
-            return Err(super::EngineError::file(
-                what,
-                format!(
-                    "the weights need {:.2} GB in {dtype:?} and this machine has {:.2} GB of memory available",
-                    gb(bytes),
-                    gb(available)
-                ),
-            ));
-        }
+    if let (true, Some(available)) = (device.is_cpu(), available_memory_bytes())
+        && bytes > available
+    {
+        return Err(super::EngineError::file(
+            what,
+            format!(
+                "the weights need {:.2} GB in {dtype:?} and this machine has {:.2} GB of memory \
+                 available",
+                gb(bytes),
+                gb(available)
+            ),
+        ));
     }
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(cuda) = device {

@@ -3,6 +3,7 @@
 //! training (`crate::train`).
 
 pub mod bench;
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod decoder;

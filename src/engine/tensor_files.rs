@@ -94,6 +94,9 @@ impl TensorFiles {
                 path: name.to_string(),
             });
         };
+        if DType::try_from(info.dtype).is_err() {
+            return Ok(false); // `read` names the type.
+        }
         if info.shape != shape.dims() {
             return Err(candle_core::Error::UnexpectedShape {
                 msg: format!("shape mismatch for {name}"),
@@ -121,7 +124,13 @@ impl TensorFiles {
                 .ok_or_else(|| candle_core::Error::CannotFindTensor {
                     path: name.to_string(),
                 })?;
-        let dtype = DType::try_from(info.dtype)?;
+        let dtype = DType::try_from(info.dtype).map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "{name} is stored as {:?}, a type spex cannot read (f32, bf16, f16 and \
+                 integer types are read)",
+                info.dtype
+            ))
+        })?;
         let (start, end) = info.data_offsets;
         let mut bytes = vec![0u8; end - start];
         {

@@ -8,6 +8,7 @@ use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer, TokenizerBuilder};
 
+use super::chat::ChatTemplate;
 use super::error::{EngineError, Result};
 
 /// Special tokens in Ouro's order: `<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2.
@@ -18,6 +19,7 @@ pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_en
 pub struct TextTokenizer {
     inner: Tokenizer,
     eos: Vec<u32>,
+    chat: ChatTemplate,
 }
 
 impl TextTokenizer {
@@ -27,6 +29,7 @@ impl TextTokenizer {
         Ok(Self {
             inner,
             eos: eos.to_vec(),
+            chat: ChatTemplate::default(),
         })
     }
 
@@ -35,7 +38,18 @@ impl TextTokenizer {
         Self {
             inner,
             eos: eos.to_vec(),
+            chat: ChatTemplate::default(),
         }
+    }
+
+    /// The same tokenizer with the checkpoint's chat template (ChatML until one is set).
+    pub fn with_chat_template(self, chat: ChatTemplate) -> Self {
+        Self { chat, ..self }
+    }
+
+    /// `prompt` as one user turn of the chat template, the assistant's turn begun.
+    pub fn chat_prompt(&self, prompt: &str) -> Result<String> {
+        self.chat.render(prompt)
     }
 
     /// Token ids of `text` (no special tokens added).
@@ -76,12 +90,6 @@ impl TextTokenizer {
     pub fn is_eos(&self, id: u32) -> bool {
         self.eos.contains(&id)
     }
-}
-
-/// Ouro's chat format (ChatML): one user turn, then the assistant's turn begins. (spex does
-/// not render the Jinja template of tokenizer_config.json; Ouro's is this format.)
-pub fn chat_prompt(prompt: &str) -> String {
-    format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
 }
 
 /// Streams text from committed ids, emitting only complete UTF-8 text (after candle's

@@ -259,7 +259,7 @@ impl Source for Races<'_> {
                         self.open_trace()?;
                     }
                     let prompt = if self.options.chat {
-                        crate::engine::tokenizer::chat_prompt(&prompt)
+                        self.loaded.tokenizer.chat_prompt(&prompt)?
                     } else {
                         prompt
                     };
