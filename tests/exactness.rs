@@ -9,6 +9,7 @@ use common::{
     with_kv_dtype,
 };
 use spex::engine::bench::run_lane;
+use spex::engine::kernels;
 use spex::engine::kv_cache::KvCache;
 use spex::engine::model::{
     Backend, KvDtype, LoadOptions, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow,
@@ -127,9 +128,9 @@ fn speed_equals_baseline_on_every_gqa_shape() {
 }
 
 /// Weights the host kernels read as stored, in bf16 or f16, on every shape of every variant:
-/// every lane equals the baseline, and the baseline equals, token for token, the same
-/// checkpoint widened to f32 (a widened bf16 or f16 is exact, and the kernels widen in
-/// registers before the f32 arithmetic).
+/// every lane equals the baseline, and where the kernels widen the weights (every ISA but
+/// AVX-512 BF16's bf16 products, which round the activations to bf16) the baseline equals,
+/// token for token, the same checkpoint widened to f32 (a widened bf16 or f16 is exact).
 fn every_shape_stored(dtype: DType) {
     let mut tally = Tally::default();
     let prompts = &PROMPTS[..6];
@@ -146,6 +147,9 @@ fn every_shape_stored(dtype: DType) {
             assert!(matches!(stored.backend, Backend::Host(_)), "host kernels");
             let label = format!("{dtype:?} {variant:?} K={layers} R={passes}");
             assert_lanes_equal_on(&stored, prompts, &label, &mut tally);
+            if dtype == DType::BF16 && kernels::isa() == kernels::Isa::Avx512Bf16 {
+                continue;
+            }
             let widened = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
             let widened = with_f32_readouts(&widened);
             for &prompt in prompts {

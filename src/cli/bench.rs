@@ -124,12 +124,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         print_header(args, &session, options, &policies);
     }
     let results = bench_prompts(args, &session, options, (&prompts, &policies))?;
-    let overall = Overall::of(&results, passes);
+    let mut overall = Overall::of(&results, passes);
+    overall.read_bytes_per_sec = read_bandwidth(&session.loaded);
     if args.json {
         let report = json_report(&session, &results, &overall, (args, options.sampling));
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_overall(&overall, results.len(), passes);
+        print_bandwidth(&session.loaded, &overall);
     }
     let failed: Vec<&str> = (overall.policies.iter())
         .filter(|p| p.mismatches > 0)
@@ -290,6 +292,38 @@ struct PolicyTotals {
 struct Overall {
     policies: Vec<PolicyTotals>,
     ceiling: f64,
+    /// The machine's read bandwidth, where the model is large enough for it to bound a step.
+    read_bytes_per_sec: Option<f64>,
+}
+
+/// The machine's read bandwidth (`engine::roofline`), measured where the host kernels decode
+/// a model whose passes read DRAM.
+fn read_bandwidth(loaded: &crate::engine::LoadedModel) -> Option<f64> {
+    use crate::engine::roofline;
+    let host = matches!(loaded.backend, crate::engine::model::Backend::Host(_));
+    let large = roofline::layer_bytes_per_pass(loaded.model()) >= roofline::MEANINGFUL_FROM_BYTES;
+    (host && large).then(roofline::read_bytes_per_sec)
+}
+
+/// The line under the table at real size: the bandwidth, a baseline token's weight bytes,
+/// and the share of the bandwidth the baseline reads.
+fn print_bandwidth(loaded: &crate::engine::LoadedModel, overall: &Overall) {
+    let (Some(bandwidth), Some(first)) = (overall.read_bytes_per_sec, overall.policies.first())
+    else {
+        return;
+    };
+    let model = loaded.model();
+    let tokens_per_sec = first.baseline.tokens_per_sec();
+    let bytes = crate::engine::roofline::weight_bytes_per_token(model) as f64;
+    println!(
+        "read bandwidth {:.1} GB/s; a baseline token reads {:.2} GB of weights, so {:.2} tok/s \
+         reads {:.1} GB/s: {:.0} % of it",
+        bandwidth / 1e9,
+        bytes / 1e9,
+        tokens_per_sec,
+        bytes * tokens_per_sec / 1e9,
+        100.0 * crate::engine::roofline::bandwidth_share(model, tokens_per_sec, bandwidth)
+    );
 }
 
 impl Overall {
@@ -316,6 +350,7 @@ impl Overall {
         Self {
             policies,
             ceiling: ceilings.sum::<f64>() / results.len().max(1) as f64,
+            read_bytes_per_sec: None,
         }
     }
 }
@@ -364,6 +399,11 @@ fn json_report(
         })).collect::<Vec<_>>(),
         "overall": {
             "ceiling": overall.ceiling,
+            "read_bytes_per_sec": overall.read_bytes_per_sec,
+            "weight_bytes_per_token": crate::engine::roofline::weight_bytes_per_token(session.loaded.model()),
+            "baseline_bandwidth_share": overall.read_bytes_per_sec.zip(overall.policies.first()).map(|(bw, p)| {
+                crate::engine::roofline::bandwidth_share(session.loaded.model(), p.baseline.tokens_per_sec(), bw)
+            }),
             "policies": overall.policies.iter().map(|p| json!({
                 "policy": p.name,
                 "baseline_tokens_per_sec": p.baseline.tokens_per_sec(),

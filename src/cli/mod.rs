@@ -96,8 +96,8 @@ pub struct ModelArgs {
     /// (equal to a full-precision forward). Both lanes of a race use the same.
     #[arg(long, value_enum, default_value_t = KvCacheArg::F16)]
     pub kv_cache: KvCacheArg,
-    /// The CPU kernels' instruction set: auto (the best this CPU has), avx512, avx2, neon
-    /// (aarch64) or portable (a lower one measures it on this machine).
+    /// The CPU kernels' instruction set: auto (the best this CPU has), avx512bf16, avx512,
+    /// avx2, neon (aarch64) or portable (a lower one measures it on this machine).
     #[arg(long, value_enum, default_value_t = IsaArg::Auto)]
     pub isa: IsaArg,
     /// Threads a CPU decode step is split over (both lanes of a race or bench use the same;
@@ -151,6 +151,9 @@ impl From<KvCacheArg> for KvDtype {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum IsaArg {
     Auto,
+    /// AVX-512 with BF16's dot products for bf16 weights (activations rounded to bf16).
+    Avx512bf16,
+    /// AVX-512F: bf16 and f16 weights widened to f32 exactly.
     Avx512,
     Avx2,
     /// aarch64's NEON.
@@ -164,6 +167,7 @@ impl IsaArg {
         use crate::engine::kernels::{Isa, force_isa};
         let isa = match self {
             Self::Auto => return Ok(()),
+            Self::Avx512bf16 => Isa::Avx512Bf16,
             Self::Avx512 => Isa::Avx512,
             Self::Avx2 => Isa::Avx2Fma,
             Self::Neon => Isa::Neon,

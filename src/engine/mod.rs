@@ -23,6 +23,7 @@ pub mod policy;
 pub mod race;
 pub mod random_checkpoint;
 pub mod rng;
+pub mod roofline;
 pub mod sampling;
 mod tensor_files;
 pub mod tokenizer;

@@ -187,7 +187,7 @@ fn peak_macs_per_sec() -> Option<f64> {
     {
         let iterations = 2_000_000;
         let lanes_per_iteration = match kernels::isa() {
-            kernels::Isa::Avx512 => 24 * 16,
+            kernels::Isa::Avx512 | kernels::Isa::Avx512Bf16 => 24 * 16,
             kernels::Isa::Avx2Fma => 12 * 8,
             _ => return None,
         };
@@ -197,7 +197,9 @@ fn peak_macs_per_sec() -> Option<f64> {
                 // SAFETY: `isa()` detected (or was forced to no more than) these features.
                 let sum = unsafe {
                     match kernels::isa() {
-                        kernels::Isa::Avx512 => fma_chains_512(iterations),
+                        kernels::Isa::Avx512 | kernels::Isa::Avx512Bf16 => {
+                            fma_chains_512(iterations)
+                        }
                         _ => fma_chains_256(iterations),
                     }
                 };

@@ -215,6 +215,7 @@ fn main() {
     if let Some(isa) = arg_value("--isa") {
         use spex::engine::kernels::Isa;
         let isa = match isa.as_str() {
+            "avx512bf16" => Isa::Avx512Bf16,
             "avx512" => Isa::Avx512,
             "avx2" => Isa::Avx2Fma,
             "neon" => Isa::Neon,

@@ -142,7 +142,7 @@ unsafe fn chunk<const R: usize, const J: usize, W: WeightElement>(
 /// products on an AMD EPYC Zen 4 (`cargo bench --bench step -- --only kernels`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn store_group<const R: usize, const J: usize>(
+pub(super) fn store_group<const R: usize, const J: usize>(
     acc: &[[__m512; J]; R],
     out: SharedOut<'_>,
     to: OutLayout,

@@ -17,7 +17,7 @@ const ROWS: usize = 6;
 
 /// Whether `PackedF16::matmul` runs vectorised on this CPU.
 pub fn fast() -> bool {
-    super::isa() == super::Isa::Avx512
+    super::isa().has_avx512()
 }
 
 /// A `[outs × inner]` matrix in f16, packed in column panels (the last one zero-padded).

@@ -78,6 +78,8 @@ mod attention;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_bf16;
 pub mod f16;
 mod kv_element;
 #[cfg(target_arch = "aarch64")]
@@ -116,6 +118,9 @@ const SHARE_ALIGN: usize = 16;
 /// Which instruction set the kernels use, chosen once per process at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// [`Isa::Avx512`], and AVX-512 BF16's `vdpbf16ps` for bf16 weights: twice the
+    /// multiply-adds an instruction, the activations rounded to bf16 (`avx512_bf16`).
+    Avx512Bf16,
     /// AVX-512F, BW and VL for the matmul (16 lanes, 32 registers; BW loads 16-bit weights
     /// under a mask), AVX2 + FMA for everything else.
     Avx512,
@@ -130,15 +135,22 @@ impl Isa {
     /// fallback).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn has_avx2(self) -> bool {
-        matches!(self, Isa::Avx512 | Isa::Avx2Fma)
+        matches!(self, Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2Fma)
     }
 
-    /// Portable 0, AVX2 + FMA 1, AVX-512 2: a CPU runs every level up to its own.
+    /// Whether the AVX-512 kernels may run (AVX-512F, BW and VL were detected).
+    pub fn has_avx512(self) -> bool {
+        matches!(self, Isa::Avx512Bf16 | Isa::Avx512)
+    }
+
+    /// Portable 0, AVX2 + FMA 1, AVX-512 2, AVX-512 BF16 3: a CPU runs every level up to its
+    /// own.
     fn level(self) -> u8 {
         match self {
             Isa::Portable => 0,
             Isa::Avx2Fma | Isa::Neon => 1,
             Isa::Avx512 => 2,
+            Isa::Avx512Bf16 => 3,
         }
     }
 }
@@ -164,6 +176,9 @@ pub fn detected_isa() -> Isa {
             && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512bw")
         {
+            if std::arch::is_x86_feature_detected!("avx512bf16") {
+                return Isa::Avx512Bf16;
+            }
             return Isa::Avx512;
         }
         return Isa::Avx2Fma;
@@ -422,12 +437,18 @@ fn matmul_t_serial<W: WeightElement>(
     to: OutLayout,
 ) {
     let (x86, other) = (X86_ROW_BLOCK, ROW_BLOCK);
+    #[cfg(target_arch = "x86_64")]
+    if let (Isa::Avx512Bf16, Some(w)) = (isa, W::as_bf16(w)) {
+        // SAFETY: `isa()` returns Avx512Bf16 only after detecting AVX-512F, BW, VL and BF16,
+        // AVX2, FMA and F16C; `w` and `x` hold whole rows of `inner`.
+        return unsafe { avx512_bf16::sweep(x, w, inner, out, to) };
+    }
     match (isa, rows) {
         // AVX-512 has 32 registers: 6 rows × 4 weight rows of accumulators plus the weight and
         // input chunks fit. Fewer rows take 4 weight rows too: 1–2 rows × 8 weight rows, in
         // runs of groups, made the default model's 1-row step 11–23 % dearer on an AMD EPYC
         // Zen 4 (weights streaming from DRAM); one or two rows are bound by memory, not FMAs.
-        (Isa::Avx512, _) => sweep::<4, W>(isa, (x, x86), w, inner, out, to),
+        (Isa::Avx512 | Isa::Avx512Bf16, _) => sweep::<4, W>(isa, (x, x86), w, inner, out, to),
         // AVX2's 16 registers hold at most 12 accumulators: 1–4 rows × 3 weight rows, and from
         // 5 rows on blocks of up to 6 rows × 2 weight rows. One or two rows are bound by
         // memory, and fewer weight streams were faster: on an AMD EPYC Zen 4 (forced AVX2,
@@ -511,7 +532,9 @@ fn dots_dispatch<const J: usize, W: WeightElement>(
         // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F, BW and VL, AVX2, FMA
         // and F16C;
         // `sweep` passes whole groups and whole rows.
-        Isa::Avx512 => unsafe { avx512::dots::<J, W>(block, w, inner, out, to, first) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+            avx512::dots::<J, W>(block, w, inner, out, to, first)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
         Isa::Avx2Fma => unsafe { avx2::dots::<J, W>(block, w, inner, out, to, first) },

@@ -24,6 +24,12 @@ pub trait WeightElement: Copy + Send + Sync + std::fmt::Debug + 'static {
     /// The value as f32 (exact for every implementor).
     fn to_f32(self) -> f32;
 
+    /// The slice itself where the elements are bf16 (AVX-512 BF16 multiplies those as
+    /// stored).
+    fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
+        None
+    }
+
     /// Eight elements from `p`, widened to f32.
     ///
     /// # Safety
@@ -78,6 +84,9 @@ impl WeightElement for bf16 {
     fn to_f32(self) -> f32 {
         // bf16 is the top half of an f32: the widening is a shift, exact.
         f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    fn as_bf16(w: &[Self]) -> Option<&[bf16]> {
+        Some(w)
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]

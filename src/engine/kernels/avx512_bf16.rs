@@ -1,0 +1,207 @@
+//! AVX-512 BF16 products for bf16 weights (Zen 4 and later, Sapphire Rapids and later):
+//! `vdpbf16ps` multiplies 32 bf16 pairs and adds them into 16 f32 lanes, twice AVX-512F's
+//! multiply-adds an instruction and no widening of the weights, so a step's extra rows ride
+//! under the weight stream instead of adding to it. The activations are rounded to bf16 (to
+//! nearest, even) once per product, as llama.cpp does for bf16 weights; the sums stay f32.
+//!
+//! Exactness holds as on every other path: each (row, weight row) pair has one accumulator fed
+//! its 32-element chunks in order and reduced by `avx512::store_group`'s tree, whatever rows or
+//! weight rows share its block, and each row's activations round the same way alone or beside
+//! others, so a token's result does not depend on the rows beside it. Only `super`'s dispatch
+//! calls this, after `isa()` detected AVX-512 BF16.
+
+use std::arch::x86_64::*;
+
+use half::bf16;
+
+use super::{OutLayout, RUN_BYTES, SharedOut, X86_ROW_BLOCK, avx512, prefetch, row_blocks};
+
+/// Weight rows a kernel call takes at a time (6 rows × 4 of accumulators, 4 weight chunks
+/// and a row chunk: 29 of 32 registers), as `avx512` does.
+const J: usize = 4;
+
+/// `out = x · wᵀ` over one thread's weight rows `w` (`[outs × inner]` bf16), `x` `[rows ×
+/// inner]` f32 rounded to bf16 first, in blocks of up to 6 rows and runs of weights as
+/// `super::sweep` takes them.
+///
+/// # Safety
+/// The CPU must have AVX-512F, BW, VL and BF16, AVX2, FMA and F16C; `w` holds whole rows of
+/// `inner` and `x` whole rows of `inner`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+pub unsafe fn sweep(x: &[f32], w: &[bf16], inner: usize, out: SharedOut<'_>, to: OutLayout) {
+    ROUNDED.with_borrow_mut(|xs| {
+        // SAFETY: this function's features and the caller's shapes.
+        unsafe { sweep_rounded(x, rounded(x, inner, xs), w, inner, out, to) }
+    });
+}
+
+thread_local! {
+    /// A thread's rounded rows, kept for its next product (no allocation per product).
+    static ROUNDED: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`sweep`] with the rows already rounded and padded (`rounded`).
+///
+/// # Safety
+/// As [`sweep`]; `xs` holds `x`'s rows rounded, each padded to a multiple of 32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn sweep_rounded(
+    x: &[f32],
+    xs: &[bf16],
+    w: &[bf16],
+    inner: usize,
+    out: SharedOut<'_>,
+    to: OutLayout,
+) {
+    let rows = x.len() / inner;
+    let stride = inner.next_multiple_of(32);
+    let blocks = row_blocks(rows, X86_ROW_BLOCK);
+    let group = J * inner;
+    let grouped = w.len() / group * group;
+    let run = match rows <= X86_ROW_BLOCK {
+        true => grouped.max(group),
+        false => (RUN_BYTES / 2).div_ceil(group) * group,
+    };
+    for (c, run_w) in w[..grouped].chunks(run).enumerate() {
+        let run_out = out.from(c * (run / inner) * to.col);
+        for block in blocks.clone() {
+            let block_x = &xs[block.start * stride..block.end * stride];
+            // SAFETY: this function's features; whole groups of J rows, whole padded rows.
+            unsafe { dots::<J>(block_x, run_w, inner, run_out, to, block.start) };
+        }
+    }
+    if grouped < w.len() {
+        let rest_out = out.from(grouped / inner * to.col);
+        for block in blocks {
+            let block_x = &xs[block.start * stride..block.end * stride];
+            // SAFETY: as above, one weight row at a time.
+            unsafe { dots::<1>(block_x, &w[grouped..], inner, rest_out, to, block.start) };
+        }
+    }
+}
+
+/// The rows of `x` rounded to bf16 (to nearest, even), each padded with zeros to a multiple of
+/// 32, in `buffer`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+fn rounded<'a>(x: &[f32], inner: usize, buffer: &'a mut Vec<bf16>) -> &'a [bf16] {
+    let stride = inner.next_multiple_of(32);
+    buffer.clear();
+    buffer.resize(x.len() / inner * stride, bf16::ZERO);
+    for (row, padded) in x.chunks_exact(inner).zip(buffer.chunks_exact_mut(stride)) {
+        for (k, to) in (0..inner).step_by(32).zip(padded.chunks_exact_mut(32)) {
+            let lanes = |at: usize| match inner.saturating_sub(k + at).min(16) {
+                16 => !0,
+                n => (1u16 << n) - 1,
+            };
+            // SAFETY: the lanes of each mask lie within the row (masked-off lanes are not
+            // read, and read as zero); `to` holds 32 bf16, the 64 bytes stored.
+            unsafe {
+                let low = _mm512_maskz_loadu_ps(lanes(0), row.as_ptr().add(k));
+                let high = _mm512_maskz_loadu_ps(lanes(16), row.as_ptr().wrapping_add(k + 16));
+                let both = _mm512_cvtne2ps_pbh(high, low);
+                _mm512_storeu_si512(
+                    to.as_mut_ptr().cast(),
+                    std::mem::transmute::<__m512bh, __m512i>(both),
+                );
+            }
+        }
+    }
+    buffer
+}
+
+/// The products of up to 6 padded rows `xs` with every weight row of `w`, `G` at a time.
+///
+/// # Safety
+/// As [`sweep`]; `w` holds whole groups of `G` rows of `inner`, `xs` whole rows of `inner`
+/// rounded up to a multiple of 32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn dots<const G: usize>(
+    xs: &[bf16],
+    w: &[bf16],
+    inner: usize,
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let stride = inner.next_multiple_of(32);
+    // SAFETY: the caller's features; that many rows of `xs` exist.
+    unsafe { with_rows!(xs.len() / stride, R => dots_rows::<R, G>(xs, w, inner, out, to, first)) }
+}
+
+/// # Safety
+/// As [`dots`], and `xs` holds at least `R` padded rows.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn dots_rows<const R: usize, const G: usize>(
+    xs: &[bf16],
+    w: &[bf16],
+    inner: usize,
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let stride = inner.next_multiple_of(32);
+    let full = inner - inner % 32;
+    // SAFETY: padded row r of `xs` starts at r · stride, inside `xs` for r < R.
+    let x: [*const bf16; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * stride) });
+    let (near, far) = (prefetch::near(2, G * inner), prefetch::far(2));
+    for (g, group) in w.chunks_exact(G * inner).enumerate() {
+        // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < G.
+        let wj: [*const bf16; G] =
+            std::array::from_fn(|j| unsafe { group.as_ptr().add(j * inner) });
+        // One line (32 bf16) of each of the group's rows a chunk, `near` and `far` ahead in
+        // the contiguous group, as `avx512::dots_rows` prefetches.
+        let (near_at, far_at) = (
+            group.as_ptr().wrapping_add(near),
+            group.as_ptr().wrapping_add(far),
+        );
+        let mut acc = [[_mm512_setzero_ps(); G]; R];
+        let mut k = 0;
+        while k < full {
+            // SAFETY: k + 32 <= inner, within every weight row and every padded row.
+            unsafe { chunk(&mut acc, (x, wj), k, !0) };
+            for line in 0..G {
+                let at = G * k + 32 * line;
+                // A prefetch never faults, whatever the address.
+                _mm_prefetch::<_MM_HINT_T0>(near_at.wrapping_add(at).cast());
+                if far > 0 {
+                    _mm_prefetch::<_MM_HINT_T1>(far_at.wrapping_add(at).cast());
+                }
+            }
+            k += 32;
+        }
+        if k < inner {
+            // The weights' tail under a mask (zeros past `inner`); the rows are zero-padded.
+            let mask: __mmask32 = (1u32 << (inner - k)) - 1;
+            // SAFETY: the unmasked weight lanes lie within `inner`; padded rows hold 32 more.
+            unsafe { chunk(&mut acc, (x, wj), k, mask) };
+        }
+        avx512::store_group(&acc, out.from(g * G * to.col), to, first);
+    }
+}
+
+/// One 32-element chunk at `k` of every (row, weight row) pair.
+///
+/// # Safety
+/// The weight lanes of `mask` from `k` on lie within every weight row, and 32 elements from
+/// `k` within every padded row.
+#[inline(always)]
+unsafe fn chunk<const R: usize, const G: usize>(
+    acc: &mut [[__m512; G]; R],
+    (x, w): ([*const bf16; R], [*const bf16; G]),
+    k: usize,
+    mask: __mmask32,
+) {
+    // SAFETY: the caller's bounds; __m512i and __m512bh are both 64 bytes of lanes.
+    unsafe {
+        let wk: [__m512bh; G] = std::array::from_fn(|j| {
+            std::mem::transmute(_mm512_maskz_loadu_epi16(mask, w[j].add(k).cast()))
+        });
+        for r in 0..R {
+            let xr: __m512bh = std::mem::transmute(_mm512_loadu_si512(x[r].add(k).cast()));
+            for j in 0..G {
+                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xr, wk[j]);
+            }
+        }
+    }
+}
