@@ -402,7 +402,7 @@ pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choic
 /// 25 rounds would take longer streams its weights from DRAM, where the plans differ by far
 /// more than the noise of a few rounds (Ouro-1.4B's shape on an AMD EPYC Zen 4: 4-row steps of
 /// 130 ms with `l1` against 101 ms with `l2`), and 25 rounds made its load 22 s longer.
-const PLAN_TIMING_BUDGET: Duration = Duration::from_secs(2);
+pub const PLAN_TIMING_BUDGET: Duration = Duration::from_secs(2);
 
 /// How many timed rounds: `most`, or as many as fit in `budget` (at least one) after the
 /// first warm-up round shows a round's time.

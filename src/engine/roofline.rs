@@ -14,10 +14,10 @@ use super::model::LoopedModel;
 pub const MEANINGFUL_FROM_BYTES: u64 = 64 << 20;
 
 /// Bytes the bandwidth is measured over: far beyond any last-level cache.
-const BUFFER_BYTES: usize = 512 << 20;
+pub const BUFFER_BYTES: usize = 512 << 20;
 
 /// Sweeps timed; the best counts (the machine's limit, not its noise).
-const SWEEPS: usize = 5;
+pub const SWEEPS: usize = 5;
 
 /// Weight bytes one pass reads: every layer's projections, in the model's stored type.
 pub fn layer_bytes_per_pass(model: &LoopedModel) -> u64 {

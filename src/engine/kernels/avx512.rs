@@ -83,7 +83,7 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
             // SAFETY: the unmasked lanes lie within `inner`; masked-off lanes are not read.
             unsafe { chunk(&mut acc, (x, wj), k, mask) };
         }
-        store_group(&acc, out.from(g * J * to.col), to, first);
+        store_group::<R, J, W>(&acc, out.from(g * J * to.col), to, first);
     }
 }
 
@@ -140,9 +140,14 @@ unsafe fn chunk<const R: usize, const J: usize, W: WeightElement>(
 /// same tree, so which way a row goes changes no bit of its result. At hidden 256 a dot is
 /// only 16 chunks, so the reductions count: four rows at once took 2–3 % off hot 4-row
 /// products on an AMD EPYC Zen 4 (`cargo bench --bench step -- --only kernels`).
+///
+/// `Caller` gives each kernel (each weight type's, and `avx512_bf16`'s) a copy of its own:
+/// LLVM inlines a function with one caller, and one copy shared by three kernels was not
+/// inlined, so every group's accumulators went through the stack (the default model's 4-row
+/// step took 10 % longer, its `speed` lane 9 % on an AMD EPYC Zen 4).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(super) fn store_group<const R: usize, const J: usize>(
+pub(super) fn store_group<const R: usize, const J: usize, Caller>(
     acc: &[[__m512; J]; R],
     out: SharedOut<'_>,
     to: OutLayout,

@@ -176,9 +176,12 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
             // SAFETY: the unmasked weight lanes lie within `inner`; padded rows hold 32 more.
             unsafe { chunk(&mut acc, (x, wj), k, mask) };
         }
-        avx512::store_group(&acc, out.from(g * G * to.col), to, first);
+        avx512::store_group::<R, G, Products>(&acc, out.from(g * G * to.col), to, first);
     }
 }
+
+/// This kernel's own copy of `avx512::store_group` (see there).
+enum Products {}
 
 /// One 32-element chunk at `k` of every (row, weight row) pair.
 ///

@@ -1,13 +1,21 @@
-//! CPU kernels for the decode step on f32 host memory: a small-M matmul that reads each weight
-//! row once for all M rows, RMSNorm, rotary embedding, single-query attention over an f32 or
-//! f16 KV cache (`kv_element`), SiLU, softmax.
-//! Called by `model::host` only; GPU devices use candle's own kernels instead.
+//! CPU kernels for the decode step: a small-M matmul that reads each weight row once for all
+//! M rows, over weights in the type the checkpoint stores (f32, bf16 or f16: `weight_element`),
+//! RMSNorm, rotary embedding, single-query attention over an f32 or f16 KV cache
+//! (`kv_element`), SiLU, softmax. Called by `model::host` (the host step backend) and its
+//! proposal head, and by the harness that times them; GPU devices use the device step's ops.
 //!
 //! Why a kernel of our own: candle's CPU matmul for 2–6 rows costs ~5× its 1-row time, which
-//! erases SPEED's gain (speculation.md §6). Here every output element of row `m` is computed
-//! with the same arithmetic whatever M is and however the work is split between threads, so a
-//! token's hidden state does not depend on which other rows shared its step: speculative and
-//! baseline decoding agree bit for bit.
+//! erases SPEED's gain, whose premise is that a step of R rows costs about one row's weight
+//! reads. Here every output element of row `m` is computed with the same arithmetic whatever M
+//! is and however the work is split between threads, so a token's hidden state does not depend
+//! on which other rows shared its step: speculative and baseline decoding agree bit for bit.
+//!
+//! Weights as stored: at real size (Ouro-1.4B reads 2.5 GB of layer weights a pass) a step is
+//! bound by memory, so bf16 weights are read as bf16, half an f32 copy's bytes. Every ISA
+//! widens them to f32 in registers (exact), so its products have the bits of the f32 kernel
+//! over the widened weights; AVX-512 BF16 instead multiplies bf16 pairs (`avx512_bf16`,
+//! activations rounded to bf16), twice the multiply-adds an instruction, so that the extra rows
+//! of a speculative step stay under the weight stream.
 //!
 //! `f16` is the same product with f16 weights, for `model::half_head`'s proposal
 //! readouts, which need a bound on their error rather than these bits.
@@ -15,10 +23,11 @@
 //! AVX-512 runs the matmul where the CPU has it (measured on this project's Xeon: baseline
 //! decoding 6–9 % faster than with AVX2, SPEED 5 % faster); everything else uses AVX2 + FMA.
 //! On aarch64 the matmul is NEON's (`neon`), the rest the portable loops.
-
+//!
 //! One file per role: this one detects the ISA once and dispatches (the safe API), then
-//! `portable`, `avx2`, `avx512`, `f16` (the proposal head's matmul) and `subnormals` (the
-//! FTZ/DAZ guard).
+//! `portable`, `avx2`, `avx512`, `avx512_bf16`, `neon`, `f16` (the proposal head's matmul),
+//! `weight_element` and `kv_element` (the stored types), `pool` (the decode threads),
+//! `prefetch`, `attention` and `subnormals` (the FTZ/DAZ guard).
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
