@@ -1,6 +1,8 @@
-//! `--device auto|cpu|cuda[:N]|metal` and `--dtype f32|bf16|f16`: parsing, and choosing a
-//! candle device. `auto` picks CUDA, then Metal, then the CPU. spex's own kernels run on the
-//! CPU in f32; every other combination runs candle's kernels through the same step code.
+//! `--device auto|cpu|cuda[:N]|metal`, `--dtype f32|bf16|f16` and `--threads N`: parsing,
+//! choosing a candle device, the dtype a checkpoint stores (the default) and the decode
+//! threads. `auto` picks CUDA, then Metal, then the CPU. spex's own kernels run on the CPU in
+//! every dtype (unless `--candle-ops`); other devices run candle's ops through the same step
+//! code.
 
 use std::fmt;
 use std::str::FromStr;
@@ -165,5 +167,37 @@ pub fn device_name(device: &Device) -> String {
         Device::Cpu => "cpu".into(),
         Device::Cuda(_) => "cuda".into(),
         Device::Metal(_) => "metal".into(),
+    }
+}
+
+/// The decode threads `--threads` asks for: the available cores by default, and at most them
+/// (a one-line note on stderr where more were asked for); 0 is an error.
+pub fn decode_threads(asked: Option<usize>) -> Result<usize, EngineError> {
+    let cores = crate::engine::kernels::pool::available_cores();
+    match asked {
+        None => Ok(cores),
+        Some(0) => Err(EngineError::Invalid(
+            "--threads 0: must be at least 1".into(),
+        )),
+        Some(n) if n > cores => {
+            eprintln!(
+                "spex: --threads {n}: this machine has {cores} core(s) free for spex; using {cores}"
+            );
+            Ok(cores)
+        }
+        Some(n) => Ok(n),
+    }
+}
+
+/// The element type a checkpoint stores its weights in, by its config's `torch_dtype` (f32 for
+/// the embedded model, and where the config cannot be read: loading then names the fault).
+pub fn stored_dtype(source: &super::models::ModelSource) -> DType {
+    let super::models::ModelSource::Dir(dir) = source else {
+        return DType::F32;
+    };
+    match crate::engine::config::OuroConfig::load(&dir.join("config.json")) {
+        Ok(config) if config.torch_dtype == "bfloat16" => DType::BF16,
+        Ok(config) if config.torch_dtype == "float16" => DType::F16,
+        _ => DType::F32,
     }
 }

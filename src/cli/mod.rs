@@ -14,7 +14,6 @@ mod train;
 
 use std::path::PathBuf;
 
-use candle_core::DType;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::model::{KvDtype, LoadOptions};
@@ -402,7 +401,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     args.isa.apply()?;
     args.prefetch.apply()?;
-    let threads = decode_threads(args.threads)?;
+    let threads = device::decode_threads(args.threads)?;
     crate::engine::kernels::pool::set_threads(threads)
         .map_err(|e| EngineError::Invalid(format!("--threads {threads}: {e}")))?;
     let offline = args.offline || hub::offline_from_env();
@@ -414,7 +413,7 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
         .unwrap_or(device::DeviceSpec::Auto);
     let dtype = match args.dtype.or(entry.and_then(|e| e.dtype)) {
         Some(d) => d.0,
-        None => stored_dtype(&resolved.source),
+        None => device::stored_dtype(&resolved.source),
     };
     let dev = device::open(spec)?;
     device::check_dtype(&dev, dtype)?;
@@ -453,38 +452,6 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
             seed: entry.and_then(|e| e.seed).unwrap_or(0),
         },
     })
-}
-
-/// The decode threads `--threads` asks for: the available cores by default, and at most them
-/// (a one-line note on stderr where more were asked for); 0 is an error.
-fn decode_threads(asked: Option<usize>) -> Result<usize, EngineError> {
-    let cores = crate::engine::kernels::pool::available_cores();
-    match asked {
-        None => Ok(cores),
-        Some(0) => Err(EngineError::Invalid(
-            "--threads 0: must be at least 1".into(),
-        )),
-        Some(n) if n > cores => {
-            eprintln!(
-                "spex: --threads {n}: this machine has {cores} core(s) free for spex; using {cores}"
-            );
-            Ok(cores)
-        }
-        Some(n) => Ok(n),
-    }
-}
-
-/// The element type a checkpoint stores its weights in, by its config's `torch_dtype` (f32 for
-/// the embedded model, and where the config cannot be read: loading then names the fault).
-fn stored_dtype(source: &models::ModelSource) -> DType {
-    let models::ModelSource::Dir(dir) = source else {
-        return DType::F32;
-    };
-    match crate::engine::config::OuroConfig::load(&dir.join("config.json")) {
-        Ok(config) if config.torch_dtype == "bfloat16" => DType::BF16,
-        Ok(config) if config.torch_dtype == "float16" => DType::F16,
-        _ => DType::F32,
-    }
 }
 
 fn list_models() -> anyhow::Result<()> {

@@ -147,6 +147,7 @@ unsafe fn chunk<const R: usize, const J: usize, W: WeightElement>(
 /// step took 10 % longer, its `speed` lane 9 % on an AMD EPYC Zen 4).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::extra_unused_type_parameters)] // `Caller` only names the copy (above).
 pub(super) fn store_group<const R: usize, const J: usize, Caller>(
     acc: &[[__m512; J]; R],
     out: SharedOut<'_>,
