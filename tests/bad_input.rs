@@ -90,6 +90,29 @@ fn missing_directory_and_missing_files() {
     run_with(dir.path(), "model.safetensors: missing");
 }
 
+/// More decode threads than the machine has cores: a one-line note, then the capped count
+/// decodes (a thread beyond the cores would only wait for one).
+#[test]
+fn more_threads_than_cores_are_capped_with_a_note() {
+    let cores = spex::engine::kernels::pool::available_cores();
+    let asked = (cores + 1).to_string();
+    let args = [
+        "generate",
+        "--prompt",
+        "To be",
+        "--max-tokens",
+        "3",
+        "--threads",
+        &asked,
+    ];
+    let (ok, stderr) = spex(&args);
+    assert!(ok, "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    let note =
+        format!("--threads {asked}: this machine has {cores} core(s) free for spex; using {cores}");
+    assert!(stderr.contains(&note), "{stderr}");
+}
+
 /// A checkpoint whose weights outgrow the machine's available memory is refused before a byte
 /// is read, naming both sizes.
 #[test]
