@@ -174,6 +174,25 @@ fn too_small_message() {
     insta::assert_snapshot!(render(60, 12, |f| draw(f, &app)));
 }
 
+/// The loading screen a large checkpoint shows before the dashboard opens: the model, the
+/// bytes read and the rate, and the gauge.
+#[test]
+fn loading_screen() {
+    use spex::engine::checkpoint::LoadProgress;
+    use spex::tui::loading::draw_loading;
+    let reading = LoadProgress::Reading {
+        read_bytes: 1_250_000_000,
+        total_bytes: 2_500_000_000,
+    };
+    let elapsed = Duration::from_millis(2500);
+    insta::assert_snapshot!(render(80, 9, |f| draw_loading(
+        f,
+        "ouro-1.4b",
+        Some(reading),
+        elapsed
+    )));
+}
+
 #[test]
 fn help_overlay() {
     let mut app = app();

@@ -3,8 +3,6 @@
 //! times its steps. Drawn on stderr, only for checkpoints large enough to keep a user
 //! waiting, and not at all where stderr is not a terminal (indicatif hides it there).
 
-use std::path::Path;
-
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::engine::checkpoint::LoadProgress;
@@ -19,12 +17,8 @@ pub struct LoadBar {
 }
 
 impl LoadBar {
-    /// A bar for loading the checkpoint in `dir` (named by its last component).
-    pub fn new(dir: &Path) -> Self {
-        let name = dir.file_name().map_or_else(
-            || dir.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
+    /// A bar for loading the model named `name`.
+    pub fn new(name: String) -> Self {
         Self { name, bar: None }
     }
 

@@ -397,8 +397,27 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Resolves and loads the model `args` name, on the device and dtype asked for.
+/// Resolves and loads the model `args` name, on the device and dtype asked for, with a
+/// progress bar on stderr while a large checkpoint loads.
 pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
+    let mut bar = load_bar::LoadBar::new(model_label(args));
+    let session = load_model_with(args, &mut |p| bar.show(p));
+    bar.finish();
+    session
+}
+
+/// How a load names the model: as `--model` gave it, or the default entry.
+fn model_label(args: &ModelArgs) -> String {
+    args.model
+        .clone()
+        .unwrap_or_else(|| "the default model".into())
+}
+
+/// [`load_model`], telling `progress` how far the weights are read.
+pub fn load_model_with(
+    args: &ModelArgs,
+    progress: &mut dyn FnMut(crate::engine::checkpoint::LoadProgress),
+) -> Result<Session, EngineError> {
     args.isa.apply()?;
     args.prefetch.apply()?;
     let threads = device::decode_threads(args.threads)?;
@@ -425,11 +444,7 @@ pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
     };
     let mut loaded = match &resolved.source {
         models::ModelSource::Dir(dir) => {
-            let mut bar = load_bar::LoadBar::new(dir);
-            let loaded =
-                LoadedModel::load_reporting(dir, &dev, dtype, options, &mut |p| bar.show(p));
-            bar.finish();
-            loaded?
+            LoadedModel::load_reporting(dir, &dev, dtype, options, progress)?
         }
         models::ModelSource::Embedded => {
             LoadedModel::from_bytes(models::EMBEDDED, &dev, dtype, options)?
@@ -505,8 +520,10 @@ fn pull(name: &str) -> anyhow::Result<()> {
 }
 
 fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
-    crate::tui::require_tty().map_err(anyhow::Error::msg)?;
-    let session = load_model(&args.model)?;
+    let model = args.model.clone();
+    let session = crate::tui::loading::while_loading(model_label(&model), move |progress| {
+        load_model_with(&model, progress)
+    })??;
     let policy = session.speculative_policy(args.policy);
     let info = crate::tui::app::ModelInfo {
         name: session.name.clone(),

@@ -8,6 +8,7 @@ pub mod app;
 pub mod explorer;
 pub mod inspector;
 pub mod keymap;
+pub mod loading;
 pub mod present;
 pub mod replay;
 pub mod run_view;
