@@ -567,4 +567,21 @@ fn a_snapshot_is_an_svg_of_the_dashboard_at_its_step() {
     }
     assert!(svg.contains("To be, or not to be"), "the lanes' text");
     assert!(well_formed("<a><b></a></b>").is_err() && well_formed("<a>&</a>").is_err());
+    // A step past the trace's end is one line naming the last step, and writes nothing.
+    std::fs::remove_file(&out).unwrap();
+    let past = (steps + 1).to_string();
+    let failed = std::process::Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(["snapshot", "--step", &past, "--out", &o, &p])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert!(
+        !failed.status.success() && stderr.trim().lines().count() == 1,
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("the trace's last step is {steps}")),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "nothing written");
 }

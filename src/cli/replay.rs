@@ -109,6 +109,14 @@ pub struct SnapshotArgs {
 
 pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<()> {
     let trace = Trace::read(&args.file)?;
+    if args.step > trace.steps() {
+        anyhow::bail!(
+            "{}: --step {}: the trace's last step is {}",
+            args.file.display(),
+            args.step,
+            trace.steps()
+        );
+    }
     let name = args.file.file_name().map_or_else(
         || args.file.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
