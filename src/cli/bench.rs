@@ -125,13 +125,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let results = bench_prompts(args, &session, options, (&prompts, &policies))?;
     let mut overall = Overall::of(&results, passes);
-    overall.read_bytes_per_sec = read_bandwidth(&session.loaded);
+    overall.bandwidth = Bandwidth::of(&session.loaded, &overall);
     if args.json {
         let report = json_report(&session, &results, &overall, (args, options.sampling));
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_overall(&overall, results.len(), passes);
-        print_bandwidth(&session.loaded, &overall);
+        print_bandwidth(&overall);
     }
     let failed: Vec<&str> = (overall.policies.iter())
         .filter(|p| p.mismatches > 0)
@@ -292,37 +292,59 @@ struct PolicyTotals {
 struct Overall {
     policies: Vec<PolicyTotals>,
     ceiling: f64,
-    /// The machine's read bandwidth, where the model is large enough for it to bound a step.
-    read_bytes_per_sec: Option<f64>,
+    /// The baseline against the machine's read bandwidth, where the model is large enough
+    /// for the bandwidth to bound a step.
+    bandwidth: Option<Bandwidth>,
 }
 
-/// The machine's read bandwidth (`engine::roofline`), measured where the host kernels decode
-/// a model whose passes read DRAM.
-fn read_bandwidth(loaded: &crate::engine::LoadedModel) -> Option<f64> {
-    use crate::engine::roofline;
-    let host = matches!(loaded.backend, crate::engine::model::Backend::Host(_));
-    let large = roofline::layer_bytes_per_pass(loaded.model()) >= roofline::MEANINGFUL_FROM_BYTES;
-    (host && large).then(roofline::read_bytes_per_sec)
+/// The baseline against the machine's read bandwidth (`engine::roofline`), each figure
+/// computed once for the table and the JSON.
+#[derive(Debug, Clone, Copy)]
+struct Bandwidth {
+    read_bytes_per_sec: f64,
+    weight_bytes_per_token: u64,
+    baseline_tokens_per_sec: f64,
+    baseline_share: f64,
+}
+
+impl Bandwidth {
+    /// Measured where the host kernels decode a model whose passes read DRAM, against the
+    /// first policy's baseline.
+    fn of(loaded: &crate::engine::LoadedModel, overall: &Overall) -> Option<Self> {
+        use crate::engine::roofline;
+        let model = loaded.model();
+        let host = matches!(loaded.backend, crate::engine::model::Backend::Host(_));
+        let large = roofline::layer_bytes_per_pass(model) >= roofline::MEANINGFUL_FROM_BYTES;
+        let baseline_tokens_per_sec = overall.policies.first()?.baseline.tokens_per_sec();
+        let read_bytes_per_sec = (host && large).then(roofline::read_bytes_per_sec)?;
+        Some(Self {
+            read_bytes_per_sec,
+            weight_bytes_per_token: roofline::weight_bytes_per_token(model),
+            baseline_tokens_per_sec,
+            baseline_share: roofline::bandwidth_share(
+                model,
+                baseline_tokens_per_sec,
+                read_bytes_per_sec,
+            ),
+        })
+    }
 }
 
 /// The line under the table at real size: the bandwidth, a baseline token's weight bytes,
 /// and the share of the bandwidth the baseline reads.
-fn print_bandwidth(loaded: &crate::engine::LoadedModel, overall: &Overall) {
-    let (Some(bandwidth), Some(first)) = (overall.read_bytes_per_sec, overall.policies.first())
-    else {
+fn print_bandwidth(overall: &Overall) {
+    let Some(b) = overall.bandwidth else {
         return;
     };
-    let model = loaded.model();
-    let tokens_per_sec = first.baseline.tokens_per_sec();
-    let bytes = crate::engine::roofline::weight_bytes_per_token(model) as f64;
+    let bytes = b.weight_bytes_per_token as f64;
     println!(
         "read bandwidth {:.1} GB/s; a baseline token reads {:.2} GB of weights, so {:.2} tok/s \
          reads {:.1} GB/s: {:.0} % of it",
-        bandwidth / 1e9,
+        b.read_bytes_per_sec / 1e9,
         bytes / 1e9,
-        tokens_per_sec,
-        bytes * tokens_per_sec / 1e9,
-        100.0 * crate::engine::roofline::bandwidth_share(model, tokens_per_sec, bandwidth)
+        b.baseline_tokens_per_sec,
+        bytes * b.baseline_tokens_per_sec / 1e9,
+        100.0 * b.baseline_share
     );
 }
 
@@ -350,7 +372,7 @@ impl Overall {
         Self {
             policies,
             ceiling: ceilings.sum::<f64>() / results.len().max(1) as f64,
-            read_bytes_per_sec: None,
+            bandwidth: None,
         }
     }
 }
@@ -399,11 +421,9 @@ fn json_report(
         })).collect::<Vec<_>>(),
         "overall": {
             "ceiling": overall.ceiling,
-            "read_bytes_per_sec": overall.read_bytes_per_sec,
+            "read_bytes_per_sec": overall.bandwidth.map(|b| b.read_bytes_per_sec),
             "weight_bytes_per_token": crate::engine::roofline::weight_bytes_per_token(session.loaded.model()),
-            "baseline_bandwidth_share": overall.read_bytes_per_sec.zip(overall.policies.first()).map(|(bw, p)| {
-                crate::engine::roofline::bandwidth_share(session.loaded.model(), p.baseline.tokens_per_sec(), bw)
-            }),
+            "baseline_bandwidth_share": overall.bandwidth.map(|b| b.baseline_share),
             "policies": overall.policies.iter().map(|p| json!({
                 "policy": p.name,
                 "baseline_tokens_per_sec": p.baseline.tokens_per_sec(),

@@ -195,9 +195,6 @@ pub fn stored_dtype(source: &super::models::ModelSource) -> DType {
     let super::models::ModelSource::Dir(dir) = source else {
         return DType::F32;
     };
-    match crate::engine::config::OuroConfig::load(&dir.join("config.json")) {
-        Ok(config) if config.torch_dtype == "bfloat16" => DType::BF16,
-        Ok(config) if config.torch_dtype == "float16" => DType::F16,
-        _ => DType::F32,
-    }
+    crate::engine::config::OuroConfig::load(&dir.join("config.json"))
+        .map_or(DType::F32, |config| config.stored_dtype())
 }

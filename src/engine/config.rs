@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use candle_core::DType;
 use serde_json::{Map, Value, json};
 
 use super::error::{EngineError, Result};
@@ -29,7 +30,30 @@ pub struct OuroConfig {
     pub torch_dtype: String,
 }
 
+/// The element types a checkpoint's `torch_dtype` names, with their names: the one table
+/// both ways read (writing a config, choosing the default `--dtype`).
+const TORCH_DTYPES: [(DType, &str); 3] = [
+    (DType::F32, "float32"),
+    (DType::BF16, "bfloat16"),
+    (DType::F16, "float16"),
+];
+
+/// `dtype`'s `torch_dtype` name (float32's for a type checkpoints do not store).
+pub fn torch_dtype_name(dtype: DType) -> &'static str {
+    (TORCH_DTYPES.iter())
+        .find(|(d, _)| *d == dtype)
+        .map_or("float32", |(_, name)| name)
+}
+
 impl OuroConfig {
+    /// The element type the weights are stored in, by `torch_dtype` (f32 for a name spex
+    /// does not know: loading reads each tensor's own type anyway).
+    pub fn stored_dtype(&self) -> DType {
+        (TORCH_DTYPES.iter())
+            .find(|(_, name)| *name == self.torch_dtype)
+            .map_or(DType::F32, |(d, _)| *d)
+    }
+
     /// Reads and validates `config.json`; errors name the file and the field.
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;

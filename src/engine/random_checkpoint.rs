@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 
 use super::checkpoint::write_json;
-use super::config::{ModelShape, OuroConfig};
+use super::config::{ModelShape, OuroConfig, torch_dtype_name};
 use super::error::{EngineError, Result};
 use super::format::{Role, checkpoint_tensors, neutral_exit_gate};
 use super::rng::SplitMix;
@@ -61,13 +61,8 @@ impl Default for RandomSpec {
 impl RandomSpec {
     /// The config.json this spec writes, for a tokenizer of `tokenizer_vocab` tokens.
     pub fn config(&self, tokenizer_vocab: usize) -> OuroConfig {
-        let dtype = match self.dtype {
-            DType::BF16 => "bfloat16",
-            DType::F16 => "float16",
-            _ => "float32",
-        };
-        self.shape
-            .ouro_config(self.pad_vocab_to.unwrap_or(0).max(tokenizer_vocab), dtype)
+        let vocab = self.pad_vocab_to.unwrap_or(0).max(tokenizer_vocab);
+        self.shape.ouro_config(vocab, torch_dtype_name(self.dtype))
     }
 }
 
