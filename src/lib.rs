@@ -1,8 +1,9 @@
 //! spex: speculative pipelined decoding (SPEED) on looped language models, with a live
 //! terminal dashboard. `engine` decodes, `tui` renders, `cli` parses,
-//! `train` trains.
+//! `train` trains, `hub` pulls checkpoints into the local hub cache.
 
 pub mod cli;
 pub mod engine;
+pub mod hub;
 pub mod train;
 pub mod tui;

@@ -3,6 +3,8 @@
 //! terminal was restored. tmux comes from Debian's package (.ci/run installs it).
 
 mod common;
+#[path = "hub/loopback.rs"]
+mod loopback;
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -76,11 +78,16 @@ fn start(model: &Path, exit_file: &Path) -> Tmux {
 
 /// spex with `args` in a fresh tmux session; its exit code goes to `exit_file`.
 fn start_with(args: &str, exit_file: &Path, name: &str) -> Tmux {
+    start_with_env("", args, exit_file, name)
+}
+
+/// [`start_with`], with the shell's `VAR=value …` prefix `env`.
+fn start_with_env(env: &str, args: &str, exit_file: &Path, name: &str) -> Tmux {
     let tmux = Tmux {
         socket: format!("spex-{name}-{}", std::process::id()),
     };
     let cmd = format!(
-        "{} {args}; echo $? > {exit}.tmp && mv {exit}.tmp {exit}; sleep 30",
+        "{env} {} {args}; echo $? > {exit}.tmp && mv {exit}.tmp {exit}; sleep 30",
         env!("CARGO_BIN_EXE_spex"),
         exit = exit_file.display()
     );
@@ -254,4 +261,34 @@ fn the_dashboard_records_each_run_and_w_toggles_recording() {
             "{name} ends with its run"
         );
     }
+}
+
+#[test]
+fn spex_pull_draws_a_bar_with_bytes_and_rate_on_a_terminal() {
+    let (ckpt, _) = random_model(&spec(1, 2, Variant::Tied, 9));
+    let mut repo = loopback::HubRepo::from_dir("test-org/bar", &"b".repeat(40), ckpt.path());
+    let weights: Vec<u8> = (0..3u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    repo.files.insert("model.safetensors".into(), weights);
+    let hub = loopback::LoopbackHub::start(vec![repo]);
+    let home = tempfile::TempDir::new().unwrap();
+    let exit = home.path().join("exit");
+    let env = format!(
+        "HF_ENDPOINT={} HF_HOME={}",
+        hub.endpoint,
+        home.path().display()
+    );
+    let tmux = start_with_env(&env, "pull test-org/bar", &exit, "pull");
+    let screen = tmux.wait_for("the pull", Duration::from_secs(20), |s| {
+        s.contains("is commit")
+    });
+    assert!(screen.contains("model.safetensors"), "{screen}");
+    assert!(screen.contains("3.00 MiB/3.00 MiB"), "{screen}");
+    assert!(screen.contains("iB/s"), "{screen}");
+    let started = Instant::now();
+    while !exit.exists() && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(std::fs::read_to_string(&exit).unwrap().trim(), "0");
 }

@@ -1,8 +1,14 @@
-//! Hub checkpoints, offline: a random checkpoint laid out under a temp HF_HOME exactly as the
+//! Hub checkpoints. Offline: a random checkpoint laid out under a temp HF_HOME exactly as the
 //! hub client caches it, loaded by repo id and by models.toml entry through the CLI's own
 //! resolution code; sharded against unsharded; and the errors of models.toml and devices.
+//! Online against a loopback hub on 127.0.0.1 (`hub/loopback.rs`): `spex pull` end to end,
+//! with dropped connections, corrupt bytes, refusals and a server that stops answering.
 
 mod common;
+#[path = "hub/loopback.rs"]
+mod loopback;
+#[path = "hub/pull.rs"]
+mod pull;
 
 use std::path::Path;
 use std::process::Command;

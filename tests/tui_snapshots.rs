@@ -193,6 +193,23 @@ fn loading_screen() {
     )));
 }
 
+/// The same screen while a hub checkpoint that was not cached downloads first.
+#[test]
+fn downloading_screen() {
+    use spex::engine::checkpoint::LoadProgress;
+    use spex::tui::loading::draw_loading;
+    let downloading = LoadProgress::Downloading {
+        done_bytes: 700_000_000,
+        total_bytes: 2_800_000_000,
+    };
+    insta::assert_snapshot!(render(80, 9, |f| draw_loading(
+        f,
+        "ByteDance/Ouro-1.4B",
+        Some(downloading),
+        Duration::from_secs(30)
+    )));
+}
+
 #[test]
 fn help_overlay() {
     let mut app = app();

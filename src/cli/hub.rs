@@ -1,172 +1,122 @@
-//! Hugging Face hub checkpoints: resolving a repo id and revision to a snapshot directory in
-//! the local cache (laid out as the hub client lays it out: `models--ORG--NAME/refs/…`,
-//! `snapshots/<commit>/…`, `blobs/…`), and `spex pull`, a resumable download with a progress
-//! bar per file and a checksum check. Loading never touches the network when offline.
+//! `spex pull`: downloads a models.toml entry or an ORG/NAME repo into the local hub cache
+//! (`crate::hub::pull`), with a bar per file on stderr (bytes, rate, and the retry under
+//! way), then prints the snapshot and the commit the revision named, to pin it.
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
+use indicatif::ProgressBar;
 
-use hf_hub::api::sync::ApiBuilder;
-use hf_hub::{Cache, Repo, RepoType};
-use sha2::{Digest, Sha256};
+use super::load_bar::bytes_style;
+use super::models;
+use crate::hub::{self, HubSettings, PullProgress};
 
-use crate::engine::EngineError;
-
-/// The hub cache root: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`.
-pub fn cache_root() -> PathBuf {
-    if let Ok(p) = std::env::var("HF_HUB_CACHE") {
-        return PathBuf::from(p);
-    }
-    if let Ok(home) = std::env::var("HF_HOME") {
-        return Path::new(&home).join("hub");
-    }
-    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
-    Path::new(&home).join(".cache/huggingface/hub")
-}
-
-/// Whether `HF_HUB_OFFLINE` asks for the local cache only (the hub client does not read it).
-pub fn offline_from_env() -> bool {
-    std::env::var("HF_HUB_OFFLINE")
-        .is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "TRUE" | "yes" | "ON" | "on"))
-}
-
-/// Whether `s` looks like a hub repo id, ORG/NAME.
-pub fn is_repo_id(s: &str) -> bool {
-    let mut parts = s.split('/');
-    matches!((parts.next(), parts.next(), parts.next()), (Some(a), Some(b), None) if !a.is_empty() && !b.is_empty() && !a.starts_with('.'))
-}
-
-fn is_commit(revision: &str) -> bool {
-    revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit())
-}
-
-/// The snapshot directory of `repo` at `revision` in the local cache. `pull_hint` is the
-/// `spex pull` argument to suggest when it is missing.
-pub fn snapshot_dir(
-    root: &Path,
-    repo: &str,
-    revision: &str,
-    pull_hint: &str,
-) -> Result<PathBuf, EngineError> {
-    let repo_dir = root.join(format!("models--{}", repo.replace('/', "--")));
-    let missing =
-        |what: String| EngineError::file(&repo_dir, format!("{what}: run `spex pull {pull_hint}`"));
-    if !repo_dir.is_dir() {
-        return Err(missing(format!("{repo} is not in the local hub cache")));
-    }
-    let commit = if is_commit(revision) {
-        revision.to_string()
-    } else {
-        let r = repo_dir.join("refs").join(revision);
-        std::fs::read_to_string(&r)
-            .map_err(|_| {
-                missing(format!(
-                    "revision `{revision}` is not in the local hub cache"
-                ))
-            })?
-            .trim()
-            .to_string()
+/// Where `name` is pulled from: a repo and a revision.
+fn source(name: &str, revision: Option<&str>) -> anyhow::Result<(String, String)> {
+    let file = models::models_file_path();
+    let entry = match file.is_file() {
+        true => models::ModelsFile::load(&file)?.models.remove(name),
+        false => None,
     };
-    let snap = repo_dir.join("snapshots").join(&commit);
-    if !snap.is_dir() {
-        return Err(missing(format!(
-            "revision `{revision}` (commit {commit}) is not in the local hub cache"
-        )));
-    }
-    Ok(snap)
-}
-
-/// Downloads a checkpoint's files into the cache (resuming partial downloads) and checks each
-/// LFS file's SHA-256 against the hub's etag. Returns the snapshot directory.
-pub fn pull(root: &Path, repo: &str, revision: &str) -> Result<PathBuf, EngineError> {
-    let net = |e: hf_hub::api::sync::ApiError| {
-        EngineError::Invalid(format!("hub: {repo}@{revision}: {e}"))
+    let (repo, pinned) = match entry {
+        Some(models::ModelEntry {
+            repo: Some(repo),
+            revision,
+            ..
+        }) => (repo, revision),
+        Some(_) => anyhow::bail!("`{name}` is a local model: nothing to pull"),
+        None if hub::is_repo_id(name) => (name.to_string(), None),
+        None => anyhow::bail!("no model entry `{name}` in {}", file.display()),
     };
-    let api = ApiBuilder::from_cache(Cache::new(root.to_path_buf()))
-        .with_progress(true)
-        .build()
-        .map_err(net)?;
-    let hub = api.repo(Repo::with_revision(
-        repo.to_string(),
-        RepoType::Model,
-        revision.to_string(),
-    ));
-    let mut files = vec!["config.json".to_string(), "tokenizer.json".to_string()];
-    let _ = hub.get("tokenizer_config.json");
-    match hub.get("model.safetensors.index.json") {
-        Ok(index) => {
-            let text = std::fs::read_to_string(&index).map_err(|e| EngineError::file(&index, e))?;
-            let json: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| EngineError::file(&index, e))?;
-            let mut shards: Vec<String> = json["weight_map"]
-                .as_object()
-                .map(|m| {
-                    m.values()
-                        .filter_map(|v| v.as_str().map(String::from))
-                        .collect()
-                })
-                .unwrap_or_default();
-            shards.sort();
-            shards.dedup();
-            files.extend(shards);
-        }
-        Err(_) => files.push("model.safetensors".into()),
-    }
-    let mut snapshot = None;
-    for file in &files {
-        let path = hub.get(file).map_err(net)?;
-        verify(&path)?;
-        snapshot = path.parent().map(Path::to_path_buf);
-    }
-    snapshot.ok_or_else(|| EngineError::Invalid(format!("hub: {repo}: nothing downloaded")))
+    let revision = revision.map(str::to_string).or(pinned);
+    Ok((repo, revision.unwrap_or_else(|| "main".into())))
 }
 
-/// Checks a cached file against its blob name when that is a SHA-256 (LFS files).
-pub fn verify(path: &Path) -> Result<(), EngineError> {
-    let blob = std::fs::canonicalize(path).map_err(|e| EngineError::file(path, e))?;
-    let name = blob
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or_default()
-        .to_string();
-    if name.len() != 64 || !name.chars().all(|c| c.is_ascii_hexdigit()) {
-        return Ok(());
-    }
-    let mut file = std::fs::File::open(&blob).map_err(|e| EngineError::file(&blob, e))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file
-            .read(&mut buf)
-            .map_err(|e| EngineError::file(&blob, e))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    let digest: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    if digest != name {
-        return Err(EngineError::file(
-            path,
-            format!("checksum mismatch (sha256 {digest}): delete it and run `spex pull` again"),
-        ));
+/// Runs `spex pull NAME [--revision REV]`.
+pub fn run(name: &str, revision: Option<&str>) -> anyhow::Result<()> {
+    let (repo, revision) = source(name, revision)?;
+    let settings = HubSettings::from_env()?;
+    let mut bar = PullBar::default();
+    let pulled = hub::pull(&settings, &repo, &revision, &mut |p| bar.show(p));
+    bar.finish();
+    let pulled = pulled?;
+    let what = match name == repo {
+        true => format!("{repo}@{revision}"),
+        false => format!("{name}: {repo}@{revision}"),
+    };
+    println!(
+        "{what} is commit {} ({:.1} MB, {:.1} MB downloaded)",
+        pulled.commit,
+        hub::snapshot_size(&pulled.snapshot) as f64 / 1e6,
+        pulled.downloaded_bytes as f64 / 1e6
+    );
+    println!("  {}", pulled.snapshot.display());
+    if !hub::is_commit(&revision) {
+        println!(
+            "  to pin it, set `revision = \"{}\"` in the models.toml entry",
+            pulled.commit
+        );
     }
     Ok(())
 }
 
-/// Bytes on disk of the files in a snapshot (following the links into blobs).
-pub fn snapshot_size(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok())
-                .filter_map(|e| std::fs::metadata(e.path()).ok())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0)
+/// The retry's reason is cut to this, to keep the bar on one line.
+const REASON_CHARS: usize = 40;
+
+/// Files smaller than this arrive at once: no bar.
+const SHOWN_FROM_BYTES: u64 = 1 << 20;
+
+/// One bar for the file downloading now, for files large enough to wait for; indicatif
+/// draws nothing where stderr is not a terminal.
+#[derive(Default)]
+pub struct PullBar {
+    bar: Option<(String, ProgressBar)>,
+}
+
+impl PullBar {
+    /// Shows `progress`.
+    pub fn show(&mut self, progress: PullProgress) {
+        match progress {
+            PullProgress::Downloading {
+                file,
+                done_bytes,
+                total_bytes,
+            } if total_bytes >= SHOWN_FROM_BYTES => {
+                let bar = self.bar_for(file, total_bytes);
+                bar.set_message("");
+                bar.set_position(done_bytes);
+            }
+            PullProgress::Retrying {
+                file,
+                attempt,
+                max_attempts,
+                reason,
+            } => {
+                let bar = self.bar_for(file, 0);
+                let reason: String = reason.chars().take(REASON_CHARS).collect();
+                bar.set_message(format!("retry {attempt}/{max_attempts}: {reason}"));
+            }
+            PullProgress::Downloading { .. } => {}
+            PullProgress::Done { .. } => self.finish(),
+        }
+    }
+
+    fn bar_for(&mut self, file: &str, total_bytes: u64) -> &ProgressBar {
+        if self.bar.as_ref().is_none_or(|(f, _)| f != file) {
+            self.finish();
+            let bar = ProgressBar::new(total_bytes);
+            bar.set_style(bytes_style());
+            bar.set_prefix(file.to_string());
+            self.bar = Some((file.to_string(), bar));
+        }
+        let (_, bar) = self.bar.as_ref().expect("set just above: this is a bug");
+        if total_bytes > 0 {
+            bar.set_length(total_bytes);
+        }
+        bar
+    }
+
+    /// Leaves the finished file's bar on screen.
+    pub fn finish(&mut self) {
+        if let Some((_, bar)) = self.bar.take() {
+            bar.finish();
+        }
+    }
 }

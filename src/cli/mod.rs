@@ -57,6 +57,9 @@ pub enum Command {
     Pull {
         /// Entry name or ORG/NAME repo id.
         name: String,
+        /// A branch, tag or 40-hex commit (default: the entry's `revision`, else `main`).
+        #[arg(long)]
+        revision: Option<String>,
     },
 }
 
@@ -392,7 +395,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Explain(args)) => explain::run(&args),
         Some(Command::Snapshot(args)) => replay::snapshot(&args),
         Some(Command::Models) => list_models(),
-        Some(Command::Pull { name }) => pull(&name),
+        Some(Command::Pull { name, revision }) => hub::run(&name, revision.as_deref()),
         None => dashboard(&cli.dashboard),
     }
 }
@@ -423,8 +426,21 @@ pub fn load_model_with(
     let threads = device::decode_threads(args.threads)?;
     crate::engine::kernels::pool::set_threads(threads)
         .map_err(|e| EngineError::Invalid(format!("--threads {threads}: {e}")))?;
-    let offline = args.offline || hub::offline_from_env();
-    let resolved = models::resolve(args.model.as_deref(), offline)?;
+    let mut hub_settings = crate::hub::HubSettings::from_env()?;
+    hub_settings.offline |= args.offline;
+    let resolved = models::resolve(args.model.as_deref(), &hub_settings, &mut |p| {
+        if let crate::hub::PullProgress::Downloading {
+            done_bytes,
+            total_bytes,
+            ..
+        } = p
+        {
+            progress(crate::engine::checkpoint::LoadProgress::Downloading {
+                done_bytes,
+                total_bytes,
+            });
+        }
+    })?;
     let entry = resolved.entry.as_ref();
     let spec = args
         .device
@@ -472,13 +488,14 @@ pub fn load_model_with(
 fn list_models() -> anyhow::Result<()> {
     let file = models::models_file_path();
     let models = models::ModelsFile::load(&file)?;
+    let cache_root = crate::hub::HubSettings::from_env()?.cache_root;
     println!("{:<24} {:<8} {:>10}  source", "name", "local", "size");
     for (name, entry) in &models.models {
-        let (dir, source) = (entry.local_dir(&file, name), entry.source());
+        let (dir, source) = (entry.local_dir(&file, name, &cache_root), entry.source());
         let (local, size) = match dir {
             Ok(d) if d.join("config.json").is_file() => (
                 "yes",
-                format!("{:.1} MB", hub::snapshot_size(&d) as f64 / 1e6),
+                format!("{:.1} MB", crate::hub::snapshot_size(&d) as f64 / 1e6),
             ),
             _ => ("no", "-".into()),
         };
@@ -489,33 +506,6 @@ fn list_models() -> anyhow::Result<()> {
         };
         println!("{:<24} {:<8} {:>10}  {source}{default}", name, local, size);
     }
-    Ok(())
-}
-
-fn pull(name: &str) -> anyhow::Result<()> {
-    let models = models::ModelsFile::load(&models::models_file_path())?;
-    let (repo, revision) = match models.models.get(name) {
-        Some(
-            entry @ models::ModelEntry {
-                repo: Some(repo), ..
-            },
-        ) => (repo.clone(), entry.revision().to_string()),
-        Some(_) => anyhow::bail!("`{name}` is a local model: nothing to pull"),
-        None if hub::is_repo_id(name) => (name.to_string(), "main".to_string()),
-        None => anyhow::bail!(
-            "no model entry `{name}` in {}",
-            models::models_file_path().display()
-        ),
-    };
-    if hub::offline_from_env() {
-        anyhow::bail!("HF_HUB_OFFLINE is set: `spex pull` needs the network");
-    }
-    let dir = hub::pull(&hub::cache_root(), &repo, &revision)?;
-    println!(
-        "{name}: {} ({:.1} MB)",
-        dir.display(),
-        hub::snapshot_size(&dir) as f64 / 1e6
-    );
     Ok(())
 }
 

@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::device::{DTypeSpec, DeviceSpec};
-use super::hub;
 use crate::engine::error::toml_error;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{CheckpointBytes, EngineError};
+use crate::hub::{self, HubSettings, PullProgress};
 
 /// The parsed `models.toml`.
 #[derive(Debug, Clone, Deserialize)]
@@ -56,13 +56,17 @@ impl ModelEntry {
     }
 
     /// Where the entry's files are on this machine: its directory (relative to `models_file`),
-    /// or its snapshot in the local hub cache (an error naming `spex pull NAME` when absent).
-    pub fn local_dir(&self, models_file: &Path, name: &str) -> Result<PathBuf, EngineError> {
+    /// or its snapshot in the local hub cache under `cache_root` (an error naming
+    /// `spex pull NAME` when absent).
+    pub fn local_dir(
+        &self,
+        models_file: &Path,
+        name: &str,
+        cache_root: &Path,
+    ) -> Result<PathBuf, EngineError> {
         match (&self.path, &self.repo) {
             (Some(path), _) => Ok(models_file.parent().unwrap_or(Path::new(".")).join(path)),
-            (None, Some(repo)) => {
-                hub::snapshot_dir(&hub::cache_root(), repo, self.revision(), name)
-            }
+            (None, Some(repo)) => hub::snapshot_dir(cache_root, repo, self.revision(), name),
             (None, None) => unreachable!("ModelsFile::load checks path or repo: this is a bug"),
         }
     }
@@ -141,8 +145,13 @@ pub struct ResolvedModel {
 
 /// Resolves `--model`: a directory, an entry of models.toml (the default when `None`), or an
 /// ORG/NAME hub repo at `main`. Hub checkpoints come from the local cache; when missing they
-/// are downloaded unless `offline`, in which case the error names the `spex pull` to run.
-pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, EngineError> {
+/// are downloaded (telling `progress`) unless `hub` is offline, in which case the error names
+/// the `spex pull` to run.
+pub fn resolve(
+    model: Option<&str>,
+    hub: &HubSettings,
+    progress: &mut dyn FnMut(PullProgress),
+) -> Result<ResolvedModel, EngineError> {
     if let Some(m) = model {
         let p = PathBuf::from(m);
         if p.is_dir() {
@@ -168,7 +177,7 @@ pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, Engi
     let name = model.unwrap_or(&models.default).to_string();
     let Some(entry) = models.models.get(&name).cloned() else {
         if hub::is_repo_id(&name) {
-            let dir = hub_dir(&name, "main", &name, offline)?;
+            let dir = hub_dir(&name, "main", &name, hub, progress)?;
             return Ok(ResolvedModel {
                 name,
                 source: ModelSource::Dir(dir),
@@ -181,10 +190,9 @@ pub fn resolve(model: Option<&str>, offline: bool) -> Result<ResolvedModel, Engi
             format!("no model entry `{name}` and no such directory (entries: {known})"),
         ));
     };
-    let dir = match (entry.local_dir(&file, &name), &entry.repo) {
-        (Ok(dir), _) => dir,
-        (Err(_), Some(repo)) if !offline => hub::pull(&hub::cache_root(), repo, entry.revision())?,
-        (Err(e), _) => return Err(e),
+    let dir = match &entry.repo {
+        Some(repo) => hub_dir(repo, entry.revision(), &name, hub, progress)?,
+        None => entry.local_dir(&file, &name, &hub.cache_root)?,
     };
     if name == EMBEDDED_NAME && !dir.is_dir() {
         return Ok(embedded(Some(entry)));
@@ -204,16 +212,18 @@ fn embedded(entry: Option<ModelEntry>) -> ResolvedModel {
     }
 }
 
+/// `repo` at `revision` from the local cache, pulled first when it is not there and `hub`
+/// is not offline.
 fn hub_dir(
     repo: &str,
     revision: &str,
     pull_hint: &str,
-    offline: bool,
+    hub: &HubSettings,
+    progress: &mut dyn FnMut(PullProgress),
 ) -> Result<PathBuf, EngineError> {
-    let root = hub::cache_root();
-    match hub::snapshot_dir(&root, repo, revision, pull_hint) {
+    match hub::snapshot_dir(&hub.cache_root, repo, revision, pull_hint) {
         Ok(dir) => Ok(dir),
-        Err(_) if !offline => hub::pull(&root, repo, revision),
+        Err(_) if !hub.offline => Ok(hub::pull(hub, repo, revision, progress)?.snapshot),
         Err(e) => Err(e),
     }
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use super::{hub, models};
+use super::models;
 use crate::engine::checkpoint::Origin;
 use crate::engine::trace::{Trace, fingerprint};
 
@@ -52,7 +52,11 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
 /// Errors unless `model` has the weights and tokenizer `trace` (read from `file`) was
 /// recorded with, naming what differs.
 fn check_model(trace: &Trace, file: &Path, model: &str) -> anyhow::Result<()> {
-    let resolved = models::resolve(Some(model), hub::offline_from_env())?;
+    let hub = crate::hub::HubSettings::from_env()?;
+    let mut bar = super::hub::PullBar::default();
+    let resolved = models::resolve(Some(model), &hub, &mut |p| bar.show(p));
+    bar.finish();
+    let resolved = resolved?;
     let origin = match resolved.source {
         models::ModelSource::Dir(dir) => Origin::Dir(dir),
         models::ModelSource::Embedded => Origin::Embedded(models::EMBEDDED),

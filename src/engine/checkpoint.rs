@@ -21,6 +21,9 @@ use super::tokenizer::TextTokenizer;
 /// How far a load has come, for a progress bar.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoadProgress {
+    /// Before any reading: the checkpoint's files are downloading into the local hub cache,
+    /// `done_bytes` of the current file's `total_bytes` (reported by the CLI's pull).
+    Downloading { done_bytes: u64, total_bytes: u64 },
     /// The host kernels' matrices: `read_bytes` of `total_bytes` read into their arena.
     Reading { read_bytes: u64, total_bytes: u64 },
     /// Read; the first host model of a process times its steps to fix the prefetch plan.

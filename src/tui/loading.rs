@@ -81,6 +81,17 @@ pub fn draw_loading(
             ),
             read_bytes as f64 / total_bytes.max(1) as f64,
         ),
+        Some(LoadProgress::Downloading {
+            done_bytes,
+            total_bytes,
+        }) => (
+            format!(
+                "downloading {label}: {:.2} of {:.2} GB of this file",
+                gb(done_bytes),
+                gb(total_bytes)
+            ),
+            done_bytes as f64 / total_bytes.max(1) as f64,
+        ),
         Some(LoadProgress::TimingSteps) => (
             format!("loading {label}: read; timing the kernels' steps"),
             1.0,

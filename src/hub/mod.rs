@@ -1,0 +1,201 @@
+//! Checkpoints from a Hugging Face hub: where the local cache is, and `pull`, which downloads
+//! a repository's checkpoint files into that cache.
+//!
+//! The cache is laid out as every hub client lays it out ([`cache`]), so a checkpoint pulled
+//! by spex is found by other tools and the reverse. [`HubSettings`] reads the environment the
+//! hub's own command-line client reads (`HF_ENDPOINT`, `HF_HOME`, `HF_HUB_CACHE`, `HF_TOKEN`,
+//! `HF_HUB_OFFLINE`, the timeouts) once, at the edge, into a value that is passed down.
+//!
+//! A pull ([`pull`]) asks the hub which commit the revision names, then fetches each file
+//! from that one commit ([`download`]): resumed where a partial file stopped, retried with
+//! backoff, checked against its SHA-256 before it enters the cache. Nothing unchecked is
+//! ever linked into a snapshot, so a load never trusts a corrupt or partial file.
+//!
+//! Called by the CLI (`spex pull`, and `--model` when a hub checkpoint is not cached yet).
+
+pub mod cache;
+mod download;
+mod error;
+mod settings;
+
+pub use cache::{RepoCache, is_commit, is_repo_id, snapshot_dir, snapshot_size};
+pub use error::HubError;
+pub use settings::HubSettings;
+
+use std::path::PathBuf;
+
+use download::{Client, Remote};
+
+/// What a pull reports while it runs, for a progress bar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PullProgress<'a> {
+    /// `file`'s bytes are arriving: `done_bytes` of `total_bytes` are on disk.
+    Downloading {
+        file: &'a str,
+        done_bytes: u64,
+        total_bytes: u64,
+    },
+    /// A request for `file` failed with `reason`; try `attempt` of `max_attempts` follows.
+    Retrying {
+        file: &'a str,
+        attempt: u32,
+        max_attempts: u32,
+        reason: &'a str,
+    },
+    /// `file` is in the snapshot (downloaded now or already in the cache).
+    Done { file: &'a str },
+}
+
+/// What a finished pull holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pulled {
+    /// The snapshot directory of the commit, in the local cache.
+    pub snapshot: PathBuf,
+    /// The commit the revision named when pulled.
+    pub commit: String,
+    /// Bytes downloaded by this pull (0 when everything was cached).
+    pub downloaded_bytes: u64,
+}
+
+/// Files a checkpoint may have beside its weights; only the first two are required.
+const REQUIRED: [&str; 2] = ["config.json", "tokenizer.json"];
+const OPTIONAL: [&str; 2] = ["tokenizer_config.json", "generation_config.json"];
+const INDEX: &str = "model.safetensors.index.json";
+const WEIGHTS: &str = "model.safetensors";
+
+/// Downloads `repo` at `revision` (a branch, tag or 40-hex commit) into the local cache:
+/// the config, the tokenizer files and the weights (one file, or the shards an index names).
+/// Every file comes from the one commit the revision named when the pull began. A branch's
+/// ref is written last, so an interrupted pull leaves the previous snapshot in force.
+pub fn pull(
+    settings: &HubSettings,
+    repo: &str,
+    revision: &str,
+    progress: &mut dyn FnMut(PullProgress),
+) -> Result<Pulled, HubError> {
+    if settings.offline {
+        return Err(HubError::Offline);
+    }
+    let cache = RepoCache::new(&settings.cache_root, repo);
+    let client = Client::new(settings, repo);
+    // A pinned commit whose config is here needs no request to name its commit.
+    let first = match is_commit(revision) && cache.linked(revision, REQUIRED[0]) {
+        true => None,
+        false => Some(client.require(revision, REQUIRED[0], progress)?),
+    };
+    let commit = first
+        .as_ref()
+        .map_or_else(|| revision.to_string(), |f| f.commit.clone());
+    let mut fetcher = Fetcher {
+        client: &client,
+        cache: &cache,
+        commit: &commit,
+        downloaded_bytes: 0,
+        progress,
+    };
+    match first {
+        Some(remote) => fetcher.place(REQUIRED[0], remote)?,
+        None => fetcher.fetch(REQUIRED[0], true).map(|_| ())?,
+    }
+    fetcher.fetch(REQUIRED[1], true)?;
+    for file in OPTIONAL {
+        fetcher.fetch(file, false)?;
+    }
+    if fetcher.fetch(INDEX, false)? {
+        for shard in shards(&cache.snapshot(&commit).join(INDEX))? {
+            fetcher.fetch(&shard, true)?;
+        }
+    } else {
+        fetcher.fetch(WEIGHTS, true)?;
+    }
+    let downloaded_bytes = fetcher.downloaded_bytes;
+    if !is_commit(revision) {
+        cache.write_ref(revision, &commit)?;
+    }
+    Ok(Pulled {
+        snapshot: cache.snapshot(&commit),
+        commit,
+        downloaded_bytes,
+    })
+}
+
+/// One pull's walk over its files, all at `commit`.
+struct Fetcher<'a> {
+    client: &'a Client<'a>,
+    cache: &'a RepoCache,
+    commit: &'a str,
+    downloaded_bytes: u64,
+    progress: &'a mut dyn FnMut(PullProgress),
+}
+
+impl Fetcher<'_> {
+    /// Puts `file` in the snapshot; false when the repo has no such file and it is optional.
+    /// A file already in this commit's snapshot, or known absent from it, costs no request.
+    fn fetch(&mut self, file: &str, required: bool) -> Result<bool, HubError> {
+        if self.cache.linked(self.commit, file) {
+            (self.progress)(PullProgress::Done { file });
+            return Ok(true);
+        }
+        if !required && self.cache.known_absent(self.commit, file) {
+            return Ok(false);
+        }
+        let remote = match required {
+            true => self
+                .client
+                .require(self.commit, file, &mut *self.progress)?,
+            false => match self
+                .client
+                .metadata(self.commit, file, &mut *self.progress)?
+            {
+                Some(remote) => remote,
+                None => {
+                    self.cache.mark_absent(self.commit, file)?;
+                    return Ok(false);
+                }
+            },
+        };
+        self.place(file, remote)?;
+        Ok(true)
+    }
+
+    /// Downloads `remote` into its blob unless the cache has it, and links it as `file`.
+    fn place(&mut self, file: &str, remote: Remote) -> Result<(), HubError> {
+        if !self.cache.has_blob(&remote.etag, remote.size_bytes) {
+            let _lock = self.cache.lock(file, &remote.etag)?;
+            let partial = self.cache.partial(&remote.etag);
+            self.downloaded_bytes +=
+                self.client
+                    .download(file, &remote, &partial, &mut *self.progress)?;
+            self.cache.commit_blob(&partial, &remote.etag)?;
+        }
+        self.cache.link(self.commit, file, &remote.etag)?;
+        (self.progress)(PullProgress::Done { file });
+        Ok(())
+    }
+}
+
+/// The shard files a `model.safetensors.index.json` names, each once.
+fn shards(index: &std::path::Path) -> Result<Vec<String>, HubError> {
+    let text = std::fs::read_to_string(index).map_err(|e| HubError::io(index, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| HubError::Invalid(format!("{}: {e}", index.display())))?;
+    let map = json["weight_map"]
+        .as_object()
+        .ok_or_else(|| HubError::Invalid(format!("{}: no `weight_map` object", index.display())))?;
+    let mut shards: Vec<String> = map
+        .values()
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect();
+    shards.sort();
+    shards.dedup();
+    if let Some(bad) = shards
+        .iter()
+        .find(|s| s.starts_with('/') || s.split('/').any(|part| part == ".."))
+    {
+        return Err(HubError::Invalid(format!(
+            "{}: shard `{bad}` is outside the snapshot",
+            index.display()
+        )));
+    }
+    Ok(shards)
+}
