@@ -48,11 +48,31 @@ fn lay_out_hub_cache(src: &Path, hf_home: &Path, repo: &str) -> std::path::PathB
 }
 
 fn spex(args: &[&str], envs: &[(&str, &Path)]) -> (bool, String, String) {
+    let envs: Vec<_> = envs.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
+    spex_with(args, &envs)
+}
+
+/// spex with `args` in a clean hub environment (none of the hub client's variables of the
+/// machine running the tests, no proxy) plus `envs`: success, stdout, stderr.
+fn spex_with(args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> (bool, String, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_spex"));
-    cmd.args(args).env_remove("HF_HUB_CACHE");
-    for (k, v) in envs {
-        cmd.env(k, v);
+    cmd.args(args);
+    for var in [
+        "HF_ENDPOINT",
+        "HF_TOKEN",
+        "HF_TOKEN_PATH",
+        "HF_HUB_CACHE",
+        "HF_HUB_OFFLINE",
+        "HF_HUB_ETAG_TIMEOUT",
+        "HF_HUB_DOWNLOAD_TIMEOUT",
+        "http_proxy",
+        "HTTP_PROXY",
+        "all_proxy",
+        "ALL_PROXY",
+    ] {
+        cmd.env_remove(var);
     }
+    cmd.envs(envs.iter().copied());
     let out = cmd.output().unwrap();
     (
         out.status.success(),

@@ -265,6 +265,8 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
+    // clap shows this text as the help, where brackets mean optional.
+    #[allow(rustdoc::broken_intra_doc_links)]
     /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits), loopspec[:d1=N][:d2=M] (LoopSpec, verified by rejection sampling) or baseline (default: the entry's policy, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
@@ -302,6 +304,8 @@ pub struct BenchArgs {
     /// on a 2-vCPU Zen 5; README, "Numbers").
     #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
     pub turn_ms: f64,
+    // clap shows this text as the help, where brackets mean optional.
+    #[allow(rustdoc::broken_intra_doc_links)]
     /// The policies raced against baseline, comma-separated, all in one interleaved run:
     /// speed; dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits);
     /// loopspec[:d1=N][:d2=M] (LoopSpec's proposals at depth N, gated second ones at M,
@@ -330,6 +334,8 @@ pub struct TuiArgs {
     /// Tokens to generate per run.
     #[arg(long, default_value_t = 200, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
+    // clap shows this text as the help, where brackets mean optional.
+    #[allow(rustdoc::broken_intra_doc_links)]
     /// The policy raced against baseline: speed, dual, dual:MARGIN or loopspec[:d1=N][:d2=M] (default: the entry's, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,

@@ -7,7 +7,7 @@
 //! `HF_HUB_OFFLINE`, the timeouts) once, at the edge, into a value that is passed down.
 //!
 //! A pull ([`pull`]) asks the hub which commit the revision names, then fetches each file
-//! from that one commit ([`download`]): resumed where a partial file stopped, retried with
+//! from that one commit (`download`): resumed where a partial file stopped, retried with
 //! backoff, checked against its SHA-256 before it enters the cache. Nothing unchecked is
 //! ever linked into a snapshot, so a load never trusts a corrupt or partial file.
 //!

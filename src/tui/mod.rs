@@ -1,7 +1,7 @@
 //! The dashboard runtime: sets up the terminal (restored on quit, error and panic), runs the
 //! race on its own thread, and loops with `tokio::select!` over terminal input, engine events
 //! and a frame timer. Once per frame it drains the engine's events into one `App::update`,
-//! then draws from state alone. The events come from a [`Source`]: a live race here, or a
+//! then draws from state alone. The events come from a `Source`: a live race here, or a
 //! recorded trace (`replay`).
 
 pub mod app;

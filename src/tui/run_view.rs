@@ -1,6 +1,6 @@
 //! The current run as the dashboard shows it: both lanes' text and statistics, the pipeline's
 //! columns, the flip log, the KV gauges, and every position's readouts for the inspector,
-//! folded from the engine's events by [`on_decode`]. `App` owns one; `ui` draws it.
+//! folded from the engine's events by `on_decode`. `App` owns one; `ui` draws it.
 
 use std::collections::{BTreeMap, VecDeque};
 

@@ -4,7 +4,6 @@
 //! nothing in the cache that a load would trust.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use sha2::Digest;
@@ -32,47 +31,25 @@ fn served(sharded: bool) -> (TempDir, LoopbackHub) {
     (ckpt, hub)
 }
 
-/// Runs spex with a clean hub environment plus `envs`, against `hub`, caching under `home`.
+/// spex against `hub`, caching under `home`, with `envs` besides.
 fn spex(
     hub: &LoopbackHub,
     home: &Path,
     args: &[&str],
     envs: &[(&str, &str)],
 ) -> (bool, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spex"));
-    cmd.args(args);
-    for var in [
-        "HF_TOKEN",
-        "HF_TOKEN_PATH",
-        "HF_HUB_CACHE",
-        "HF_HUB_OFFLINE",
-        "HF_HUB_ETAG_TIMEOUT",
-        "HF_HUB_DOWNLOAD_TIMEOUT",
-        "http_proxy",
-        "HTTP_PROXY",
-        "all_proxy",
-        "ALL_PROXY",
-    ] {
-        cmd.env_remove(var);
-    }
-    cmd.env("HF_ENDPOINT", &hub.endpoint).env("HF_HOME", home);
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let mut all = vec![
+        ("HF_ENDPOINT", hub.endpoint.as_str().as_ref()),
+        ("HF_HOME", home.as_os_str()),
+    ];
+    all.extend(envs.iter().map(|(k, v)| (*k, v.as_ref())));
+    super::spex_with(args, &all)
 }
 
 fn fails_in_one_line(result: (bool, String, String), needle: &str) {
     let (ok, _, err) = result;
     assert!(!ok, "expected a failure naming {needle:?}");
-    assert!(!err.contains("panicked"), "{err}");
-    assert_eq!(err.trim().lines().count(), 1, "{err}");
-    assert!(err.contains(needle), "expected {needle:?} in {err:?}");
+    super::one_clean_line(&err, needle);
 }
 
 fn repo_dir(home: &Path) -> PathBuf {
@@ -115,6 +92,17 @@ fn assert_snapshot_matches(ckpt: &Path, home: &Path) {
             );
         }
     }
+}
+
+/// The snapshot has no weights, and a load of the repo asks for a pull.
+fn no_load_trusts(hub: &LoopbackHub, home: &Path) {
+    let snapshot = repo_dir(home).join("snapshots").join(COMMIT);
+    assert!(!snapshot.join("model.safetensors").exists());
+    let args = ["generate", "--model", REPO, "--offline", "--prompt", "x"];
+    fails_in_one_line(
+        spex(hub, home, &args, &[]),
+        &format!("run `spex pull {REPO}`"),
+    );
 }
 
 #[test]
@@ -173,41 +161,20 @@ fn a_pull_lands_in_the_cache_a_second_downloads_nothing_and_the_snapshot_decodes
         let speed = run_lane(&loaded, PolicyKind::Speed, prompt, opts).unwrap();
         assert_eq!(base.tokens, speed.tokens, "{prompt:?}");
     }
-    let generate = |model: &str| {
-        let args = [
-            "generate",
-            "--model",
-            model,
-            "--offline",
-            "--prompt",
-            "To be",
-            "--max-tokens",
-            "8",
-            "--context",
-            "64",
-        ];
-        let (ok, out, err) = spex(&hub, home.path(), &args, &[]);
+    let generate = |model: &str, home: &Path, offline: bool| {
+        let mut args = vec!["generate", "--model", model, "--prompt", "To be"];
+        args.extend(["--max-tokens", "8", "--context", "64"]);
+        args.extend(offline.then_some("--offline"));
+        let (ok, out, err) = spex(&hub, home, &args, &[]);
         assert!(ok, "{err}");
         out
     };
-    assert_eq!(generate(REPO), generate(&ckpt.path().display().to_string()));
+    let from_dir = generate(&ckpt.path().display().to_string(), home.path(), true);
+    assert_eq!(generate(REPO, home.path(), true), from_dir);
 
     // Without the cache, `--model ORG/NAME` pulls first, then decodes the same.
     let fresh = TempDir::new().unwrap();
-    let args = [
-        "generate",
-        "--model",
-        REPO,
-        "--prompt",
-        "To be",
-        "--max-tokens",
-        "8",
-        "--context",
-        "64",
-    ];
-    let (ok, out, err) = spex(&hub, fresh.path(), &args, &[]);
-    assert!(ok, "{err}");
-    assert_eq!(out, generate(REPO));
+    assert_eq!(generate(REPO, fresh.path(), false), from_dir);
     assert_snapshot_matches(ckpt.path(), fresh.path());
 }
 
@@ -251,15 +218,7 @@ fn an_interrupted_pull_is_resumed_by_the_next_and_trusted_by_no_load() {
     assert_eq!(partial.len(), 1, "{partial:?}");
     assert_eq!(std::fs::metadata(&partial[0]).unwrap().len(), weights / 2);
     assert!(!repo_dir(home.path()).join("refs/main").exists());
-    fails_in_one_line(
-        spex(
-            &hub,
-            home.path(),
-            &["generate", "--model", REPO, "--offline", "--prompt", "x"],
-            &[],
-        ),
-        &format!("run `spex pull {REPO}`"),
-    );
+    no_load_trusts(&hub, home.path());
     hub.set_faults(Faults::default());
     let (ok, _, err) = spex(&hub, home.path(), &["pull", REPO], &[]);
     assert!(ok, "{err}");
@@ -289,22 +248,7 @@ fn corrupt_bytes_are_one_line_and_leave_nothing_a_load_would_trust() {
         let len = std::fs::metadata(&blob).unwrap().len();
         assert!(len < 100_000, "a weights blob or partial stayed: {blob:?}");
     }
-    assert!(
-        !repo_dir(home.path())
-            .join("snapshots")
-            .join(COMMIT)
-            .join("model.safetensors")
-            .exists()
-    );
-    fails_in_one_line(
-        spex(
-            &hub,
-            home.path(),
-            &["generate", "--model", REPO, "--offline", "--prompt", "x"],
-            &[],
-        ),
-        &format!("run `spex pull {REPO}`"),
-    );
+    no_load_trusts(&hub, home.path());
 }
 
 #[test]

@@ -536,7 +536,7 @@ pub fn softmax_in_place(x: &mut [f32]) {
     }
 }
 
-/// Σ e^(x[i] − shift): a softmax's denominator for display (the probabilities in events),
+/// `Σ e^(x[i] − shift)`: a softmax's denominator for display (the probabilities in events),
 /// through the vector exp where there is one (a scalar exp over a 4096-token vocabulary per
 /// read-out row was 8 % of `spex generate`'s time). Decoding never depends on it.
 pub fn sum_exp(x: &[f32], shift: f32) -> f32 {

@@ -1,7 +1,7 @@
 //! The decode step's threads (`--threads N`): N − 1 workers that wait for a job by spinning on
 //! a counter, so that a matmul of a few microseconds can be split without paying a thread
 //! wake-up each time (rayon's cost ~15 % of a hidden-256 step). A worker that has spun
-//! [`SPIN_LIMIT`] times without a job parks until the next one, so an idle dashboard does not
+//! `SPIN_LIMIT` times without a job parks until the next one, so an idle dashboard does not
 //! hold the cores. One job runs at a time; a caller that finds the pool busy (another thread
 //! decoding) runs its job alone, with the same results: every job splits work by output
 //! element, and each element is computed the same way wherever it runs.

@@ -118,7 +118,7 @@ pub fn choice() -> Option<&'static Choice> {
 
 /// Fixes the plan, the first time it is called in a process and nothing forced one, by timing
 /// each candidate with `measure` (its median one-row and R-row step compute, the candidates
-/// taking turns inside it) and keeping the cheapest by [`Trial::cost`]. Later calls return
+/// taking turns inside it) and keeping the cheapest by `Trial::cost`. Later calls return
 /// the first choice. `measure` runs with each candidate in use and must not decode anything
 /// of the caller's. Where the kernels prefetch nothing (the portable loops, NEON) nothing is
 /// timed: the default stands, with no trials.
@@ -159,7 +159,7 @@ pub fn choose_once<E>(
 /// the attention's K/V prefetch that comes with `l2` pays more in a race than in these steps.
 const L2_MARGIN_PERCENT: u32 = 5;
 
-/// The plan of the cheapest trial by [`Trial::cost`], where a plan that prefetches into L2
+/// The plan of the cheapest trial by `Trial::cost`, where a plan that prefetches into L2
 /// counts [`L2_MARGIN_PERCENT`] cheaper (the default where there are none).
 fn cheapest(trials: &[Trial], passes: usize) -> Prefetch {
     let passes = u32::try_from(passes).unwrap_or(u32::MAX);

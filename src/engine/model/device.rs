@@ -4,7 +4,7 @@
 //! each layer then runs a fixed number of ops whatever the rows and passes (one RoPE split,
 //! one write of every row's K and V, one [`decode_attention`] for all rows), and copies
 //! nothing from the host. Every decode step's matrices have the same number of rows
-//! ([`padded_rows`]) and the attention reduces each row over its own span, so a row's
+//! (`padded_rows`) and the attention reduces each row over its own span, so a row's
 //! arithmetic does not depend on the rows beside it. It also runs on the CPU (the tests drive
 //! it there), so the code a GPU executes is exercised here.
 
@@ -41,7 +41,7 @@ impl DeviceBackend {
         &self.model
     }
 
-    /// The rows every decode step's matrices have ([`padded_rows`]).
+    /// The rows every decode step's matrices have (`padded_rows`).
     pub fn step_rows(&self) -> usize {
         padded_rows(&self.model, 0)
     }
@@ -147,7 +147,7 @@ impl StepBackend for DeviceBackend {
     }
 
     /// `[padded rows, hidden]`: embeddings for pass-1 rows, carried states for the others,
-    /// then zero rows up to [`padded_rows`].
+    /// then zero rows up to `padded_rows`.
     fn embed(&self, inputs: Vec<RowInput<Tensor>>) -> Result<Tensor> {
         let parts = inputs
             .into_iter()

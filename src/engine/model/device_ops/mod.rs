@@ -1,7 +1,7 @@
 //! spex's own device ops: the parts of a device step that candle's composed ops would run as
 //! several launches, or with sums that depend on the rows beside a row, as one op each. The
 //! device backend ([`super::device`]) calls them; each has a CUDA kernel (`kernels.cu`,
-//! compiled to PTX by build.rs with the `cuda` feature, launched from [`cuda`]) and a CPU twin
+//! compiled to PTX by build.rs with the `cuda` feature, launched from `cuda`) and a CPU twin
 //! in its own module, the same algorithm in Rust, which the tests run. Every op computes in f32
 //! whatever the tensors' dtype and rounds once.
 //!
