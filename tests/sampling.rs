@@ -1,4 +1,4 @@
-//! Seed-coupled sampling (speculation.md §4b): every policy reproduces the baseline's sampled
+//! Seed-coupled sampling (`engine::sampling`): every policy reproduces the baseline's sampled
 //! text token for token for the same seed, on many prompts, shapes, seeds, temperatures and
 //! filters; and the baseline's samples follow softmax(l / T) of the reference forward, with
 //! top-k and top-p applied (chi-square tests over fixed seeds).
@@ -258,7 +258,7 @@ fn the_first_two_sampled_tokens_follow_the_filtered_softmax_jointly() {
     assert_first_two_follow(PolicyKind::Baseline, 2, 2);
 }
 
-/// LoopSpec's cascade (speculation.md §4) is lossless in distribution: over many seeds, its
+/// LoopSpec's cascade is lossless in distribution: over many seeds, its
 /// first two sampled tokens follow the model's filtered softmax jointly, with first proposals
 /// from pass 1 and gated second proposals from pass 2 both in play.
 #[test]

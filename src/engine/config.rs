@@ -8,7 +8,7 @@ use serde_json::{Map, Value, json};
 
 use super::error::{EngineError, Result};
 
-/// The architecture fields of an Ouro checkpoint that spex uses (see ouro-format.md).
+/// The architecture fields of an Ouro checkpoint that spex uses (`engine::format`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct OuroConfig {
     pub hidden_size: usize,

@@ -25,7 +25,7 @@ pub struct DecodeOptions {
     pub max_tokens: usize,
     /// KV cache capacity in positions (prompt plus output).
     pub context: usize,
-    /// Greedy, or seed-coupled sampling (speculation.md §4b).
+    /// Greedy, or seed-coupled sampling (`engine::sampling`).
     pub sampling: Sampling,
 }
 

@@ -99,7 +99,7 @@ pub struct RowEvent {
     pub checked_child: bool,
 }
 
-/// A deeper pass changed the prediction for position `pos` (speculation.md §3).
+/// A deeper pass changed the prediction for position `pos` (`engine::pipeline`, "The step").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Flip {
     pub pos: usize,

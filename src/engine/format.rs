@@ -1,6 +1,51 @@
-//! The tensors of an Ouro checkpoint (ouro-format.md, "Tensors"): one table of names, shapes
-//! and roles. Loading (`model::Weights`), random checkpoints (`random_checkpoint`) and
-//! training's saves and growth (`train`) all read it; no other file spells a tensor name.
+//! The Ouro checkpoint format, the one format spex reads and writes, and its tensors: one
+//! table of names, shapes and roles. Loading (`model::Weights`), random checkpoints
+//! (`random_checkpoint`) and training's saves and growth (`train`) all read it; no other file
+//! spells a tensor name.
+//!
+//! # Files
+//!
+//! A checkpoint is a directory (or a hub repo) holding `config.json`, the weights in one
+//! `model.safetensors` or in shards named by `model.safetensors.index.json`, and
+//! `tokenizer.json`; a chat model's `tokenizer_config.json` carries its chat template. The
+//! config fields spex reads are [`OuroConfig`]'s: `num_hidden_layers` is K, the shared layers,
+//! and `total_ut_steps` is R, the passes.
+//!
+//! # Tensors
+//!
+//! Every linear layer is bias-free. Per shared layer `i` (the constants below spell them):
+//! the attention's `q_proj` `[heads·head_dim, hidden]`, `k_proj` and `v_proj`
+//! `[kv_heads·head_dim, hidden]` (grouped-query attention when `kv_heads < heads`) and
+//! `o_proj` `[hidden, heads·head_dim]`; the MLP's `gate_proj` and `up_proj`
+//! `[intermediate, hidden]` and `down_proj` `[hidden, intermediate]`; and four RMSNorm gains
+//! `[hidden]`. Beside the layers: the embedding, the final norm, the LM head (absent when tied
+//! to the embedding) and Ouro's early-exit gate, which spex does not use.
+//!
+//! # The forward pass
+//!
+//! ```text
+//! h = embed(ids)
+//! for pass in 1..=R:
+//!     for layer i in 0..K:                       (KV cache: one per (pass, layer))
+//!         a = input_layernorm(h);  a = attention(a);  a = input_layernorm_2(a);  h = h + a
+//!         m = post_attention_layernorm(h);  m = down(silu(gate(m)) · up(m))
+//!         m = post_attention_layernorm_2(m);  h = h + m
+//!     h = norm(h)                                (carried into the next pass)
+//!     readout[pass] = lm_head(h)                 (the embedding's transpose when tied)
+//! ```
+//!
+//! The second norm after each sublayer is Ouro's "sandwich" (`model::step` is its one
+//! implementation). RMSNorm is x / sqrt(mean(x²) + eps) · gain. Attention is causal with scale
+//! 1/sqrt(head_dim); the rotary embedding uses the rotate-half (NeoX) layout with base
+//! `rope_theta` at the token's absolute position; key/value heads repeat for GQA.
+//!
+//! # The released models
+//!
+//! ByteDance's Ouro-1.4B and Ouro-2.6B (and their chat-tuned `-Thinking` twins) are hidden
+//! 2048, 16 heads of 128 (no GQA), intermediate 5632, vocabulary 49152, untied, R = 4, with
+//! K = 24 and K = 48 layers; bf16 weights of 2.9 GB and 5.3 GB. `spex random-checkpoint` writes
+//! any shape in this format, and spex's own trained models use it, so any Ouro implementation
+//! can read them.
 
 use candle_core::{DType, Device, Tensor};
 

@@ -1,6 +1,21 @@
-//! One definition of every metric (speculation.md §5) for the CLI, the benchmark and the
-//! dashboard: run statistics folded from the event stream, the speedup, and the step times
-//! that give the pipeline's ceiling.
+//! One definition of every metric for the CLI, the benchmark and the dashboard: run
+//! statistics folded from the event stream, the speedup, and the step times that give the
+//! pipeline's ceiling.
+//!
+//! - **Speedup**: the baseline's decode time over a policy's, for the same model, prompt,
+//!   device, dtype and number of tokens, prefill excluded, measured in the same process.
+//! - **Ceiling**: R · t(1-row step) / t(R-row step), timed on the same model: what the pipeline
+//!   would give with no flips (`engine::pipeline`, "The step").
+//! - **γ, the mean accepted length**: N·R / (Σ over committed tokens of the depth their
+//!   surviving guess was accepted at), LoopSpec's eq. 9; a SPEED token whose guess stood since
+//!   pass r counts as accepted at depth r, a restart at depth R. R means every token came from
+//!   pass 1.
+//! - **Flip rate at pass r**: flips detected at pass r over the readouts at pass r that had a
+//!   child.
+//! - **Acceptance by source**: the shares of committed tokens that came from the first
+//!   proposal, the second, or a full-depth restart.
+//! - **Wasted row-slots**: rows computed for tokens later flushed, over all rows computed.
+//! - **KV occupancy per pass**: committed and speculative entries against the capacity.
 
 use std::time::{Duration, Instant};
 
@@ -182,7 +197,7 @@ impl RunStats {
         Pass::all(self.passes).map(|p| self.flip_rate(p)).collect()
     }
 
-    /// Acceptance by source (speculation.md §5): the shares of committed tokens whose
+    /// Acceptance by source: the shares of committed tokens whose
     /// surviving guess was a first proposal, a second proposal, or none (a full-depth
     /// restart, committed from pass R's own readout).
     pub fn acceptance(&self) -> Acceptance {

@@ -1,5 +1,5 @@
 //! The one pass convention: a pass of the K shared layers is numbered 1 to R, as in
-//! speculation.md and the papers. Events, policies, the scheduler, the step and the KV cache
+//! the papers (`engine::pipeline`, "Looped models"). Events, policies, the scheduler, the step and the KV cache
 //! all take a [`Pass`]; only per-pass arrays and buffers see its 0-based [`Pass::index`].
 
 use std::fmt;

@@ -1,5 +1,5 @@
 //! How a readout's logits become a token: greedy (T = 0) or seed-coupled sampling
-//! (speculation.md §4b). Coupled sampling is Gumbel-max with noise keyed only by (seed,
+//! (Daliri, Musco and Suresh, arXiv 2408.07978). Coupled sampling is Gumbel-max with noise keyed only by (seed,
 //! position, token id): x_p = argmax over the kept set S_p of (l_i / T + G(seed, p, i)). With
 //! pass R's logits that is an exact sample of softmax(l / T) restricted to S_p, and a
 //! deterministic function of (logits, seed, p), so every policy that commits only pass-R
@@ -180,7 +180,7 @@ impl Sampling {
     }
 }
 
-/// The uniforms a rejection-sampling policy (LoopSpec, speculation.md §4) draws at one
+/// The uniforms a rejection-sampling policy (LoopSpec: `policy::loopspec`) draws at one
 /// position, one independent stream each. Keyed like the Gumbel noise by (seed, position) and
 /// a stream number no token id reaches, so reruns draw the same numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

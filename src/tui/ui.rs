@@ -503,7 +503,7 @@ fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Lin
         ),
     };
     let ceiling = run.ceiling.map_or("—".to_string(), |c| format!("{c:.2}×"));
-    // Acceptance by source (speculation.md §5): which guess each committed token came from.
+    // Acceptance by source (`engine::metrics`): which guess each committed token came from.
     let accepted = s.acceptance();
     vec![
         Line::from(vec![

@@ -4,7 +4,7 @@
 //! kernels' 1-row product streams over the model's own layer matrices. A 1-row step cannot
 //! beat its bytes over the stream rate, an R-row one neither that nor its multiply-adds over
 //! the peak, so the ceiling R·t1/tR has a bound that this machine sets, whatever the kernels
-//! do (speculation.md §5, §6).
+//! do (`engine::metrics`, `engine::kernels`).
 
 use std::time::{Duration, Instant};
 

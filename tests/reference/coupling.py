@@ -1,5 +1,5 @@
 """How often a pass-r proposal survives to pass R under sampling, by the two rules spex offers
-(speculation.md §4 and §4b), on held-out text. For every position and pass r < R:
+(`policy::loopspec` and `engine::sampling`), on held-out text. For every position and pass r < R:
 - rejection sampling (LoopSpec) accepts a proposal drawn from q_r with probability 1 - TV(q_r, p_R);
 - seed-coupled (Gumbel-max) sampling keeps it when the shared-noise argmax over pass r's kept set
   equals pass R's; the coupling bound says that happens with probability >= (1 - TV)/(1 + TV).

@@ -1,4 +1,4 @@
-"""An independent Ouro forward pass in numpy, written from ouro-format.md alone, to check that a
+"""An independent Ouro forward pass in numpy, written from the format's description alone (spex's `engine::format` docs), to check that a
 checkpoint directory is a standard Ouro checkpoint: greedy-decodes a prompt with full recompute
 (no KV cache) and prints the token ids. Compare with
 `spex generate --model DIR --policy baseline --json` (the finished event's tokens).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The PyTorch eager peer of `spex bench` (issue: GPU for real, item 4).
 
-An Ouro forward written from ouro-format.md alone, in plain PyTorch ops at batch 1: the
+An Ouro forward written from the format's description alone (spex's `engine::format` docs), in plain PyTorch ops at batch 1: the
 prompt in one prefill, then greedy decoding with a KV cache per (pass, layer), every token
 through all R passes (ordinary decoding, no speculation). It times the decode and prints one
 JSON line: tokens, tokens per second, peak GPU memory and, with --bandwidth, the device's
@@ -58,7 +58,7 @@ def load(directory, dtype, device):
 
 
 class Ouro:
-    """ouro-format.md's forward pass over one weight dict; caches live outside."""
+    """The forward pass of `engine::format` over one weight dict; caches live outside."""
 
     def __init__(self, cfg, w, device):
         self.cfg, self.w = cfg, w

@@ -5,7 +5,7 @@
 //! row's cache (1.5 MB over six layers at position 128 in f32, half that in f16: the cache's
 //! element type is `kv_element::KvElement`, widened to f32 in registers) is the one part of
 //! those bytes that grows with the rows. Rows at the same pass read the same cache: a second candidate and
-//! its first (`dual`, speculation.md §3), and the prompt's rows. A group walks the cache in
+//! its first (`dual`: `engine::pipeline`, "Second candidates"), and the prompt's rows. A group walks the cache in
 //! blocks, one head's tile of positions each, and every row of the group reads a block while
 //! it is in L1, so the group streams the cache once instead of once per row. The host cache
 //! lies head by head ([`KvLayout::Heads`]), so a block is one contiguous run.

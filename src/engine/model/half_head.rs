@@ -1,5 +1,5 @@
 //! Proposal readouts through an f16 copy of the LM head, with commits kept exact. Only pass
-//! R's readout decides what is committed (speculation.md §3); earlier readouts are proposals
+//! R's readout decides what is committed (`engine::pipeline`, "The step"); earlier readouts are proposals
 //! and only steer speculation. On CPU every SPEED step reads out every row, and the LM head is
 //! a quarter of a step's weight bytes on the shipped model, so half the bytes there shortens
 //! the speculative step (the baseline reads out one step in R).

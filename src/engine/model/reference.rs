@@ -83,7 +83,7 @@ fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 impl LoopedModel {
     /// Logits after every pass for `ids` `[batch, seq]`: a vector of R tensors
-    /// `[batch, seq, vocab]` (ouro-format.md, "Forward pass").
+    /// `[batch, seq, vocab]` (`engine::format`, "The forward pass").
     pub fn forward_sequence(&self, ids: &Tensor) -> Result<Vec<Tensor>> {
         self.readouts(&self.hidden_per_pass(ids)?)
     }

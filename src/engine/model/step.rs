@@ -1,7 +1,7 @@
-//! The batched step, written once for every backend (speculation.md §3, steps 1–2): M rows,
+//! The batched step, written once for every backend (`engine::pipeline`, "The step", 1–2): M rows,
 //! each its own position and pass, through the K shared layers once, weights read once for
 //! all rows; then a readout for the rows that ask. Ouro's sandwich layer lives here and
-//! nowhere else (ouro-format.md, "Forward pass"); `reference.rs` is the independent oracle.
+//! nowhere else (`engine::format`, "The forward pass"); `reference.rs` is the independent oracle.
 
 use std::fmt;
 
@@ -30,7 +30,7 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
     /// Empty K/V buffers for `capacity` positions of every pass.
     fn empty_kv(&self, capacity: usize) -> Result<Self::Kv>;
 
-    /// The batched step over `rows` (speculation.md §3, steps 1–2).
+    /// The batched step over `rows` (`engine::pipeline`, "The step", 1–2).
     fn run_step(
         &self,
         rows: Vec<StepRow<Self::Hidden>>,
@@ -121,7 +121,7 @@ pub struct StepOutput<H> {
 }
 
 /// Runs every row through the K shared layers once. Each row writes its K/V at (its pass, its
-/// position) and attends to its own pass's cache up to its position (speculation.md §3, step
+/// position) and attends to its own pass's cache up to its position (`engine::pipeline`, "The step", step
 /// 1); rows asking for it get a readout (step 2).
 pub fn step<B: StepBackend>(
     backend: &B,
@@ -167,7 +167,7 @@ fn sweep<B: StepBackend>(
     })
 }
 
-/// One shared layer with Ouro's sandwich norms (ouro-format.md, "Forward pass").
+/// One shared layer with Ouro's sandwich norms (`engine::format`, "The forward pass").
 fn layer_forward<B: StepBackend>(
     b: &B,
     (step, slots): (&B::Step, &[RowSlot]),

@@ -1,15 +1,68 @@
-//! The SPEED scheduler (speculation.md §3; Hooper et al., arXiv 2310.12072 §3), shared by every
-//! policy: a window of in-flight tokens, oldest first, each at its own pass; one batched step
-//! per call, then the walk from oldest to newest. The policy answers the walk's questions
-//! (`engine::policy`): what a readout decides, where it starts children, and how it settles
-//! the candidates in flight (keep one, or reject them all). Baseline decoding is the same
-//! machine with a policy that never speculates.
+//! The SPEED scheduler (Hooper et al., arXiv 2310.12072 §3), shared by every policy: a window
+//! of in-flight tokens, oldest first, each at its own pass; one batched step per call, then the
+//! walk from oldest to newest. The policy answers the walk's questions (`engine::policy`): what
+//! a readout decides, where it starts children, and how it settles the candidates in flight
+//! (keep one, or reject them all). Baseline decoding is the same machine with a policy that
+//! never speculates.
+//!
+//! # Looped models
+//!
+//! A looped model applies one stack of K shared layers R times. Each application is a *pass*
+//! ([`Pass`], numbered 1 to R); after every pass the final norm and the LM head give a
+//! *readout*, a distribution over the next token. Pass R's readout is the model's prediction;
+//! an earlier pass's is an early guess, which models trained with a loss on every pass make
+//! agree with pass R most of the time. Each (pass, layer) has its own KV cache: a token at pass
+//! r attends to the pass-r entries of every earlier position and its own.
+//!
+//! Baseline decoding runs a token through all R passes, commits pass R's choice and only then
+//! starts the next token: every weight is read R times per token, and at batch 1 that reading,
+//! not arithmetic, is the cost.
+//!
+//! # The step
+//!
+//! SPEED starts token t+1 from token t's *early* readout, so that up to R tokens are in flight
+//! at once, token t at pass r, t+1 at pass r−1, and so on. One step:
+//!
+//! 1. **One batched step.** One row per in-flight token (at most R, plus second candidates)
+//!    goes through the K layers together, so the shared weights are read once for all of them.
+//!    Each row uses its own position for the rotary embedding and attends to its own pass's
+//!    cache up to its position (`model::step`).
+//! 2. **Readouts.** Each row reads out its prediction for the next position. Rows that do not
+//!    need one (a token whose child already runs) skip it.
+//! 3. **The walk**, oldest row first (`Pipeline::walk`). The policy turns each readout into
+//!    an [`Action`]:
+//!    - *pass R*: the readout is final. The next token is committed. If the child in flight was
+//!      started from another guess, that is a misprediction: the child and everything younger
+//!      are flushed, their KV entries rolled back in every pass, and a new child starts from
+//!      the committed token.
+//!    - *pass r < R, no child yet*: a child starts from the readout's guess (normally at r = 1).
+//!    - *pass r < R, a child exists, and the guess changed*: a **flip**. The child and
+//!      everything younger are flushed at once and a new child starts from the deeper, better
+//!      guess.
+//! 4. Children enter at pass 1 in the next step.
+//!
+//! With no flips the window holds R tokens and one commits per step, so the ideal speedup is
+//! R · t(1-row step) / t(R-row step): the *ceiling* (`engine::metrics`).
+//!
+//! # Exactness
+//!
+//! A committed token is always pass R's choice computed over the committed prefix, so the
+//! output equals baseline decoding token for token: greedy, and under seed-coupled sampling for
+//! the same seed (`engine::sampling`). That holds bit for bit only if a row's arithmetic does
+//! not depend on the other rows of its step (*batch invariance*): every step backend computes
+//! each output element the same way whatever the number of rows (`engine::kernels`). LoopSpec
+//! verifies by rejection sampling instead and is exact in distribution (`policy::loopspec`).
+//!
+//! # Second candidates
 //!
 //! A readout may start a second candidate for the next position beside the first (`dual`:
 //! pass 1's near-tie runner-up; `loopspec`: the gated proposal at depth d2). It rides on its
 //! parent as a side candidate, runs its passes with its KV entries set aside, and starts no
 //! children; when the parent's readout keeps it, it takes the first's place and the first's
-//! branch is flushed. So the window stays a chain, the tree of LoopSpec §4 cut to one level.
+//! branch is flushed. So the window stays a chain: LoopSpec's tree of branches cut to one
+//! level.
+//!
+//! # Callers
 //!
 //! Generic over the step model: every step backend, and the what-if oracle that answers from
 //! a recorded run (`engine::what_if`). Callers hold it as an `engine::Decoder` (or a what-if)
@@ -22,14 +75,14 @@ use std::time::{Duration, Instant};
 
 mod in_flight;
 mod prefill;
+mod report;
 
 use in_flight::{Decided, InFlight, Readouts};
 
 use super::decoder::DecodeOptions;
 use super::error::{EngineError, Result};
 use super::events::{
-    Committed, DecodeEvent, FinishEvent, FinishReason, Flip, Flush, Prediction, RowEvent,
-    StepEvent, Token,
+    Committed, DecodeEvent, FinishReason, Flip, Flush, Prediction, RowEvent, StepEvent,
 };
 use super::kv_cache::KvCache;
 use super::model::{ReadoutKind, RowSlot, StepModel};
@@ -166,31 +219,6 @@ impl<B: StepModel> Pipeline<B> {
         matches!(self.phase, Phase::Prefill | Phase::Decoding)
     }
 
-    /// The policy's name.
-    pub fn policy_name(&self) -> &'static str {
-        self.policy.name()
-    }
-
-    /// Committed output ids so far.
-    pub fn output(&self) -> &[u32] {
-        &self.output
-    }
-
-    /// The prompt's ids.
-    pub fn prompt(&self) -> &[u32] {
-        &self.prompt
-    }
-
-    /// The KV cache (tests compare it between policies).
-    pub fn cache(&self) -> &KvCache<B::Kv> {
-        &self.cache
-    }
-
-    /// Compute time of the decode steps so far (prefill excluded).
-    pub fn decode_compute(&self) -> Duration {
-        self.decode_compute
-    }
-
     /// The next event: prefill, then steps, then one finish event; `None` after that.
     pub fn next_event(&mut self) -> Result<Option<DecodeEvent>> {
         Ok(Some(match self.phase {
@@ -208,24 +236,6 @@ impl<B: StepModel> Pipeline<B> {
     pub fn cancel(&mut self) {
         if self.is_running() {
             self.phase = Phase::Finishing(FinishReason::Cancelled);
-        }
-    }
-
-    fn finish_event(&mut self, reason: FinishReason) -> FinishEvent {
-        FinishEvent {
-            reason,
-            tokens: self.output.clone(),
-            text: self.tokenizer.decode(&self.output),
-            text_tail: self.detokenizer.finish(&self.tokenizer),
-            decode_compute: self.decode_compute,
-            steps: self.steps,
-        }
-    }
-
-    fn token(&self, id: u32) -> Token {
-        Token {
-            id,
-            text: self.tokenizer.token_text(id),
         }
     }
 
@@ -403,7 +413,7 @@ impl<B: StepModel> Pipeline<B> {
         readouts
     }
 
-    /// Step 3 of speculation.md §3: every row that ran, oldest first, until a flush removes
+    /// Step 3, the walk (module docs): every row that ran, oldest first, until a flush removes
     /// the younger ones. `readouts` stays aligned with the window. A side candidate still
     /// waiting for its parent's choice reports its row after its parent's.
     fn walk(&mut self, mut readouts: Vec<Readouts>, event: &mut StepEvent) -> Result<()> {
@@ -424,7 +434,7 @@ impl<B: StepModel> Pipeline<B> {
         Ok(())
     }
 
-    /// Step 3 of speculation.md §3 for the token at `index`, which just finished its pass:
+    /// The walk (module docs, step 3) for the token at `index`, which just finished its pass:
     /// the policy's action on its readout settles, starts or commits what follows it.
     /// Returns its event and whether the walk goes on to younger rows (not after a flush,
     /// which removed them, nor after the run ended).
@@ -592,20 +602,5 @@ impl<B: StepModel> Pipeline<B> {
     fn child_of(&self, index: usize) -> Option<&InFlight<B::Hidden>> {
         let pos = self.window[index].pos;
         self.window.get(index + 1).filter(|c| c.pos == pos + 1)
-    }
-
-    /// The event of an in-flight token's row, before its readout is described.
-    fn row_event(&self, t: &InFlight<B::Hidden>, dropped: bool) -> RowEvent {
-        RowEvent {
-            pos: t.pos,
-            pass: t.last_pass(),
-            token: self.token(t.token()),
-            verified: t.verified,
-            second: t.second,
-            dropped,
-            prediction: None,
-            gate: None,
-            checked_child: false,
-        }
     }
 }

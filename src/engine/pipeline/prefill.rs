@@ -1,5 +1,5 @@
 //! The prefill: all R passes over the prompt before the pipeline starts, batched one step
-//! per pass (speculation.md §2), and the first output token.
+//! per pass (`engine::pipeline`, "Looped models"), and the first output token.
 
 use std::time::Instant;
 

@@ -1,4 +1,4 @@
-//! LoopSpec (Cho et al., arXiv 2609.17184; speculation.md §4): a first proposal drawn at depth
+//! LoopSpec (Cho et al., arXiv 2609.17184): a first proposal drawn at depth
 //! d1, a gated second proposal from the residual at depth d2, and a cascade of rejection tests
 //! at depth R with a residual fallback. Lossless in distribution for any proposals (Leviathan
 //! et al. 2023): the committed token is a sample of the model's pass-R distribution under the
@@ -110,7 +110,7 @@ impl LoopSpec {
     }
 }
 
-/// The cascade of rejection tests at pass R (speculation.md §4): accept x1 with probability
+/// The cascade of rejection tests at pass R: accept x1 with probability
 /// min(1, p(x1)/q1(x1)); else accept x2 against ρ1 = normalise(max(p − q1, 0)) with
 /// probability min(1, ρ1(x2)/q2(x2)); else draw from normalise(max(ρ1 − q2, 0)), or from ρ1
 /// when there was no second proposal.

@@ -4,8 +4,8 @@
 //! a new implementation, and touches neither the walk nor the dashboard.
 //!
 //! `speed` holds the policies that commit exactly the baseline's choice (greedy or
-//! seed-coupled, speculation.md §3 and §4b); `loopspec` the one that verifies by rejection
-//! sampling (§4).
+//! seed-coupled: `engine::sampling`); `loopspec` the one that verifies by rejection
+//! sampling.
 
 mod loopspec;
 mod speed;
@@ -135,7 +135,7 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn act(&self, r: &Readout, candidates: &[Proposal]) -> Action;
 
     /// Whether its text under sampling is the baseline's for the same seed: true for the
-    /// policies that commit only pass-R seed-coupled choices (speculation.md §4b); a policy
+    /// policies that commit only pass-R seed-coupled choices (`engine::sampling`); a policy
     /// that verifies by rejection keeps the distribution, not the sample.
     fn keeps_baseline_sample(&self) -> bool {
         true

@@ -1,6 +1,6 @@
 //! The policies that commit exactly the baseline's choice: ordinary decoding, SPEED, and SPEED
 //! with a gated second proposal. Every readout applies the run's sampling rule (greedy, or
-//! seed-coupled sampling, speculation.md §4b) and a candidate survives only if it equals that
+//! seed-coupled sampling, `engine::sampling`) and a candidate survives only if it equals that
 //! choice, so their text is the baseline's token for token.
 
 use super::{Action, Policy, Proposal, Readout, Verdict};
@@ -47,7 +47,7 @@ impl Policy for Baseline {
     }
 }
 
-/// SPEED (Hooper et al., arXiv 2310.12072; speculation.md §3): a child starts from the first
+/// SPEED (Hooper et al., arXiv 2310.12072; `engine::pipeline`, "The step"): a child starts from the first
 /// readout at or after `first_pass` and is re-checked after every deeper pass.
 #[derive(Debug, Clone, Copy)]
 pub struct Speed {

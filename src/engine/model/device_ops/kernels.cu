@@ -1,7 +1,7 @@
 // spex's device-step kernels, compiled to PTX by build.rs (feature `cuda`) and launched by
 // cuda.rs beside it; attention.rs and elementwise.rs hold each one's CPU twin, the same
 // algorithm in Rust. Every kernel computes in f32 and rounds once, and every output element
-// depends on its own row's inputs alone (batch invariance, speculation.md "Exact first").
+// depends on its own row's inputs alone (batch invariance: engine::pipeline, "Exactness").
 //
 // decode_attention: one launch per layer for every row of a device step, each (row, head)
 // reduced over its own pass's span from column 0 in a fixed order.
@@ -11,7 +11,7 @@
 // pass present, so where the row's own span starts (and the GPU's reduction grouping with it)
 // depends on the rows beside it. Here a row's arithmetic depends on nothing but its own query,
 // span and optional extra column, so a token's pass has the same bits whether it ran alone
-// (the baseline) or in a speculative step: batch invariance (speculation.md, "Exact first").
+// (the baseline) or in a speculative step: batch invariance (engine::pipeline, "Exactness").
 //
 // Layout (all contiguous):
 //   q       [heads, rows, head_dim]      this step's queries, after RoPE
