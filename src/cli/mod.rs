@@ -301,7 +301,7 @@ pub struct BenchArgs {
     /// Compute, in milliseconds, each lane runs before the next takes its turn. Short turns
     /// let a drifting machine slow all lanes alike; 0 alternates every step, where the lanes
     /// share the caches as a decoder running alone does not (speedups typically 3–5 % higher
-    /// on a 2-vCPU Zen 5; README, "Numbers").
+    /// on a 2-vCPU Zen 5).
     #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
     pub turn_ms: f64,
     // clap shows this text as the help, where brackets mean optional.

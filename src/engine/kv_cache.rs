@@ -1,5 +1,5 @@
 //! The KV cache of a looped model: one K and one V buffer per (pass, layer), stacked per layer
-//! (`[passes, capacity, kv_dim]` on a device, `[passes, kv_heads, capacity, head_dim]` on the
+//! (`[kv_heads, passes · capacity, head_dim]` on a device, `[passes, kv_heads, capacity, head_dim]` on the
 //! host) so that the rows of one step, each at its own pass, read their pass's slice of one
 //! buffer. [`KvCache`] keeps the bookkeeping every backend shares
 //! (fill levels, the committed prefix, the slot of a second candidate); the buffers are the

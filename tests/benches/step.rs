@@ -3,7 +3,7 @@
 //! step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
-//! real weights. Prints the tables the README carries.
+//! real weights. Prints one table per comparison.
 
 use std::time::{Duration, Instant};
 
