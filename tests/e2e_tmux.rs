@@ -115,9 +115,14 @@ fn dashboard_runs_a_prompt_and_quits_cleanly() {
     let (dir, _) = random_model(&spec(2, 4, Variant::Tied, 9));
     let exit_file = dir.path().join("exit-code");
     let tmux = start(dir.path(), &exit_file);
-    tmux.wait_for("the dashboard", Duration::from_secs(20), |s| {
+    let first = tmux.wait_for("the dashboard", Duration::from_secs(20), |s| {
         s.contains("prompt") && s.contains("pipeline")
     });
+    assert!(
+        first.contains("Enter runs this sample")
+            && first.contains("To be, or not to be, that is the question:"),
+        "the first screen's sample prompt and hint:\n{first}"
+    );
     tmux.run(&["send-keys", "-t", "spex", "-l", "To be, or not to be 🎭"]);
     tmux.run(&["send-keys", "-t", "spex", "Enter"]);
     let screen = tmux.wait_for("both lanes to finish", Duration::from_secs(60), |s| {

@@ -104,6 +104,47 @@ fn typing_and_editing_the_prompt() {
     assert!(!app.should_quit);
 }
 
+const SAMPLE: &str = "To be, or not to be, that is the question:";
+
+#[test]
+fn the_sample_prompt_runs_on_enter() {
+    let mut app = App::new(info(), None, (120, 40)).with_sample_prompt(SAMPLE);
+    assert!(app.prompt_is_sample);
+    let cmds = app.update(key(KeyCode::Enter));
+    assert_eq!(
+        cmds[0],
+        Command::StartRace {
+            prompt: SAMPLE.into()
+        }
+    );
+    assert!(!app.prompt_is_sample);
+}
+
+#[test]
+fn typing_or_deleting_replaces_the_sample_and_moving_keeps_it() {
+    let typed = |first: KeyCode| {
+        let mut app = App::new(info(), None, (120, 40)).with_sample_prompt(SAMPLE);
+        app.update(key(first));
+        app
+    };
+    let app = typed(KeyCode::Char('H'));
+    assert_eq!((app.prompt.as_str(), app.cursor), ("H", 1));
+    assert!(!app.prompt_is_sample);
+    for delete in [KeyCode::Backspace, KeyCode::Delete] {
+        assert_eq!(typed(delete).prompt, "");
+    }
+    let mut app = typed(KeyCode::Left);
+    assert!(!app.prompt_is_sample);
+    app.update(key(KeyCode::Char('!')));
+    assert_eq!(app.prompt, "To be, or not to be, that is the question!:");
+    // Outside the editor, Enter runs the prompt too.
+    let mut app = App::new(info(), None, (120, 40)).with_sample_prompt(SAMPLE);
+    app.update(key(KeyCode::Esc));
+    assert_ne!(app.focus, Focus::Prompt);
+    let cmds = app.update(key(KeyCode::Enter));
+    assert!(matches!(cmds[0], Command::StartRace { .. }));
+}
+
 #[test]
 fn empty_prompt_is_an_error_line_not_a_run() {
     let mut app = App::new(info(), None, (120, 40));

@@ -174,6 +174,20 @@ fn too_small_message() {
     insta::assert_snapshot!(render(60, 12, |f| draw(f, &app)));
 }
 
+/// The first screen: the sample prompt ready in the editor, and the hint that says so.
+#[test]
+fn first_screen() {
+    let info = app().info;
+    let app = App::new(info, None, (100, 12))
+        .with_sample_prompt("To be, or not to be, that is the question:");
+    insta::assert_snapshot!(render(100, 3, |f| draw_panel(
+        f,
+        Rect::new(0, 0, 100, 3),
+        &app,
+        Panel::Prompt
+    )));
+}
+
 /// The loading screen a large checkpoint shows before the dashboard opens: the model, the
 /// bytes read and the rate, and the gauge.
 #[test]

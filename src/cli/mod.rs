@@ -224,6 +224,8 @@ pub struct Session {
     pub policy: Option<PolicyKind>,
     /// The entry's sampling defaults.
     pub sampling: Sampling,
+    /// The prompt the dashboard opens with, ready to run.
+    pub sample_prompt: String,
 }
 
 impl Session {
@@ -482,6 +484,9 @@ pub fn load_model_with(
         dtype: device::dtype_name(dtype).into(),
         chat,
         policy: entry.and_then(|e| e.policy),
+        sample_prompt: entry
+            .and_then(|e| e.prompt.clone())
+            .unwrap_or_else(|| models::DEFAULT_SAMPLE_PROMPT.into()),
         sampling: Sampling {
             temperature: entry.and_then(|e| e.temperature).unwrap_or(0.0),
             top_k: entry.and_then(|e| e.top_k),
@@ -536,6 +541,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
     };
     let options = crate::tui::DashboardOptions {
         prompt: args.prompt.clone(),
+        sample_prompt: session.sample_prompt.clone(),
         chat: session.chat,
         decode,
         record: args.record.clone(),

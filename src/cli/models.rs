@@ -46,6 +46,8 @@ pub struct ModelEntry {
     pub top_k: Option<usize>,
     pub top_p: Option<f32>,
     pub seed: Option<u64>,
+    /// The sample prompt the dashboard opens with.
+    pub prompt: Option<String>,
     pub description: Option<String>,
 }
 
@@ -124,6 +126,10 @@ pub const EMBEDDED: CheckpointBytes = CheckpointBytes {
     weights: include_bytes!("../../assets/models/shakespeare-r4k6-sync/model.safetensors"),
     tokenizer: include_bytes!("../../assets/models/shakespeare-r4k6-sync/tokenizer.json"),
 };
+
+/// The dashboard's sample prompt for a model whose entry names none (the shipped models were
+/// trained on Shakespeare).
+pub const DEFAULT_SAMPLE_PROMPT: &str = "To be, or not to be, that is the question:";
 
 /// The entry name of the embedded model.
 pub const EMBEDDED_NAME: &str = "shakespeare-r4k6-sync";

@@ -131,6 +131,9 @@ pub struct ModelInfo {
 pub struct App {
     pub info: ModelInfo,
     pub prompt: String,
+    /// `prompt` is the sample the dashboard opened with: Enter runs it, and the first key
+    /// that types or deletes replaces it.
+    pub prompt_is_sample: bool,
     /// Cursor position in `prompt`, in characters.
     pub cursor: usize,
     pub focus: Focus,
@@ -172,6 +175,7 @@ impl App {
             info,
             cursor: prompt.as_deref().map_or(0, |p| p.chars().count()),
             prompt: prompt.unwrap_or_default(),
+            prompt_is_sample: false,
             focus: Focus::Prompt,
             run: None,
             paused: false,
@@ -187,6 +191,14 @@ impl App {
             present: false,
             explorer: None,
         }
+    }
+
+    /// Opens with `sample` in the prompt editor, ready for Enter; typing replaces it.
+    pub fn with_sample_prompt(mut self, sample: &str) -> Self {
+        self.prompt = sample.to_string();
+        self.cursor = sample.chars().count();
+        self.prompt_is_sample = !sample.is_empty();
+        self
     }
 
     /// Presenter mode on, at the pace for a talk: 2 steps per second.
@@ -260,6 +272,7 @@ impl App {
         }
         self.error = None;
         self.paused = false;
+        self.prompt_is_sample = false;
         self.run = Some(RunView {
             prompt: self.prompt.clone(),
             ..RunView::default()
@@ -408,6 +421,15 @@ impl App {
 
     /// A key typed into the prompt editor.
     fn on_edit_key(&mut self, key: KeyEvent) {
+        if std::mem::take(&mut self.prompt_is_sample)
+            && matches!(
+                key.code,
+                KeyCode::Char(_) | KeyCode::Backspace | KeyCode::Delete
+            )
+        {
+            self.prompt.clear();
+            self.cursor = 0;
+        }
         let len = self.prompt.chars().count();
         match key.code {
             KeyCode::Char(c) => {

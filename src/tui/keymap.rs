@@ -134,8 +134,8 @@ const fn line(
 pub const BINDINGS: [Binding; 20] = [
     line(
         "Enter",
-        "run the prompt (while editing)",
-        Mode::Prompt,
+        "run the prompt",
+        Mode::Always,
         &[(special(KeyCode::Enter), Action::RunPrompt)],
     ),
     line(

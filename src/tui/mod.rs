@@ -39,7 +39,10 @@ use app::{App, Command, ModelInfo, Msg};
 /// How the dashboard starts.
 #[derive(Debug, Clone)]
 pub struct DashboardOptions {
+    /// A prompt to run at once.
     pub prompt: Option<String>,
+    /// Without `prompt`: the prompt the editor opens with, ready for Enter.
+    pub sample_prompt: String,
     /// Wrap prompts in the chat template before decoding.
     pub chat: bool,
     pub decode: DecodeOptions,
@@ -166,6 +169,10 @@ impl RaceHandle {
 pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()> {
     let (runtime, _guard, mut terminal, size) = open_dashboard()?;
     let mut app = App::new(options.info.clone(), options.prompt.clone(), size);
+    let autostart = !app.prompt.is_empty();
+    if !autostart {
+        app = app.with_sample_prompt(&options.sample_prompt);
+    }
     if options.present {
         app = app.presenting();
     }
@@ -186,7 +193,6 @@ pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()
         runs: 0,
     };
     app.recording = races.recording;
-    let autostart = !app.prompt.is_empty();
     let pace = (options.frame_interval, autostart);
     runtime.block_on(event_loop(&mut terminal, &mut app, &mut races, pace))
 }

@@ -239,18 +239,22 @@ fn draw_too_small(frame: &mut Frame, area: Rect, (w, h): (u16, u16)) {
 
 fn draw_prompt(frame: &mut Frame, area: Rect, app: &App) {
     let editing = app.focus == Focus::Prompt;
-    let mut b = block(
-        if editing {
-            "prompt — Enter runs, Tab leaves"
-        } else {
-            "prompt — e edits"
-        },
-        editing,
-    );
+    let title = match (editing, app.prompt_is_sample) {
+        (true, true) => {
+            "prompt — Enter runs this sample · type to replace it · Esc, then ? for help"
+        }
+        (true, false) => "prompt — Enter runs, Tab leaves",
+        (false, _) => "prompt — Enter runs it · e edits · ? help",
+    };
+    let mut b = block(title, editing);
     if let Some(err) = &app.error {
         b = b.title_bottom(Line::from(format!(" {err} ").red().bold()));
     }
-    let p = Paragraph::new(app.prompt.as_str()).block(b);
+    let text = match app.prompt_is_sample {
+        true => Line::from(app.prompt.as_str().dark_gray().italic()),
+        false => Line::from(app.prompt.as_str()),
+    };
+    let p = Paragraph::new(text).block(b);
     frame.render_widget(p, area);
     if editing {
         let before: String = app.prompt.chars().take(app.cursor).collect();
