@@ -190,7 +190,7 @@ fn replay_steps_forward_and_back_through_a_recorded_run_and_quits_cleanly() {
         dir.path(),
     );
     let trace = traces.join("01-speed.jsonl");
-    let steps = spex::engine::trace::Trace::read(&trace).unwrap().steps();
+    let steps = spex::harness::trace::Trace::read(&trace).unwrap().steps();
     let exit_file = dir.path().join("exit-code");
     let tmux = start_with(&format!("replay {}", trace.display()), &exit_file, "replay");
     let at = |step: usize| format!("step {step}/{steps}");
@@ -258,11 +258,11 @@ fn the_dashboard_records_each_run_and_w_toggles_recording() {
     }
     quit(&tmux, &exit_file);
     for name in ["a.jsonl", "a-2.jsonl", "a-3.jsonl"] {
-        let t = spex::engine::trace::Trace::read(&dir.path().join(name)).unwrap();
+        let t = spex::harness::trace::Trace::read(&dir.path().join(name)).unwrap();
         assert_eq!(t.header.prompt, "To be", "{name}");
         assert!(t.steps() > 0, "{name}");
         assert!(
-            matches!(t.events.last(), Some(spex::engine::race::RaceEvent::Done)),
+            matches!(t.events.last(), Some(spex::harness::race::RaceEvent::Done)),
             "{name} ends with its run"
         );
     }

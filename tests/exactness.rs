@@ -8,7 +8,6 @@ use common::{
     PROMPTS, Variant, random_model, reference_logits, spec, with_device_backend, with_f32_readouts,
     with_kv_dtype,
 };
-use spex::engine::bench::run_lane;
 use spex::engine::kernels;
 use spex::engine::kv_cache::KvCache;
 use spex::engine::model::{
@@ -17,6 +16,7 @@ use spex::engine::model::{
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
 use spex::engine::{DecodeOptions, LoadedModel};
+use spex::harness::bench::run_lane;
 
 const OPTIONS: DecodeOptions = DecodeOptions {
     max_tokens: 24,

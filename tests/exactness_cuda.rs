@@ -14,10 +14,10 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{PROMPTS, Variant, spec};
-use spex::engine::bench::run_lane;
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
 use spex::engine::{DecodeOptions, LoadedModel};
+use spex::harness::bench::run_lane;
 
 const OPTIONS: DecodeOptions = DecodeOptions {
     max_tokens: 24,

@@ -15,9 +15,9 @@ use std::process::Command;
 
 use common::{Variant, random_model, spec};
 use spex::engine::DecodeOptions;
-use spex::engine::bench::run_lane;
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
+use spex::harness::bench::run_lane;
 
 const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
 

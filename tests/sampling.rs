@@ -8,10 +8,10 @@ mod common;
 use std::collections::{BTreeMap, HashSet};
 
 use common::{PROMPTS, Variant, random_model, spec, with_f32_readouts};
-use spex::engine::bench::run_lane;
-use spex::engine::metrics::RunStats;
 use spex::engine::policy::PolicyKind;
 use spex::engine::{DecodeOptions, LoadedModel, Sampling};
+use spex::harness::bench::run_lane;
+use spex::harness::metrics::RunStats;
 
 /// Every combination of three seeds, T ∈ {0.7, 1.0, 1.5} and (no filter, top-k 20, top-p 0.9).
 fn combinations() -> Vec<Sampling> {

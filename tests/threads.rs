@@ -7,11 +7,11 @@ mod common;
 use std::path::Path;
 
 use common::{PROMPTS, Variant, random_model, spec, spex_ok};
-use spex::engine::bench::run_lane;
 use spex::engine::kernels::pool;
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::RandomSpec;
 use spex::engine::{DecodeOptions, Sampling};
+use spex::harness::bench::run_lane;
 
 const OPTIONS: DecodeOptions = DecodeOptions {
     max_tokens: 24,

@@ -10,10 +10,10 @@ use common::{Variant, random_model, recorded_race, spec, spex_ok};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
 use spex::engine::policy::PolicyKind;
-use spex::engine::race::{RaceEvent, run_race};
 use spex::engine::rng::SplitMix;
-use spex::engine::trace::{FORMAT_VERSION, ModelRecord, Trace, TraceHeader, TraceWriter};
 use spex::engine::{DecodeOptions, LoadedModel, Sampling};
+use spex::harness::race::{RaceEvent, run_race};
+use spex::harness::trace::{FORMAT_VERSION, ModelRecord, Trace, TraceHeader, TraceWriter};
 use spex::tui::app::{App, Focus, ModelInfo, Msg};
 use spex::tui::replay::{Replayer, model_info};
 use spex::tui::ui::draw;
@@ -171,7 +171,7 @@ fn events_through(events: &[RaceEvent], step: usize, steps: usize) -> usize {
     }
     let mut seen = 0;
     for (i, e) in events.iter().enumerate() {
-        if spex::engine::trace::is_speculative_step(e) {
+        if spex::harness::trace::is_speculative_step(e) {
             if seen == step {
                 return i;
             }
@@ -378,9 +378,9 @@ mod explorer {
     use spex::engine::events::{
         Committed, DecodeEvent, Prediction, PrefillEvent, RowEvent, StepEvent, Token,
     };
-    use spex::engine::explain::{Explanation, Tally, TokenClass};
-    use spex::engine::race::{Lane, RaceEvent};
-    use spex::engine::trace::Trace;
+    use spex::harness::explain::{Explanation, Tally, TokenClass};
+    use spex::harness::race::{Lane, RaceEvent};
+    use spex::harness::trace::Trace;
 
     fn token(id: u32, text: &str) -> Token {
         Token {

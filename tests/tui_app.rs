@@ -9,8 +9,8 @@ use common::{Variant, random_model, spec};
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers, MouseEvent, MouseEventKind};
 use spex::engine::DecodeOptions;
 use spex::engine::policy::PolicyKind;
-use spex::engine::race::{Lane, RaceControl, RaceEvent, run_race};
 use spex::engine::rng::SplitMix;
+use spex::harness::race::{Lane, RaceControl, RaceEvent, run_race};
 use spex::tui::app::{Agreement, App, CellKind, Command, Focus, ModelInfo, Msg, RATES, Seek};
 
 fn info() -> ModelInfo {

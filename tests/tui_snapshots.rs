@@ -9,7 +9,7 @@ use ratatui::backend::TestBackend;
 use ratatui::layout::Rect;
 use spex::engine::events::FinishReason;
 use spex::engine::kv_cache::PassOccupancy;
-use spex::engine::metrics::RunStats;
+use spex::harness::metrics::RunStats;
 use spex::tui::app::{
     App, Cell, CellKind, FlipEntry, Focus, LaneView, ModelInfo, RunView, StepColumn,
 };

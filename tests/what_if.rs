@@ -8,12 +8,12 @@ mod common;
 use std::path::Path;
 
 use common::{PROMPTS, Variant, random_model, recorded_race, spec};
-use spex::engine::bench::run_lane;
 use spex::engine::policy::PolicyKind;
-use spex::engine::race::RaceEvent;
-use spex::engine::trace::Trace;
-use spex::engine::what_if::{RecordedRun, StepCosts, WhatIf, simulate};
 use spex::engine::{DecodeOptions, LoadedModel, Sampling};
+use spex::harness::bench::run_lane;
+use spex::harness::race::RaceEvent;
+use spex::harness::trace::Trace;
+use spex::harness::what_if::{RecordedRun, StepCosts, WhatIf, simulate};
 use std::sync::Arc;
 
 const OPTIONS: DecodeOptions = DecodeOptions {
@@ -63,7 +63,7 @@ fn what_if_step_counts_equal_real_runs() {
             let source = [PolicyKind::Speed, PolicyKind::DUAL][i % 2];
             let trace = recorded(&loaded, prompt, source);
             let run = RecordedRun::of(&trace, Path::new("test.jsonl")).expect("a greedy trace");
-            let oracle = Arc::new(spex::engine::what_if::Oracle::new(run));
+            let oracle = Arc::new(spex::harness::what_if::Oracle::new(run));
             let costs = StepCosts::fit(&oracle.run().step_samples);
             let mut steps = Vec::new();
             for policy in policies(passes) {

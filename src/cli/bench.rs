@@ -5,15 +5,16 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
+use super::device::cpu_model;
 use super::{BenchArgs, load_model};
-use crate::engine::bench::{Comparison, PolicyResult, PromptResult, Turns, bench_prompt};
 use crate::engine::events::DecodeEvent;
-use crate::engine::metrics::RunStats;
-use crate::engine::metrics::speedup;
 use crate::engine::policy::PolicyKind;
-use crate::engine::race::{Lane, RaceEvent};
-use crate::engine::trace::{TraceHeader, TraceWriter};
 use crate::engine::{DecodeOptions, EngineError};
+use crate::harness::bench::{Comparison, PolicyResult, PromptResult, Turns, bench_prompt};
+use crate::harness::metrics::RunStats;
+use crate::harness::metrics::speedup;
+use crate::harness::race::{Lane, RaceEvent};
+use crate::harness::trace::{TraceHeader, TraceWriter};
 
 /// Prompts used when `--prompts` is not given.
 pub const DEFAULT_PROMPTS: &str = include_str!("../../assets/prompts.txt");
@@ -51,37 +52,35 @@ pub fn read_prompts(path: Option<&Path>) -> Result<Vec<String>, EngineError> {
 /// What decodes: spex's kernels (their instruction set and threads), or candle's ops (the
 /// dtype, and the rows every decode step is padded to, which a CPU pays for in full).
 fn backend_note(loaded: &crate::engine::LoadedModel) -> String {
-    use crate::engine::model::Backend;
-    match &loaded.backend {
-        Backend::Host(_) => format!(
-            "kernels {:?} on {} thread(s), {} weights",
-            crate::engine::kernels::isa(),
-            crate::engine::kernels::pool::pool().threads(),
-            super::device::dtype_name(loaded.model().dtype),
+    let dtype = super::device::dtype_name(loaded.model().dtype);
+    let info = loaded.backend.info();
+    match info.host {
+        Some(host) => format!(
+            "kernels {:?} on {} thread(s), {dtype} weights",
+            host.isa, host.threads
         ),
-        Backend::Device(b) => format!(
-            "candle ops in {}, each decode step padded to {} rows",
-            super::device::dtype_name(loaded.model().dtype),
-            b.step_rows()
+        None => format!(
+            "candle ops in {dtype}, each decode step padded to {} rows",
+            info.step_rows.unwrap_or_default()
         ),
     }
 }
 
 /// ", f16 KV cache" where the host kernels decode (the device path keeps its dtype).
 fn kv_cache_note(loaded: &crate::engine::LoadedModel) -> &'static str {
-    use crate::engine::model::{Backend, KvDtype};
-    match &loaded.backend {
-        Backend::Host(b) if b.options().kv_dtype == KvDtype::F16 => ", f16 KV cache",
-        Backend::Host(_) => ", f32 KV cache",
-        Backend::Device(_) => "",
+    use crate::engine::model::KvDtype;
+    match loaded.backend.info().host.map(|h| h.kv_dtype) {
+        Some(KvDtype::F16) => ", f16 KV cache",
+        Some(KvDtype::F32) => ", f32 KV cache",
+        None => "",
     }
 }
 
 /// ", prefetch l2 (…)" where the host kernels decode: the plan and, where it was timed, each
 /// candidate's one-row and R-row step.
 fn prefetch_note(loaded: &crate::engine::LoadedModel) -> String {
-    use crate::engine::kernels::prefetch::{Choice, choice};
-    let (crate::engine::model::Backend::Host(_), Some(choice)) = (&loaded.backend, choice()) else {
+    use crate::engine::kernels::prefetch::Choice;
+    let Some(choice) = loaded.backend.info().host.and_then(|h| h.prefetch) else {
         return String::new();
     };
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
@@ -311,9 +310,9 @@ impl Bandwidth {
     /// Measured where the host kernels decode a model whose passes read DRAM, against the
     /// first policy's baseline.
     fn of(loaded: &crate::engine::LoadedModel, overall: &Overall) -> Option<Self> {
-        use crate::engine::roofline;
+        use crate::harness::roofline;
         let model = loaded.model();
-        let host = matches!(loaded.backend, crate::engine::model::Backend::Host(_));
+        let host = loaded.backend.info().host.is_some();
         let large = roofline::layer_bytes_per_pass(model) >= roofline::MEANINGFUL_FROM_BYTES;
         let baseline_tokens_per_sec = overall.policies.first()?.baseline.tokens_per_sec();
         let read_bytes_per_sec = (host && large).then(roofline::read_bytes_per_sec)?;
@@ -391,10 +390,7 @@ fn json_report(
         "passes": session.loaded.model().passes(),
         "layers": session.loaded.model().config.num_hidden_layers,
         "backend": session.loaded.backend.name(),
-        "step_rows": match &session.loaded.backend {
-            crate::engine::model::Backend::Device(b) => Some(b.step_rows()),
-            crate::engine::model::Backend::Host(_) => None,
-        },
+        "step_rows": session.loaded.backend.info().step_rows,
         "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
         "threads": crate::engine::kernels::pool::pool().threads(),
         "prefetch": crate::engine::kernels::prefetch::choice().map(|c| c.plan().name()),
@@ -422,7 +418,7 @@ fn json_report(
         "overall": {
             "ceiling": overall.ceiling,
             "read_bytes_per_sec": overall.bandwidth.map(|b| b.read_bytes_per_sec),
-            "weight_bytes_per_token": crate::engine::roofline::weight_bytes_per_token(session.loaded.model()),
+            "weight_bytes_per_token": crate::harness::roofline::weight_bytes_per_token(session.loaded.model()),
             "baseline_bandwidth_share": overall.bandwidth.map(|b| b.baseline_share),
             "policies": overall.policies.iter().map(|p| json!({
                 "policy": p.name,
@@ -442,13 +438,6 @@ fn json_report(
             })).collect::<Vec<_>>(),
         }
     })
-}
-
-/// The CPU's model name (Linux `/proc/cpuinfo`), if known.
-pub fn cpu_model() -> Option<String> {
-    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("model name"))?;
-    Some(line.split_once(':')?.1.trim().to_string())
 }
 
 /// The process's peak resident memory in bytes (Linux `VmHWM`), if known.

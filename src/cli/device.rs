@@ -189,12 +189,9 @@ pub fn decode_threads(asked: Option<usize>) -> Result<usize, EngineError> {
     }
 }
 
-/// The element type a checkpoint stores its weights in, by its config's `torch_dtype` (f32 for
-/// the embedded model, and where the config cannot be read: loading then names the fault).
-pub fn stored_dtype(source: &super::models::ModelSource) -> DType {
-    let super::models::ModelSource::Dir(dir) = source else {
-        return DType::F32;
-    };
-    crate::engine::config::OuroConfig::load(&dir.join("config.json"))
-        .map_or(DType::F32, |config| config.stored_dtype())
+/// The CPU's model name (Linux `/proc/cpuinfo`), if known.
+pub fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split_once(':')?.1.trim().to_string())
 }

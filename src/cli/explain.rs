@@ -7,10 +7,10 @@ use clap::Args;
 
 use serde::Serialize;
 
-use crate::engine::explain::Explanation;
-use crate::engine::trace::Trace;
-use crate::engine::what_if::{RecordedRun, WhatIf};
 use crate::engine::{EngineError, PolicyKind};
+use crate::harness::explain::Explanation;
+use crate::harness::trace::Trace;
+use crate::harness::what_if::{RecordedRun, WhatIf};
 
 /// `spex explain`.
 #[derive(Debug, Args)]

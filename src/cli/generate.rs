@@ -5,9 +5,9 @@ use std::io::Write;
 
 use super::{GenerateArgs, load_model};
 use crate::engine::events::{DecodeEvent, FinishReason};
-use crate::engine::race::{Lane, RaceEvent};
-use crate::engine::trace::TraceWriter;
 use crate::engine::{DecodeOptions, Decoder};
+use crate::harness::race::{Lane, RaceEvent};
+use crate::harness::trace::TraceWriter;
 
 /// Runs `spex generate`: one-line errors for bad input; a failed write to stdout ends it.
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {

@@ -456,7 +456,7 @@ pub fn load_model_with(
         .unwrap_or(device::DeviceSpec::Auto);
     let dtype = match args.dtype.or(entry.and_then(|e| e.dtype)) {
         Some(d) => d.0,
-        None => device::stored_dtype(&resolved.source),
+        None => resolved.source.stored_dtype(),
     };
     let dev = device::open(spec)?;
     device::check_dtype(&dev, dtype)?;

@@ -141,6 +141,19 @@ pub enum ModelSource {
     Embedded,
 }
 
+impl ModelSource {
+    /// The element type the checkpoint stores its weights in, by its config's `torch_dtype`
+    /// (f32 for the embedded model, and where the config cannot be read: loading then names
+    /// the fault).
+    pub fn stored_dtype(&self) -> candle_core::DType {
+        let Self::Dir(dir) = self else {
+            return candle_core::DType::F32;
+        };
+        crate::engine::config::OuroConfig::load(&dir.join("config.json"))
+            .map_or(candle_core::DType::F32, |config| config.stored_dtype())
+    }
+}
+
 /// A model ready to load: where it is and the settings its entry asks for.
 #[derive(Debug, Clone)]
 pub struct ResolvedModel {

@@ -4,10 +4,10 @@
 use std::path::{Path, PathBuf};
 
 use super::Session;
-use super::bench::cpu_model;
+use super::device::cpu_model;
 use crate::engine::policy::PolicyKind;
-use crate::engine::trace::{FORMAT_VERSION, ModelRecord, TraceHeader, fingerprint};
 use crate::engine::{DecodeOptions, EngineError};
+use crate::harness::trace::{FORMAT_VERSION, ModelRecord, TraceHeader, fingerprint};
 
 /// The header of every trace this session writes, the model's fingerprint included; `prompt`
 /// and `policy` are set per trace.

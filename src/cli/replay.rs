@@ -7,7 +7,7 @@ use clap::Args;
 
 use super::models;
 use crate::engine::checkpoint::Origin;
-use crate::engine::trace::{Trace, fingerprint};
+use crate::harness::trace::{Trace, fingerprint};
 
 /// `spex replay`.
 #[derive(Debug, Args)]

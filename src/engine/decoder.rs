@@ -9,36 +9,12 @@ use std::time::Duration;
 use super::checkpoint::LoadedModel;
 use super::error::Result;
 use super::events::DecodeEvent;
+pub use super::kv_cache::DEFAULT_CONTEXT;
 use super::model::{Backend, StepBackend};
 use super::pass::Pass;
+pub use super::pipeline::DecodeOptions;
 use super::pipeline::Pipeline;
 use super::policy::Policy;
-use super::sampling::Sampling;
-
-/// The KV cache capacity in positions a run gets unless told otherwise (`--context`).
-pub const DEFAULT_CONTEXT: usize = 512;
-
-/// Limits and the sampling rule of one run.
-#[derive(Debug, Clone, Copy)]
-pub struct DecodeOptions {
-    /// Tokens to generate, the prefill's first token included.
-    pub max_tokens: usize,
-    /// KV cache capacity in positions (prompt plus output).
-    pub context: usize,
-    /// Greedy, or seed-coupled sampling (`engine::sampling`).
-    pub sampling: Sampling,
-}
-
-impl DecodeOptions {
-    /// Greedy decoding of up to `max_tokens` tokens with a cache of `context` positions.
-    pub fn greedy(max_tokens: usize, context: usize) -> Self {
-        Self {
-            max_tokens,
-            context,
-            sampling: Sampling::GREEDY,
-        }
-    }
-}
 
 /// What callers ask of a run, whatever its backend.
 trait Run: Send + fmt::Debug {

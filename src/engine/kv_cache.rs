@@ -12,6 +12,9 @@ use std::fmt;
 use super::error::{EngineError, Result};
 use super::pass::Pass;
 
+/// The KV cache capacity in positions a run gets unless told otherwise (`--context`).
+pub const DEFAULT_CONTEXT: usize = 512;
+
 /// Entries held in one pass's cache, split by whether their token is verified.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PassOccupancy {

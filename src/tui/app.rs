@@ -13,9 +13,9 @@ use super::run_view::on_decode;
 pub use super::run_view::{Agreement, Cell, CellKind, FlipEntry, LaneView, RunView, StepColumn};
 
 use crate::engine::policy::PolicyKind;
-use crate::engine::race::{RaceControl, RaceEvent};
 use crate::engine::rng::SplitMix;
 use crate::engine::sampling::Sampling;
+use crate::harness::race::{RaceControl, RaceEvent};
 
 /// The temperatures `t` and `T` step through (0 is greedy).
 pub const TEMPERATURES: [f32; 8] = [0.0, 0.3, 0.5, 0.7, 0.8, 1.0, 1.2, 1.5];

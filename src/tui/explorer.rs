@@ -10,12 +10,11 @@ use ratatui::style::{Color, Style, Stylize};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, BorderType, Borders, Clear, Paragraph, Wrap};
 
-use super::app::App;
 use super::run_view::RunView;
-use crate::engine::explain::{Explanation, Sighting};
 use crate::engine::policy::PolicyKind;
-use crate::engine::trace::Trace;
-use crate::engine::what_if::{RecordedRun, WhatIf};
+use crate::harness::explain::{Explanation, Sighting};
+use crate::harness::trace::Trace;
+use crate::harness::what_if::{RecordedRun, WhatIf};
 
 /// How many pairs the explorer lists.
 pub const PAIRS: usize = 8;
@@ -77,14 +76,19 @@ pub fn of_run(run: &RunView, passes: usize) -> Explanation {
 }
 
 /// Draws the explorer over the dashboard.
-pub fn draw(frame: &mut Frame, area: Rect, app: &App, cursor: ExplorerCursor) {
-    let analysis = app.replay.as_ref().and_then(|r| r.analysis.as_deref());
+/// A replay's `analysis` of its whole trace, else the live `run` so far (R `passes`).
+pub fn draw(
+    frame: &mut Frame,
+    area: Rect,
+    (analysis, (run, passes)): (Option<&Analysis>, (Option<&RunView>, usize)),
+    cursor: ExplorerCursor,
+) {
     let live;
     let explanation = match analysis {
         Some(a) => &a.explanation,
         None => {
             let empty = RunView::default();
-            live = of_run(app.run.as_ref().unwrap_or(&empty), app.info.passes);
+            live = of_run(run.unwrap_or(&empty), passes);
             &live
         }
     };
@@ -117,7 +121,7 @@ pub fn draw(frame: &mut Frame, area: Rect, app: &App, cursor: ExplorerCursor) {
     if let Some(a) = analysis {
         lines.extend(what_if_lines(&a.what_if));
     }
-    let popup = super::ui::centered(area, (84, lines.len() as u16 + 2));
+    let popup = super::centered(area, (84, lines.len() as u16 + 2));
     let title = match analysis {
         Some(_) => "explorer: the whole trace · { } select · g go to it · x closes",
         None => "explorer: this run so far · { } select · x closes",

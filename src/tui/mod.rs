@@ -31,10 +31,24 @@ use ratatui::backend::CrosstermBackend;
 use tokio::sync::mpsc;
 
 use crate::engine::policy::PolicyKind;
-use crate::engine::race::{RaceControl, RaceEvent, run_race};
-use crate::engine::trace::{TraceHeader, TraceWriter};
 use crate::engine::{DecodeOptions, LoadedModel};
+use crate::harness::race::{RaceControl, RaceEvent, run_race};
+use crate::harness::trace::{TraceHeader, TraceWriter};
 use app::{App, Command, ModelInfo, Msg};
+
+/// A popup of `width` × `height` cells (at most the area's) in the middle of `area`.
+pub(crate) fn centered(
+    area: ratatui::layout::Rect,
+    (width, height): (u16, u16),
+) -> ratatui::layout::Rect {
+    let (w, h) = (width.min(area.width), height.min(area.height));
+    ratatui::layout::Rect {
+        x: area.x + (area.width - w) / 2,
+        y: area.y + (area.height - h) / 2,
+        width: w,
+        height: h,
+    }
+}
 
 /// How the dashboard starts.
 #[derive(Debug, Clone)]
@@ -225,7 +239,7 @@ impl Races<'_> {
     fn open_trace(&mut self) -> anyhow::Result<()> {
         let (weights, tokenizer) = match &self.fingerprint {
             Some(f) => f.clone(),
-            None => crate::engine::trace::fingerprint(&self.loaded.origin)?,
+            None => crate::harness::trace::fingerprint(&self.loaded.origin)?,
         };
         self.fingerprint = Some((weights.clone(), tokenizer.clone()));
         let mut header = TraceHeader {
@@ -236,7 +250,7 @@ impl Races<'_> {
         };
         (header.model.weights_sha256, header.model.tokenizer_sha256) = (weights, tokenizer);
         let path = match &self.options.record {
-            Some(path) => crate::engine::trace::numbered(path, self.runs),
+            Some(path) => crate::harness::trace::numbered(path, self.runs),
             None => {
                 let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
                 format!("spex-{}.jsonl", now.map_or(0, |d| d.as_secs())).into()

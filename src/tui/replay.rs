@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use super::app::{App, Command, ModelInfo, Msg, ReplayStatus, Seek};
 use super::explorer::Analysis;
 use super::{Source, event_loop, open_dashboard};
-use crate::engine::race::{RaceControl, RaceEvent};
-use crate::engine::trace::{Trace, is_speculative_step};
+use crate::harness::race::{RaceControl, RaceEvent};
+use crate::harness::trace::{Trace, is_speculative_step};
 
 /// Steps per second when the dashboard's rate is "max".
 const FLAT_OUT_STEPS_PER_SEC: f64 = 60.0;

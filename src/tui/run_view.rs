@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
 use crate::engine::kv_cache::PassOccupancy;
-use crate::engine::metrics::RunStats;
-use crate::engine::metrics::speedup;
-use crate::engine::race::Lane;
+use crate::harness::metrics::RunStats;
+use crate::harness::metrics::speedup;
+use crate::harness::race::Lane;
 
 pub use super::inspector::PositionView;
 

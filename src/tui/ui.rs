@@ -121,7 +121,9 @@ fn draw_overlays(frame: &mut Frame, area: Rect, app: &App) {
         draw_inspector(frame, area, run, at);
     }
     if let Some(cursor) = app.explorer {
-        super::explorer::draw(frame, area, app, cursor);
+        let analysis = app.replay.as_ref().and_then(|r| r.analysis.as_deref());
+        let run = (app.run.as_ref(), app.info.passes);
+        super::explorer::draw(frame, area, (analysis, run), cursor);
     }
     if app.show_help {
         draw_help(frame, area);
@@ -136,7 +138,7 @@ fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
     let passes = run.kv.len().max(view.readouts.len());
     // Borders, the context and commit lines, a line per pass, the flips (or "no flips").
     let h = passes as u16 + 4 + view.flips.len().clamp(1, 3) as u16;
-    let popup = centered(area, (96, h));
+    let popup = super::centered(area, (96, h));
     let mut lines = vec![context_line(run, pos), commit_line(&view, passes)];
     for (i, readout) in view.readouts.iter().enumerate().take(passes) {
         let text = match readout {
@@ -561,20 +563,9 @@ fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {
     );
 }
 
-/// A popup of `width` × `height` cells (at most the area's) in the middle of `area`.
-pub fn centered(area: Rect, (width, height): (u16, u16)) -> Rect {
-    let (w, h) = (width.min(area.width), height.min(area.height));
-    Rect {
-        x: area.x + (area.width - w) / 2,
-        y: area.y + (area.height - h) / 2,
-        width: w,
-        height: h,
-    }
-}
-
 /// The keymap's lines over the dashboard, any key closing it.
 fn draw_help(frame: &mut Frame, area: Rect) {
-    let popup = centered(area, (66, BINDINGS.len() as u16 + 4));
+    let popup = super::centered(area, (66, BINDINGS.len() as u16 + 4));
     let lines: Vec<Line> = BINDINGS
         .iter()
         .map(|b| {

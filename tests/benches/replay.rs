@@ -15,8 +15,8 @@ mod common;
 
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
-use spex::engine::trace::Trace;
 use spex::engine::{DecodeOptions, LoadedModel, Sampling};
+use spex::harness::trace::Trace;
 use spex::tui::app::App;
 use spex::tui::replay::{Replayer, model_info};
 use spex::tui::ui::draw;

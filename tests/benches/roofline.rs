@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use spex::engine::LoadedModel;
 use spex::engine::kernels;
-use spex::engine::metrics::median_step_times;
 use spex::engine::model::{Backend, LoadOptions};
 
 /// The position the steps attend up to, as in the other step tables.
@@ -57,7 +56,10 @@ pub fn table(options: LoadOptions) {
     let cost = RowCost::of(&loaded, kv_bytes);
     let (peak, stream) = (peak_macs_per_sec(), stream_bytes_per_sec(&loaded));
     let passes = loaded.model().passes();
-    let t = median_step_times(&loaded.backend, POS, &[1, passes], 300).expect("steps");
+    let t = loaded
+        .backend
+        .median_step_times(POS, &[1, passes], 300)
+        .expect("steps");
     let bounds = Bounds {
         memory: (cost.weight_bytes, cost.own_bytes, stream),
         compute: (cost.macs, peak.unwrap_or(f64::INFINITY)),

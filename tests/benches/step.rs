@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
-use spex::engine::metrics::median_step_times;
 use spex::engine::model::device::DeviceBackend;
 use spex::engine::model::{Backend, KvDtype, LoadOptions};
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
@@ -78,7 +77,10 @@ fn shipped_models_table(pos: usize, options: LoadOptions) {
         "shakespeare-r4k4",
     ] {
         let loaded = load_shipped(name, options);
-        let t = median_step_times(&loaded.backend, pos, &[1, 2, 3, 4, 5], 200).expect("steps");
+        let t = loaded
+            .backend
+            .median_step_times(pos, &[1, 2, 3, 4, 5], 200)
+            .expect("steps");
         let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
         let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
         println!(
@@ -192,7 +194,10 @@ fn stream_table() {
 fn profile_rows(options: LoadOptions) {
     let rows: usize = arg_value("--rows").map_or(1, |r| r.parse().expect("--rows N"));
     let loaded = load_shipped("shakespeare-r4k6-sync", options);
-    let t = median_step_times(&loaded.backend, 128, &[rows], 20_000).expect("steps");
+    let t = loaded
+        .backend
+        .median_step_times(128, &[rows], 20_000)
+        .expect("steps");
     println!("{rows} rows: {:.3} ms", t[0].as_secs_f64() * 1e3);
 }
 
@@ -288,7 +293,9 @@ fn random_models_table(pos: usize, options: LoadOptions) {
             ("spex kernels", &loaded.backend),
             ("candle ops", &candle_ops),
         ] {
-            let t = median_step_times(backend, pos, &[1, 2, 3, 4], 200).expect("steps");
+            let t = backend
+                .median_step_times(pos, &[1, 2, 3, 4], 200)
+                .expect("steps");
             let ms = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3);
             let ratio = t[3].as_secs_f64() / t[0].as_secs_f64();
             println!(

@@ -11,10 +11,10 @@ use tempfile::TempDir;
 
 use super::common::{PROMPTS, Variant, spec};
 use super::loopback::{Faults, HubRepo, LoopbackHub};
-use spex::engine::bench::run_lane;
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use spex::engine::{DecodeOptions, LoadedModel, Sampling};
+use spex::harness::bench::run_lane;
 
 const REPO: &str = "test-org/tiny-ouro";
 const COMMIT: &str = "a1b2c3d4e5f60718293a4b5c6d7e8f9012345678";

@@ -4,17 +4,13 @@
 //! and KV-buffer types, so parts of two backends cannot meet. The step itself, Ouro's
 //! sandwich layer included, is written once over these operations (`model::step`).
 //!
-//! [`Backend`] is the choice, made once when a model is loaded.
+//! `model::Backend` is the choice, made once when a model is loaded.
 
 use std::fmt;
-use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 
-use super::device::DeviceBackend;
-use super::host::{HOST_DTYPES, HostBackend};
-use super::{LayerWeights, LoadOptions, LoopedModel, RowSlot, Weights};
-use crate::engine::config::OuroConfig;
+use super::{LayerWeights, LoopedModel, RowSlot};
 use crate::engine::error::Result;
 use crate::engine::kv_cache::{KvCache, KvStore};
 
@@ -85,71 +81,5 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     /// state is `state`; `None` where readouts are the f32 head's.
     fn proposal_error_bound(&self, _state: &Self::Hidden) -> Option<f64> {
         None
-    }
-}
-
-/// The backend a model was loaded with: chosen once, from its device and dtype.
-#[derive(Debug, Clone)]
-pub enum Backend {
-    /// spex's CPU kernels (CPU, f32).
-    Host(Arc<HostBackend>),
-    /// candle ops on the model's device and dtype.
-    Device(Arc<DeviceBackend>),
-}
-
-impl Backend {
-    /// The host kernels on the CPU in f32, bf16 or f16, reading the weights in that type (copied
-    /// to aligned huge pages first; the first in a process also fixes the kernels' prefetch
-    /// plan by timing its steps); candle ops on other devices, and on the CPU where `options`
-    /// ask for them (the GPU path's CPU twin).
-    pub fn for_weights(
-        config: OuroConfig,
-        weights: Weights,
-        device: &Device,
-        dtype: DType,
-        options: LoadOptions,
-    ) -> Result<Self> {
-        if Self::runs_on_host(device, dtype, options) {
-            return Self::host(config, weights.aligned_for_host()?, dtype, options);
-        }
-        let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
-        Ok(Self::Device(Arc::new(DeviceBackend::new(Arc::new(model)))))
-    }
-
-    /// Whether a model loaded on `device` in `dtype` with `options` decodes on the host
-    /// kernels: the one rule [`Backend::for_weights`] and the loaders follow.
-    pub fn runs_on_host(device: &Device, dtype: DType, options: LoadOptions) -> bool {
-        device.is_cpu() && HOST_DTYPES.contains(&dtype) && !options.candle_ops
-    }
-
-    /// The host kernels over weights already laid out for them (`Weights::aligned_for_host`,
-    /// or read straight into an arena); the first in a process also fixes the kernels'
-    /// prefetch plan by timing its steps.
-    pub fn host(
-        config: OuroConfig,
-        weights: Weights,
-        dtype: DType,
-        options: LoadOptions,
-    ) -> Result<Self> {
-        let model = LoopedModel::new(config, weights, Device::Cpu, dtype)?;
-        let host = HostBackend::new(Arc::new(model), options)?;
-        crate::engine::metrics::choose_prefetch(&host)?;
-        Ok(Self::Host(Arc::new(host)))
-    }
-
-    /// The model the backend steps.
-    pub fn model(&self) -> &Arc<LoopedModel> {
-        match self {
-            Self::Host(b) => b.shared_model(),
-            Self::Device(b) => b.shared_model(),
-        }
-    }
-
-    /// Its name, for reports.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Host(_) => "host kernels",
-            Self::Device(_) => "candle ops",
-        }
     }
 }

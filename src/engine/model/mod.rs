@@ -7,6 +7,7 @@
 //! forward used for training and as the tests' unbatched reference.
 
 pub mod backend;
+mod choice;
 pub mod device;
 pub mod device_ops;
 mod half_head;
@@ -15,8 +16,10 @@ mod host_buffers;
 mod host_kv;
 pub mod reference;
 mod step;
+pub mod timing;
 
-pub use backend::{Backend, StepBackend};
+pub use backend::StepBackend;
+pub use choice::{Backend, BackendInfo, HostInfo};
 pub use host_kv::{HostKv, KvDtype};
 pub use step::{ReadoutKind, RowInput, RowSlot, StepModel, StepOutput, StepRow, step};
 

@@ -74,12 +74,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod in_flight;
+mod options;
 mod prefill;
 mod report;
 
+pub use options::DecodeOptions;
+
 use in_flight::{Decided, InFlight, Readouts};
 
-use super::decoder::DecodeOptions;
 use super::error::{EngineError, Result};
 use super::events::{
     Committed, DecodeEvent, FinishReason, Flip, Flush, Prediction, RowEvent, StepEvent,

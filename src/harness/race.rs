@@ -7,13 +7,13 @@
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-use super::checkpoint::LoadedModel;
-use super::decoder::DecodeOptions;
-use super::error::Result;
-use super::events::DecodeEvent;
 use super::lanes::Lanes;
-use super::metrics::{StepTimes, measure_step_times};
-use super::policy::PolicyKind;
+use crate::engine::checkpoint::LoadedModel;
+use crate::engine::decoder::DecodeOptions;
+use crate::engine::error::Result;
+use crate::engine::events::DecodeEvent;
+use crate::engine::model::timing::StepTimes;
+use crate::engine::policy::PolicyKind;
 
 /// The two lanes of a race.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -70,7 +70,7 @@ pub fn run_race(
             return;
         }
     };
-    match measure_step_times(&loaded.backend, lanes.prompt_tokens(), 8) {
+    match loaded.backend.step_times(lanes.prompt_tokens(), 8) {
         Ok(times) => sink(RaceEvent::StepTimes(times)),
         Err(e) => sink(RaceEvent::Error(e.to_string())),
     };

@@ -9,13 +9,14 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::checkpoint::LoadedModel;
-use super::decoder::DecodeOptions;
-use super::error::{EngineError, Result};
-use super::events::DecodeEvent;
 use super::lanes::Lanes;
-use super::metrics::{RunStats, StepTimes, measure_step_times, speedup};
-use super::policy::PolicyKind;
+use super::metrics::{RunStats, speedup};
+use crate::engine::checkpoint::LoadedModel;
+use crate::engine::decoder::DecodeOptions;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::events::DecodeEvent;
+use crate::engine::model::timing::StepTimes;
+use crate::engine::policy::PolicyKind;
 
 /// One policy's run of one prompt.
 #[derive(Debug, Clone, Serialize)]
@@ -209,7 +210,7 @@ pub fn bench_prompt(
         prompt: prompt.to_string(),
         baseline_tokens: baseline.tokens,
         policies: results,
-        step_times: measure_step_times(&loaded.backend, mid, 20)?,
+        step_times: loaded.backend.step_times(mid, 20)?,
     })
 }
 

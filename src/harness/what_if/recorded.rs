@@ -12,8 +12,8 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::events::{DecodeEvent, FinishReason, Prediction, StepEvent};
 use crate::engine::pass::Pass;
 use crate::engine::policy::PolicyKind;
-use crate::engine::race::{Lane, RaceEvent};
-use crate::engine::trace::Trace;
+use crate::harness::race::{Lane, RaceEvent};
+use crate::harness::trace::Trace;
 
 /// A recorded greedy run, as the what-if oracle replays it.
 #[derive(Debug, Clone)]

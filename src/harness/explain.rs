@@ -8,9 +8,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::Serialize;
 
-use super::events::{DecodeEvent, Prediction, Token};
 use super::race::{Lane, RaceEvent};
 use super::trace::Trace;
+use crate::engine::events::{DecodeEvent, Prediction, Token};
 
 /// What kind of text a token is, for disagreement by class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

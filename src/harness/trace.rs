@@ -13,13 +13,13 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::checkpoint::Origin;
-use super::error::{EngineError, Result, one_line};
-use super::events::DecodeEvent;
-use super::metrics::StepTimes;
-use super::policy::PolicyKind;
 use super::race::{Lane, RaceEvent};
-use super::sampling::Sampling;
+use crate::engine::checkpoint::Origin;
+use crate::engine::error::{EngineError, Result, one_line};
+use crate::engine::events::DecodeEvent;
+use crate::engine::model::timing::StepTimes;
+use crate::engine::policy::PolicyKind;
+use crate::engine::sampling::Sampling;
 
 /// The trace format this spex writes and the newest it reads.
 pub const FORMAT_VERSION: u32 = 1;

@@ -5,9 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::kernels::pool;
-use super::memory;
-use super::model::LoopedModel;
+use crate::engine::kernels::pool;
+use crate::engine::memory;
+use crate::engine::model::LoopedModel;
 
 /// Weight bytes per pass from which the figures mean something: smaller models' weights stay
 /// in the caches, where no step reads DRAM.

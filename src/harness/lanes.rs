@@ -12,11 +12,11 @@
 
 use std::time::Duration;
 
-use super::checkpoint::LoadedModel;
-use super::decoder::{DecodeOptions, Decoder};
-use super::error::Result;
-use super::events::DecodeEvent;
-use super::policy::PolicyKind;
+use crate::engine::checkpoint::LoadedModel;
+use crate::engine::decoder::{DecodeOptions, Decoder};
+use crate::engine::error::Result;
+use crate::engine::events::DecodeEvent;
+use crate::engine::policy::PolicyKind;
 
 /// One decoder and the compute it has used.
 struct Lane {

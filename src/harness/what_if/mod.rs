@@ -17,14 +17,14 @@ use tokenizers::models::bpe::BPE;
 pub use oracle::{Lineage, LineageStore, Oracle};
 pub use recorded::RecordedRun;
 
-use super::decoder::DecodeOptions;
-use super::error::{EngineError, Result};
-use super::events::{DecodeEvent, FinishReason};
-use super::pipeline::Pipeline;
-use super::policy::PolicyKind;
 use super::race::Lane;
-use super::sampling::Sampling;
-use super::tokenizer::TextTokenizer;
+use crate::engine::decoder::DecodeOptions;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::events::{DecodeEvent, FinishReason};
+use crate::engine::pipeline::Pipeline;
+use crate::engine::policy::PolicyKind;
+use crate::engine::sampling::Sampling;
+use crate::engine::tokenizer::TextTokenizer;
 
 /// A step's compute as `one_row + extra_row · (rows − 1)`, in µs, fitted by least squares to
 /// a recorded run's steps (both lanes: the baseline's 1-row steps pin the intercept).

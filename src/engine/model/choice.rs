@@ -1,0 +1,145 @@
+//! [`Backend`]: the step backend a model was loaded with, chosen once from its device and
+//! dtype, and what it reports of itself ([`BackendInfo`]) so that callers format it without
+//! matching its variants. Each variant is one implementation of `StepBackend`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+
+use super::device::DeviceBackend;
+use super::host::{HOST_DTYPES, HostBackend};
+use super::timing::{self, StepTimes};
+use super::{KvDtype, LoadOptions, LoopedModel, Weights};
+use crate::engine::config::OuroConfig;
+use crate::engine::error::Result;
+use crate::engine::kernels::{self, Isa, prefetch};
+
+/// The backend a model was loaded with: chosen once, from its device and dtype.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// spex's CPU kernels (CPU, f32).
+    Host(Arc<HostBackend>),
+    /// candle ops on the model's device and dtype.
+    Device(Arc<DeviceBackend>),
+}
+
+impl Backend {
+    /// The host kernels on the CPU in f32, bf16 or f16, reading the weights in that type (copied
+    /// to aligned huge pages first; the first in a process also fixes the kernels' prefetch
+    /// plan by timing its steps); candle ops on other devices, and on the CPU where `options`
+    /// ask for them (the GPU path's CPU twin).
+    pub fn for_weights(
+        config: OuroConfig,
+        weights: Weights,
+        device: &Device,
+        dtype: DType,
+        options: LoadOptions,
+    ) -> Result<Self> {
+        if Self::runs_on_host(device, dtype, options) {
+            return Self::host(config, weights.aligned_for_host()?, dtype, options);
+        }
+        let model = LoopedModel::new(config, weights, device.clone(), dtype)?;
+        Ok(Self::Device(Arc::new(DeviceBackend::new(Arc::new(model)))))
+    }
+
+    /// Whether a model loaded on `device` in `dtype` with `options` decodes on the host
+    /// kernels: the one rule [`Backend::for_weights`] and the loaders follow.
+    pub fn runs_on_host(device: &Device, dtype: DType, options: LoadOptions) -> bool {
+        device.is_cpu() && HOST_DTYPES.contains(&dtype) && !options.candle_ops
+    }
+
+    /// The host kernels over weights already laid out for them (`Weights::aligned_for_host`,
+    /// or read straight into an arena); the first in a process also fixes the kernels'
+    /// prefetch plan by timing its steps.
+    pub fn host(
+        config: OuroConfig,
+        weights: Weights,
+        dtype: DType,
+        options: LoadOptions,
+    ) -> Result<Self> {
+        let model = LoopedModel::new(config, weights, Device::Cpu, dtype)?;
+        let host = HostBackend::new(Arc::new(model), options)?;
+        super::timing::choose_prefetch(&host)?;
+        Ok(Self::Host(Arc::new(host)))
+    }
+
+    /// The model the backend steps.
+    pub fn model(&self) -> &Arc<LoopedModel> {
+        match self {
+            Self::Host(b) => b.shared_model(),
+            Self::Device(b) => b.shared_model(),
+        }
+    }
+
+    /// Its name, for reports.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Host(_) => "host kernels",
+            Self::Device(_) => "candle ops",
+        }
+    }
+
+    /// What the backend is, for reports.
+    pub fn info(&self) -> BackendInfo {
+        match self {
+            Self::Host(b) => BackendInfo {
+                name: self.name(),
+                host: Some(HostInfo {
+                    isa: kernels::isa(),
+                    threads: kernels::pool::pool().threads(),
+                    kv_dtype: b.options().kv_dtype,
+                    prefetch: prefetch::choice(),
+                }),
+                step_rows: None,
+            },
+            Self::Device(b) => BackendInfo {
+                name: self.name(),
+                host: None,
+                step_rows: Some(b.step_rows()),
+            },
+        }
+    }
+
+    /// The step times at `pos` that give the ceiling (`timing::measure_step_times`).
+    pub fn step_times(&self, pos: usize, repeats: usize) -> Result<StepTimes> {
+        match self {
+            Self::Host(b) => timing::measure_step_times(&**b, pos, repeats),
+            Self::Device(b) => timing::measure_step_times(&**b, pos, repeats),
+        }
+    }
+
+    /// The median step of each of `row_counts` rows at `pos` (`timing::median_step_times`).
+    pub fn median_step_times(
+        &self,
+        pos: usize,
+        row_counts: &[usize],
+        repeats: usize,
+    ) -> Result<Vec<Duration>> {
+        match self {
+            Self::Host(b) => timing::median_step_times(&**b, pos, row_counts, repeats),
+            Self::Device(b) => timing::median_step_times(&**b, pos, row_counts, repeats),
+        }
+    }
+}
+
+/// What decodes a model, as reports show it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BackendInfo {
+    /// "host kernels" or "candle ops".
+    pub name: &'static str,
+    /// Where the host kernels decode: their settings.
+    pub host: Option<HostInfo>,
+    /// Where candle ops decode: the rows every decode step is padded to (batch invariance).
+    pub step_rows: Option<usize>,
+}
+
+/// The host kernels' settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HostInfo {
+    pub isa: Isa,
+    pub threads: usize,
+    pub kv_dtype: KvDtype,
+    /// The prefetch plan and, where it was timed, each candidate's steps.
+    pub prefetch: Option<&'static prefetch::Choice>,
+}

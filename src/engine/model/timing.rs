@@ -1,0 +1,261 @@
+//! Timing the decode step: a baseline token's R one-row steps against one R-row step (the
+//! pipeline's ceiling, R · t(1 row) / t(R rows)), the medians of steps of any row count, and
+//! the host kernels' prefetch plan, chosen at load by timing each candidate on the model's own
+//! steps. The loader calls [`choose_prefetch`]; the harness (`crate::harness`) and `cargo
+//! bench` call the rest.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::host::HostBackend;
+use super::{ReadoutKind, RowInput, RowSlot, StepBackend, StepRow, step};
+use crate::engine::error::Result;
+use crate::engine::kernels::prefetch;
+use crate::engine::kv_cache::DEFAULT_CONTEXT;
+use crate::engine::kv_cache::KvCache;
+use crate::engine::pass::Pass;
+
+/// Step compute of baseline and of a full pipeline at the same position.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, serde::Deserialize)]
+pub struct StepTimes {
+    /// A baseline step: the mean of one token's R one-row steps (LM head on the last only).
+    #[serde(rename = "one_row_us", with = "crate::engine::units::micros")]
+    pub one_row: Duration,
+    /// One step of R rows, every row read out.
+    #[serde(rename = "full_us", with = "crate::engine::units::micros")]
+    pub full: Duration,
+    pub rows: usize,
+}
+
+impl StepTimes {
+    /// R · t(1 row) / t(R rows): the speedup with no flips.
+    pub fn ceiling(&self) -> f64 {
+        self.rows as f64 * self.one_row.as_secs_f64() / self.full.as_secs_f64()
+    }
+}
+
+/// Step compute at position `pos`: a baseline token's R one-row steps (the LM head only on the
+/// last, as baseline decoding does) and one R-row step with every row read out (as SPEED
+/// does). Reading out every 1-row step instead would overstate the ceiling: on the shipped
+/// model the LM head is a quarter of a step's weights.
+pub fn measure_step_times<B: StepBackend>(
+    backend: &B,
+    pos: usize,
+    repeats: usize,
+) -> Result<StepTimes> {
+    let passes = backend.model().passes();
+    let t = median_times(backend, pos, &token_and_pipeline(passes, pos), repeats)?;
+    Ok(step_times(&t, passes))
+}
+
+/// A baseline token's R one-row steps at `pos` (the LM head only on the last) and one R-row
+/// step with every row read out: what [`measure_step_times`] and [`choose_prefetch`] time.
+fn token_and_pipeline(passes: usize, pos: usize) -> Vec<Vec<RowSlot>> {
+    let slot = |pass: Pass, readout: ReadoutKind| RowSlot {
+        pos,
+        pass,
+        readout,
+        second: false,
+    };
+    let mut batches: Vec<Vec<RowSlot>> = Pass::all(passes)
+        .map(|pass| match pass.is_last(passes) {
+            true => vec![slot(pass, ReadoutKind::Argmax)],
+            false => vec![slot(pass, ReadoutKind::None)],
+        })
+        .collect();
+    batches.push(
+        Pass::all(passes)
+            .map(|pass| slot(pass, every_readout(pass, passes)))
+            .collect(),
+    );
+    batches
+}
+
+/// The mean one-row step and the R-row step from [`token_and_pipeline`]'s medians.
+fn step_times(medians: &[Duration], passes: usize) -> StepTimes {
+    let token: Duration = medians[..passes].iter().sum();
+    StepTimes {
+        one_row: token / u32::try_from(passes).unwrap_or(u32::MAX),
+        full: medians[passes],
+        rows: passes,
+    }
+}
+
+/// Median compute of a step of each of `row_counts` rows (rows at passes 1, 2, …, all at
+/// `pos`, all read out; counts above R add second candidates beside the rows at passes 1,
+/// 2, …, as `dual` does). Used by `cargo bench`.
+pub fn median_step_times<B: StepBackend>(
+    backend: &B,
+    pos: usize,
+    row_counts: &[usize],
+    repeats: usize,
+) -> Result<Vec<Duration>> {
+    let passes = backend.model().passes();
+    let slot = |pass: Pass, second: bool| RowSlot {
+        pos,
+        pass,
+        readout: every_readout(pass, passes),
+        second,
+    };
+    let batches: Vec<Vec<RowSlot>> = row_counts
+        .iter()
+        .map(|&n| {
+            let seconds = Pass::all(n.saturating_sub(passes)).map(|pass| slot(pass, true));
+            (Pass::all(n.min(passes)).map(|pass| slot(pass, false)))
+                .chain(seconds)
+                .collect()
+        })
+        .collect();
+    median_times(backend, pos, &batches, repeats)
+}
+
+/// A speculative step's readout after `pass`: a greedy commit at pass R, a proposal before.
+fn every_readout(pass: Pass, passes: usize) -> ReadoutKind {
+    if pass.is_last(passes) {
+        ReadoutKind::Argmax
+    } else {
+        ReadoutKind::Proposal
+    }
+}
+
+/// Median compute of each batch of rows at `pos`, over a cache of `pos + 1` positions.
+fn median_times<B: StepBackend>(
+    backend: &B,
+    pos: usize,
+    batches: &[Vec<RowSlot>],
+    repeats: usize,
+) -> Result<Vec<Duration>> {
+    let lanes = (pos, pos + 1, 1);
+    median_times_on(backend, lanes, batches, repeats.into(), &mut |_| {})
+}
+
+/// Fixes the host kernels' prefetch plan (`kernels::prefetch`), the first time a process loads
+/// a host model: each candidate's median one-row and R-row step at position 64 (or the
+/// model's last), 25 rounds (about 0.1 s on the default model), fewer where that would take
+/// more than [`PLAN_TIMING_BUDGET`] (Ouro-1.4B's shape: 2 rounds of 0.9 s). Each round gives every
+/// candidate a turn, as a race gives its lanes: a baseline token's R one-row steps (the LM
+/// head on the last only), then one R-row step, over the candidate's own KV cache of the
+/// default context, so that its steps follow its own and find its cache laid out as a run's
+/// and where the other's turn left it. On an AMD EPYC Zen 4 VM, one-row steps that each read
+/// out a proposal over a cache of 65 positions (as timed before) put `l1` within a few
+/// percent of `l2` and sometimes chose it, though `l1` ran both lanes of a race slower
+/// (`spex bench --prefetch l1|l2`: speculative lane 15–35 %); with a 512-position cache the
+/// plans' 4-row steps differ more, as in the race (`prefetch::cheapest` weighs the rest).
+pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choice> {
+    let passes = backend.model().passes();
+    let positions = backend.model().config.max_position_embeddings;
+    let pos = 64.min(positions.saturating_sub(1));
+    let capacity = DEFAULT_CONTEXT.clamp(pos + 1, positions.max(pos + 1));
+    prefetch::choose_once(passes, |apply| {
+        let turn = token_and_pipeline(passes, pos);
+        let plans = prefetch::Prefetch::CANDIDATES;
+        let batches: Vec<Vec<RowSlot>> =
+            (plans.iter()).flat_map(|_| turn.iter().cloned()).collect();
+        let mut before = |batch: usize| apply(plans[batch / turn.len()]);
+        let lanes = (pos, capacity, plans.len());
+        let rounds = Rounds {
+            most: 25,
+            budget: Some(PLAN_TIMING_BUDGET),
+        };
+        let t = median_times_on(backend, lanes, &batches, rounds, &mut before)?;
+        Ok(t.chunks_exact(turn.len())
+            .map(|t| step_times(t, passes))
+            .map(|times| (times.one_row, times.full))
+            .collect())
+    })
+}
+
+/// How long the prefetch plan's timing may take when a model loads: a model so large that its
+/// 25 rounds would take longer streams its weights from DRAM, where the plans differ by far
+/// more than the noise of a few rounds (Ouro-1.4B's shape on an AMD EPYC Zen 4: 4-row steps of
+/// 130 ms with `l1` against 101 ms with `l2`), and 25 rounds made its load 22 s longer.
+pub const PLAN_TIMING_BUDGET: Duration = Duration::from_secs(2);
+
+/// How many timed rounds: `most`, or as many as fit in `budget` (at least one) after the
+/// first warm-up round shows a round's time.
+#[derive(Debug, Clone, Copy)]
+struct Rounds {
+    most: usize,
+    budget: Option<Duration>,
+}
+
+impl From<usize> for Rounds {
+    fn from(most: usize) -> Self {
+        Self { most, budget: None }
+    }
+}
+
+impl Rounds {
+    /// Warm-up rounds and timed rounds, given the first warm-up round's time: two warm-ups
+    /// and `most` rounds where they fit the budget, else one warm-up and what fits.
+    fn plan(self, first_round: Duration) -> (usize, usize) {
+        match self.budget {
+            Some(budget) if first_round * (self.most as u32 + 2) > budget => {
+                let fit = budget.as_secs_f64() / first_round.as_secs_f64().max(1e-9);
+                (1, (fit as usize).clamp(1, self.most))
+            }
+            _ => (2, self.most),
+        }
+    }
+}
+
+/// Median compute of each batch of rows at `pos` (every row's input a token), the batches
+/// interleaved so that machine noise hits them alike; the warm-up rounds (`Rounds::plan`) are
+/// dropped.
+/// `before(i)` runs before batch `i` each time, untimed. The batches split evenly into
+/// `lanes` runs with a KV cache of `capacity` positions each, as a race's lanes have (one
+/// lane's turn leaves the other's cache to come from memory).
+fn median_times_on<B: StepBackend>(
+    backend: &B,
+    (pos, capacity, lanes): (usize, usize, usize),
+    batches: &[Vec<RowSlot>],
+    rounds: Rounds,
+    before: &mut dyn FnMut(usize),
+) -> Result<Vec<Duration>> {
+    let passes = backend.model().passes();
+    let mut caches = (0..lanes.max(1))
+        .map(|_| {
+            let mut cache = KvCache::new(backend.new_store(capacity)?, passes, capacity);
+            if pos > 0 {
+                for pass in Pass::all(passes) {
+                    cache.mark_written(pass, pos - 1);
+                }
+            }
+            Ok(cache)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let per_lane = batches.len().div_ceil(caches.len());
+    let mut times = vec![Vec::with_capacity(rounds.most); batches.len()];
+    let (mut warm_ups, mut repeats) = (2, rounds.most);
+    let mut round = 0;
+    while round < warm_ups + repeats {
+        let started_round = Instant::now();
+        for (i, (batch, t)) in batches.iter().zip(&mut times).enumerate() {
+            before(i);
+            let cache = &mut caches[i / per_lane];
+            let rows = batch
+                .iter()
+                .map(|&slot| StepRow {
+                    slot,
+                    input: RowInput::Token(1),
+                })
+                .collect();
+            let started = Instant::now();
+            step(backend, rows, cache)?;
+            if round >= warm_ups {
+                t.push(started.elapsed());
+            }
+        }
+        if round == 0 {
+            (warm_ups, repeats) = rounds.plan(started_round.elapsed());
+        }
+        round += 1;
+    }
+    Ok(times.iter_mut().map(|t| median(t)).collect())
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
