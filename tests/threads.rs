@@ -1,16 +1,20 @@
-//! `--threads`: decode steps split across threads give the same tokens as on one thread, and
-//! speculation still equals baseline. This test binary runs every decode on 2 threads (the
-//! pool is per process), and compares with `spex generate --threads 1` in a child process.
+//! The host kernels' settings belong to each model (`LoadOptions::kernels`): decode steps split
+//! across two threads give the one-thread tokens for every policy, and two models loaded in
+//! one process with different instruction sets, prefetch plans and thread counts decode side
+//! by side, on threads of their own, exactly as each does alone.
 
 mod common;
 
 use std::path::Path;
 
-use common::{PROMPTS, Variant, random_model, spec, spex_ok};
-use spex::engine::kernels::pool;
+use candle_core::{DType, Device};
+use common::{PROMPTS, Variant, spec};
+use spex::engine::kernels::prefetch::Choice;
+use spex::engine::kernels::{Isa, KernelOptions, Prefetch};
+use spex::engine::model::LoadOptions;
 use spex::engine::policy::PolicyKind;
-use spex::engine::random_checkpoint::RandomSpec;
-use spex::engine::{DecodeOptions, Sampling};
+use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
+use spex::engine::{DecodeOptions, LoadedModel, Sampling};
 use spex::harness::bench::run_lane;
 
 const OPTIONS: DecodeOptions = DecodeOptions {
@@ -30,45 +34,87 @@ fn wide(mut spec: RandomSpec) -> RandomSpec {
     spec
 }
 
+fn load(dir: &Path, kernels: KernelOptions) -> LoadedModel {
+    let options = LoadOptions {
+        kernels,
+        ..LoadOptions::default()
+    };
+    LoadedModel::load_with(dir, &Device::Cpu, DType::F32, options).expect("load")
+}
+
+fn threads(n: usize) -> KernelOptions {
+    KernelOptions {
+        threads: Some(n),
+        ..KernelOptions::default()
+    }
+}
+
+/// Every fourth prompt's tokens under `policy`.
+fn tokens(loaded: &LoadedModel, policy: PolicyKind) -> Vec<Vec<u32>> {
+    (PROMPTS.iter().step_by(4))
+        .map(|prompt| {
+            run_lane(loaded, policy, prompt, OPTIONS)
+                .expect("a run")
+                .tokens
+        })
+        .collect()
+}
+
 #[test]
 fn two_threads_decode_the_one_thread_tokens_for_every_policy() {
-    pool::set_threads(2).expect("the first to set the threads");
-    assert_eq!(pool::pool().threads(), 2);
     for (variant, layers, passes) in [(Variant::Tied, 2, 4), (Variant::Gqa, 1, 3)] {
-        let (dir, loaded) = random_model(&wide(spec(layers, passes, variant, 21 + passes as u64)));
-        let d = dir.path().display().to_string();
-        for prompt in PROMPTS.iter().step_by(4) {
-            let args = [
-                "generate",
-                "--model",
-                &d,
-                "--prompt",
-                prompt,
-                "--max-tokens",
-                "24",
-            ];
-            let json = spex_ok(
-                &[&args[..], &["--json", "--threads", "1"]].concat(),
-                &[],
-                Path::new("."),
+        let dir = tempfile::TempDir::new().unwrap();
+        let s = wide(spec(layers, passes, variant, 21 + passes as u64));
+        write_random_checkpoint(dir.path(), &s).unwrap();
+        let (one, two) = (load(dir.path(), threads(1)), load(dir.path(), threads(2)));
+        let host = two.backend.info().host.expect("host kernels");
+        assert_eq!(host.threads, 2);
+        let baseline = tokens(&one, PolicyKind::Baseline);
+        let policies = [
+            PolicyKind::Baseline,
+            PolicyKind::Speed,
+            PolicyKind::DUAL,
+            PolicyKind::LOOPSPEC,
+        ];
+        for policy in policies {
+            assert_eq!(
+                tokens(&two, policy),
+                baseline,
+                "{variant:?} K={layers} R={passes} {policy}"
             );
-            let last = String::from_utf8(json).unwrap();
-            let finish: serde_json::Value =
-                serde_json::from_str(last.lines().last().unwrap()).unwrap();
-            let one_thread: Vec<u32> = serde_json::from_value(finish["tokens"].clone()).unwrap();
-            let policies = [
-                PolicyKind::Baseline,
-                PolicyKind::Speed,
-                PolicyKind::DUAL,
-                PolicyKind::LOOPSPEC,
-            ];
-            for policy in policies {
-                let lane = run_lane(&loaded, policy, prompt, OPTIONS).expect("a run");
-                assert_eq!(
-                    lane.tokens, one_thread,
-                    "{variant:?} K={layers} R={passes} {policy} {prompt:?}"
-                );
-            }
         }
     }
+}
+
+#[test]
+fn two_models_with_different_kernels_do_not_disturb_each_other() {
+    let dir = tempfile::TempDir::new().unwrap();
+    write_random_checkpoint(dir.path(), &wide(spec(2, 4, Variant::Gqa, 5))).unwrap();
+    let fast = KernelOptions {
+        isa: None,
+        prefetch: Some(Prefetch::L2),
+        threads: Some(2),
+    };
+    let portable = KernelOptions {
+        isa: Some(Isa::Portable),
+        prefetch: Some(Prefetch::L1),
+        threads: Some(1),
+    };
+    let alone = [fast, portable].map(|k| tokens(&load(dir.path(), k), PolicyKind::Speed));
+    let models = [fast, portable].map(|k| load(dir.path(), k));
+    let infos = models
+        .each_ref()
+        .map(|m| m.backend.info().host.expect("host kernels"));
+    assert_eq!(infos[0].isa, spex::engine::kernels::detected_isa());
+    assert_eq!((infos[0].threads, infos[1].threads), (2, 1));
+    assert_eq!(infos[1].isa, Isa::Portable);
+    assert_eq!(infos[0].prefetch, Some(Choice::Forced(Prefetch::L2)));
+    assert_eq!(infos[1].prefetch, Some(Choice::Forced(Prefetch::L1)));
+    let together = std::thread::scope(|s| {
+        let runs = models
+            .each_ref()
+            .map(|m| s.spawn(move || tokens(m, PolicyKind::Speed)));
+        runs.map(|r| r.join().expect("a decoding thread"))
+    });
+    assert_eq!(together, alone);
 }

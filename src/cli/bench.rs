@@ -312,10 +312,10 @@ impl Bandwidth {
     fn of(loaded: &crate::engine::LoadedModel, overall: &Overall) -> Option<Self> {
         use crate::harness::roofline;
         let model = loaded.model();
-        let host = loaded.backend.info().host.is_some();
+        let kernels = loaded.backend.kernels()?;
         let large = roofline::layer_bytes_per_pass(model) >= roofline::MEANINGFUL_FROM_BYTES;
         let baseline_tokens_per_sec = overall.policies.first()?.baseline.tokens_per_sec();
-        let read_bytes_per_sec = (host && large).then(roofline::read_bytes_per_sec)?;
+        let read_bytes_per_sec = large.then(|| roofline::read_bytes_per_sec(kernels.pool()))?;
         Some(Self {
             read_bytes_per_sec,
             weight_bytes_per_token: roofline::weight_bytes_per_token(model),
@@ -383,6 +383,7 @@ fn json_report(
     overall: &Overall,
     (args, sampling): (&BenchArgs, crate::engine::Sampling),
 ) -> serde_json::Value {
+    let host = session.loaded.backend.info().host;
     json!({
         "model": session.name,
         "device": session.device,
@@ -391,9 +392,9 @@ fn json_report(
         "layers": session.loaded.model().config.num_hidden_layers,
         "backend": session.loaded.backend.name(),
         "step_rows": session.loaded.backend.info().step_rows,
-        "kernel_isa": format!("{:?}", crate::engine::kernels::isa()),
-        "threads": crate::engine::kernels::pool::pool().threads(),
-        "prefetch": crate::engine::kernels::prefetch::choice().map(|c| c.plan().name()),
+        "kernel_isa": host.as_ref().map(|h| format!("{:?}", h.isa)),
+        "threads": host.as_ref().map(|h| h.threads),
+        "prefetch": host.as_ref().and_then(|h| h.prefetch.as_ref()).map(|c| c.plan().name()),
         "cpu": cpu_model(),
         "runs_per_lane": args.runs,
         "turn_ms": args.turn_ms,

@@ -121,15 +121,14 @@ pub enum PrefetchArg {
 }
 
 impl PrefetchArg {
-    /// Fixes the kernels' prefetch plan (nothing for `auto`, which times them at load).
-    fn apply(self) -> Result<(), EngineError> {
-        use crate::engine::kernels::prefetch::{Prefetch, force};
-        let plan = match self {
-            Self::Auto => return Ok(()),
-            Self::L1 => Prefetch::L1,
-            Self::L2 => Prefetch::L2,
-        };
-        force(plan).map_err(|e| EngineError::Invalid(format!("--prefetch: {e}")))
+    /// The plan asked for (`None` for `auto`, which times them at load).
+    fn plan(self) -> Option<crate::engine::kernels::Prefetch> {
+        use crate::engine::kernels::Prefetch;
+        match self {
+            Self::Auto => None,
+            Self::L1 => Some(Prefetch::L1),
+            Self::L2 => Some(Prefetch::L2),
+        }
     }
 }
 
@@ -164,18 +163,18 @@ pub enum IsaArg {
 }
 
 impl IsaArg {
-    /// Restricts the kernels to this instruction set (nothing for `auto`).
-    fn apply(self) -> Result<(), EngineError> {
-        use crate::engine::kernels::{Isa, force_isa};
+    /// The instruction set asked for (`None` for `auto`), checked against this CPU.
+    fn isa(self) -> Result<Option<crate::engine::kernels::Isa>, EngineError> {
+        use crate::engine::kernels::Isa;
         let isa = match self {
-            Self::Auto => return Ok(()),
+            Self::Auto => return Ok(None),
             Self::Avx512bf16 => Isa::Avx512Bf16,
             Self::Avx512 => Isa::Avx512,
             Self::Avx2 => Isa::Avx2Fma,
             Self::Neon => Isa::Neon,
             Self::Portable => Isa::Portable,
         };
-        force_isa(isa).map_err(|e| EngineError::Invalid(format!("--isa: {e}")))
+        (isa.checked().map(Some)).map_err(|e| EngineError::Invalid(format!("--isa: {e}")))
     }
 }
 
@@ -429,11 +428,11 @@ pub fn load_model_with(
     args: &ModelArgs,
     progress: &mut dyn FnMut(crate::engine::checkpoint::LoadProgress),
 ) -> Result<Session, EngineError> {
-    args.isa.apply()?;
-    args.prefetch.apply()?;
-    let threads = device::decode_threads(args.threads)?;
-    crate::engine::kernels::pool::set_threads(threads)
-        .map_err(|e| EngineError::Invalid(format!("--threads {threads}: {e}")))?;
+    let kernels = crate::engine::kernels::KernelOptions {
+        isa: args.isa.isa()?,
+        prefetch: args.prefetch.plan(),
+        threads: Some(device::decode_threads(args.threads)?),
+    };
     let mut hub_settings = crate::hub::HubSettings::from_env()?;
     hub_settings.offline |= args.offline;
     let resolved = models::resolve(args.model.as_deref(), &hub_settings, &mut |p| {
@@ -465,6 +464,7 @@ pub fn load_model_with(
         f32_proposals: args.f32_proposals,
         kv_dtype: args.kv_cache.into(),
         candle_ops: args.candle_ops,
+        kernels,
     };
     let mut loaded = match &resolved.source {
         models::ModelSource::Dir(dir) => {

@@ -39,7 +39,7 @@ pub fn weight_bytes_per_token(model: &LoopedModel) -> u64 {
 /// [`BUFFER_BYTES`] on huge pages, as the host's weights are (on 4 KB pages the sum read 13 %
 /// less on an AMD EPYC Zen 4 VM, 27.8 against 31.9 GB/s on one thread), split across the
 /// decode threads as a matmul is; the best of [`SWEEPS`] after one.
-pub fn read_bytes_per_sec() -> f64 {
+pub fn read_bytes_per_sec(pool: &pool::Pool) -> f64 {
     const HUGE_WORDS: usize = (2 << 20) / 8;
     let mut buffer: Vec<u64> = Vec::with_capacity(BUFFER_BYTES / 8 + HUGE_WORDS);
     let base = buffer.as_ptr().align_offset(2 << 20).min(HUGE_WORDS);
@@ -48,7 +48,6 @@ pub fn read_bytes_per_sec() -> f64 {
     memory::advise_huge_pages(&spare[base..base + BUFFER_BYTES / 8], false);
     buffer.resize(base + BUFFER_BYTES / 8, 1);
     let words = &buffer[base..];
-    let pool = pool::pool();
     let parts = pool.threads();
     let mut best = Duration::MAX;
     for sweep in 0..=SWEEPS {

@@ -54,7 +54,11 @@ pub fn table(options: LoadOptions) {
         spex::engine::model::KvDtype::F32 => 4,
     };
     let cost = RowCost::of(&loaded, kv_bytes);
-    let (peak, stream) = (peak_macs_per_sec(), stream_bytes_per_sec(&loaded));
+    let kernels = loaded.backend.kernels().expect("the host kernels").clone();
+    let (peak, stream) = (
+        peak_macs_per_sec(&kernels),
+        stream_bytes_per_sec(&loaded, &kernels),
+    );
     let passes = loaded.model().passes();
     let t = loaded
         .backend
@@ -135,7 +139,7 @@ impl Bounds {
 /// Bytes per second that the 1-row product streams over the model's own layer matrices,
 /// swept again and again as decode steps sweep them (copies of the same shapes; the median
 /// of 30 sweeps after 5 that warm the caches).
-fn stream_bytes_per_sec(loaded: &LoadedModel) -> f64 {
+fn stream_bytes_per_sec(loaded: &LoadedModel, kernels: &kernels::Kernels) -> f64 {
     let layers = &loaded.model().weights.layers;
     let matrices: Vec<(Vec<f32>, usize)> = (layers.iter())
         .flat_map(|l| {
@@ -166,7 +170,7 @@ fn stream_bytes_per_sec(loaded: &LoadedModel) -> f64 {
         .map(|_| {
             let t = Instant::now();
             for (w, inner) in &matrices {
-                kernels::matmul_t(
+                kernels.matmul_t(
                     &x[..*inner],
                     w.into(),
                     1,
@@ -184,11 +188,11 @@ fn stream_bytes_per_sec(loaded: &LoadedModel) -> f64 {
 
 /// Multiply-adds per second of one core in the widest FMA the kernels use, from independent
 /// chains that never touch memory; `None` off x86-64 or without AVX2.
-fn peak_macs_per_sec() -> Option<f64> {
+fn peak_macs_per_sec(kernels: &kernels::Kernels) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
         let iterations = 2_000_000;
-        let lanes_per_iteration = match kernels::isa() {
+        let lanes_per_iteration = match kernels.isa() {
             kernels::Isa::Avx512 | kernels::Isa::Avx512Bf16 => 24 * 16,
             kernels::Isa::Avx2Fma => 12 * 8,
             _ => return None,
@@ -196,9 +200,9 @@ fn peak_macs_per_sec() -> Option<f64> {
         let best = (0..5)
             .map(|_| {
                 let t = Instant::now();
-                // SAFETY: `isa()` detected (or was forced to no more than) these features.
+                // SAFETY: a `Kernels`' ISA was checked against the CPU when it was made.
                 let sum = unsafe {
-                    match kernels::isa() {
+                    match kernels.isa() {
                         kernels::Isa::Avx512 | kernels::Isa::Avx512Bf16 => {
                             fma_chains_512(iterations)
                         }

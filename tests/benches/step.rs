@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use spex::engine::LoadedModel;
+use spex::engine::kernels::{Isa, KernelOptions, Kernels, Prefetch};
 use spex::engine::model::device::DeviceBackend;
 use spex::engine::model::{Backend, KvDtype, LoadOptions};
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
@@ -17,7 +18,7 @@ use std::sync::Arc;
 mod roofline;
 
 /// The small-M kernel alone against candle's matmul, per weight shape and row count.
-fn kernel_table() {
+fn kernel_table(kernels: &Kernels) {
     println!(
         "| weight (out×in) | kernel | 1 row | 2 rows | 4 rows | 5 rows | 6 rows | 4 rows / 1 row |"
     );
@@ -37,7 +38,7 @@ fn kernel_table() {
             let mut t_candle = Vec::new();
             for _ in 0..300 {
                 let t = Instant::now();
-                spex::engine::kernels::matmul_t(&x, (&w).into(), rows, inner, &mut out);
+                kernels.matmul_t(&x, (&w).into(), rows, inner, &mut out);
                 t_spex.push(t.elapsed());
                 let t = Instant::now();
                 let _ = xt.matmul(&wt.t().expect("t")).expect("matmul");
@@ -99,8 +100,8 @@ fn shipped_models_table(pos: usize, options: LoadOptions) {
 /// One row's attention over 128 positions in each cache layout: hot (one cache, read over
 /// and over) and cold (caches spread over 64 MB, each read once in a while, as a step finds
 /// its pass's cache after streaming the weights).
-fn attention_table() {
-    use spex::engine::kernels::{AttnShape, KvLayout, KvView, Query, attend_group};
+fn attention_table(kernels: &Kernels) {
+    use spex::engine::kernels::{AttnShape, KvLayout, KvView, Query};
     let shape = AttnShape {
         heads: 4,
         kv_heads: 4,
@@ -139,7 +140,7 @@ fn attention_table() {
                     layout,
                 };
                 let t = Instant::now();
-                attend_group(&[query], view, (shape, 0..4), &mut out, &mut scores);
+                kernels.attend_group(&[query], view, (shape, 0..4), &mut out, &mut scores);
                 times.push(t.elapsed());
             }
             times.sort_unstable();
@@ -154,7 +155,7 @@ fn attention_table() {
 /// The small-M matmul over a weight stream the size of the default model's layers (26 MB of
 /// 704×256 matrices, one after another, as a step reads them from L3), by rows: the part of
 /// a step's cost that the weights' bandwidth and the rows' arithmetic share.
-fn stream_table() {
+fn stream_table(kernels: &Kernels) {
     let (outs, inner, count) = (704, 256, 36);
     let ws: Vec<Vec<f32>> = (0..count)
         .map(|m| {
@@ -173,7 +174,7 @@ fn stream_table() {
         for _ in 0..60 {
             let t = Instant::now();
             for w in &ws {
-                spex::engine::kernels::matmul_t(&x, w.into(), rows, inner, &mut out);
+                kernels.matmul_t(&x, w.into(), rows, inner, &mut out);
             }
             times.push(t.elapsed());
         }
@@ -216,46 +217,44 @@ fn arg_value(name: &str) -> Option<String> {
 
 fn main() {
     let threads = arg_value("--threads").map_or(1, |t| t.parse().expect("--threads N"));
-    spex::engine::kernels::pool::set_threads(threads).expect("--threads");
-    if let Some(isa) = arg_value("--isa") {
-        use spex::engine::kernels::Isa;
-        let isa = match isa.as_str() {
-            "avx512bf16" => Isa::Avx512Bf16,
-            "avx512" => Isa::Avx512,
-            "avx2" => Isa::Avx2Fma,
-            "neon" => Isa::Neon,
-            _ => Isa::Portable,
-        };
-        spex::engine::kernels::force_isa(isa).expect("--isa");
-    }
-    if let Some(plan) = arg_value("--prefetch") {
-        use spex::engine::kernels::prefetch::{Prefetch, force};
-        let plan = match plan.as_str() {
-            "l2" => Prefetch::L2,
-            _ => Prefetch::L1,
-        };
-        force(plan).expect("--prefetch");
-    }
+    let isa = arg_value("--isa").map(|isa| match isa.as_str() {
+        "avx512bf16" => Isa::Avx512Bf16,
+        "avx512" => Isa::Avx512,
+        "avx2" => Isa::Avx2Fma,
+        "neon" => Isa::Neon,
+        _ => Isa::Portable,
+    });
+    let prefetch = arg_value("--prefetch").map(|plan| match plan.as_str() {
+        "l2" => Prefetch::L2,
+        _ => Prefetch::L1,
+    });
+    let kernel_options = KernelOptions {
+        isa,
+        prefetch,
+        threads: Some(threads),
+    };
+    let kernels = Kernels::new(kernel_options).expect("--isa, --threads");
     let kv_dtype = match arg_value("--kv-cache").as_deref() {
         Some("f32") => KvDtype::F32,
         _ => KvDtype::F16,
     };
     let options = LoadOptions {
         kv_dtype,
+        kernels: kernel_options,
         ..LoadOptions::default()
     };
-    let isa = spex::engine::kernels::isa();
+    let isa = kernels.isa();
     println!("decode threads: {threads}, instruction set: {isa:?}, KV cache: {kv_dtype:?}\n");
     match arg_value("--only").as_deref() {
         Some("shipped") => return shipped_models_table(128, options),
-        Some("kernels") => return kernel_table(),
+        Some("kernels") => return kernel_table(&kernels),
         Some("rows") => return profile_rows(options),
-        Some("attention") => return attention_table(),
-        Some("stream") => return stream_table(),
+        Some("attention") => return attention_table(&kernels),
+        Some("stream") => return stream_table(&kernels),
         Some("roofline") => return roofline::table(options),
         _ => {}
     }
-    kernel_table();
+    kernel_table(&kernels);
     shipped_models_table(128, options);
     random_models_table(128, options);
 }

@@ -18,7 +18,7 @@
 use std::ops::Range;
 
 use super::kv_element::KvElement;
-use super::{Isa, isa, portable, prefetch, softmax_in_place};
+use super::{Isa, Kernels, Prefetch, Tuning, detected_isa, portable, prefetch, softmax_in_place};
 
 /// Positions per tile: one head's keys of a tile (`TILE · head_dim` floats, 8 KB at 64)
 /// stay in L1 while every row of the group reads them.
@@ -147,7 +147,12 @@ pub fn attend_row(
         cached: len,
         own: None,
     };
-    attend_group(
+    let tuning = Tuning {
+        isa: detected_isa(),
+        prefetch: Prefetch::L1,
+    };
+    attend_group_on(
+        tuning,
         &[query],
         (keys, values),
         (shape, 0..shape.heads),
@@ -156,25 +161,29 @@ pub fn attend_row(
     );
 }
 
-/// The attention of every row in `queries` over `keys`/`values` (one pass's cache,
-/// `[positions × kv_heads·head_dim]` in f32 or f16, covering the largest `cached`; a row's
-/// `own` entry must hold what the cache's element type would read back) for the heads in
-/// `heads`, into `out` (`[rows × heads.len()·head_dim]`). `scores` is scratch space. The
-/// heads are independent: the decode threads split a group by heads where the groups alone
-/// would leave one idle (a one-row step, three rows on two threads).
-pub fn attend_group<'a, E: KvElement>(
-    queries: &[Query<'_>],
-    cache: impl Into<KvView<'a, E>>,
-    heads: (AttnShape, Range<usize>),
-    out: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    attend_group_on(isa(), queries, cache.into(), heads, out, scores);
+impl Kernels {
+    /// The attention of every row in `queries` over `keys`/`values` (one pass's cache,
+    /// `[positions × kv_heads·head_dim]` in f32 or f16, covering the largest `cached`; a row's
+    /// `own` entry must hold what the cache's element type would read back) for the heads in
+    /// `heads`, into `out` (`[rows × heads.len()·head_dim]`). `scores` is scratch space. The
+    /// heads are independent: the decode threads split a group by heads where the groups alone
+    /// would leave one idle (a one-row step, three rows on two threads).
+    pub fn attend_group<'a, E: KvElement>(
+        &self,
+        queries: &[Query<'_>],
+        cache: impl Into<KvView<'a, E>>,
+        heads: (AttnShape, Range<usize>),
+        out: &mut [f32],
+        scores: &mut Vec<f32>,
+    ) {
+        attend_group_on(self.tuning, queries, cache.into(), heads, out, scores);
+    }
 }
 
-/// [`attend_group`] with the kernels of `isa` (the tests compare instruction sets).
+/// [`Kernels::attend_group`] with the kernels and plan of `t` (the tests compare
+/// instruction sets).
 pub(super) fn attend_group_on<'a, E: KvElement>(
-    isa: Isa,
+    t: Tuning,
     queries: &[Query<'_>],
     cache: impl Into<KvView<'a, E>>,
     (shape, heads): (AttnShape, Range<usize>),
@@ -193,7 +202,7 @@ pub(super) fn attend_group_on<'a, E: KvElement>(
     scores.clear();
     scores.resize(count * queries.iter().map(Query::len).sum::<usize>(), 0.0);
     let walk = Walk {
-        isa,
+        isa: t.isa,
         queries,
         starts: &starts,
         shape,
@@ -203,7 +212,7 @@ pub(super) fn attend_group_on<'a, E: KvElement>(
     // Under the L2 plan the cache rows come from DRAM: ask for all the keys and the first
     // block of values now, and each next block of values as the walk reaches a block
     // (`Walk::values`). On an AMD EPYC Zen 4, 4-row steps 2–6 % faster in one process.
-    let far = prefetch::far_enabled();
+    let far = t.prefetch.far_enabled();
     if far {
         let cached = queries.iter().map(|q| q.cached).max().unwrap_or(0);
         walk.prefetch_runs(cache.keys, 0..cached);
@@ -370,7 +379,8 @@ fn head_scores<E: KvElement>(
 ) {
     match (isa, q.len()) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `has_avx2` holds only after AVX2, FMA and F16C were detected at run time.
+        // SAFETY: `isa` is the detected ISA or a `Kernels`' checked one: with AVX2 the CPU has
+        // FMA and F16C.
         (i, 64) if i.has_avx2() => unsafe {
             super::avx2::head_scores::<8, E>(q, keys, stride, scale, scores)
         },
@@ -393,7 +403,8 @@ fn head_values<E: KvElement>(
 ) {
     match (isa, out.len()) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `has_avx2` holds only after AVX2, FMA and F16C were detected at run time.
+        // SAFETY: `isa` is the detected ISA or a `Kernels`' checked one: with AVX2 the CPU has
+        // FMA and F16C.
         (i, 64) if i.has_avx2() => unsafe {
             super::avx2::head_values::<8, E>(probs, values, stride, out)
         },

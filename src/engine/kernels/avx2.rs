@@ -1,13 +1,13 @@
 //! AVX2 + FMA kernels: the small-M matmul's dot products, vector exp (SiLU, softmax) and
 //! head-major attention. Every function here is compiled for AVX2 and FMA; calling one on a
 //! CPU without them is undefined behaviour, so callers go through `super`'s dispatch, which
-//! checks `isa()` first. Functions that check their own bounds are safe to call where the
-//! features are enabled.
+//! checks the `Kernels`' ISA first. Functions that check their own bounds are safe to call
+//! where the features are enabled.
 
 use std::arch::x86_64::*;
 
 use super::kv_element::KvElement;
-use super::{OutLayout, SharedOut, WeightElement, prefetch};
+use super::{OutLayout, Prefetch, SharedOut, WeightElement};
 
 /// AVX2/FMA dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with every weight row of
 /// `w`, `J` (1–3) rows at a time: `w` holds whole groups of `J` rows of `inner`. Each weight
@@ -25,11 +25,13 @@ pub unsafe fn dots<const J: usize, W: WeightElement>(
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
-    to: OutLayout,
+    (to, plan): (OutLayout, Prefetch),
     first: usize,
 ) {
     // SAFETY: the caller's features; that many rows of `xs` exist.
-    unsafe { with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, to, first)) }
+    unsafe {
+        with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, (to, plan), first))
+    }
 }
 
 /// Each (row, weight row) pair has one accumulator fed in the same order and reduced by
@@ -45,11 +47,11 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
-    to: OutLayout,
+    (to, plan): (OutLayout, Prefetch),
     first: usize,
 ) {
     let bytes = std::mem::size_of::<W>();
-    let (near, far) = (prefetch::near(bytes, J * inner), prefetch::far(bytes));
+    let (near, far) = (plan.near(bytes, J * inner), plan.far(bytes));
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
         let ws: [&[W]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
         // SAFETY: the caller's features; `ws` rows and `xs`' R rows hold `inner` elements.

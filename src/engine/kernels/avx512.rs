@@ -1,11 +1,11 @@
 //! AVX-512F dot products for the small-M matmul (16 lanes, 32 registers: twice the
 //! accumulators of AVX2), over f32 weights or bf16/f16 ones widened as they load
 //! (`WeightElement::load16`). Compiled for AVX-512F/BW/VL, AVX2, FMA and F16C; `super`'s
-//! dispatch calls them only after `isa()` detected them all.
+//! dispatch calls them only for a `Kernels` whose ISA was checked to include them all.
 
 use std::arch::x86_64::*;
 
-use super::{OutLayout, SharedOut, WeightElement, prefetch};
+use super::{OutLayout, Prefetch, SharedOut, WeightElement};
 
 /// AVX-512 dot products of up to `X86_ROW_BLOCK` (6) rows of `xs` with every weight row of
 /// `w`, `J` (1 or 4) rows at a time: `w` holds whole groups of `J` rows of `inner`. The row
@@ -22,11 +22,13 @@ pub unsafe fn dots<const J: usize, W: WeightElement>(
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
-    to: OutLayout,
+    (to, plan): (OutLayout, Prefetch),
     first: usize,
 ) {
     // SAFETY: the caller's features; that many rows of `xs` exist.
-    unsafe { with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, to, first)) }
+    unsafe {
+        with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, (to, plan), first))
+    }
 }
 
 /// Each (row, weight row) pair has one 16-lane accumulator fed in the same order and the
@@ -42,14 +44,14 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
-    to: OutLayout,
+    (to, plan): (OutLayout, Prefetch),
     first: usize,
 ) {
     let full = inner - inner % 16;
     // SAFETY: row r of `xs` starts at r · inner, inside `xs` for r < R.
     let x: [*const f32; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * inner) });
     let bytes = std::mem::size_of::<W>();
-    let (near, far) = (prefetch::near(bytes, J * inner), prefetch::far(bytes));
+    let (near, far) = (plan.near(bytes, J * inner), plan.far(bytes));
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
         // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < J.
         let wj: [*const W; J] = std::array::from_fn(|j| unsafe { group.as_ptr().add(j * inner) });

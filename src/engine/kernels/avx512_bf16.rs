@@ -8,13 +8,13 @@
 //! its 32-element chunks in order and reduced by `avx512::store_group`'s tree, whatever rows or
 //! weight rows share its block, and each row's activations round the same way alone or beside
 //! others, so a token's result does not depend on the rows beside it. Only `super`'s dispatch
-//! calls this, after `isa()` detected AVX-512 BF16.
+//! calls this, for a `Kernels` whose ISA was checked to include AVX-512 BF16.
 
 use std::arch::x86_64::*;
 
 use half::bf16;
 
-use super::{OutLayout, RUN_BYTES, SharedOut, X86_ROW_BLOCK, avx512, prefetch, row_blocks};
+use super::{OutLayout, Prefetch, RUN_BYTES, SharedOut, X86_ROW_BLOCK, avx512, row_blocks};
 
 /// Weight rows a kernel call takes at a time (6 rows × 4 of accumulators, 4 weight chunks
 /// and a row chunk: 29 of 32 registers), as `avx512` does.
@@ -28,10 +28,17 @@ const J: usize = 4;
 /// The CPU must have AVX-512F, BW, VL and BF16, AVX2, FMA and F16C; `w` holds whole rows of
 /// `inner` and `x` whole rows of `inner`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-pub unsafe fn sweep(x: &[f32], w: &[bf16], inner: usize, out: SharedOut<'_>, to: OutLayout) {
+pub unsafe fn sweep(
+    plan: Prefetch,
+    x: &[f32],
+    w: &[bf16],
+    inner: usize,
+    out: SharedOut<'_>,
+    to: OutLayout,
+) {
     ROUNDED.with_borrow_mut(|xs| {
         // SAFETY: this function's features and the caller's shapes.
-        unsafe { sweep_rounded(x, rounded(x, inner, xs), w, inner, out, to) }
+        unsafe { sweep_rounded(x, rounded(x, inner, xs), w, inner, out, (to, plan)) }
     });
 }
 
@@ -51,7 +58,7 @@ unsafe fn sweep_rounded(
     w: &[bf16],
     inner: usize,
     out: SharedOut<'_>,
-    to: OutLayout,
+    (to, plan): (OutLayout, Prefetch),
 ) {
     let rows = x.len() / inner;
     let stride = inner.next_multiple_of(32);
@@ -67,7 +74,7 @@ unsafe fn sweep_rounded(
         for block in blocks.clone() {
             let block_x = &xs[block.start * stride..block.end * stride];
             // SAFETY: this function's features; whole groups of J rows, whole padded rows.
-            unsafe { dots::<J>(block_x, run_w, inner, run_out, to, block.start) };
+            unsafe { dots::<J>(block_x, run_w, inner, run_out, (to, plan), block.start) };
         }
     }
     if grouped < w.len() {
@@ -75,7 +82,16 @@ unsafe fn sweep_rounded(
         for block in blocks {
             let block_x = &xs[block.start * stride..block.end * stride];
             // SAFETY: as above, one weight row at a time.
-            unsafe { dots::<1>(block_x, &w[grouped..], inner, rest_out, to, block.start) };
+            unsafe {
+                dots::<1>(
+                    block_x,
+                    &w[grouped..],
+                    inner,
+                    rest_out,
+                    (to, plan),
+                    block.start,
+                )
+            };
         }
     }
 }
@@ -120,12 +136,14 @@ unsafe fn dots<const G: usize>(
     w: &[bf16],
     inner: usize,
     out: SharedOut<'_>,
-    to: OutLayout,
+    (to, plan): (OutLayout, Prefetch),
     first: usize,
 ) {
     let stride = inner.next_multiple_of(32);
     // SAFETY: the caller's features; that many rows of `xs` exist.
-    unsafe { with_rows!(xs.len() / stride, R => dots_rows::<R, G>(xs, w, inner, out, to, first)) }
+    unsafe {
+        with_rows!(xs.len() / stride, R => dots_rows::<R, G>(xs, w, inner, out, (to, plan), first))
+    }
 }
 
 /// # Safety
@@ -137,14 +155,14 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
     w: &[bf16],
     inner: usize,
     out: SharedOut<'_>,
-    to: OutLayout,
+    (to, plan): (OutLayout, Prefetch),
     first: usize,
 ) {
     let stride = inner.next_multiple_of(32);
     let full = inner - inner % 32;
     // SAFETY: padded row r of `xs` starts at r · stride, inside `xs` for r < R.
     let x: [*const bf16; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * stride) });
-    let (near, far) = (prefetch::near(2, G * inner), prefetch::far(2));
+    let (near, far) = (plan.near(2, G * inner), plan.far(2));
     for (g, group) in w.chunks_exact(G * inner).enumerate() {
         // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < G.
         let wj: [*const bf16; G] =

@@ -15,9 +15,9 @@ const ALIGN_F16: usize = 32;
 /// step's 5 readouts widen each panel once, not twice).
 const ROWS: usize = 6;
 
-/// Whether `PackedF16::matmul` runs vectorised on this CPU.
-pub fn fast() -> bool {
-    super::isa().has_avx512()
+/// Whether `PackedF16::matmul` runs vectorised with `kernels`' instruction set.
+pub fn fast(kernels: &super::Kernels) -> bool {
+    kernels.isa().has_avx512()
 }
 
 /// A `[outs × inner]` matrix in f16, packed in column panels (the last one zero-padded).
@@ -60,37 +60,39 @@ impl PackedF16 {
 
     /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `out: [rows × outs]`.
     /// Each output sums its products in order of k; callers use a bound, not these bits.
-    /// Split by panels across the decode threads (`kernels::pool`) where there are several.
-    pub fn matmul(&self, x: &[f32], rows: usize, out: &mut [f32]) {
-        self.matmul_on(super::pool::pool(), x, rows, out);
-    }
-
-    /// [`PackedF16::matmul`] on the threads of `pool`: each thread writes its panels'
-    /// columns of every row in place.
-    pub fn matmul_on(&self, pool: &super::pool::Pool, x: &[f32], rows: usize, out: &mut [f32]) {
+    /// Split by panels across `kernels`' decode threads where there are several, each
+    /// writing its panels' columns of every row in place.
+    pub fn matmul(&self, kernels: &super::Kernels, x: &[f32], rows: usize, out: &mut [f32]) {
         debug_assert_eq!(x.len(), rows * self.inner);
         debug_assert_eq!(out.len(), rows * self.outs);
+        let (pool, t) = (kernels.pool(), kernels.tuning);
         let parts = pool.threads();
         let panels = self.outs.div_ceil(PANEL);
         let out = super::SharedOut::new(out);
         if parts == 1 || panels < 2 * parts {
-            return self.panels_into(x, 0..panels, out);
+            return self.panels_into(t, x, 0..panels, out);
         }
         pool.run(&|part| {
-            self.panels_into(x, super::pool::share(panels, parts, part, 1), out);
+            self.panels_into(t, x, super::pool::share(panels, parts, part, 1), out);
         });
     }
 
     /// The products with the weight rows of `panels`, into their columns of `out: [rows ×
     /// outs]`.
-    fn panels_into(&self, x: &[f32], panels: std::ops::Range<usize>, out: super::SharedOut<'_>) {
+    fn panels_into(
+        &self,
+        t: super::Tuning,
+        x: &[f32],
+        panels: std::ops::Range<usize>,
+        out: super::SharedOut<'_>,
+    ) {
         let mut tile = [0f32; ROWS * PANEL];
         let stream = self.panels().chunks_exact(self.inner * PANEL);
         for (p, panel) in stream.enumerate().take(panels.end).skip(panels.start) {
             let cols = PANEL.min(self.outs - p * PANEL);
             for (b, block) in x.chunks(ROWS * self.inner).enumerate() {
                 let n = block.len() / self.inner;
-                self.panel_tile(block, panel, &mut tile);
+                self.panel_tile(t, block, panel, &mut tile);
                 for r in 0..n {
                     let at = (b * ROWS + r) * self.outs + p * PANEL;
                     out.set_all(at, &tile[r * PANEL..r * PANEL + cols]);
@@ -100,11 +102,18 @@ impl PackedF16 {
     }
 
     /// Up to `ROWS` rows of `x` times one panel, into `tile: [ROWS × PANEL]`.
-    fn panel_tile(&self, x: &[f32], panel: &[f16], tile: &mut [f32; ROWS * PANEL]) {
+    fn panel_tile(
+        &self,
+        t: super::Tuning,
+        x: &[f32],
+        panel: &[f16],
+        tile: &mut [f32; ROWS * PANEL],
+    ) {
         #[cfg(target_arch = "x86_64")]
-        if fast() {
-            // SAFETY: `fast` checked AVX-512F; `panel` is `inner × PANEL` and `x` whole rows.
-            unsafe { avx512::panel_tile(x, panel, self.inner, tile) };
+        if t.isa.has_avx512() {
+            // SAFETY: a `Tuning`'s AVX-512 was checked against the CPU (`Kernels::new`);
+            // `panel` is `inner × PANEL` and `x` whole rows.
+            unsafe { avx512::panel_tile(t.prefetch, x, panel, self.inner, tile) };
             return;
         }
         for (r, xr) in x.chunks_exact(self.inner).enumerate() {
@@ -125,7 +134,7 @@ mod avx512 {
 
     use half::f16;
 
-    use super::super::prefetch;
+    use super::super::Prefetch;
     use super::{PANEL, ROWS};
 
     /// One panel's products with up to `ROWS` rows of `x` into `tile`.
@@ -135,13 +144,14 @@ mod avx512 {
     /// of `inner`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn panel_tile(
+        plan: Prefetch,
         x: &[f32],
         panel: &[f16],
         inner: usize,
         tile: &mut [f32; ROWS * PANEL],
     ) {
         // SAFETY: the caller's features and shapes.
-        unsafe { with_rows!(x.len() / inner, R => rows::<R>(x, panel, inner, tile)) }
+        unsafe { with_rows!(x.len() / inner, R => rows::<R>(plan, x, panel, inner, tile)) }
     }
 
     /// # Safety
@@ -149,6 +159,7 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn rows<const R: usize>(
+        plan: Prefetch,
         x: &[f32],
         panel: &[f16],
         inner: usize,
@@ -161,7 +172,7 @@ mod avx512 {
         // model's 4-row step (every row read out) measured 0.559 → 0.537 ms with the near
         // one, a 1-row one 0.344 → 0.337 ms.
         let size = std::mem::size_of::<f16>();
-        let (near, far) = (prefetch::near(size, 0), prefetch::far(size));
+        let (near, far) = (plan.near(size, 0), plan.far(size));
         for k in 0..inner {
             // A panel row is two cache lines (the panels start on a 64-byte boundary); a
             // prefetch never faults, even past the end.
@@ -225,7 +236,9 @@ mod tests {
                 };
                 let mut tile = [f32::NAN; ROWS * PANEL];
                 // SAFETY: AVX-512F was detected; the panel and the rows are whole.
-                unsafe { avx512::panel_tile(&x, panel, inner, &mut tile) };
+                unsafe {
+                    avx512::panel_tile(super::super::Prefetch::L1, &x, panel, inner, &mut tile)
+                };
                 for (at, got) in tile.iter().enumerate().take(rows * PANEL) {
                     let (r, j) = (at / PANEL, at % PANEL);
                     let expected = chain(r, j);

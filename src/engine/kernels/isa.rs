@@ -1,10 +1,11 @@
-//! Which instruction set the kernels run: detected once per process (`isa`), or forced lower
-//! by `--isa` to measure it (`force_isa`). `super`'s dispatch, and each kernel's safety
-//! argument, rest on it.
+//! Which instruction sets this CPU runs: the best, detected once per process
+//! ([`detected_isa`]), and whether it runs a lower one asked for (`--isa`, [`Isa::checked`]).
+//! Each model's `Kernels` holds one checked ISA; `super`'s dispatch, and each kernel's safety
+//! argument, rest on that check.
 
 use std::sync::OnceLock;
 
-/// Which instruction set the kernels use, chosen once per process at run time.
+/// An instruction set of the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
     /// [`Isa::Avx512`], and AVX-512 BF16's `vdpbf16ps` for bf16 weights: twice the
@@ -44,17 +45,15 @@ impl Isa {
     }
 }
 
-/// The instruction set the kernels use, chosen once per process: `force_isa`'s, else the best
-/// this CPU has.
-static ISA: OnceLock<Isa> = OnceLock::new();
-
-/// The instruction set the kernels use: AVX-512F, AVX2 + FMA, or the portable fallback.
-pub fn isa() -> Isa {
-    *ISA.get_or_init(detected_isa)
-}
+/// The CPU's best, detected once (a fact of the machine, not a setting).
+static DETECTED: OnceLock<Isa> = OnceLock::new();
 
 /// The best instruction set this CPU runs.
 pub fn detected_isa() -> Isa {
+    *DETECTED.get_or_init(detect)
+}
+
+fn detect() -> Isa {
     #[cfg(target_arch = "x86_64")]
     // F16C (every AVX2 CPU has it) widens an f16 KV cache in the attention kernels.
     if std::arch::is_x86_feature_detected!("avx2")
@@ -78,19 +77,16 @@ pub fn detected_isa() -> Isa {
     Isa::Portable
 }
 
-/// Makes the kernels use `isa` (a lower one than the CPU's best, to measure it on this
-/// machine). Call it before anything decodes: an error if this CPU cannot run `isa`, or if
-/// the kernels already chose a different one.
-pub fn force_isa(isa: Isa) -> Result<(), String> {
-    let detected = detected_isa();
-    // NEON and the x86 extensions are different machines: neither runs the other's kernels.
-    let other_family = (isa == Isa::Neon) != (detected == Isa::Neon) && isa != Isa::Portable;
-    if other_family || isa.level() > detected.level() {
-        return Err(format!("this CPU runs {detected:?} at best, not {isa:?}"));
-    }
-    match ISA.set(isa) {
-        Ok(()) => Ok(()),
-        Err(_) if self::isa() == isa => Ok(()),
-        Err(_) => Err(format!("the kernels already run {:?}", self::isa())),
+impl Isa {
+    /// `self`, where this CPU runs it (a lower one than its best measures it on this machine);
+    /// an error naming the best otherwise.
+    pub fn checked(self) -> Result<Isa, String> {
+        let detected = detected_isa();
+        // NEON and the x86 extensions are different machines: neither runs the other's kernels.
+        let other_family = (self == Isa::Neon) != (detected == Isa::Neon) && self != Isa::Portable;
+        if other_family || self.level() > detected.level() {
+            return Err(format!("this CPU runs {detected:?} at best, not {self:?}"));
+        }
+        Ok(self)
     }
 }

@@ -46,7 +46,11 @@
 //!   (`model::host_buffers`); **decode threads that spin** briefly between a step's kernels
 //!   and then park (`pool`).
 //!
-//! One file per role: this one detects the ISA once and dispatches (the safe API), then
+//! Settings are values: each host model's [`Kernels`] holds its instruction set (checked
+//! against the CPU when made, which every `unsafe` dispatch rests on), its prefetch plan and its
+//! decode threads, so two models in one process never disturb each other.
+//!
+//! One file per role: this one holds [`Kernels`] and dispatches (the safe API), then
 //! `portable`, `avx2`, `avx512`, `avx512_bf16`, `neon`, `f16` (the proposal head's matmul),
 //! `weight_element` and `kv_element` (the stored types), `pool` (the decode threads),
 //! `prefetch`, `attention` and `subnormals` (the FTZ/DAZ guard).
@@ -118,6 +122,7 @@ mod neon;
 pub mod pool;
 mod portable;
 pub mod prefetch;
+mod settings;
 mod subnormals;
 #[cfg(test)]
 mod tests;
@@ -125,9 +130,12 @@ mod weight_element;
 #[cfg(test)]
 mod weight_tests;
 
-pub use attention::{AttnShape, KvLayout, KvStrides, KvView, Query, attend_group, attend_row};
-pub use isa::{Isa, detected_isa, force_isa, isa};
+pub use attention::{AttnShape, KvLayout, KvStrides, KvView, Query, attend_row};
+pub use isa::{Isa, detected_isa};
 pub use kv_element::KvElement;
+pub use prefetch::Prefetch;
+use settings::Tuning;
+pub use settings::{KernelOptions, Kernels};
 pub use subnormals::SubnormalsFlushed;
 pub use weight_element::{Weight, WeightElement};
 
@@ -149,19 +157,9 @@ const POOL_MIN_ELEMENTS: usize = 1 << 14;
 /// Weight rows a thread's share of a matmul is a multiple of (whole groups of every sweep).
 const SHARE_ALIGN: usize = 16;
 
-/// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `w: [outs × inner]` (a linear
-/// layer's weight as stored: no transpose, and bf16 or f16 read as such), `out: [rows ×
-/// outs]`.
-pub fn matmul_t(x: &[f32], w: Weight<'_>, rows: usize, inner: usize, out: &mut [f32]) {
-    let pool = pool::pool();
-    if pool.threads() > 1 && w.len() >= POOL_MIN_ELEMENTS {
-        return matmul_t_pooled(pool, isa(), (x, rows, inner), &mut [(w, out)]);
-    }
-    with_weight!(w, w => matmul_t_typed(x, w, rows, inner, out))
-}
-
-/// [`matmul_t`] on weights of one element type.
+/// [`Kernels::matmul_t`] on weights of one element type.
 fn matmul_t_typed<W: WeightElement>(
+    t: Tuning,
     x: &[f32],
     w: &[W],
     rows: usize,
@@ -171,10 +169,9 @@ fn matmul_t_typed<W: WeightElement>(
     let outs = w.len() / inner;
     debug_assert_eq!(x.len(), rows * inner);
     debug_assert_eq!(out.len(), rows * outs);
-    let isa = isa();
     if w.len() < PARALLEL_MIN_ELEMENTS || rayon::current_num_threads() == 1 {
         let to = OutLayout { col: 1, row: outs };
-        return matmul_t_serial(isa, x, w, rows, inner, SharedOut::new(out), to);
+        return matmul_t_serial(t, x, w, rows, inner, SharedOut::new(out), to);
     }
     // Threads own disjoint slices: the output transposed, each thread a range of weight rows.
     let mut out_t = vec![0f32; outs * rows];
@@ -183,7 +180,7 @@ fn matmul_t_typed<W: WeightElement>(
     out_t
         .par_chunks_mut(chunk_outs * rows)
         .zip(w.par_chunks(chunk_outs * inner))
-        .for_each(|(o, w)| matmul_t_serial(isa, x, w, rows, inner, SharedOut::new(o), to));
+        .for_each(|(o, w)| matmul_t_serial(t, x, w, rows, inner, SharedOut::new(o), to));
     for (j, col) in out_t.chunks_exact(rows).enumerate() {
         for (m, v) in col.iter().enumerate() {
             out[m * outs + j] = *v;
@@ -191,69 +188,43 @@ fn matmul_t_typed<W: WeightElement>(
     }
 }
 
-/// Products of one input `x: [rows × inner]` with several weights, `outᵢ = x · wᵢᵀ` (the Q,
-/// K and V projections; gate and up): one job of the decode threads for all of them, so that
-/// the threads meet once instead of once per weight.
-pub fn matmuls_t(x: &[f32], rows: usize, inner: usize, products: &mut [(Weight<'_>, &mut [f32])]) {
-    let pool = pool::pool();
-    if pool.threads() > 1 && products.iter().all(|(w, _)| w.len() >= POOL_MIN_ELEMENTS) {
-        return matmul_t_pooled(pool, isa(), (x, rows, inner), products);
-    }
-    for (w, out) in products.iter_mut() {
-        matmul_t(x, *w, rows, inner, out);
-    }
-}
-
-/// The MLP's first half, `gate := silu(x · gateᵀ) ⊙ (x · upᵀ)` (`up` receives `x · upᵀ`): on
-/// several decode threads, one job in which each thread applies SiLU to its own columns right
-/// after computing them, instead of the caller applying it to every row alone. SiLU is
-/// elementwise with the same arithmetic on every lane, so the bits do not depend on the split.
-pub fn gated_t(
-    x: &[f32],
-    rows: usize,
-    inner: usize,
-    weights: (Weight<'_>, Weight<'_>),
-    outs: (&mut [f32], &mut [f32]),
-) {
-    gated_t_on(pool::pool(), (x, rows, inner), weights, outs);
-}
-
-/// [`gated_t`] on the threads of `pool`.
+/// [`Kernels::gated_t`].
 fn gated_t_on(
-    pool: &pool::Pool,
+    k: &Kernels,
     (x, rows, inner): (&[f32], usize, usize),
     (gate_w, up_w): (Weight<'_>, Weight<'_>),
     (gate, up): (&mut [f32], &mut [f32]),
 ) {
+    let pool = k.pool();
     if pool.threads() == 1 || gate_w.len() < POOL_MIN_ELEMENTS || up_w.len() != gate_w.len() {
-        matmul_t(x, gate_w, rows, inner, gate);
-        matmul_t(x, up_w, rows, inner, up);
-        return silu_mul(gate, up);
+        k.matmul_t(x, gate_w, rows, inner, gate);
+        k.matmul_t(x, up_w, rows, inner, up);
+        return k.silu_mul(gate, up);
     }
-    let (parts, isa, width) = (pool.threads(), isa(), gate_w.len() / inner);
+    let (parts, t, width) = (pool.threads(), k.tuning, gate_w.len() / inner);
     let (gate, up) = (SharedOut::new(gate), SharedOut::new(up));
     pool.run(&|part| {
         let range = pool::share(width, parts, part, SHARE_ALIGN);
         for (w, out) in [(gate_w, gate), (up_w, up)] {
-            product_columns(isa, (x, rows, inner), w, out, range.clone());
+            product_columns(t, (x, rows, inner), w, out, range.clone());
         }
         for r in 0..rows {
             let at = r * width + range.start;
-            silu_mul_shared(gate.from(at), up.from(at), range.len());
+            silu_mul_shared(t.isa, gate.from(at), up.from(at), range.len());
         }
     });
 }
 
 /// [`silu_mul`] on the first `len` elements of two shared outputs, through chunks on the
 /// stack (the vector kernels need slices).
-fn silu_mul_shared(gate: SharedOut<'_>, up: SharedOut<'_>, len: usize) {
+fn silu_mul_shared(isa: Isa, gate: SharedOut<'_>, up: SharedOut<'_>, len: usize) {
     const CHUNK: usize = 64;
     let (mut g, mut u) = ([0f32; CHUNK], [0f32; CHUNK]);
     for start in (0..len).step_by(CHUNK) {
         let n = CHUNK.min(len - start);
         gate.from(start).get_all(&mut g[..n]);
         up.from(start).get_all(&mut u[..n]);
-        silu_mul(&mut g[..n], &u[..n]);
+        silu_mul_on(isa, &mut g[..n], &u[..n]);
         gate.set_all(start, &g[..n]);
     }
 }
@@ -263,7 +234,7 @@ fn silu_mul_shared(gate: SharedOut<'_>, up: SharedOut<'_>, len: usize) {
 /// steps of several rows ~10 % of their time on two threads).
 fn matmul_t_pooled(
     pool: &pool::Pool,
-    isa: Isa,
+    t: Tuning,
     (x, rows, inner): (&[f32], usize, usize),
     products: &mut [(Weight<'_>, &mut [f32])],
 ) {
@@ -274,7 +245,7 @@ fn matmul_t_pooled(
     pool.run(&|part| {
         for &(w, out) in &outs {
             let range = pool::share(w.len() / inner, parts, part, SHARE_ALIGN);
-            product_columns(isa, (x, rows, inner), w, out, range);
+            product_columns(t, (x, rows, inner), w, out, range);
         }
     });
 }
@@ -282,7 +253,7 @@ fn matmul_t_pooled(
 /// One thread's share of `out = x · wᵀ` (`out: [rows × outs]`): the weight rows `range`, into
 /// those columns of every row.
 fn product_columns(
-    isa: Isa,
+    t: Tuning,
     (x, rows, inner): (&[f32], usize, usize),
     w: Weight<'_>,
     out: SharedOut<'_>,
@@ -294,7 +265,7 @@ fn product_columns(
     };
     let w = w.slice(range.start * inner..range.end * inner);
     let out = out.from(range.start);
-    with_weight!(w, w => matmul_t_serial(isa, x, w, rows, inner, out, to));
+    with_weight!(w, w => matmul_t_serial(t, x, w, rows, inner, out, to));
 }
 
 /// An output that the decode threads write at disjoint elements (each its own columns of
@@ -371,7 +342,7 @@ struct OutLayout {
 /// (below). The grouping does not change any result: every (row, weight row) pair is computed
 /// the same way.
 fn matmul_t_serial<W: WeightElement>(
-    isa: Isa,
+    t: Tuning,
     x: &[f32],
     w: &[W],
     rows: usize,
@@ -381,17 +352,17 @@ fn matmul_t_serial<W: WeightElement>(
 ) {
     let (x86, other) = (X86_ROW_BLOCK, ROW_BLOCK);
     #[cfg(target_arch = "x86_64")]
-    if let (Isa::Avx512Bf16, Some(w)) = (isa, W::as_bf16(w)) {
-        // SAFETY: `isa()` returns Avx512Bf16 only after detecting AVX-512F, BW, VL and BF16,
-        // AVX2, FMA and F16C; `w` and `x` hold whole rows of `inner`.
-        return unsafe { avx512_bf16::sweep(x, w, inner, out, to) };
+    if let (Isa::Avx512Bf16, Some(w)) = (t.isa, W::as_bf16(w)) {
+        // SAFETY: a `Tuning` holds Avx512Bf16 only after `Kernels::new` checked the CPU has
+        // AVX-512F, BW, VL and BF16, AVX2, FMA and F16C; `w` and `x` hold whole rows of `inner`.
+        return unsafe { avx512_bf16::sweep(t.prefetch, x, w, inner, out, to) };
     }
-    match (isa, rows) {
+    match (t.isa, rows) {
         // AVX-512 has 32 registers: 6 rows × 4 weight rows of accumulators plus the weight and
         // input chunks fit. Fewer rows take 4 weight rows too: 1–2 rows × 8 weight rows, in
         // runs of groups, made the default model's 1-row step 11–23 % dearer on an AMD EPYC
         // Zen 4 (weights streaming from DRAM); one or two rows are bound by memory, not FMAs.
-        (Isa::Avx512 | Isa::Avx512Bf16, _) => sweep::<4, W>(isa, (x, x86), w, inner, out, to),
+        (Isa::Avx512 | Isa::Avx512Bf16, _) => sweep::<4, W>(t, (x, x86), w, inner, out, to),
         // AVX2's 16 registers hold at most 12 accumulators: 1–4 rows × 3 weight rows, and from
         // 5 rows on blocks of up to 6 rows × 2 weight rows. One or two rows are bound by
         // memory, and fewer weight streams were faster: on an AMD EPYC Zen 4 (forced AVX2,
@@ -400,10 +371,10 @@ fn matmul_t_serial<W: WeightElement>(
         // Splitting 5 rows as 3 + 2 rows × 3 weight rows left the 2-row block's 6 accumulators
         // waiting on FMA latency: on an AMD EPYC Zen 4 (forced AVX2) the default model's
         // 5-row step took 1.31–1.38 ms in one block against 1.46–1.55 ms in two.
-        (Isa::Avx2Fma, 1..=4) => sweep::<3, W>(isa, (x, x86), w, inner, out, to),
-        (Isa::Avx2Fma, _) => sweep::<2, W>(isa, (x, x86), w, inner, out, to),
-        (_, 1..=2) => sweep::<4, W>(isa, (x, other), w, inner, out, to),
-        _ => sweep::<2, W>(isa, (x, other), w, inner, out, to),
+        (Isa::Avx2Fma, 1..=4) => sweep::<3, W>(t, (x, x86), w, inner, out, to),
+        (Isa::Avx2Fma, _) => sweep::<2, W>(t, (x, x86), w, inner, out, to),
+        (_, 1..=2) => sweep::<4, W>(t, (x, other), w, inner, out, to),
+        _ => sweep::<2, W>(t, (x, other), w, inner, out, to),
     }
 }
 
@@ -414,7 +385,7 @@ fn matmul_t_serial<W: WeightElement>(
 /// them. On an AMD EPYC Zen 4, a call for each group made the default model's 3–5-row steps
 /// 10–14 % dearer than one run (AVX-512) and its 1–5-row steps 6–9 % (forced AVX2).
 fn sweep<const J: usize, W: WeightElement>(
-    isa: Isa,
+    t: Tuning,
     (x, block_rows): (&[f32], usize),
     w: &[W],
     inner: usize,
@@ -434,14 +405,14 @@ fn sweep<const J: usize, W: WeightElement>(
         let run_out = out.from(c * (run / inner) * to.col);
         for block in blocks.clone() {
             let xs = &x[block.start * inner..block.end * inner];
-            dots_dispatch::<J, W>(isa, xs, run_w, inner, run_out, to, block.start);
+            dots_dispatch::<J, W>(t, xs, run_w, inner, run_out, to, block.start);
         }
     }
     if grouped < w.len() {
         let rest_out = out.from(grouped / inner * to.col);
         for block in blocks {
             let xs = &x[block.start * inner..block.end * inner];
-            dots_dispatch::<1, W>(isa, xs, &w[grouped..], inner, rest_out, to, block.start);
+            dots_dispatch::<1, W>(t, xs, &w[grouped..], inner, rest_out, to, block.start);
         }
     }
 }
@@ -462,7 +433,7 @@ fn row_blocks(rows: usize, most: usize) -> impl Iterator<Item = std::ops::Range<
 /// every weight row of `w` (whole groups of `J`).
 #[inline(always)]
 fn dots_dispatch<const J: usize, W: WeightElement>(
-    isa: Isa,
+    t: Tuning,
     block: &[f32],
     w: &[W],
     inner: usize,
@@ -470,17 +441,17 @@ fn dots_dispatch<const J: usize, W: WeightElement>(
     to: OutLayout,
     first: usize,
 ) {
-    match isa {
+    let plan = t.prefetch;
+    match t.isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `isa()` returns Avx512 only after detecting AVX-512F, BW and VL, AVX2, FMA
-        // and F16C;
-        // `sweep` passes whole groups and whole rows.
+        // SAFETY: a `Tuning` holds Avx512 only after `Kernels::new` checked the CPU has
+        // AVX-512F, BW and VL, AVX2, FMA and F16C; `sweep` passes whole groups and whole rows.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-            avx512::dots::<J, W>(block, w, inner, out, to, first)
+            avx512::dots::<J, W>(block, w, inner, out, (to, plan), first)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2Fma => unsafe { avx2::dots::<J, W>(block, w, inner, out, to, first) },
+        Isa::Avx2Fma => unsafe { avx2::dots::<J, W>(block, w, inner, out, (to, plan), first) },
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => neon::dots::<J, W>(block, w, inner, out, to, first),
         _ => portable::dots::<J, W>(block, w, inner, out, to, first),
@@ -550,7 +521,7 @@ pub fn rope_row(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
 /// Numerically stable softmax, in place.
 #[inline(always)]
 pub fn softmax_in_place(x: &mut [f32]) {
-    match isa() {
+    match detected_isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
         i if i.has_avx2() => unsafe { avx2::softmax(x) },
@@ -562,7 +533,7 @@ pub fn softmax_in_place(x: &mut [f32]) {
 /// through the vector exp where there is one (a scalar exp over a 4096-token vocabulary per
 /// read-out row was 8 % of `spex generate`'s time). Decoding never depends on it.
 pub fn sum_exp(x: &[f32], shift: f32) -> f32 {
-    match isa() {
+    match detected_isa() {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
         i if i.has_avx2() => unsafe { avx2::sum_exp(x, shift) },
@@ -570,11 +541,18 @@ pub fn sum_exp(x: &[f32], shift: f32) -> f32 {
     }
 }
 
-/// SiLU(gate) · up, element-wise, into `gate`.
+/// SiLU(gate) · up, element-wise, into `gate` (the CPU's best instruction set; a model's
+/// `Kernels::silu_mul` runs its own).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    match isa() {
+    silu_mul_on(detected_isa(), gate, up);
+}
+
+/// [`silu_mul`] with the kernels of `isa`, which the CPU must run.
+fn silu_mul_on(isa: Isa, gate: &mut [f32], up: &[f32]) {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `has_avx2` holds only after AVX2 and FMA were detected at run time.
+        // SAFETY: `isa` is the detected ISA or one `Isa::checked` let through: with AVX2 the
+        // CPU has FMA.
         i if i.has_avx2() => unsafe { avx2::silu_mul(gate, up) },
         _ => {
             for (g, u) in gate.iter_mut().zip(up) {

@@ -6,11 +6,11 @@
 //! decoding) runs its job alone, with the same results: every job splits work by output
 //! element, and each element is computed the same way wherever it runs.
 //!
-//! Used by `kernels::matmul_t` and the f16 proposal head; configured once per process with
-//! [`set_threads`] before anything decodes.
+//! Each host model's `Kernels` owns one pool, sized when the model loads (`--threads`), and
+//! its matmuls, attention and f16 proposal head run on it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
+use std::sync::{Arc, Condvar, Mutex, TryLockError};
 use std::thread::JoinHandle;
 
 /// Spins of an idle worker before it parks (tens of microseconds: longer than the gaps
@@ -236,31 +236,6 @@ fn work(s: &Shared, part: usize) {
             s.panicked.store(true, Ordering::SeqCst);
         }
         s.done.fetch_add(1, Ordering::Release);
-    }
-}
-
-/// The process's pool, sized by [`set_threads`] (1 thread if nobody set it).
-static POOL: OnceLock<Pool> = OnceLock::new();
-
-/// The decode threads of this process.
-pub fn pool() -> &'static Pool {
-    POOL.get_or_init(|| Pool::new(1).expect("a one-thread pool starts no thread: this is a bug"))
-}
-
-/// Makes decode steps use `threads` threads (the caller's and `threads − 1` workers). Call it
-/// before anything decodes: an error if the pool already has another size.
-pub fn set_threads(threads: usize) -> Result<(), String> {
-    if threads == 0 {
-        return Err("must be at least 1".into());
-    }
-    let wanted = Pool::new(threads).map_err(|e| format!("cannot start the threads: {e}"))?;
-    match POOL.set(wanted) {
-        Ok(()) => Ok(()),
-        Err(_) if pool().threads() == threads => Ok(()),
-        Err(_) => Err(format!(
-            "the decode threads are already set to {}",
-            pool().threads()
-        )),
     }
 }
 

@@ -1,7 +1,8 @@
 //! How far ahead the kernels that stream weights prefetch them: the x86 matmuls (`avx2`,
-//! `avx512`) and the f16 LM head (`f16`). A process runs one [`Prefetch`] plan, forced by
-//! `--prefetch` ([`force`]) or chosen by timing every candidate on the first model's own
-//! decode steps when it loads ([`choose_once`], called by `model::backend`).
+//! `avx512`, `avx512_bf16`), the f16 LM head (`f16`) and the attention's K/V rows. Each host
+//! model's `Kernels` carries one [`Prefetch`] plan, forced (`--prefetch`) or chosen by timing
+//! every candidate on the model's own decode steps when it loads ([`choose`], called by
+//! `model::timing`).
 //!
 //! Why measured and not fixed: where a step's weights come from differs between machines, and
 //! so does the best plan. On an AMD EPYC Zen 5 (32 MB L3) the default model's weights stay in
@@ -13,8 +14,6 @@
 //! -- --only rows`, both plans alternating; `spex bench` prints the timings it chose by).
 //! A plan changes no result: prefetches only move data between caches.
 
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// A prefetch plan: every weight stream is prefetched `near_bytes` ahead into L1 and, where
@@ -39,7 +38,7 @@ impl Prefetch {
         near_bytes: 8 << 10,
         far_bytes: 64 << 10,
     };
-    /// The plans [`choose_once`] times, the first the default.
+    /// The plans [`choose`] times, the first the default.
     pub const CANDIDATES: [Self; 2] = [Self::L1, Self::L2];
 
     /// Its name for `--prefetch` and reports.
@@ -52,12 +51,7 @@ impl Prefetch {
     }
 }
 
-/// The plan in use, as two distances the kernels read on every call (a relaxed load is a
-/// plain move); the default until [`set`] runs.
-static NEAR_BYTES: AtomicUsize = AtomicUsize::new(Prefetch::L1.near_bytes);
-static FAR_BYTES: AtomicUsize = AtomicUsize::new(Prefetch::L1.far_bytes);
-
-/// How the process's plan was fixed: forced, or chosen by timing, with the timings.
+/// How a model's plan was fixed: forced, or chosen by timing, with the timings.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Choice {
     Forced(Prefetch),
@@ -92,51 +86,23 @@ impl Trial {
     }
 }
 
-static CHOICE: OnceLock<Choice> = OnceLock::new();
-
-fn set(plan: Prefetch) {
-    NEAR_BYTES.store(plan.near_bytes, Ordering::Relaxed);
-    FAR_BYTES.store(plan.far_bytes, Ordering::Relaxed);
-}
-
-/// Fixes the plan for this process (`--prefetch`): an error if a different one was already
-/// fixed, by an earlier call or by timing.
-pub fn force(plan: Prefetch) -> Result<(), String> {
-    match CHOICE.get_or_init(|| Choice::Forced(plan)) {
-        Choice::Forced(p) if *p == plan => {
-            set(plan);
-            Ok(())
-        }
-        other => Err(format!("the prefetch plan was already fixed ({other:?})")),
-    }
-}
-
-/// How the plan was fixed, if it has been.
-pub fn choice() -> Option<&'static Choice> {
-    CHOICE.get()
-}
-
-/// Fixes the plan, the first time it is called in a process and nothing forced one, by timing
-/// each candidate with `measure` (its median one-row and R-row step compute, the candidates
-/// taking turns inside it) and keeping the cheapest by `Trial::cost`. Later calls return
-/// the first choice. `measure` runs with each candidate in use and must not decode anything
-/// of the caller's. Where the kernels prefetch nothing (the portable loops, NEON) nothing is
-/// timed: the default stands, with no trials.
-pub fn choose_once<E>(
+/// The plan of the candidates' trials: each timed with `measure` (its median one-row and
+/// R-row step compute, the candidates taking turns inside it, in the order of
+/// [`Prefetch::CANDIDATES`]), the cheapest by `Trial::cost` kept. Where the kernels of `isa`
+/// prefetch nothing (the portable loops, NEON) nothing is timed: the default stands, with no
+/// trials.
+pub fn choose<E>(
+    isa: super::Isa,
     passes: usize,
-    measure: impl FnOnce(&mut dyn FnMut(Prefetch)) -> Result<Vec<(Duration, Duration)>, E>,
-) -> Result<&'static Choice, E> {
-    if let Some(choice) = CHOICE.get() {
-        return Ok(choice);
-    }
-    if !super::isa().has_avx2() {
-        return Ok(CHOICE.get_or_init(|| Choice::Measured {
+    measure: impl FnOnce(&[Prefetch]) -> Result<Vec<(Duration, Duration)>, E>,
+) -> Result<Choice, E> {
+    if !isa.has_avx2() {
+        return Ok(Choice::Measured {
             chosen: Prefetch::L1,
             trials: Vec::new(),
-        }));
+        });
     }
-    let mut apply = set;
-    let times = measure(&mut apply)?;
+    let times = measure(&Prefetch::CANDIDATES)?;
     let trials: Vec<Trial> = (Prefetch::CANDIDATES.iter())
         .zip(times)
         .map(|(&plan, (one_row, many_rows))| Trial {
@@ -146,10 +112,7 @@ pub fn choose_once<E>(
         })
         .collect();
     let chosen = cheapest(&trials, passes);
-    // A caller on another thread may have fixed it meanwhile: its choice stands.
-    let choice = CHOICE.get_or_init(|| Choice::Measured { chosen, trials });
-    set(choice.plan());
-    Ok(choice)
+    Ok(Choice::Measured { chosen, trials })
 }
 
 /// How much cheaper than a plan that also prefetches into L2 one that does not must time to be
@@ -172,23 +135,27 @@ fn cheapest(trials: &[Trial], passes: usize) -> Prefetch {
         .map_or(Prefetch::L1, |t| t.plan)
 }
 
-/// The near distance in elements of `bytes_per_element`, at least `least` (a matmul's next
-/// group of weight rows).
-#[cfg(target_arch = "x86_64")]
-pub(super) fn near(bytes_per_element: usize, least: usize) -> usize {
-    (NEAR_BYTES.load(Ordering::Relaxed) / bytes_per_element).max(least)
-}
+impl Prefetch {
+    /// The near distance in elements of `bytes_per_element`, at least `least` (a matmul's
+    /// next group of weight rows).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn near(self, bytes_per_element: usize, least: usize) -> usize {
+        (self.near_bytes / bytes_per_element).max(least)
+    }
 
-/// The far distance in elements of `bytes_per_element`; zero for none.
-#[cfg(target_arch = "x86_64")]
-pub(super) fn far(bytes_per_element: usize) -> usize {
-    FAR_BYTES.load(Ordering::Relaxed) / bytes_per_element
-}
+    /// The far distance in elements of `bytes_per_element`; zero for none.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn far(self, bytes_per_element: usize) -> usize {
+        self.far_bytes / bytes_per_element
+    }
 
-/// Whether the plan prefetches into L2 (the weights come from DRAM, and so, between a
-/// layer's steps, do the attention's K/V rows: `attention` then prefetches them too).
-pub(super) fn far_enabled() -> bool {
-    FAR_BYTES.load(Ordering::Relaxed) > 0
+    /// Whether the plan prefetches into L2 (the weights come from DRAM, and so, between a
+    /// layer's steps, do the attention's K/V rows: `attention` then prefetches them too).
+    pub(super) fn far_enabled(self) -> bool {
+        self.far_bytes > 0
+    }
 }
 
 /// Prefetches `elements` into L2 (each cache line once); nothing off x86.
@@ -250,14 +217,13 @@ mod tests {
             .map(|i| (i % 29) as f32 / 29.0 - 0.5)
             .collect();
         let product = |plan: Prefetch| {
-            set(plan);
+            let kernels = super::super::Kernels::single_threaded().with_prefetch(plan);
             let mut out = vec![0f32; rows * outs];
-            super::super::matmul_t(&x, (&w).into(), rows, inner, &mut out);
+            kernels.matmul_t(&x, (&w).into(), rows, inner, &mut out);
             out
         };
         let l1 = product(Prefetch::L1);
         let l2 = product(Prefetch::L2);
-        set(choice().map_or(Prefetch::L1, Choice::plan));
         assert!(l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }

@@ -10,6 +10,25 @@ pub(super) fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
 }
 
+/// The CPU's best kernels on `threads` threads.
+fn with_threads(threads: usize) -> Kernels {
+    Kernels::new(KernelOptions {
+        threads: Some(threads),
+        ..KernelOptions::default()
+    })
+    .expect("threads")
+}
+
+/// `isa`, which the tests run only where the CPU has it, with the default prefetch plan.
+impl From<Isa> for Tuning {
+    fn from(isa: Isa) -> Self {
+        Tuning {
+            isa,
+            prefetch: Prefetch::L1,
+        }
+    }
+}
+
 fn transposed(rows: usize) -> OutLayout {
     OutLayout { col: rows, row: 1 }
 }
@@ -17,16 +36,16 @@ fn transposed(rows: usize) -> OutLayout {
 /// The instruction sets this CPU can run, the detected one last.
 pub(super) fn supported_isas() -> Vec<Isa> {
     let mut isas = vec![Isa::Portable];
-    if isa().has_avx2() {
+    if detected_isa().has_avx2() {
         isas.push(Isa::Avx2Fma);
     }
-    if isa().has_avx512() {
+    if detected_isa().has_avx512() {
         isas.push(Isa::Avx512);
     }
-    if isa() == Isa::Avx512Bf16 {
+    if detected_isa() == Isa::Avx512Bf16 {
         isas.push(Isa::Avx512Bf16);
     }
-    if isa() == Isa::Neon {
+    if detected_isa() == Isa::Neon {
         isas.push(Isa::Neon);
     }
     isas
@@ -39,10 +58,10 @@ fn matmul_is_row_invariant() {
     let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
     let x: Vec<f32> = (0..6 * inner).map(|_| lcg(&mut seed)).collect();
     let mut all = vec![0f32; 6 * outs];
-    matmul_t(&x, (&w).into(), 6, inner, &mut all);
+    Kernels::single_threaded().matmul_t(&x, (&w).into(), 6, inner, &mut all);
     for m in 0..6 {
         let mut one = vec![0f32; outs];
-        matmul_t(
+        Kernels::single_threaded().matmul_t(
             &x[m * inner..(m + 1) * inner],
             (&w).into(),
             1,
@@ -64,7 +83,7 @@ fn every_isa_is_row_invariant_on_tails_and_odd_groups() {
         for isa in supported_isas() {
             let mut all = vec![0f32; 13 * outs];
             matmul_t_serial(
-                isa,
+                Tuning::from(isa),
                 &x,
                 &w,
                 13,
@@ -76,7 +95,7 @@ fn every_isa_is_row_invariant_on_tails_and_odd_groups() {
                 let mut some = vec![0f32; rows * outs];
                 let to = transposed(rows);
                 matmul_t_serial(
-                    isa,
+                    Tuning::from(isa),
                     &x[..rows * inner],
                     &w,
                     rows,
@@ -110,7 +129,7 @@ fn matmul_matches_candle_on_odd_shapes() {
         let w: Vec<f32> = (0..outs * inner).map(|_| lcg(&mut seed)).collect();
         let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
         let mut out = vec![0f32; rows * outs];
-        matmul_t(&x, (&w).into(), rows, inner, &mut out);
+        Kernels::single_threaded().matmul_t(&x, (&w).into(), rows, inner, &mut out);
         let xt = Tensor::from_slice(&x, (rows, inner), &Device::Cpu).unwrap();
         let wt = Tensor::from_slice(&w, (outs, inner), &Device::Cpu).unwrap();
         let expect: Vec<f32> = xt
@@ -137,7 +156,7 @@ fn every_isa_agrees_closely_with_portable() {
     let x: Vec<f32> = (0..3 * inner).map(|_| lcg(&mut seed)).collect();
     let mut a = vec![0f32; 3 * outs];
     matmul_t_serial(
-        Isa::Portable,
+        Tuning::from(Isa::Portable),
         &x,
         &w,
         3,
@@ -147,7 +166,15 @@ fn every_isa_agrees_closely_with_portable() {
     );
     for isa in supported_isas() {
         let mut b = vec![0f32; 3 * outs];
-        matmul_t_serial(isa, &x, &w, 3, inner, SharedOut::new(&mut b), transposed(3));
+        matmul_t_serial(
+            Tuning::from(isa),
+            &x,
+            &w,
+            3,
+            inner,
+            SharedOut::new(&mut b),
+            transposed(3),
+        );
         for (p, q) in a.iter().zip(&b) {
             assert!((p - q).abs() < 1e-4, "{isa:?}: {p} vs {q}");
         }
@@ -178,7 +205,7 @@ fn attention_kernels_agree_closely_with_the_portable_loops() {
                 let cache = (&keys[..], &values[..]);
                 let mut scores = Vec::new();
                 attention::attend_group_on(
-                    Isa::Portable,
+                    Tuning::from(Isa::Portable),
                     &query,
                     cache,
                     (shape, 0..heads),
@@ -263,7 +290,7 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
     let cache = (&keys_e[..], &values_e[..]);
     let all_heads = (shape, 0..heads);
     attention::attend_group_on(
-        isa,
+        Tuning::from(isa),
         &queries,
         cache,
         all_heads.clone(),
@@ -289,7 +316,7 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
     };
     let mut by_head = vec![0f32; group.len()];
     attention::attend_group_on(
-        isa,
+        Tuning::from(isa),
         &queries,
         view,
         all_heads,
@@ -305,7 +332,14 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
     for h in 0..heads {
         let mut one = vec![0f32; rows.len() * head_dim];
         let head = (shape, h..h + 1);
-        attention::attend_group_on(isa, &queries, cache, head, &mut one, &mut Vec::new());
+        attention::attend_group_on(
+            Tuning::from(isa),
+            &queries,
+            cache,
+            head,
+            &mut one,
+            &mut Vec::new(),
+        );
         for (n, o) in one.chunks_exact(head_dim).enumerate() {
             let whole = &group[n * q_dim + h * head_dim..][..head_dim];
             assert_eq!(o, whole, "{isa:?} {shape:?} row {n} head {h}");
@@ -328,7 +362,7 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
         let mut out = vec![0f32; q_dim];
         let cache = (&narrowed::<E>(&k)[..], &narrowed::<E>(&v)[..]);
         attention::attend_group_on(
-            isa,
+            Tuning::from(isa),
             &alone,
             cache,
             all_heads_of(shape),
@@ -376,7 +410,7 @@ fn an_f16_cache_attends_as_its_values_in_f32_bit_for_bit() {
             let (k16, v16) = (narrowed::<half::f16>(&keys), narrowed::<half::f16>(&values));
             let heads = all_heads_of(shape);
             attention::attend_group_on(
-                isa,
+                Tuning::from(isa),
                 &query,
                 f32_cache,
                 heads.clone(),
@@ -384,7 +418,7 @@ fn an_f16_cache_attends_as_its_values_in_f32_bit_for_bit() {
                 &mut Vec::new(),
             );
             attention::attend_group_on(
-                isa,
+                Tuning::from(isa),
                 &query,
                 (&k16[..], &v16[..]),
                 heads,
@@ -429,7 +463,12 @@ fn products_split_across_threads_are_the_serial_ones_bit_for_bit() {
             let mut pairs: Vec<(Weight<'_>, &mut [f32])> = (ws.iter().map(Weight::from))
                 .zip(outs.iter_mut().map(Vec::as_mut_slice))
                 .collect();
-            matmul_t_pooled(&pool, isa(), (&x, rows, inner), &mut pairs);
+            matmul_t_pooled(
+                &pool,
+                Tuning::from(detected_isa()),
+                (&x, rows, inner),
+                &mut pairs,
+            );
             for (w, got) in ws.iter().zip(&outs) {
                 let outs_n = w.len() / inner;
                 let mut want = vec![0f32; rows * outs_n];
@@ -437,7 +476,15 @@ fn products_split_across_threads_are_the_serial_ones_bit_for_bit() {
                     col: 1,
                     row: outs_n,
                 };
-                matmul_t_serial(isa(), &x, w, rows, inner, SharedOut::new(&mut want), to);
+                matmul_t_serial(
+                    Tuning::from(detected_isa()),
+                    &x,
+                    w,
+                    rows,
+                    inner,
+                    SharedOut::new(&mut want),
+                    to,
+                );
                 assert_eq!(
                     got, &want,
                     "{threads} threads, {rows} rows, {outs_n} outputs"
@@ -457,10 +504,10 @@ fn the_gated_mlp_split_across_threads_is_the_serial_one_bit_for_bit() {
         for rows in 1..=5 {
             let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed) * 4.0).collect();
             let run = |threads: usize| {
-                let pool = pool::Pool::new(threads).expect("threads");
+                let kernels = with_threads(threads);
                 let (mut gate, mut up) = (vec![0f32; rows * outs], vec![0f32; rows * outs]);
                 gated_t_on(
-                    &pool,
+                    &kernels,
                     (&x, rows, inner),
                     ((&gate_w).into(), (&up_w).into()),
                     (&mut gate, &mut up),
@@ -472,7 +519,7 @@ fn the_gated_mlp_split_across_threads_is_the_serial_one_bit_for_bit() {
             let mut up = vec![0f32; rows * outs];
             let to = OutLayout { col: 1, row: outs };
             matmul_t_serial(
-                isa(),
+                Tuning::from(detected_isa()),
                 &x,
                 &gate_w,
                 rows,
@@ -480,7 +527,15 @@ fn the_gated_mlp_split_across_threads_is_the_serial_one_bit_for_bit() {
                 SharedOut::new(&mut want),
                 to,
             );
-            matmul_t_serial(isa(), &x, &up_w, rows, inner, SharedOut::new(&mut up), to);
+            matmul_t_serial(
+                Tuning::from(detected_isa()),
+                &x,
+                &up_w,
+                rows,
+                inner,
+                SharedOut::new(&mut up),
+                to,
+            );
             silu_mul(&mut want, &up);
             assert_eq!(serial, want, "one thread is matmuls then silu_mul");
             for threads in [2, 3] {
@@ -503,11 +558,10 @@ fn the_f16_head_split_across_threads_is_the_serial_one_bit_for_bit() {
     for rows in 1..=5 {
         let x: Vec<f32> = (0..rows * inner).map(|_| lcg(&mut seed)).collect();
         let mut serial = vec![0f32; rows * outs];
-        packed.matmul_on(&pool::Pool::new(1).expect("a pool"), &x, rows, &mut serial);
+        packed.matmul(&with_threads(1), &x, rows, &mut serial);
         for threads in [2, 3] {
             let mut split = vec![0f32; rows * outs];
-            let pool = pool::Pool::new(threads).expect("threads");
-            packed.matmul_on(&pool, &x, rows, &mut split);
+            packed.matmul(&with_threads(threads), &x, rows, &mut split);
             assert_eq!(split, serial, "{threads} threads, {rows} rows");
         }
     }

@@ -32,9 +32,9 @@ fn stored_bf16_and_f16_weights_give_the_bits_of_their_f32_widening() {
                     let (mut got, mut want) = (vec![0f32; rows * outs], vec![0f32; rows * outs]);
                     let (xs, to) = (&x[..rows * inner], OutLayout { col: 1, row: outs });
                     let out = SharedOut::new(&mut got);
-                    with_weight!(w, w => matmul_t_serial(isa, xs, w, rows, inner, out, to));
+                    with_weight!(w, w => matmul_t_serial(Tuning::from(isa), xs, w, rows, inner, out, to));
                     let out = SharedOut::new(&mut want);
-                    matmul_t_serial(isa, xs, wide, rows, inner, out, to);
+                    matmul_t_serial(Tuning::from(isa), xs, wide, rows, inner, out, to);
                     assert_eq!(got, want, "{isa:?} {inner} {rows} {}", w.element_bytes());
                 }
             }
@@ -43,14 +43,19 @@ fn stored_bf16_and_f16_weights_give_the_bits_of_their_f32_widening() {
             let pool = pool::Pool::new(threads).expect("threads");
             let (mut got, mut want) = (vec![0f32; 5 * outs], vec![0f32; 5 * outs]);
             let xs = (&x[..5 * inner], 5, inner);
-            let widening = match isa() {
+            let widening = match detected_isa() {
                 Isa::Avx512Bf16 => Isa::Avx512,
                 other => other,
             };
-            matmul_t_pooled(&pool, widening, xs, &mut [(Weight::from(&b[..]), &mut got)]);
             matmul_t_pooled(
                 &pool,
-                widening,
+                Tuning::from(widening),
+                xs,
+                &mut [(Weight::from(&b[..]), &mut got)],
+            );
+            matmul_t_pooled(
+                &pool,
+                Tuning::from(widening),
                 xs,
                 &mut [(Weight::from(&b_wide), &mut want)],
             );
@@ -65,7 +70,7 @@ fn stored_bf16_and_f16_weights_give_the_bits_of_their_f32_widening() {
 #[test]
 fn bf16_products_are_row_invariant_and_close_to_the_rounded_product() {
     use half::bf16;
-    if isa() != Isa::Avx512Bf16 {
+    if detected_isa() != Isa::Avx512Bf16 {
         return; // this CPU has no AVX-512 BF16.
     }
     let mut seed = 31;
@@ -78,7 +83,7 @@ fn bf16_products_are_row_invariant_and_close_to_the_rounded_product() {
             let mut out = vec![0f32; rows * outs];
             let to = OutLayout { col: 1, row: outs };
             let (xs, sh) = (&x[..rows * inner], SharedOut::new(&mut out));
-            matmul_t_serial(Isa::Avx512Bf16, xs, &w, rows, inner, sh, to);
+            matmul_t_serial(Tuning::from(Isa::Avx512Bf16), xs, &w, rows, inner, sh, to);
             out
         };
         let all = product(13);
@@ -107,7 +112,7 @@ fn bf16_products_are_row_invariant_and_close_to_the_rounded_product() {
         let mut split = vec![0f32; 13 * outs];
         matmul_t_pooled(
             &pool,
-            Isa::Avx512Bf16,
+            Tuning::from(Isa::Avx512Bf16),
             (&x, 13, inner),
             &mut [((&w[..]).into(), &mut split)],
         );

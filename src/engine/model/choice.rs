@@ -13,7 +13,7 @@ use super::timing::{self, StepTimes};
 use super::{KvDtype, LoadOptions, LoopedModel, Weights};
 use crate::engine::config::OuroConfig;
 use crate::engine::error::Result;
-use crate::engine::kernels::{self, Isa, prefetch};
+use crate::engine::kernels::{Isa, Kernels, prefetch};
 
 /// The backend a model was loaded with: chosen once, from its device and dtype.
 #[derive(Debug, Clone)]
@@ -26,8 +26,8 @@ pub enum Backend {
 
 impl Backend {
     /// The host kernels on the CPU in f32, bf16 or f16, reading the weights in that type (copied
-    /// to aligned huge pages first; the first in a process also fixes the kernels' prefetch
-    /// plan by timing its steps); candle ops on other devices, and on the CPU where `options`
+    /// to aligned huge pages first; unless `options` fix the prefetch plan, it is chosen by
+    /// timing the model's steps); candle ops on other devices, and on the CPU where `options`
     /// ask for them (the GPU path's CPU twin).
     pub fn for_weights(
         config: OuroConfig,
@@ -50,8 +50,8 @@ impl Backend {
     }
 
     /// The host kernels over weights already laid out for them (`Weights::aligned_for_host`,
-    /// or read straight into an arena); the first in a process also fixes the kernels'
-    /// prefetch plan by timing its steps.
+    /// or read straight into an arena); unless `options` fix the prefetch plan, it is chosen
+    /// by timing the model's steps.
     pub fn host(
         config: OuroConfig,
         weights: Weights,
@@ -60,7 +60,13 @@ impl Backend {
     ) -> Result<Self> {
         let model = LoopedModel::new(config, weights, Device::Cpu, dtype)?;
         let host = HostBackend::new(Arc::new(model), options)?;
-        super::timing::choose_prefetch(&host)?;
+        let host = match options.kernels.prefetch {
+            Some(_) => host,
+            None => {
+                let choice = timing::choose_prefetch(&host)?;
+                host.with_prefetch_choice(choice)
+            }
+        };
         Ok(Self::Host(Arc::new(host)))
     }
 
@@ -80,16 +86,24 @@ impl Backend {
         }
     }
 
+    /// The host kernels, where they decode.
+    pub fn kernels(&self) -> Option<&Kernels> {
+        match self {
+            Self::Host(b) => Some(b.kernels()),
+            Self::Device(_) => None,
+        }
+    }
+
     /// What the backend is, for reports.
     pub fn info(&self) -> BackendInfo {
         match self {
             Self::Host(b) => BackendInfo {
                 name: self.name(),
                 host: Some(HostInfo {
-                    isa: kernels::isa(),
-                    threads: kernels::pool::pool().threads(),
+                    isa: b.kernels().isa(),
+                    threads: b.kernels().pool().threads(),
                     kv_dtype: b.options().kv_dtype,
-                    prefetch: prefetch::choice(),
+                    prefetch: b.prefetch_choice().cloned(),
                 }),
                 step_rows: None,
             },
@@ -124,7 +138,7 @@ impl Backend {
 }
 
 /// What decodes a model, as reports show it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct BackendInfo {
     /// "host kernels" or "candle ops".
     pub name: &'static str,
@@ -135,11 +149,11 @@ pub struct BackendInfo {
 }
 
 /// The host kernels' settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct HostInfo {
     pub isa: Isa,
     pub threads: usize,
     pub kv_dtype: KvDtype,
     /// The prefetch plan and, where it was timed, each candidate's steps.
-    pub prefetch: Option<&'static prefetch::Choice>,
+    pub prefetch: Option<prefetch::Choice>,
 }

@@ -9,10 +9,8 @@
 //! recomputed with the f32 kernel (the same arithmetic the f32 head uses for that pair), which
 //! makes the argmax exactly the f32 head's, ties included. Called by `model::host` only.
 
-use crate::engine::kernels::{
-    self,
-    f16::{self, PackedF16},
-};
+use crate::engine::kernels::Kernels;
+use crate::engine::kernels::f16::{self, PackedF16};
 
 /// The LM head in f16, with what its error bound needs.
 #[derive(Debug, Clone)]
@@ -28,8 +26,8 @@ impl HalfHead {
     /// An f16 copy of `lm_head` (`[vocab × inner]`), or `None` where it would not be faster
     /// (no vectorised f16 kernel on this CPU) or not faithful (a weight outside f16's range,
     /// or not finite).
-    pub fn new(lm_head: &[f32], inner: usize) -> Option<Self> {
-        if !f16::fast() || lm_head.iter().any(|w| !w.is_finite() || w.abs() > 65504.0) {
+    pub fn new(lm_head: &[f32], inner: usize, kernels: &Kernels) -> Option<Self> {
+        if !f16::fast(kernels) || lm_head.iter().any(|w| !w.is_finite() || w.abs() > 65504.0) {
             return None;
         }
         let max_row_norm = lm_head
@@ -69,27 +67,33 @@ impl HalfHead {
     /// Logits for the rows of `x` (`[rows × inner]`); rows with `exact[m]` are screened against
     /// `f32_head` so that their argmax is the f32 head's. The buffer is a recycled one
     /// (`host_buffers`): the product writes every logit.
-    pub fn readouts(&self, x: &[f32], exact: &[bool], f32_head: &[f32]) -> Vec<f32> {
+    pub fn readouts(
+        &self,
+        kernels: &Kernels,
+        x: &[f32],
+        exact: &[bool],
+        f32_head: &[f32],
+    ) -> Vec<f32> {
         let (rows, vocab) = (exact.len(), self.vocab);
         let mut out = super::host_buffers::take(rows * vocab);
-        self.weights.matmul(x, rows, &mut out);
+        self.weights.matmul(kernels, x, rows, &mut out);
         for ((xr, logits), _) in x
             .chunks_exact(self.inner)
             .zip(out.chunks_exact_mut(vocab))
             .zip(exact)
             .filter(|(_, e)| **e)
         {
-            self.screen(xr, logits, f32_head);
+            self.screen(kernels, xr, logits, f32_head);
         }
         out
     }
 
     /// Recomputes with the f32 head every logit that could be the f32 argmax.
-    fn screen(&self, x: &[f32], logits: &mut [f32], f32_head: &[f32]) {
+    fn screen(&self, kernels: &Kernels, x: &[f32], logits: &mut [f32], f32_head: &[f32]) {
         let inner = self.inner;
         let bound = self.error_bound(x);
         if !bound.is_finite() || logits.iter().any(|l| !l.is_finite()) {
-            kernels::matmul_t(x, f32_head.into(), 1, inner, logits);
+            kernels.matmul_t(x, f32_head.into(), 1, inner, logits);
             return;
         }
         let top = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -97,7 +101,7 @@ impl HalfHead {
         for (j, l) in logits.iter_mut().enumerate() {
             if f64::from(*l) >= floor {
                 let row = &f32_head[j * inner..(j + 1) * inner];
-                kernels::matmul_t(x, row.into(), 1, inner, std::slice::from_mut(l));
+                kernels.matmul_t(x, row.into(), 1, inner, std::slice::from_mut(l));
             }
         }
     }
@@ -132,15 +136,16 @@ mod tests {
             b[..inner].copy_from_slice(&a[j * inner..]);
             b[5] = f32::from_bits(b[5].to_bits() ^ 1);
         }
-        let Some(half) = HalfHead::new(&head, inner) else {
+        let kernels = Kernels::single_threaded();
+        let Some(half) = HalfHead::new(&head, inner, &kernels) else {
             return; // no AVX-512 here: the f32 head is used and nothing is screened.
         };
         for rows in 1..=5 {
             let x = normal(&mut rng, rows * inner, 3.0);
             let mut exact = vec![0f32; rows * vocab];
-            kernels::matmul_t(&x, (&head).into(), rows, inner, &mut exact);
-            let proposals = half.readouts(&x, &vec![false; rows], &head);
-            let commits = half.readouts(&x, &vec![true; rows], &head);
+            kernels.matmul_t(&x, (&head).into(), rows, inner, &mut exact);
+            let proposals = half.readouts(&kernels, &x, &vec![false; rows], &head);
+            let commits = half.readouts(&kernels, &x, &vec![true; rows], &head);
             for m in 0..rows {
                 let r = m * vocab..(m + 1) * vocab;
                 let bound = half.error_bound(&x[m * inner..(m + 1) * inner]);

@@ -14,7 +14,8 @@ use super::host_buffers;
 use super::host_kv::{HostKv, KvBuffers};
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::{self, KvElement, SubnormalsFlushed, Weight};
+use crate::engine::kernels::prefetch::{Choice, Prefetch};
+use crate::engine::kernels::{self, Kernels, KvElement, SubnormalsFlushed, Weight};
 use crate::engine::kv_cache::KvCache;
 
 /// A read view of a contiguous CPU tensor's elements as stored.
@@ -107,11 +108,15 @@ impl HostRows {
 pub const HOST_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
 /// spex's kernels on CPU weights as stored, with the f16 proposal head where it is faster.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct HostBackend {
     model: Arc<LoopedModel>,
-    half_head: Option<HalfHead>,
+    half_head: Option<Arc<HalfHead>>,
     options: LoadOptions,
+    /// The model's own kernels: instruction set, prefetch plan, decode threads.
+    kernels: Kernels,
+    /// How the prefetch plan was fixed, where the loader fixed it.
+    prefetch_choice: Option<Choice>,
 }
 
 impl HostBackend {
@@ -125,15 +130,18 @@ impl HostBackend {
                 model.device, model.dtype
             )));
         }
+        let kernels = Kernels::new(options.kernels).map_err(EngineError::Invalid)?;
         let half_head = if options.f32_proposals || model.dtype != DType::F32 {
             None
         } else {
             let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
-            HalfHead::new(&head, model.config.hidden_size)
+            HalfHead::new(&head, model.config.hidden_size, &kernels).map(Arc::new)
         };
         Ok(Self {
             model,
             half_head,
+            kernels,
+            prefetch_choice: options.kernels.prefetch.map(Choice::Forced),
             options,
         })
     }
@@ -150,6 +158,33 @@ impl HostBackend {
 
     /// Whether proposal readouts go through the f16 head (built where it is faster and
     /// faithful, and the options did not ask for f32 proposals).
+    /// The same model on the same threads with prefetch plan `plan` (the loader times each).
+    pub fn with_prefetch(&self, plan: Prefetch) -> Self {
+        Self {
+            kernels: self.kernels.with_prefetch(plan),
+            ..self.clone()
+        }
+    }
+
+    /// The model with the prefetch plan `choice` fixed.
+    pub fn with_prefetch_choice(self, choice: Choice) -> Self {
+        Self {
+            kernels: self.kernels.with_prefetch(choice.plan()),
+            prefetch_choice: Some(choice),
+            ..self
+        }
+    }
+
+    /// Its kernels.
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    /// How its prefetch plan was fixed (forced, or timed with the trials).
+    pub fn prefetch_choice(&self) -> Option<&Choice> {
+        self.prefetch_choice.as_ref()
+    }
+
     pub fn has_half_head(&self) -> bool {
         self.half_head.is_some()
     }
@@ -177,7 +212,7 @@ impl HostBackend {
         let mut pairs: Vec<(Weight<'_>, &mut [f32])> = (products.into_iter())
             .zip(outs.iter_mut().map(Vec::as_mut_slice))
             .collect();
-        kernels::matmuls_t(&x.data, x.rows, inner, &mut pairs);
+        self.kernels.matmuls_t(&x.data, x.rows, inner, &mut pairs);
         let mut outs = outs.into_iter();
         Ok(std::array::from_fn(|_| HostRows {
             data: outs.next().expect("one output per weight: this is a bug"),
@@ -201,7 +236,7 @@ impl HostBackend {
     ) {
         let (q_dim, kv_dim) = (q.len() / slots.len(), k.len() / slots.len());
         let (shape, groups) = (self.model.attn_shape(), pass_groups(slots));
-        let pool = kernels::pool::pool();
+        let pool = self.kernels.pool();
         let parts = pool.threads();
         let splits = if groups.len() % parts == 0 {
             1
@@ -230,7 +265,13 @@ impl HostBackend {
                 let cache = store.pass(layer, slots[group[0]].pass, cached);
                 item_out.resize(group.len() * width, 0.0);
                 let at = heads.start * shape.head_dim;
-                kernels::attend_group(&queries, cache, (shape, heads), &mut item_out, &mut scores);
+                self.kernels.attend_group(
+                    &queries,
+                    cache,
+                    (shape, heads),
+                    &mut item_out,
+                    &mut scores,
+                );
                 for (o, &i) in item_out.chunks_exact(width).zip(group) {
                     out.set_all(i * q_dim + at, o);
                 }
@@ -316,7 +357,7 @@ impl StepBackend for HostBackend {
         let w = view.weight()?;
         let inner = x.width();
         let mut data = host_buffers::take(x.rows * (w.len() / inner));
-        kernels::matmul_t(&x.data, w, x.rows, inner, &mut data);
+        self.kernels.matmul_t(&x.data, w, x.rows, inner, &mut data);
         Ok(HostRows { data, ..*x })
     }
 
@@ -326,7 +367,8 @@ impl StepBackend for HostBackend {
         let inner = x.width();
         let mut gate = host_buffers::take(x.rows * (gate_w.len() / inner));
         let mut up = host_buffers::take(x.rows * (up_w.len() / inner));
-        kernels::gated_t(&x.data, x.rows, inner, (gate_w, up_w), (&mut gate, &mut up));
+        self.kernels
+            .gated_t(&x.data, x.rows, inner, (gate_w, up_w), (&mut gate, &mut up));
         host_buffers::give(up);
         Ok(HostRows {
             data: gate,
@@ -343,7 +385,7 @@ impl StepBackend for HostBackend {
     }
 
     fn silu_mul(&self, mut gate: HostRows, up: &HostRows) -> Result<HostRows> {
-        kernels::silu_mul(&mut gate.data, &up.data);
+        self.kernels.silu_mul(&mut gate.data, &up.data);
         Ok(gate)
     }
 
@@ -417,7 +459,7 @@ impl StepBackend for HostBackend {
                         .map(|&i| slots[i].readout == ReadoutKind::Argmax)
                         .collect();
                     let view = HostView::new(lm_head)?;
-                    head.readouts(&x.data, &screened, view.f32()?)
+                    head.readouts(&self.kernels, &x.data, &screened, view.f32()?)
                 }
                 _ => self.linear(&x, lm_head)?.into_data(),
             };

@@ -44,6 +44,9 @@ pub struct LoadOptions {
     /// Decode through candle's ops even on the CPU: the GPU path's code, as its CPU twin and
     /// the reference the host kernels are held to. CLI: `--candle-ops`.
     pub candle_ops: bool,
+    /// The host kernels' instruction set, prefetch plan and threads (CPU models). CLI:
+    /// `--isa`, `--prefetch`, `--threads`.
+    pub kernels: crate::engine::kernels::KernelOptions,
 }
 
 /// Initial values when a `VarMap`-backed builder creates weights (training): projections

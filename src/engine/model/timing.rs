@@ -126,12 +126,11 @@ fn median_times<B: StepBackend>(
     batches: &[Vec<RowSlot>],
     repeats: usize,
 ) -> Result<Vec<Duration>> {
-    let lanes = (pos, pos + 1, 1);
-    median_times_on(backend, lanes, batches, repeats.into(), &mut |_| {})
+    median_times_on(&[backend], (pos, pos + 1), batches, repeats.into())
 }
 
-/// Fixes the host kernels' prefetch plan (`kernels::prefetch`), the first time a process loads
-/// a host model: each candidate's median one-row and R-row step at position 64 (or the
+/// The host kernels' prefetch plan for `backend` (`kernels::prefetch`), timed when the model
+/// loads: each candidate's median one-row and R-row step at position 64 (or the
 /// model's last), 25 rounds (about 0.1 s on the default model), fewer where that would take
 /// more than [`PLAN_TIMING_BUDGET`] (Ouro-1.4B's shape: 2 rounds of 0.9 s). Each round gives every
 /// candidate a turn, as a race gives its lanes: a baseline token's R one-row steps (the LM
@@ -142,23 +141,22 @@ fn median_times<B: StepBackend>(
 /// percent of `l2` and sometimes chose it, though `l1` ran both lanes of a race slower
 /// (`spex bench --prefetch l1|l2`: speculative lane 15–35 %); with a 512-position cache the
 /// plans' 4-row steps differ more, as in the race (`prefetch::cheapest` weighs the rest).
-pub fn choose_prefetch(backend: &HostBackend) -> Result<&'static prefetch::Choice> {
+pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
     let passes = backend.model().passes();
     let positions = backend.model().config.max_position_embeddings;
     let pos = 64.min(positions.saturating_sub(1));
     let capacity = DEFAULT_CONTEXT.clamp(pos + 1, positions.max(pos + 1));
-    prefetch::choose_once(passes, |apply| {
+    prefetch::choose(backend.kernels().isa(), passes, |plans| {
         let turn = token_and_pipeline(passes, pos);
-        let plans = prefetch::Prefetch::CANDIDATES;
+        let lanes: Vec<HostBackend> = plans.iter().map(|&p| backend.with_prefetch(p)).collect();
+        let lanes: Vec<&HostBackend> = lanes.iter().collect();
         let batches: Vec<Vec<RowSlot>> =
             (plans.iter()).flat_map(|_| turn.iter().cloned()).collect();
-        let mut before = |batch: usize| apply(plans[batch / turn.len()]);
-        let lanes = (pos, capacity, plans.len());
         let rounds = Rounds {
             most: 25,
             budget: Some(PLAN_TIMING_BUDGET),
         };
-        let t = median_times_on(backend, lanes, &batches, rounds, &mut before)?;
+        let t = median_times_on(&lanes, (pos, capacity), &batches, rounds)?;
         Ok(t.chunks_exact(turn.len())
             .map(|t| step_times(t, passes))
             .map(|times| (times.one_row, times.full))
@@ -202,20 +200,18 @@ impl Rounds {
 
 /// Median compute of each batch of rows at `pos` (every row's input a token), the batches
 /// interleaved so that machine noise hits them alike; the warm-up rounds (`Rounds::plan`) are
-/// dropped.
-/// `before(i)` runs before batch `i` each time, untimed. The batches split evenly into
-/// `lanes` runs with a KV cache of `capacity` positions each, as a race's lanes have (one
-/// lane's turn leaves the other's cache to come from memory).
+/// dropped. The batches split evenly between the `lanes`, each a backend with its own KV
+/// cache of `capacity` positions, as a race's lanes have (one lane's turn leaves the other's
+/// cache to come from memory).
 fn median_times_on<B: StepBackend>(
-    backend: &B,
-    (pos, capacity, lanes): (usize, usize, usize),
+    lanes: &[&B],
+    (pos, capacity): (usize, usize),
     batches: &[Vec<RowSlot>],
     rounds: Rounds,
-    before: &mut dyn FnMut(usize),
 ) -> Result<Vec<Duration>> {
-    let passes = backend.model().passes();
-    let mut caches = (0..lanes.max(1))
-        .map(|_| {
+    let passes = lanes[0].model().passes();
+    let mut caches = (lanes.iter())
+        .map(|backend| {
             let mut cache = KvCache::new(backend.new_store(capacity)?, passes, capacity);
             if pos > 0 {
                 for pass in Pass::all(passes) {
@@ -232,8 +228,7 @@ fn median_times_on<B: StepBackend>(
     while round < warm_ups + repeats {
         let started_round = Instant::now();
         for (i, (batch, t)) in batches.iter().zip(&mut times).enumerate() {
-            before(i);
-            let cache = &mut caches[i / per_lane];
+            let (backend, cache) = (lanes[i / per_lane], &mut caches[i / per_lane]);
             let rows = batch
                 .iter()
                 .map(|&slot| StepRow {

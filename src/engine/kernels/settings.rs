@@ -1,0 +1,146 @@
+//! [`Kernels`]: one host model's kernel settings as a value — its instruction set (checked
+//! against the CPU when made), its prefetch plan and its decode threads — and the safe API
+//! that runs the kernels with them. Chosen through `model::LoadOptions` when a model loads;
+//! held by `model::host`.
+
+use std::sync::Arc;
+
+use super::{
+    Isa, POOL_MIN_ELEMENTS, Prefetch, Weight, detected_isa, gated_t_on, matmul_t_pooled,
+    matmul_t_typed, pool, silu_mul_on,
+};
+
+/// How one host model's kernels run, chosen when it loads (`model::LoadOptions`): each unset
+/// field takes the machine's best (the CPU's ISA; a prefetch plan timed on the model's own
+/// steps; one thread).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KernelOptions {
+    /// An instruction set at most the CPU's best (`--isa`).
+    pub isa: Option<Isa>,
+    /// A fixed prefetch plan (`--prefetch`) instead of timing both.
+    pub prefetch: Option<Prefetch>,
+    /// The decode threads, the caller's included (`--threads`).
+    pub threads: Option<usize>,
+}
+
+/// What every kernel call carries: the instruction set, checked against the CPU when its
+/// [`Kernels`] was made (every `unsafe` dispatch below rests on that), and the prefetch plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Tuning {
+    pub(super) isa: Isa,
+    pub(super) prefetch: Prefetch,
+}
+
+/// One host model's kernels: its instruction set, prefetch plan and decode threads. Two
+/// models with different settings in one process run each on its own.
+#[derive(Debug, Clone)]
+pub struct Kernels {
+    pub(super) tuning: Tuning,
+    pool: Arc<pool::Pool>,
+}
+
+impl Kernels {
+    /// The kernels `options` ask for: an error where the CPU cannot run the ISA asked, the
+    /// thread count is 0, or the threads cannot start. An unset plan is [`Prefetch::L1`] until
+    /// the loader times the candidates ([`Kernels::with_prefetch`]).
+    pub fn new(options: KernelOptions) -> Result<Self, String> {
+        let isa = match options.isa {
+            Some(isa) => isa.checked()?,
+            None => detected_isa(),
+        };
+        let threads = options.threads.unwrap_or(1);
+        if threads == 0 {
+            return Err("--threads: must be at least 1".into());
+        }
+        let pool = pool::Pool::new(threads)
+            .map_err(|e| format!("--threads {threads}: cannot start the threads: {e}"))?;
+        Ok(Self {
+            tuning: Tuning {
+                isa,
+                prefetch: options.prefetch.unwrap_or(Prefetch::L1),
+            },
+            pool: Arc::new(pool),
+        })
+    }
+
+    /// The CPU's best ISA and the default plan, on the calling thread alone (tests, tools).
+    pub fn single_threaded() -> Self {
+        Self::new(KernelOptions::default()).expect("the detected ISA on one thread: this is a bug")
+    }
+
+    /// The same kernels and threads with another prefetch plan.
+    pub fn with_prefetch(&self, prefetch: Prefetch) -> Self {
+        Self {
+            tuning: Tuning {
+                prefetch,
+                ..self.tuning
+            },
+            pool: self.pool.clone(),
+        }
+    }
+
+    /// The instruction set they run.
+    pub fn isa(&self) -> Isa {
+        self.tuning.isa
+    }
+
+    /// The prefetch plan they run.
+    pub fn prefetch(&self) -> Prefetch {
+        self.tuning.prefetch
+    }
+
+    /// Their decode threads.
+    pub fn pool(&self) -> &pool::Pool {
+        &self.pool
+    }
+
+    /// `out[m][j] = Σ_k x[m][k] · w[j][k]` for `x: [rows × inner]`, `w: [outs × inner]` (a
+    /// linear layer's weight as stored: no transpose, and bf16 or f16 read as such), `out:
+    /// [rows × outs]`.
+    pub fn matmul_t(&self, x: &[f32], w: Weight<'_>, rows: usize, inner: usize, out: &mut [f32]) {
+        if self.pool.threads() > 1 && w.len() >= POOL_MIN_ELEMENTS {
+            return matmul_t_pooled(&self.pool, self.tuning, (x, rows, inner), &mut [(w, out)]);
+        }
+        with_weight!(w, w => matmul_t_typed(self.tuning, x, w, rows, inner, out))
+    }
+
+    /// Products of one input `x: [rows × inner]` with several weights, `outᵢ = x · wᵢᵀ` (the
+    /// Q, K and V projections; gate and up): one job of the decode threads for all of them, so
+    /// that the threads meet once instead of once per weight.
+    pub fn matmuls_t(
+        &self,
+        x: &[f32],
+        rows: usize,
+        inner: usize,
+        products: &mut [(Weight<'_>, &mut [f32])],
+    ) {
+        let pooled = products.iter().all(|(w, _)| w.len() >= POOL_MIN_ELEMENTS);
+        if self.pool.threads() > 1 && pooled {
+            return matmul_t_pooled(&self.pool, self.tuning, (x, rows, inner), products);
+        }
+        for (w, out) in products.iter_mut() {
+            self.matmul_t(x, *w, rows, inner, out);
+        }
+    }
+
+    /// The MLP's first half, `gate := silu(x · gateᵀ) ⊙ (x · upᵀ)` (`up` receives `x · upᵀ`):
+    /// on several decode threads, one job in which each thread applies SiLU to its own columns
+    /// right after computing them, instead of the caller applying it to every row alone. SiLU
+    /// is elementwise with the same arithmetic on every lane, so the bits do not depend on the
+    /// split.
+    pub fn gated_t(
+        &self,
+        x: &[f32],
+        rows: usize,
+        inner: usize,
+        weights: (Weight<'_>, Weight<'_>),
+        outs: (&mut [f32], &mut [f32]),
+    ) {
+        gated_t_on(self, (x, rows, inner), weights, outs);
+    }
+
+    /// SiLU(gate) · up, element-wise, into `gate`, with these kernels' instruction set.
+    pub fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
+        silu_mul_on(self.tuning.isa, gate, up);
+    }
+}
