@@ -188,6 +188,7 @@ fn stream_bytes_per_sec(loaded: &LoadedModel, kernels: &kernels::Kernels) -> f64
 
 /// Multiply-adds per second of one core in the widest FMA the kernels use, from independent
 /// chains that never touch memory; `None` off x86-64 or without AVX2.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn peak_macs_per_sec(kernels: &kernels::Kernels) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {

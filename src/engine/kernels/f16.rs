@@ -102,6 +102,7 @@ impl PackedF16 {
     }
 
     /// Up to `ROWS` rows of `x` times one panel, into `tile: [ROWS × PANEL]`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     fn panel_tile(
         &self,
         t: super::Tuning,

@@ -441,17 +441,18 @@ fn dots_dispatch<const J: usize, W: WeightElement>(
     to: OutLayout,
     first: usize,
 ) {
-    let plan = t.prefetch;
     match t.isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a `Tuning` holds Avx512 only after `Kernels::new` checked the CPU has
         // AVX-512F, BW and VL, AVX2, FMA and F16C; `sweep` passes whole groups and whole rows.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-            avx512::dots::<J, W>(block, w, inner, out, (to, plan), first)
+            avx512::dots::<J, W>(block, w, inner, out, (to, t.prefetch), first)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2Fma => unsafe { avx2::dots::<J, W>(block, w, inner, out, (to, plan), first) },
+        Isa::Avx2Fma => unsafe {
+            avx2::dots::<J, W>(block, w, inner, out, (to, t.prefetch), first)
+        },
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => neon::dots::<J, W>(block, w, inner, out, to, first),
         _ => portable::dots::<J, W>(block, w, inner, out, to, first),
