@@ -1,5 +1,6 @@
 //! `spex bench`: baseline and every listed policy on every prompt in one process, interleaved;
-//! one table (or a JSON report); a non-zero exit when any output differs where it must not.
+//! one table (or a JSON report) that formats the harness's report (`harness::report`), which
+//! computes every figure once; a non-zero exit when any output differs where it must not.
 
 use std::path::{Path, PathBuf};
 
@@ -10,10 +11,9 @@ use super::{BenchArgs, load_model};
 use crate::engine::events::DecodeEvent;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
-use crate::harness::bench::{Comparison, PolicyResult, PromptResult, Turns, bench_prompt};
-use crate::harness::metrics::RunStats;
-use crate::harness::metrics::speedup;
+use crate::harness::bench::{Comparison, PromptResult, Turns, bench_prompt};
 use crate::harness::race::{Lane, RaceEvent};
+use crate::harness::report::{BenchReport, Figures, PromptReport};
 use crate::harness::trace::{TraceHeader, TraceWriter};
 
 /// Prompts used when `--prompts` is not given.
@@ -123,19 +123,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         print_header(args, &session, options, &policies);
     }
     let results = bench_prompts(args, &session, options, (&prompts, &policies))?;
-    let mut overall = Overall::of(&results, passes);
-    overall.bandwidth = Bandwidth::of(&session.loaded, &overall);
+    let report = BenchReport::of(&results, passes);
+    let bandwidth = Bandwidth::of(&session.loaded, &report);
     if args.json {
-        let report = json_report(&session, &results, &overall, (args, options.sampling));
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let json = json_report(&session, (&report, bandwidth), (args, options.sampling));
+        println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
-        print_overall(&overall, results.len(), passes);
-        print_bandwidth(&overall);
+        print_overall(&report, passes);
+        print_bandwidth(bandwidth);
     }
-    let failed: Vec<&str> = (overall.policies.iter())
-        .filter(|p| p.mismatches > 0)
-        .map(|p| p.name.as_str())
-        .collect();
+    let failed = report.failed();
     if !failed.is_empty() {
         anyhow::bail!(
             "{} output differs from baseline (see the table's last column)",
@@ -209,7 +206,7 @@ fn bench_prompts(
         }
         r.prompt.clone_from(prompt);
         if !args.json {
-            print_prompt(&r, results.is_empty(), passes);
+            print_prompt(&PromptReport::of(&r), results.is_empty(), passes);
         }
         results.push(r);
     }
@@ -275,28 +272,7 @@ fn record_event(
     }
 }
 
-/// One policy summed over every prompt's shown (median) run.
-struct PolicyTotals {
-    name: String,
-    baseline: RunStats,
-    stats: RunStats,
-    /// The overall speedup of each run (every prompt's k-th run together), sorted.
-    run_speedups: Vec<f64>,
-    mismatches: usize,
-    /// Prompts whose text is compared with the baseline's (all but same-distribution ones).
-    compared: usize,
-}
-
-/// The whole bench, summed per policy.
-struct Overall {
-    policies: Vec<PolicyTotals>,
-    ceiling: f64,
-    /// The baseline against the machine's read bandwidth, where the model is large enough
-    /// for the bandwidth to bound a step.
-    bandwidth: Option<Bandwidth>,
-}
-
-/// The baseline against the machine's read bandwidth (`engine::roofline`), each figure
+/// The baseline against the machine's read bandwidth (`harness::roofline`), each figure
 /// computed once for the table and the JSON.
 #[derive(Debug, Clone, Copy)]
 struct Bandwidth {
@@ -309,12 +285,12 @@ struct Bandwidth {
 impl Bandwidth {
     /// Measured where the host kernels decode a model whose passes read DRAM, against the
     /// first policy's baseline.
-    fn of(loaded: &crate::engine::LoadedModel, overall: &Overall) -> Option<Self> {
+    fn of(loaded: &crate::engine::LoadedModel, report: &BenchReport) -> Option<Self> {
         use crate::harness::roofline;
         let model = loaded.model();
         let kernels = loaded.backend.kernels()?;
         let large = roofline::layer_bytes_per_pass(model) >= roofline::MEANINGFUL_FROM_BYTES;
-        let baseline_tokens_per_sec = overall.policies.first()?.baseline.tokens_per_sec();
+        let baseline_tokens_per_sec = report.policies.first()?.figures.baseline_tokens_per_sec;
         let read_bytes_per_sec = large.then(|| roofline::read_bytes_per_sec(kernels.pool()))?;
         Some(Self {
             read_bytes_per_sec,
@@ -331,8 +307,8 @@ impl Bandwidth {
 
 /// The line under the table at real size: the bandwidth, a baseline token's weight bytes,
 /// and the share of the bandwidth the baseline reads.
-fn print_bandwidth(overall: &Overall) {
-    let Some(b) = overall.bandwidth else {
+fn print_bandwidth(bandwidth: Option<Bandwidth>) {
+    let Some(b) = bandwidth else {
         return;
     };
     let bytes = b.weight_bytes_per_token as f64;
@@ -347,96 +323,38 @@ fn print_bandwidth(overall: &Overall) {
     );
 }
 
-impl Overall {
-    fn of(results: &[PromptResult], passes: usize) -> Self {
-        let count = results.first().map_or(0, |r| r.policies.len());
-        let policies = (0..count)
-            .map(|k| {
-                let lanes: Vec<&PolicyResult> = results.iter().map(|r| &r.policies[k]).collect();
-                let (baseline, stats) =
-                    summed(lanes.iter().map(|p| (&p.baseline, &p.lane.stats)), passes);
-                PolicyTotals {
-                    name: lanes[0].lane.policy.to_string(),
-                    baseline,
-                    stats,
-                    run_speedups: run_speedups(&lanes, passes),
-                    mismatches: lanes.iter().filter(|p| p.is_mismatch()).count(),
-                    compared: (lanes.iter())
-                        .filter(|p| p.comparison != Comparison::SameDistribution)
-                        .count(),
-                }
-            })
-            .collect();
-        let ceilings = results.iter().map(|r| r.step_times.ceiling());
-        Self {
-            policies,
-            ceiling: ceilings.sum::<f64>() / results.len().max(1) as f64,
-            bandwidth: None,
-        }
-    }
-}
-
-/// The whole run as one JSON object (the `--json` output).
+/// The whole run as one JSON object (the `--json` output): the report, with what ran it.
 fn json_report(
     session: &super::Session,
-    results: &[PromptResult],
-    overall: &Overall,
+    (report, bandwidth): (&BenchReport, Option<Bandwidth>),
     (args, sampling): (&BenchArgs, crate::engine::Sampling),
 ) -> serde_json::Value {
-    let host = session.loaded.backend.info().host;
+    let info = session.loaded.backend.info();
+    let host = info.host.as_ref();
     json!({
         "model": session.name,
         "device": session.device,
         "dtype": session.dtype,
         "passes": session.loaded.model().passes(),
         "layers": session.loaded.model().config.num_hidden_layers,
-        "backend": session.loaded.backend.name(),
-        "step_rows": session.loaded.backend.info().step_rows,
-        "kernel_isa": host.as_ref().map(|h| format!("{:?}", h.isa)),
-        "threads": host.as_ref().map(|h| h.threads),
-        "prefetch": host.as_ref().and_then(|h| h.prefetch.as_ref()).map(|c| c.plan().name()),
+        "backend": info.name,
+        "step_rows": info.step_rows,
+        "kernel_isa": host.map(|h| format!("{:?}", h.isa)),
+        "threads": host.map(|h| h.threads),
+        "prefetch": host.and_then(|h| h.prefetch.as_ref()).map(|c| c.plan().name()),
         "cpu": cpu_model(),
         "runs_per_lane": args.runs,
         "turn_ms": args.turn_ms,
-        "policies": overall.policies.iter().map(|p| &p.name).collect::<Vec<_>>(),
+        "policies": report.policies.iter().map(|p| &p.policy).collect::<Vec<_>>(),
         "sampling": sampling,
         "peak_memory_bytes": peak_memory_bytes(),
-        "prompts": results.iter().map(|r| json!({
-            "prompt": r.prompt,
-            "ceiling": r.step_times.ceiling(),
-            "step_times": r.step_times,
-            "policies": r.policies.iter().map(|p| json!({
-                "policy": p.lane.policy,
-                "comparison": p.comparison,
-                "baseline": p.baseline,
-                "stats": p.lane.stats,
-                "speedup": p.speedup(),
-                "run_speedups": p.runs.iter().map(|(b, s)| speedup(b, s)).collect::<Vec<_>>(),
-                "gamma": p.lane.stats.gamma(),
-                "acceptance": p.lane.stats.acceptance(),
-            })).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
+        "prompts": report.prompts,
         "overall": {
-            "ceiling": overall.ceiling,
-            "read_bytes_per_sec": overall.bandwidth.map(|b| b.read_bytes_per_sec),
+            "ceiling": report.ceiling,
+            "read_bytes_per_sec": bandwidth.map(|b| b.read_bytes_per_sec),
             "weight_bytes_per_token": crate::harness::roofline::weight_bytes_per_token(session.loaded.model()),
-            "baseline_bandwidth_share": overall.bandwidth.map(|b| b.baseline_share),
-            "policies": overall.policies.iter().map(|p| json!({
-                "policy": p.name,
-                "baseline_tokens_per_sec": p.baseline.tokens_per_sec(),
-                "tokens_per_sec": p.stats.tokens_per_sec(),
-                "speedup": speedup(&p.baseline, &p.stats),
-                "run_speedups": p.run_speedups,
-                "gamma": p.stats.gamma(),
-                "acceptance": p.stats.acceptance(),
-                "gate_open_rate": p.stats.gate_open_rate(),
-                "flip_rate_per_pass": p.stats.flip_rates(),
-                "wasted_row_slots": p.stats.wasted_fraction(),
-                "second_proposals": p.stats.second_proposals,
-                "accepted_second": p.stats.accepted_second,
-                "identical": p.mismatches == 0 && p.compared == results.len(),
-                "same_distribution": p.compared < results.len(),
-            })).collect::<Vec<_>>(),
+            "baseline_bandwidth_share": bandwidth.map(|b| b.baseline_share),
+            "policies": report.policies,
         }
     })
 }
@@ -447,32 +365,6 @@ pub fn peak_memory_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
-}
-
-/// Baseline and policy statistics summed over prompts.
-fn summed<'a>(
-    pairs: impl Iterator<Item = (&'a RunStats, &'a RunStats)>,
-    passes: usize,
-) -> (RunStats, RunStats) {
-    let (mut base, mut policy) = (RunStats::new(passes), RunStats::new(passes));
-    for (b, s) in pairs {
-        base.add(b);
-        policy.add(s);
-    }
-    (base, policy)
-}
-
-/// The overall speedup of each run (every prompt's k-th run together), sorted.
-fn run_speedups(lanes: &[&PolicyResult], passes: usize) -> Vec<f64> {
-    let runs = lanes.iter().map(|p| p.runs.len()).min().unwrap_or(0);
-    let mut speedups: Vec<f64> = (0..runs)
-        .map(|k| {
-            let (base, policy) = summed(lanes.iter().map(|p| (&p.runs[k].0, &p.runs[k].1)), passes);
-            speedup(&base, &policy)
-        })
-        .collect();
-    speedups.sort_by(f64::total_cmp);
-    speedups
 }
 
 /// min–median–max of sorted values.
@@ -486,28 +378,24 @@ fn spread(sorted: &[f64]) -> String {
     }
 }
 
-fn flip_rates(s: &RunStats) -> String {
-    s.flip_rates()
-        .iter()
+fn flip_rates(f: &Figures) -> String {
+    (f.flip_rates.iter())
         .map(|r| format!("{:.0}%", 100.0 * r))
         .collect::<Vec<_>>()
         .join(" ")
 }
 
 /// Acceptance by source as `first/second/restart %`.
-fn acceptance(s: &RunStats) -> String {
-    let a = s.acceptance();
+fn acceptance(f: &Figures) -> String {
+    let a = &f.acceptance;
     let pct = |x: f64| format!("{:.0}", 100.0 * x);
     format!("{}/{}/{}%", pct(a.first), pct(a.second), pct(a.restart))
 }
 
 /// The gate-open rate, or a dash for a policy without a gate.
-fn gate(s: &RunStats) -> String {
-    if s.gate_checks == 0 {
-        "—".into()
-    } else {
-        format!("{:.0}%", 100.0 * s.gate_open_rate())
-    }
+fn gate(f: &Figures) -> String {
+    f.gate_open_rate
+        .map_or("—".into(), |rate| format!("{:.0}%", 100.0 * rate))
 }
 
 /// The prompt cut to `width` characters, with an ellipsis where it was cut.
@@ -520,7 +408,7 @@ fn cut(prompt: &str, width: usize) -> String {
     p
 }
 
-fn print_prompt(r: &PromptResult, header: bool, passes: usize) {
+fn print_prompt(r: &PromptReport, header: bool, passes: usize) {
     if header {
         println!(
             "{:<28} {:<16} {:>8} {:>8} {:>8} {:>8} {:>5} {:>13} {:>5}  {:<w$}  same",
@@ -550,28 +438,30 @@ fn print_prompt(r: &PromptResult, header: bool, passes: usize) {
         } else {
             String::new()
         };
+        let f = &p.figures;
         println!(
             "{:<28} {:<16} {:>8.1} {:>8.1} {:>7.2}× {:>7.2}× {:>5.2} {:>13} {:>5}  {:<w$}  {same}",
             prompt,
-            p.lane.policy.to_string(),
-            p.baseline.tokens_per_sec(),
-            p.lane.stats.tokens_per_sec(),
-            p.speedup(),
-            r.step_times.ceiling(),
-            p.lane.stats.gamma(),
-            acceptance(&p.lane.stats),
-            gate(&p.lane.stats),
-            flip_rates(&p.lane.stats),
+            p.policy.to_string(),
+            f.baseline_tokens_per_sec,
+            f.tokens_per_sec,
+            f.speedup,
+            r.ceiling,
+            f.gamma,
+            acceptance(f),
+            gate(f),
+            flip_rates(f),
             w = passes * 4
         );
     }
 }
 
-fn print_overall(overall: &Overall, prompts: usize, passes: usize) {
+fn print_overall(report: &BenchReport, passes: usize) {
+    let prompts = report.prompts.len();
     let peak = peak_memory_bytes().map_or("?".into(), |b| format!("{:.0} MB", b as f64 / 1e6));
     println!(
         "\noverall, {prompts} prompts: ceiling {:.2}×, peak memory {peak}",
-        overall.ceiling
+        report.ceiling
     );
     println!(
         "{:<16} {:>8} {:>8} {:>7} {:>20} {:>5} {:>13} {:>5}  {:<w$}  {:>6}  same",
@@ -587,24 +477,25 @@ fn print_overall(overall: &Overall, prompts: usize, passes: usize) {
         "wasted",
         w = passes * 4
     );
-    for p in &overall.policies {
+    for p in &report.policies {
         let same = if p.compared < prompts {
             format!("same distribution ({} compared)", p.compared)
         } else {
             format!("identical {}/{prompts}", prompts - p.mismatches)
         };
+        let f = &p.figures;
         println!(
             "{:<16} {:>8.1} {:>8.1} {:>6.2}× {:>20} {:>5.2} {:>13} {:>5}  {:<w$}  {:>5.1}%  {same}",
-            p.name,
-            p.baseline.tokens_per_sec(),
-            p.stats.tokens_per_sec(),
-            speedup(&p.baseline, &p.stats),
+            p.policy,
+            f.baseline_tokens_per_sec,
+            f.tokens_per_sec,
+            f.speedup,
             spread(&p.run_speedups),
-            p.stats.gamma(),
-            acceptance(&p.stats),
-            gate(&p.stats),
-            flip_rates(&p.stats),
-            100.0 * p.stats.wasted_fraction(),
+            f.gamma,
+            acceptance(f),
+            gate(f),
+            flip_rates(f),
+            100.0 * f.wasted,
             w = passes * 4
         );
     }

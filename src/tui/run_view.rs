@@ -9,6 +9,7 @@ use crate::engine::kv_cache::PassOccupancy;
 use crate::harness::metrics::RunStats;
 use crate::harness::metrics::speedup;
 use crate::harness::race::Lane;
+use crate::harness::report::Figures;
 
 pub use super::inspector::PositionView;
 
@@ -110,6 +111,11 @@ impl RunView {
     pub fn speedup(&self) -> Option<f64> {
         let s = speedup(&self.baseline.stats, &self.speculative.stats);
         (s > 0.0).then_some(s)
+    }
+
+    /// The run's figures so far, computed as `spex bench` computes its own.
+    pub fn figures(&self) -> Figures {
+        Figures::of(&self.baseline.stats, &self.speculative.stats)
     }
 
     /// The identical-output check over the tokens both lanes have committed.

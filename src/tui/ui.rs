@@ -485,13 +485,12 @@ fn draw_stats(frame: &mut Frame, area: Rect, run: &RunView, app: &App) {
 
 /// The stats panel's text: speedup, rates, flips per pass, waste and whether the lanes agree.
 fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Line<'static>> {
-    let s = &run.speculative.stats;
+    // The figures `spex bench` reports, computed by the same function.
+    let f = run.figures();
     let speedup = run
         .speedup()
         .map_or("—".to_string(), |x| format!("{x:.2}×"));
-    let flips: Vec<String> = s
-        .flip_rates()
-        .iter()
+    let flips: Vec<String> = (f.flip_rates.iter())
         .map(|r| format!("{:.0}%", 100.0 * r))
         .collect();
     let agreement = match agreement {
@@ -509,19 +508,17 @@ fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Lin
         ),
     };
     let ceiling = run.ceiling.map_or("—".to_string(), |c| format!("{c:.2}×"));
-    // Acceptance by source (`engine::metrics`): which guess each committed token came from.
-    let accepted = s.acceptance();
+    // Acceptance by source: which guess each committed token came from.
+    let accepted = f.acceptance;
     vec![
         Line::from(vec![
             "speedup ".into(),
             Span::styled(speedup, Style::new().fg(Color::Cyan).bold()),
-            format!(" · ceiling {ceiling} · γ {:.2}", s.gamma()).into(),
+            format!(" · ceiling {ceiling} · γ {:.2}", f.gamma).into(),
         ]),
         Line::from(format!(
             "tok/s {} {:.1} · base {:.1}",
-            run_policy,
-            s.tokens_per_sec(),
-            run.baseline.stats.tokens_per_sec()
+            run_policy, f.tokens_per_sec, f.baseline_tokens_per_sec
         )),
         Line::from(format!("flips/pass {}", flips.join(" "))),
         Line::from(format!(
@@ -529,12 +526,11 @@ fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Lin
             100.0 * accepted.first,
             100.0 * accepted.second,
             100.0 * accepted.restart,
-            if s.gate_checks > 0 {
-                format!(" · gate {:.0}%", 100.0 * s.gate_open_rate())
-            } else {
-                String::new()
-            },
-            100.0 * s.wasted_fraction(),
+            f.gate_open_rate.map_or(String::new(), |rate| format!(
+                " · gate {:.0}%",
+                100.0 * rate
+            )),
+            100.0 * f.wasted,
         )),
         Line::from(agreement),
     ]

@@ -1,0 +1,189 @@
+//! The bench's figures, each computed once from the run statistics (`metrics`): one
+//! [`Figures`] per comparison of a policy with its baseline, gathered per prompt and per
+//! policy over every prompt into a [`BenchReport`]. `spex bench`'s table and its `--json`
+//! only format this value; the dashboard's stats panel reads [`Figures`] too.
+
+use serde::Serialize;
+
+use super::bench::{Comparison, PolicyResult, PromptResult};
+use super::metrics::{Acceptance, RunStats, speedup};
+use crate::engine::model::timing::StepTimes;
+use crate::engine::policy::PolicyKind;
+
+/// What one policy's run shows against the baseline's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Figures {
+    pub baseline_tokens_per_sec: f64,
+    pub tokens_per_sec: f64,
+    /// Baseline decode time / policy decode time.
+    pub speedup: f64,
+    /// Mean accepted length (R at best).
+    pub gamma: f64,
+    pub acceptance: Acceptance,
+    /// How often a gate opened for a second proposal; `None` for a policy without one.
+    pub gate_open_rate: Option<f64>,
+    #[serde(rename = "flip_rate_per_pass")]
+    pub flip_rates: Vec<f64>,
+    /// Rows computed for tokens later flushed, of all rows.
+    #[serde(rename = "wasted_row_slots")]
+    pub wasted: f64,
+    pub second_proposals: usize,
+    pub accepted_second: usize,
+}
+
+impl Figures {
+    /// The figures of `policy` against `baseline`, run side by side.
+    pub fn of(baseline: &RunStats, policy: &RunStats) -> Self {
+        Self {
+            baseline_tokens_per_sec: baseline.tokens_per_sec(),
+            tokens_per_sec: policy.tokens_per_sec(),
+            speedup: speedup(baseline, policy),
+            gamma: policy.gamma(),
+            acceptance: policy.acceptance(),
+            gate_open_rate: (policy.gate_checks > 0).then(|| policy.gate_open_rate()),
+            flip_rates: policy.flip_rates(),
+            wasted: policy.wasted_fraction(),
+            second_proposals: policy.second_proposals,
+            accepted_second: policy.accepted_second,
+        }
+    }
+}
+
+/// One policy on one prompt.
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptPolicy {
+    pub policy: PolicyKind,
+    pub comparison: Comparison,
+    /// The shown (median) run's statistics, the baseline's beside them.
+    pub baseline: RunStats,
+    pub stats: RunStats,
+    #[serde(flatten)]
+    pub figures: Figures,
+    /// Every run's speedup, in run order.
+    pub run_speedups: Vec<f64>,
+}
+
+/// Every policy on one prompt.
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptReport {
+    pub prompt: String,
+    pub ceiling: f64,
+    pub step_times: StepTimes,
+    pub policies: Vec<PromptPolicy>,
+}
+
+impl PromptReport {
+    /// The figures of one prompt's bench.
+    pub fn of(r: &PromptResult) -> Self {
+        let policies = (r.policies.iter())
+            .map(|p| PromptPolicy {
+                policy: p.lane.policy,
+                comparison: p.comparison,
+                baseline: p.baseline.clone(),
+                stats: p.lane.stats.clone(),
+                figures: Figures::of(&p.baseline, &p.lane.stats),
+                run_speedups: p.runs.iter().map(|(b, s)| speedup(b, s)).collect(),
+            })
+            .collect();
+        Self {
+            prompt: r.prompt.clone(),
+            ceiling: r.step_times.ceiling(),
+            step_times: r.step_times,
+            policies,
+        }
+    }
+}
+
+/// One policy summed over every prompt's shown (median) run.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyReport {
+    pub policy: String,
+    #[serde(flatten)]
+    pub figures: Figures,
+    /// The overall speedup of each run (every prompt's k-th run together), sorted.
+    pub run_speedups: Vec<f64>,
+    /// Prompts whose text differs from the baseline's where it must not.
+    pub mismatches: usize,
+    /// Prompts whose text is compared (all but same-distribution ones).
+    pub compared: usize,
+    /// Compared on every prompt, and identical on every one.
+    pub identical: bool,
+    /// Its text is its own sample of the baseline's distribution, not compared.
+    pub same_distribution: bool,
+}
+
+/// The whole bench: every prompt, and every policy over all of them.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub prompts: Vec<PromptReport>,
+    pub policies: Vec<PolicyReport>,
+    /// The prompts' mean ceiling.
+    pub ceiling: f64,
+}
+
+impl BenchReport {
+    /// The figures of a bench whose prompts gave `results`, on a model of `passes` passes.
+    pub fn of(results: &[PromptResult], passes: usize) -> Self {
+        let count = results.first().map_or(0, |r| r.policies.len());
+        let policies = (0..count)
+            .map(|k| {
+                let lanes: Vec<&PolicyResult> = results.iter().map(|r| &r.policies[k]).collect();
+                let (baseline, stats) =
+                    summed(lanes.iter().map(|p| (&p.baseline, &p.lane.stats)), passes);
+                let mismatches = lanes.iter().filter(|p| p.is_mismatch()).count();
+                let compared = (lanes.iter())
+                    .filter(|p| p.comparison != Comparison::SameDistribution)
+                    .count();
+                PolicyReport {
+                    policy: lanes[0].lane.policy.to_string(),
+                    figures: Figures::of(&baseline, &stats),
+                    run_speedups: run_speedups(&lanes, passes),
+                    mismatches,
+                    compared,
+                    identical: mismatches == 0 && compared == results.len(),
+                    same_distribution: compared < results.len(),
+                }
+            })
+            .collect();
+        let ceilings = results.iter().map(|r| r.step_times.ceiling());
+        Self {
+            prompts: results.iter().map(PromptReport::of).collect(),
+            policies,
+            ceiling: ceilings.sum::<f64>() / results.len().max(1) as f64,
+        }
+    }
+
+    /// The policies whose text differs from the baseline's where it must not.
+    pub fn failed(&self) -> Vec<&str> {
+        (self.policies.iter())
+            .filter(|p| p.mismatches > 0)
+            .map(|p| p.policy.as_str())
+            .collect()
+    }
+}
+
+/// Baseline and policy statistics summed over prompts.
+fn summed<'a>(
+    pairs: impl Iterator<Item = (&'a RunStats, &'a RunStats)>,
+    passes: usize,
+) -> (RunStats, RunStats) {
+    let (mut base, mut policy) = (RunStats::new(passes), RunStats::new(passes));
+    for (b, s) in pairs {
+        base.add(b);
+        policy.add(s);
+    }
+    (base, policy)
+}
+
+/// The overall speedup of each run (every prompt's k-th run together), sorted.
+fn run_speedups(lanes: &[&PolicyResult], passes: usize) -> Vec<f64> {
+    let runs = lanes.iter().map(|p| p.runs.len()).min().unwrap_or(0);
+    let mut speedups: Vec<f64> = (0..runs)
+        .map(|k| {
+            let (base, policy) = summed(lanes.iter().map(|p| (&p.runs[k].0, &p.runs[k].1)), passes);
+            speedup(&base, &policy)
+        })
+        .collect();
+    speedups.sort_by(f64::total_cmp);
+    speedups
+}
