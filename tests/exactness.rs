@@ -5,9 +5,10 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{
-    PROMPTS, Variant, random_model, reference_logits, spec, with_device_backend, with_f32_readouts,
-    with_kv_dtype,
+    OPTIONS, PROMPTS, Variant, random_model, reference_logits, spec, with_device_backend,
+    with_f32_readouts, with_kv_dtype,
 };
+use spex::engine::LoadedModel;
 use spex::engine::kernels;
 use spex::engine::kv_cache::KvCache;
 use spex::engine::model::{
@@ -15,14 +16,7 @@ use spex::engine::model::{
 };
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
-use spex::engine::{DecodeOptions, LoadedModel};
 use spex::harness::bench::run_lane;
-
-const OPTIONS: DecodeOptions = DecodeOptions {
-    max_tokens: 24,
-    context: 128,
-    sampling: spex::engine::Sampling::GREEDY,
-};
 
 /// What the speculative lanes did over all prompts: runs, flips, and the second candidates
 /// `dual` started and committed.

@@ -13,17 +13,11 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use common::{PROMPTS, Variant, spec};
+use common::{OPTIONS, PROMPTS, Variant, spec};
+use spex::engine::LoadedModel;
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
-use spex::engine::{DecodeOptions, LoadedModel};
 use spex::harness::bench::run_lane;
-
-const OPTIONS: DecodeOptions = DecodeOptions {
-    max_tokens: 24,
-    context: 128,
-    sampling: spex::engine::Sampling::GREEDY,
-};
 
 /// Pass R's top-1 − top-2 logit margin after `ids`, from the full-sequence forward.
 fn last_pass_margin(loaded: &LoadedModel, ids: &[u32]) -> f32 {

@@ -8,20 +8,14 @@ mod common;
 use std::path::Path;
 
 use candle_core::{DType, Device};
-use common::{PROMPTS, Variant, spec};
+use common::{OPTIONS, PROMPTS, Variant, spec};
+use spex::engine::LoadedModel;
 use spex::engine::kernels::prefetch::Choice;
 use spex::engine::kernels::{Isa, KernelOptions, Prefetch};
 use spex::engine::model::LoadOptions;
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
-use spex::engine::{DecodeOptions, LoadedModel, Sampling};
 use spex::harness::bench::run_lane;
-
-const OPTIONS: DecodeOptions = DecodeOptions {
-    max_tokens: 24,
-    context: 128,
-    sampling: Sampling::GREEDY,
-};
 
 /// `spec` wide enough that every matmul is split across the threads (hidden 128, head_dim 64).
 fn wide(mut spec: RandomSpec) -> RandomSpec {

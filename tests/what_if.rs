@@ -7,20 +7,14 @@ mod common;
 
 use std::path::Path;
 
-use common::{PROMPTS, Variant, random_model, recorded_race, spec};
+use common::{OPTIONS, PROMPTS, Variant, random_model, recorded_race, spec};
 use spex::engine::policy::PolicyKind;
-use spex::engine::{DecodeOptions, LoadedModel, Sampling};
+use spex::engine::{LoadedModel, Sampling};
 use spex::harness::bench::run_lane;
 use spex::harness::race::RaceEvent;
 use spex::harness::trace::Trace;
 use spex::harness::what_if::{RecordedRun, StepCosts, WhatIf, simulate};
 use std::sync::Arc;
-
-const OPTIONS: DecodeOptions = DecodeOptions {
-    max_tokens: 24,
-    context: 128,
-    sampling: Sampling::GREEDY,
-};
 
 /// A race of `policy` against baseline on `prompt`, as a trace.
 fn recorded(loaded: &LoadedModel, prompt: &str, policy: PolicyKind) -> Trace {

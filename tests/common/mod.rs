@@ -17,6 +17,13 @@ use std::process::Command;
 use std::sync::Arc;
 use tempfile::TempDir;
 
+/// What the exactness tests decode: 24 greedy tokens in a cache of 128 positions.
+pub const OPTIONS: DecodeOptions = DecodeOptions {
+    max_tokens: 24,
+    context: 128,
+    sampling: spex::engine::Sampling::GREEDY,
+};
+
 /// Twenty prompts of different lengths and characters.
 pub const PROMPTS: [&str; 20] = [
     "To be, or not to be",
