@@ -106,7 +106,7 @@ fn no_load_trusts(hub: &LoopbackHub, home: &Path) {
 }
 
 #[test]
-fn a_pull_lands_in_the_cache_a_second_downloads_nothing_and_the_snapshot_decodes() {
+fn a_pull_lands_in_the_cache_and_a_second_downloads_nothing() {
     let (ckpt, hub) = served(true);
     let home = TempDir::new().unwrap();
     let (ok, out, err) = spex(&hub, home.path(), &["pull", REPO], &[]);
@@ -143,7 +143,14 @@ fn a_pull_lands_in_the_cache_a_second_downloads_nothing_and_the_snapshot_decodes
         asked,
         "a cached pinned commit needs no request"
     );
+}
 
+#[test]
+fn the_pulled_snapshot_decodes_as_the_checkpoint_does() {
+    let (ckpt, hub) = served(true);
+    let home = TempDir::new().unwrap();
+    let (ok, _, err) = spex(&hub, home.path(), &["pull", REPO], &[]);
+    assert!(ok, "{err}");
     let snapshot = repo_dir(home.path()).join("snapshots").join(COMMIT);
     let loaded = LoadedModel::load(
         &snapshot,
@@ -251,71 +258,76 @@ fn corrupt_bytes_are_one_line_and_leave_nothing_a_load_would_trust() {
     no_load_trusts(&hub, home.path());
 }
 
+/// A hub serving [`REPO`] and `test-org/gated`, which needs the token `hf_secret`.
+fn gated() -> (TempDir, LoopbackHub) {
+    let ckpt = TempDir::new().unwrap();
+    write_random_checkpoint(ckpt.path(), &spec(1, 2, Variant::Tied, 5)).unwrap();
+    let mut gated = HubRepo::from_dir("test-org/gated", COMMIT, ckpt.path());
+    gated.token = Some("hf_secret".into());
+    let open = HubRepo::from_dir(REPO, COMMIT, ckpt.path());
+    (ckpt, LoopbackHub::start(vec![open, gated]))
+}
+
 #[test]
-fn refusals_tokens_and_settings_are_one_line_each() {
-    let (ckpt, hub) = {
-        let ckpt = TempDir::new().unwrap();
-        write_random_checkpoint(ckpt.path(), &spec(1, 2, Variant::Tied, 5)).unwrap();
-        let mut gated = HubRepo::from_dir("test-org/gated", COMMIT, ckpt.path());
-        gated.token = Some("hf_secret".into());
-        let open = HubRepo::from_dir(REPO, COMMIT, ckpt.path());
-        (ckpt, LoopbackHub::start(vec![open, gated]))
-    };
+fn refusals_and_bad_settings_are_one_line_each() {
+    let (_ckpt, hub) = gated();
     let home = TempDir::new().unwrap();
     let h = home.path();
-    fails_in_one_line(
-        spex(&hub, h, &["pull", "test-org/none"], &[]),
-        "test-org/none: no such repo at http://127.0.0.1:",
-    );
-    fails_in_one_line(
-        spex(&hub, h, &["pull", REPO, "--revision", "v9"], &[]),
-        "no revision `v9` (404)",
-    );
-    fails_in_one_line(
-        spex(&hub, h, &["pull", "test-org/gated"], &[]),
-        "answered 401 (a gated or private repo): set HF_TOKEN or write a token to",
-    );
-    fails_in_one_line(
-        spex(
-            &hub,
-            h,
+    for (args, envs, needle) in [
+        (
+            &["pull", "test-org/none"][..],
+            &[][..],
+            "test-org/none: no such repo at http://127.0.0.1:",
+        ),
+        (
+            &["pull", REPO, "--revision", "v9"],
+            &[],
+            "no revision `v9` (404)",
+        ),
+        (
+            &["pull", "test-org/gated"],
+            &[],
+            "answered 401 (a gated or private repo): set HF_TOKEN or write a token to",
+        ),
+        (
             &["pull", "test-org/gated"],
             &[("HF_TOKEN", "hf_wrong")],
+            "refused the token (401)",
         ),
-        "refused the token (401)",
-    );
-    fails_in_one_line(
-        spex(&hub, h, &["pull", REPO], &[("HF_HUB_OFFLINE", "1")]),
-        "HF_HUB_OFFLINE is set",
-    );
-    fails_in_one_line(
-        spex(
-            &hub,
-            h,
+        (
+            &["pull", REPO],
+            &[("HF_HUB_OFFLINE", "1")],
+            "HF_HUB_OFFLINE is set",
+        ),
+        (
             &["pull", REPO],
             &[("HF_HUB_DOWNLOAD_TIMEOUT", "soon")],
+            "HF_HUB_DOWNLOAD_TIMEOUT: `soon` is not a number of seconds",
         ),
-        "HF_HUB_DOWNLOAD_TIMEOUT: `soon` is not a number of seconds",
-    );
+    ] {
+        fails_in_one_line(spex(&hub, h, args, envs), needle);
+    }
+}
+
+#[test]
+fn the_token_and_the_cache_come_from_where_the_hub_client_looks() {
+    let (_ckpt, hub) = gated();
+    let home = TempDir::new().unwrap();
     let (ok, _, err) = spex(
         &hub,
-        h,
+        home.path(),
         &["pull", "test-org/gated"],
         &[("HF_TOKEN", "hf_secret")],
     );
-    assert!(ok, "{err}");
+    assert!(ok, "HF_TOKEN: {err}");
     let other = TempDir::new().unwrap();
     std::fs::write(other.path().join("token"), "hf_secret\n").unwrap();
     let (ok, _, err) = spex(&hub, other.path(), &["pull", "test-org/gated"], &[]);
     assert!(ok, "the token file: {err}");
     let cache = TempDir::new().unwrap();
     let cache_dir = cache.path().display().to_string();
-    let (ok, _, err) = spex(
-        &hub,
-        other.path(),
-        &["pull", REPO],
-        &[("HF_HUB_CACHE", &cache_dir)],
-    );
+    let envs = [("HF_HUB_CACHE", cache_dir.as_str())];
+    let (ok, _, err) = spex(&hub, other.path(), &["pull", REPO], &envs);
     assert!(ok, "{err}");
     assert!(
         cache
@@ -323,31 +335,29 @@ fn refusals_tokens_and_settings_are_one_line_each() {
             .join("models--test-org--tiny-ouro/refs/main")
             .is_file()
     );
+}
 
+#[test]
+fn a_pinned_commit_not_in_the_cache_names_the_pull() {
+    let (_ckpt, hub) = gated();
+    let home = TempDir::new().unwrap();
+    let h = home.path();
     let (ok, _, err) = spex(&hub, h, &["pull", REPO], &[]);
     assert!(ok, "{err}");
     let models = h.join("models.toml");
     let pinned = "0000000000000000000000000000000000000abc";
-    std::fs::write(
-        &models,
-        format!("default = \"tiny\"\n[models.tiny]\nrepo = \"{REPO}\"\nrevision = \"{pinned}\"\n"),
-    )
-    .unwrap();
+    let entry = format!("[models.tiny]\nrepo = \"{REPO}\"\nrevision = \"{pinned}\"\n");
+    std::fs::write(&models, format!("default = \"tiny\"\n{entry}")).unwrap();
     let models = models.display().to_string();
+    let offline = [("SPEX_MODELS", models.as_str()), ("HF_HUB_OFFLINE", "1")];
     fails_in_one_line(
-        spex(
-            &hub,
-            h,
-            &["generate", "--prompt", "x"],
-            &[("SPEX_MODELS", &models), ("HF_HUB_OFFLINE", "1")],
-        ),
+        spex(&hub, h, &["generate", "--prompt", "x"], &offline),
         &format!("commit {pinned} is not in the local hub cache: run `spex pull tiny`"),
     );
     fails_in_one_line(
         spex(&hub, h, &["pull", "tiny"], &[("SPEX_MODELS", &models)]),
         "no revision `0000",
     );
-    drop(ckpt);
 }
 
 #[test]
