@@ -297,3 +297,29 @@ fn spex_pull_draws_a_bar_with_bytes_and_rate_on_a_terminal() {
     }
     assert_eq!(std::fs::read_to_string(&exit).unwrap().trim(), "0");
 }
+
+#[test]
+fn quitting_mid_run_keeps_the_trace_and_prints_the_frame_clock() {
+    let (dir, _) = random_model(&spec(2, 4, Variant::Tied, 9));
+    let trace = dir.path().join("q.jsonl");
+    let args = format!(
+        "tui --model {} --max-tokens 400 --prompt 'To be' --record {} --frame-stats",
+        dir.path().display(),
+        trace.display()
+    );
+    let exit_file = dir.path().join("exit-code");
+    let tmux = start_with(&args, &exit_file, "quit-mid-run");
+    tmux.wait_for("the run", Duration::from_secs(30), |s| s.contains("● REC"));
+    quit(&tmux, &exit_file);
+    // The terminal is restored, so the frame clock's line is on the shell's screen.
+    let screen = tmux.wait_for("the frame clock", Duration::from_secs(5), |s| {
+        s.contains("dashboard:") && s.contains("slowest")
+    });
+    let line = screen.replace('\n', "");
+    assert!(
+        line.contains("while decoding") && line.contains("in all"),
+        "{screen}"
+    );
+    let t = spex::harness::trace::Trace::read(&trace).unwrap();
+    assert_eq!(t.header.prompt, "To be");
+}

@@ -99,3 +99,42 @@ fn what_if_needs_every_pass_read_out() {
     let err = RecordedRun::of(&sampled, Path::new("s.jsonl")).expect_err("sampled");
     assert!(err.to_string().contains("greedy"), "{err}");
 }
+
+#[test]
+fn step_costs_from_another_trace_time_every_run() {
+    let (_a, small) = random_model(&spec(1, 3, Variant::Tied, 4));
+    let (_b, other) = random_model(&spec(2, 4, Variant::Untied, 5));
+    let runs = || {
+        let trace = recorded(&small, PROMPTS[1], PolicyKind::Speed);
+        vec![RecordedRun::of(&trace, Path::new("a.jsonl")).expect("a greedy trace")]
+    };
+    // The other model's steps, sampled: any trace can lend its step costs.
+    let mut lender = recorded(&other, PROMPTS[2], PolicyKind::LOOPSPEC);
+    lender.header.sampling.temperature = 0.8;
+    let samples = spex::harness::what_if::step_samples(&lender);
+    let steps_recorded = (lender.events.iter())
+        .filter(|e| {
+            matches!(
+                e,
+                RaceEvent::Decode {
+                    event: spex::engine::events::DecodeEvent::Step(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(samples.len(), steps_recorded);
+    let costs = StepCosts::fit(&samples);
+    let policies = [PolicyKind::Speed, PolicyKind::DUAL];
+    let own = WhatIf::of(runs(), &policies).expect("a what-if");
+    let lent = WhatIf::timed(runs(), &policies, Some(costs)).expect("a what-if");
+    assert_eq!(lent.step_costs, Some(costs));
+    assert_eq!(own.step_costs, None);
+    for (o, l) in own.forecasts.iter().zip(&lent.forecasts) {
+        assert_eq!((o.steps, o.rows_per_step), (l.steps, l.rows_per_step));
+    }
+    // The baseline runs one row a step: its time is its steps at the lent one-row cost.
+    let baseline = &lent.forecasts[0];
+    let expected_us = baseline.steps as f64 * costs.one_row_us;
+    assert!((baseline.decode_us - expected_us).abs() <= 1e-9 * expected_us);
+}

@@ -153,7 +153,9 @@ fn print_header(
     println!(
         "{} on {} ({}), {}{}{}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
         session.name,
-        cpu_model().unwrap_or_else(|| "an unknown CPU".into()),
+        (session.loaded.backend.info().accelerator)
+            .or_else(cpu_model)
+            .unwrap_or_else(|| "an unknown CPU".into()),
         session.device,
         backend_note(&session.loaded),
         kv_cache_note(&session.loaded),
@@ -343,6 +345,7 @@ fn json_report(
         "threads": host.map(|h| h.threads),
         "prefetch": host.and_then(|h| h.prefetch.as_ref()).map(|c| c.plan().name()),
         "cpu": cpu_model(),
+        "gpu": info.accelerator,
         "runs_per_lane": args.runs,
         "turn_ms": args.turn_ms,
         "policies": report.policies.iter().map(|p| &p.policy).collect::<Vec<_>>(),

@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::engine::{EngineError, PolicyKind};
 use crate::harness::explain::Explanation;
 use crate::harness::trace::Trace;
-use crate::harness::what_if::{RecordedRun, WhatIf};
+use crate::harness::what_if::{RecordedRun, StepCosts, WhatIf, step_samples};
 
 /// `spex explain`.
 #[derive(Debug, Args)]
@@ -31,6 +31,11 @@ pub struct ExplainArgs {
     /// dual).
     #[arg(long = "what-if", value_delimiter = ',', value_name = "POLICY")]
     pub what_if: Vec<PolicyKind>,
+    /// Time the what-if steps by the step costs fitted to this trace's steps instead of each
+    /// run's own: any trace, of any model and machine (one recorded at Ouro-1.4B's shape on
+    /// a GPU, say), projects the recorded runs' policies onto it.
+    #[arg(long, value_name = "TRACE", requires = "what_if")]
+    pub step_costs: Option<PathBuf>,
 }
 
 /// The JSON `spex explain --json` prints.
@@ -63,7 +68,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     }
     let what_if = match args.what_if.is_empty() {
         true => None,
-        false => Some(WhatIf::of(runs, &args.what_if)?),
+        false => Some(WhatIf::timed(runs, &args.what_if, step_costs(args)?)?),
     };
     let report = Report {
         files,
@@ -81,9 +86,28 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The step costs of `--step-costs`' trace, if given; an error names a trace with no steps.
+fn step_costs(args: &ExplainArgs) -> anyhow::Result<Option<StepCosts>> {
+    let Some(path) = &args.step_costs else {
+        return Ok(None);
+    };
+    let samples = step_samples(&Trace::read(path)?);
+    if samples.is_empty() {
+        anyhow::bail!("{}: the trace holds no decode step to time", path.display());
+    }
+    Ok(Some(StepCosts::fit(&samples)))
+}
+
 fn print_what_if(w: &WhatIf) {
+    let costs = match &w.step_costs {
+        Some(c) => format!(
+            "steps timed as {:.1} µs + {:.1} µs per extra row",
+            c.one_row_us, c.extra_row_us
+        ),
+        None => "step costs fitted to each run's recorded steps".into(),
+    };
     println!(
-        "what-if over {} recorded runs, {} tokens (step costs fitted to each run's recorded steps):",
+        "what-if over {} recorded runs, {} tokens ({costs}):",
         w.runs, w.tokens
     );
     println!(

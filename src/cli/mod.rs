@@ -351,6 +351,10 @@ pub struct TuiArgs {
     /// cells, high contrast, 2 steps per second (`p` switches, `+`/`-` change the pace).
     #[arg(long)]
     pub present: bool,
+    /// On quit, print how many frames per second the dashboard drew, while decoding and in
+    /// all, and its slowest draw.
+    #[arg(long)]
+    pub frame_stats: bool,
 }
 
 /// `spex random-checkpoint`.
@@ -550,6 +554,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         info,
         frame_interval: std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1))),
         present: args.present,
+        frame_stats: args.frame_stats,
     };
     crate::tui::run(&session.loaded, options)
 }

@@ -6,8 +6,10 @@
 
 pub mod app;
 pub mod explorer;
+pub mod frames;
 pub mod inspector;
 pub mod keymap;
+mod live;
 pub mod loading;
 pub mod present;
 pub mod replay;
@@ -16,8 +18,6 @@ pub mod svg;
 pub mod ui;
 
 use std::io::{IsTerminal, Stdout};
-use std::sync::mpsc as std_mpsc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossterm::event::{DisableMouseCapture, EnableMouseCapture, Event, EventStream};
@@ -28,13 +28,12 @@ use crossterm::terminal::{
 use futures::StreamExt;
 use ratatui::Terminal;
 use ratatui::backend::CrosstermBackend;
-use tokio::sync::mpsc;
 
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, LoadedModel};
-use crate::harness::race::{RaceControl, RaceEvent, run_race};
-use crate::harness::trace::{TraceHeader, TraceWriter};
+use crate::harness::trace::TraceHeader;
 use app::{App, Command, ModelInfo, Msg};
+use frames::FrameClock;
 
 /// A popup of `width` × `height` cells (at most the area's) in the middle of `area`.
 pub(crate) fn centered(
@@ -72,6 +71,8 @@ pub struct DashboardOptions {
     pub trace: TraceHeader,
     /// Start in presenter mode.
     pub present: bool,
+    /// Print the frame clock's summary (`frames::FrameClock`) on quit.
+    pub frame_stats: bool,
 }
 
 /// Where a dashboard's events come from.
@@ -80,8 +81,8 @@ trait Source {
     fn execute(&mut self, commands: Vec<Command>) -> anyhow::Result<()>;
     /// What to fold into the app at this frame, if anything.
     fn frame(&mut self) -> anyhow::Result<Option<Msg>>;
-    /// Stops whatever runs.
-    fn stop(&mut self);
+    /// Stops whatever runs (and finishes what it was writing).
+    fn stop(&mut self) -> anyhow::Result<()>;
 }
 
 /// Errors unless both stdin and stdout are terminals.
@@ -145,43 +146,9 @@ fn open_dashboard() -> anyhow::Result<Dashboard> {
     Ok((runtime, guard, terminal, (size.width, size.height)))
 }
 
-/// The race thread of the current run and its control channel.
-struct RaceHandle {
-    control: std_mpsc::Sender<RaceControl>,
-    thread: JoinHandle<()>,
-}
-
-impl RaceHandle {
-    fn start(
-        loaded: &LoadedModel,
-        prompt: String,
-        options: (PolicyKind, DecodeOptions),
-        events: mpsc::UnboundedSender<RaceEvent>,
-    ) -> Self {
-        let (control, control_rx) = std_mpsc::channel();
-        let loaded = loaded.clone();
-        let thread = std::thread::Builder::new()
-            .name("spex-race".into())
-            .spawn(move || {
-                run_race(&loaded, &prompt, options, control_rx, |ev| {
-                    events.send(ev).is_ok()
-                })
-            })
-            .expect("spawning the race thread failed: this is a bug");
-        Self { control, thread }
-    }
-
-    /// Stops the race and joins its thread.
-    fn stop(self) {
-        let _ = self.control.send(RaceControl::Stop);
-        drop(self.control);
-        let _ = self.thread.join();
-    }
-}
-
 /// Runs the dashboard until the user quits.
 pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()> {
-    let (runtime, _guard, mut terminal, size) = open_dashboard()?;
+    let (runtime, guard, mut terminal, size) = open_dashboard()?;
     let mut app = App::new(options.info.clone(), options.prompt.clone(), size);
     let autostart = !app.prompt.is_empty();
     if !autostart {
@@ -191,151 +158,15 @@ pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()
         app = app.presenting();
     }
     app.sampling = options.decode.sampling;
-    let (tx, rx) = mpsc::unbounded_channel::<RaceEvent>();
-    let mut races = Races {
-        loaded,
-        options: &options,
-        sampling: options.decode.sampling,
-        events: tx,
-        pending: rx,
-        current: None,
-        recorder: None,
-        recording: options.record.is_some(),
-        fingerprint: None,
-        prompt: String::new(),
-        history: Vec::new(),
-        runs: 0,
-    };
+    let mut races = live::Races::new(loaded, &options);
     app.recording = races.recording;
     let pace = (options.frame_interval, autostart);
-    runtime.block_on(event_loop(&mut terminal, &mut app, &mut races, pace))
-}
-
-/// The race of the current run, restarted and steered by the app's commands.
-struct Races<'a> {
-    loaded: &'a LoadedModel,
-    options: &'a DashboardOptions,
-    /// The sampling rule of the next race (the dashboard's keys change it).
-    sampling: crate::engine::Sampling,
-    events: mpsc::UnboundedSender<RaceEvent>,
-    pending: mpsc::UnboundedReceiver<RaceEvent>,
-    current: Option<RaceHandle>,
-    /// The current run's trace, when recording.
-    recorder: Option<TraceWriter>,
-    /// Whether runs are recorded.
-    recording: bool,
-    /// The model's weights' and tokenizer's SHA-256, once computed.
-    fingerprint: Option<(String, String)>,
-    /// The current run's prompt and every event it sent so far (a recording started midway
-    /// writes them first).
-    prompt: String,
-    history: Vec<RaceEvent>,
-    /// Runs started so far.
-    runs: usize,
-}
-
-impl Races<'_> {
-    /// Opens the current run's trace and writes what the run sent so far.
-    fn open_trace(&mut self) -> anyhow::Result<()> {
-        let (weights, tokenizer) = match &self.fingerprint {
-            Some(f) => f.clone(),
-            None => crate::harness::trace::fingerprint(&self.loaded.origin)?,
-        };
-        self.fingerprint = Some((weights.clone(), tokenizer.clone()));
-        let mut header = TraceHeader {
-            prompt: self.prompt.clone(),
-            policy: self.options.policy,
-            sampling: self.sampling,
-            ..self.options.trace.clone()
-        };
-        (header.model.weights_sha256, header.model.tokenizer_sha256) = (weights, tokenizer);
-        let path = match &self.options.record {
-            Some(path) => crate::harness::trace::numbered(path, self.runs),
-            None => {
-                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-                format!("spex-{}.jsonl", now.map_or(0, |d| d.as_secs())).into()
-            }
-        };
-        let mut writer = TraceWriter::create(&path, &header)?;
-        for event in &self.history {
-            writer.record(event)?;
-        }
-        self.recorder = Some(writer);
-        Ok(())
+    let clock = runtime.block_on(event_loop(&mut terminal, &mut app, &mut races, pace))?;
+    drop(guard); // the terminal restored before the summary is printed
+    if options.frame_stats {
+        eprintln!("{}", clock.summary());
     }
-}
-
-impl Source for Races<'_> {
-    fn execute(&mut self, commands: Vec<Command>) -> anyhow::Result<()> {
-        for command in commands {
-            match command {
-                Command::StartRace { prompt } => {
-                    self.stop();
-                    // Events of the stopped race must not reach the new run.
-                    while self.pending.try_recv().is_ok() {}
-                    self.runs += 1;
-                    (self.prompt, self.recorder) = (prompt.clone(), None);
-                    self.history.clear();
-                    if self.recording {
-                        self.open_trace()?;
-                    }
-                    let prompt = if self.options.chat {
-                        self.loaded.tokenizer.chat_prompt(&prompt)?
-                    } else {
-                        prompt
-                    };
-                    self.current = Some(RaceHandle::start(
-                        self.loaded,
-                        prompt,
-                        (
-                            self.options.policy,
-                            crate::engine::DecodeOptions {
-                                sampling: self.sampling,
-                                ..self.options.decode
-                            },
-                        ),
-                        self.events.clone(),
-                    ));
-                }
-                Command::Control(c) => {
-                    if let Some(r) = &self.current {
-                        let _ = r.control.send(c);
-                    }
-                }
-                Command::SetSampling(sampling) => self.sampling = sampling,
-                Command::Record(on) => {
-                    self.recording = on;
-                    self.recorder = None;
-                    if on && self.runs > 0 {
-                        self.open_trace()?;
-                    }
-                }
-                Command::Seek(_) | Command::Quit => {}
-            }
-        }
-        Ok(())
-    }
-
-    fn frame(&mut self) -> anyhow::Result<Option<Msg>> {
-        // Everything the engine sent since the last frame, in one update.
-        let mut batch = Vec::new();
-        while let Ok(event) = self.pending.try_recv() {
-            if let Some(Err(e)) = self.recorder.as_mut().map(|r| r.record(&event)) {
-                // The run goes on unrecorded; the error line says why.
-                self.recorder = None;
-                batch.push(RaceEvent::Error(format!("recording stopped: {e}")));
-            }
-            self.history.push(event.clone());
-            batch.push(event);
-        }
-        Ok((!batch.is_empty()).then_some(Msg::Engine(batch)))
-    }
-
-    fn stop(&mut self) {
-        if let Some(r) = self.current.take() {
-            r.stop();
-        }
-    }
+    Ok(())
 }
 
 fn input_msg(event: Option<std::io::Result<Event>>) -> std::io::Result<Option<Msg>> {
@@ -353,12 +184,13 @@ async fn event_loop(
     app: &mut App,
     source: &mut impl Source,
     (frame_interval, autostart): (Duration, bool),
-) -> anyhow::Result<()> {
+) -> anyhow::Result<FrameClock> {
     let mut input = EventStream::new();
     let mut frames = tokio::time::interval(frame_interval);
     frames.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut clock = FrameClock::start();
     let mut pending = if autostart { app.start() } else { Vec::new() };
-    terminal.draw(|f| ui::draw(f, app))?;
+    draw(terminal, app, None)?;
     while !app.should_quit {
         if let Err(e) = source.execute(std::mem::take(&mut pending)) {
             pending = app.update(Msg::Failed(e.to_string()));
@@ -370,17 +202,33 @@ async fn event_loop(
                 }
                 if let Some(msg) = input_msg(event)? {
                     pending = app.update(msg);
-                    terminal.draw(|f| ui::draw(f, app))?;
+                    draw(terminal, app, None)?;
                 }
             }
             _ = frames.tick() => {
                 if let Some(msg) = source.frame()? {
                     pending = app.update(msg);
                 }
-                terminal.draw(|f| ui::draw(f, app))?;
+                draw(terminal, app, Some(&mut clock))?;
             }
         }
     }
-    source.stop();
+    source.stop()?;
+    Ok(clock)
+}
+
+/// Draws one frame from the app's state. The frame timer's draws are counted on `clock`
+/// (the rate the dashboard holds); a key's immediate redraw is not.
+fn draw(
+    terminal: &mut Terminal<CrosstermBackend<Stdout>>,
+    app: &App,
+    clock: Option<&mut FrameClock>,
+) -> std::io::Result<()> {
+    let decoding = app.run.as_ref().is_some_and(|run| !run.done);
+    let started = std::time::Instant::now();
+    terminal.draw(|f| ui::draw(f, app))?;
+    if let Some(clock) = clock {
+        clock.record(decoding, started.elapsed());
+    }
     Ok(())
 }

@@ -152,8 +152,9 @@ impl Source for Replayer {
         Ok(self.message())
     }
 
-    fn stop(&mut self) {
+    fn stop(&mut self) -> anyhow::Result<()> {
         self.playing = false;
+        Ok(())
     }
 }
 
@@ -195,7 +196,8 @@ pub fn run(
         &mut app,
         &mut replayer,
         (frame_interval, false),
-    ))
+    ))?;
+    Ok(())
 }
 
 /// The dashboard of `trace` at `step`, drawn `size` cells large, as an SVG picture.

@@ -106,11 +106,13 @@ impl Backend {
                     prefetch: b.prefetch_choice().cloned(),
                 }),
                 step_rows: None,
+                accelerator: None,
             },
             Self::Device(b) => BackendInfo {
                 name: self.name(),
                 host: None,
                 step_rows: Some(b.step_rows()),
+                accelerator: b.accelerator(),
             },
         }
     }
@@ -146,6 +148,8 @@ pub struct BackendInfo {
     pub host: Option<HostInfo>,
     /// Where candle ops decode: the rows every decode step is padded to (batch invariance).
     pub step_rows: Option<usize>,
+    /// The GPU's name, where candle ops decode on one.
+    pub accelerator: Option<String>,
 }
 
 /// The host kernels' settings.

@@ -45,6 +45,15 @@ impl DeviceBackend {
     pub fn step_rows(&self) -> usize {
         padded_rows(&self.model, 0)
     }
+
+    /// The GPU's name where the model decodes on one ("NVIDIA H200"); `None` on the CPU.
+    pub fn accelerator(&self) -> Option<String> {
+        match &self.model.device {
+            #[cfg(feature = "cuda")]
+            candle_core::Device::Cuda(cuda) => cuda.cuda_stream().context().name().ok(),
+            _ => None,
+        }
+    }
 }
 
 /// What every layer of a device step needs of its rows, uploaded once per step rather than

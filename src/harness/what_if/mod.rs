@@ -15,7 +15,7 @@ use tokenizers::Tokenizer;
 use tokenizers::models::bpe::BPE;
 
 pub use oracle::{Lineage, LineageStore, Oracle};
-pub use recorded::RecordedRun;
+pub use recorded::{RecordedRun, step_samples};
 
 use super::race::Lane;
 use crate::engine::decoder::DecodeOptions;
@@ -127,17 +127,33 @@ pub struct Forecast {
 pub struct WhatIf {
     pub runs: usize,
     pub tokens: usize,
+    /// The step costs every run was timed with, where they came from elsewhere (another
+    /// trace: the same policies projected onto another model or machine); `None` where each
+    /// run's own steps were fitted.
+    pub step_costs: Option<StepCosts>,
     /// Baseline first, then the policies asked for.
     pub forecasts: Vec<Forecast>,
 }
 
 impl WhatIf {
-    /// Replays every run under baseline and each of `policies`.
+    /// Replays every run under baseline and each of `policies`, timed by the step costs each
+    /// run measured.
     pub fn of(runs: Vec<RecordedRun>, policies: &[PolicyKind]) -> Result<Self> {
+        Self::timed(runs, policies, None)
+    }
+
+    /// Replays every run under baseline and each of `policies`, timed by `step_costs` where
+    /// given (the steps each policy takes come from the runs, the time of a step from
+    /// elsewhere), else by each run's own.
+    pub fn timed(
+        runs: Vec<RecordedRun>,
+        policies: &[PolicyKind],
+        step_costs: Option<StepCosts>,
+    ) -> Result<Self> {
         let tokens = runs.iter().map(RecordedRun::tokens).sum();
         let oracles: Vec<(Arc<Oracle>, StepCosts)> = (runs.into_iter())
             .map(|run| {
-                let costs = StepCosts::fit(&run.step_samples);
+                let costs = step_costs.unwrap_or_else(|| StepCosts::fit(&run.step_samples));
                 (Arc::new(Oracle::new(run)), costs)
             })
             .collect();
@@ -175,6 +191,7 @@ impl WhatIf {
         Ok(Self {
             runs: oracles.len(),
             tokens,
+            step_costs,
             forecasts,
         })
     }

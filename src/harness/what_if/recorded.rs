@@ -139,6 +139,20 @@ impl RecordedRun {
     }
 }
 
+/// (rows that ran, compute) of every step `trace` recorded, in either lane, whatever its
+/// policy and sampling: what `StepCosts::fit` takes.
+pub fn step_samples(trace: &Trace) -> Vec<(usize, Duration)> {
+    (trace.events.iter())
+        .filter_map(|event| match event {
+            RaceEvent::Decode {
+                event: DecodeEvent::Step(step),
+                ..
+            } => Some((rows_run(step), step.compute)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The rows that ran in a recorded step: those it reports, plus the tokens a flush removed
 /// before the walk reached them (each ran the step). Side candidates of flushed tokens are
 /// not reported and not counted.
