@@ -9,8 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use candle_core::{DType, Device, Tensor};
+use spex::engine::model::device_ops::fixtures::{
+    AttentionCase, AttentionShape, DTYPES, assert_close, flat, randn, rounded,
+};
 use spex::engine::model::device_ops::{
-    CHUNK, NO_ROW, RowSpan, decode_attention, rope_split, silu_mul, spans_tensor, write_rows,
+    NO_ROW, RowSpan, rope_split, silu_mul, spans_tensor, write_rows,
 };
 
 /// The harness, built once per test binary into a temporary folder (`None`: no C++ compiler).
@@ -87,110 +90,23 @@ fn on_host(exe: &Path, op: &str, dtype: DType, sizes: &[u32], operands: &[Operan
         .collect()
 }
 
-/// The CPU twin's result, as f32.
-fn flat(t: &Tensor) -> Vec<f32> {
-    (t.to_dtype(DType::F32).and_then(|t| t.flatten_all()))
-        .and_then(|t| t.to_vec1())
-        .expect("f32")
-}
-
-/// Equal to within one rounding of `dtype`: both compute in f32 and round once, but sum in
-/// different orders, so a value near a midpoint may round either way.
-fn assert_close(what: &str, dtype: DType, twin: &[f32], kernel: &[f32]) {
-    let relative = match dtype {
-        DType::BF16 => 1.0 / 128.0,
-        DType::F16 => 1.0 / 1024.0,
-        _ => 1e-5,
-    };
-    assert_eq!(twin.len(), kernel.len(), "{what} {dtype:?}: sizes");
-    for (i, (a, b)) in twin.iter().zip(kernel).enumerate() {
-        let bound = 1e-5 + relative * a.abs();
-        assert!(
-            (a - b).abs() <= bound,
-            "{what} {dtype:?}: element {i}: kernel {b}, CPU twin {a}"
-        );
-    }
-}
-
-const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
-
-fn randn(shape: &[usize]) -> Tensor {
-    Tensor::randn(0f32, 1.0, shape, &Device::Cpu).expect("randn")
-}
-
-/// Inputs are rounded to `dtype` first, so the kernel and the twin read the same values.
-fn rounded(t: &Tensor, dtype: DType) -> Tensor {
-    t.to_dtype(dtype)
-        .and_then(|t| t.to_dtype(DType::F32))
-        .expect("rounded")
-}
-
 fn cast(t: &Tensor, dtype: DType) -> Tensor {
     t.to_dtype(dtype).expect("cast")
 }
 
-/// One attention call: q `[heads, rows, dim]` over a cache of two passes' spans.
-struct Attention {
-    q: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    k_step: Tensor,
-    v_step: Tensor,
-    spans: Vec<RowSpan>,
+/// The shared attention case at the harness's size.
+fn attention(dtype: DType) -> AttentionCase {
+    AttentionCase::new(AttentionShape::SMALL, dtype)
 }
 
-const HEADS: usize = 4;
-const KV_HEADS: usize = 2;
-const DIM: usize = 32;
-const CAPACITY: usize = 1200;
+/// The attention case as the host harness runs it.
+trait OnHost {
+    fn flat_spans(&self) -> Vec<u32>;
+    fn kernel(&self, exe: &Path, dtype: DType) -> Vec<f32>;
+    fn twin(&self, dtype: DType) -> Vec<f32>;
+}
 
-impl Attention {
-    fn new(dtype: DType) -> Self {
-        let rows = 4;
-        let r = |shape: &[usize]| rounded(&randn(shape), dtype);
-        // The long span's second chunk scores higher, so its running maximum moves there and
-        // the first chunk's sums are rescaled.
-        let second_chunk = CAPACITY + CHUNK..CAPACITY + 1100;
-        let boost: Vec<f32> = (0..2 * CAPACITY)
-            .map(|row| {
-                if second_chunk.contains(&row) {
-                    3.0
-                } else {
-                    1.0
-                }
-            })
-            .collect();
-        let boost = Tensor::from_vec(boost, (1, 2 * CAPACITY, 1), &Device::Cpu).expect("boost");
-        let keys = randn(&[KV_HEADS, 2 * CAPACITY, DIM])
-            .broadcast_mul(&boost)
-            .expect("keys");
-        Self {
-            q: r(&[HEADS, rows, DIM]),
-            keys: rounded(&keys, dtype),
-            values: r(&[KV_HEADS, 2 * CAPACITY, DIM]),
-            k_step: r(&[KV_HEADS, rows, DIM]),
-            v_step: r(&[KV_HEADS, rows, DIM]),
-            spans: vec![
-                RowSpan {
-                    start: 0,
-                    len: 9,
-                    extra: None,
-                },
-                RowSpan {
-                    start: CAPACITY,
-                    len: 1100,
-                    extra: None,
-                },
-                RowSpan {
-                    start: CAPACITY,
-                    len: 5,
-                    extra: Some(2),
-                },
-                RowSpan::EMPTY,
-            ],
-        }
-    }
-
+impl OnHost for AttentionCase {
     /// The spans as the op encodes them ([`spans_tensor`]).
     fn flat_spans(&self) -> Vec<u32> {
         let spans = spans_tensor(&self.spans, &Device::Cpu).expect("spans");
@@ -199,14 +115,19 @@ impl Attention {
 
     fn kernel(&self, exe: &Path, dtype: DType) -> Vec<f32> {
         let rows = self.spans.len() as u32;
-        let scale = 1.0 / (DIM as f32).sqrt();
+        let AttentionShape {
+            heads,
+            kv_heads,
+            head_dim,
+            capacity,
+        } = self.shape;
         let sizes = [
             rows,
-            HEADS as u32,
-            KV_HEADS as u32,
-            2 * CAPACITY as u32,
-            DIM as u32,
-            scale.to_bits(),
+            heads as u32,
+            kv_heads as u32,
+            2 * capacity as u32,
+            head_dim as u32,
+            self.scale().to_bits(),
         ];
         let spans = self.flat_spans();
         let operands = [
@@ -223,18 +144,7 @@ impl Attention {
     }
 
     fn twin(&self, dtype: DType) -> Vec<f32> {
-        let c = |t: &Tensor| cast(t, dtype);
-        let spans = spans_tensor(&self.spans, &Device::Cpu).expect("spans");
-        let scale = 1.0 / (DIM as f32).sqrt();
-        let out = decode_attention(
-            &c(&self.q),
-            (&c(&self.keys), &c(&self.values)),
-            (&c(&self.k_step), &c(&self.v_step)),
-            &spans,
-            scale,
-        )
-        .expect("decode attention");
-        flat(&out)
+        flat(&self.attend(&Device::Cpu, dtype).expect("decode attention"))
     }
 }
 
@@ -242,11 +152,12 @@ impl Attention {
 fn the_attention_kernel_matches_its_cpu_twin() {
     let Some(exe) = harness() else { return };
     for dtype in DTYPES {
-        let a = Attention::new(dtype);
+        let a = attention(dtype);
         let kernel = a.kernel(&exe, dtype);
         assert_close("decode attention", dtype, &a.twin(dtype), &kernel);
+        let width = a.shape.heads * a.shape.head_dim;
         assert!(
-            kernel[3 * HEADS * DIM..].iter().all(|&x| x == 0.0),
+            kernel[3 * width..].iter().all(|&x| x == 0.0),
             "a padding row is zeros"
         );
     }
@@ -254,11 +165,11 @@ fn the_attention_kernel_matches_its_cpu_twin() {
 
 /// `attend`'s bits for a row alone equal its bits beside other rows, and a second candidate's
 /// extra column gives the bits of its entry in the cache at its position.
-fn assert_batch_invariant(what: &str, attend: &dyn Fn(&Attention, DType) -> Vec<f32>) {
-    let width = HEADS * DIM;
+fn assert_batch_invariant(what: &str, attend: &dyn Fn(&AttentionCase, DType) -> Vec<f32>) {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for dtype in DTYPES {
-        let full = Attention::new(dtype);
+        let full = attention(dtype);
+        let width = full.shape.heads * full.shape.head_dim;
         let all = attend(&full, dtype);
         for row in 0..3 {
             let one = |t: &Tensor| {
@@ -267,16 +178,15 @@ fn assert_batch_invariant(what: &str, attend: &dyn Fn(&Attention, DType) -> Vec<
                     .expect("row")
             };
             let span = full.spans[row];
-            let alone = Attention {
+            let alone = AttentionCase {
                 q: one(&full.q),
                 k_step: one(&full.k_step),
                 v_step: one(&full.v_step),
-                keys: full.keys.clone(),
-                values: full.values.clone(),
                 spans: vec![RowSpan {
                     extra: span.extra.map(|_| 0),
                     ..span
                 }],
+                ..full.clone()
             };
             let beside = &all[row * width..(row + 1) * width];
             assert_eq!(
@@ -297,7 +207,7 @@ fn assert_batch_invariant(what: &str, attend: &dyn Fn(&Attention, DType) -> Vec<
 
 /// `full` with row 2's extra column (step row 2) written into the cache at its position and
 /// attended to from there, as the baseline does.
-fn extra_column_cached(full: &Attention) -> Attention {
+fn extra_column_cached(full: &AttentionCase) -> AttentionCase {
     let span = full.spans[2];
     let put = |cache: &Tensor, step: &Tensor| {
         let cache = cache.copy().expect("copy");
@@ -316,13 +226,11 @@ fn extra_column_cached(full: &Attention) -> Attention {
         extra: None,
         ..span
     };
-    Attention {
+    AttentionCase {
         keys: put(&full.keys, &full.k_step),
         values: put(&full.values, &full.v_step),
         spans,
-        q: full.q.clone(),
-        k_step: full.k_step.clone(),
-        v_step: full.v_step.clone(),
+        ..full.clone()
     }
 }
 

@@ -15,6 +15,7 @@ mod common;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use common::{OPTIONS, PROMPTS, Variant, spec};
 use spex::engine::LoadedModel;
+use spex::engine::model::device_ops::fixtures;
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
 use spex::harness::bench::run_lane;
@@ -87,29 +88,9 @@ fn cuda_device() -> Option<Device> {
     }
 }
 
-/// A kernel's output against its CPU twin's: equal to within one rounding of `dtype` (both
-/// compute in f32 and round once, so a value near a midpoint may round either way).
+/// A kernel's output against its CPU twin's, both tensors (`fixtures::assert_close`).
 fn assert_close(what: &str, dtype: DType, want: &Tensor, got: &Tensor) {
-    let flat = |t: &Tensor| -> Vec<f32> {
-        (t.to_dtype(DType::F32).and_then(|t| t.flatten_all()))
-            .and_then(|t| t.to_device(&Device::Cpu))
-            .and_then(|t| t.to_vec1())
-            .expect("readable")
-    };
-    let relative = match dtype {
-        DType::BF16 => 1.0 / 128.0,
-        DType::F16 => 1.0 / 1024.0,
-        _ => 1e-5,
-    };
-    let (want, got) = (flat(want), flat(got));
-    assert_eq!(want.len(), got.len(), "{what} {dtype:?}: sizes");
-    for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-        let bound = 1e-5 + relative * a.abs();
-        assert!(
-            (a - b).abs() <= bound,
-            "{what} {dtype:?}: element {i} is {b} on the GPU, {a} on the CPU"
-        );
-    }
+    fixtures::assert_close(what, dtype, &fixtures::flat(want), &fixtures::flat(got));
 }
 
 /// Each device op's kernel against its CPU twin on the same inputs, in every dtype. Attention:
@@ -117,39 +98,17 @@ fn assert_close(what: &str, dtype: DType, want: &Tensor, got: &Tensor) {
 /// padding row (zeros).
 #[test]
 fn device_op_kernels_match_their_cpu_twins() {
-    use spex::engine::model::device_ops::{
-        NO_ROW, RowSpan, decode_attention, rope_split, silu_mul, spans_tensor, write_rows,
-    };
+    use fixtures::{AttentionCase, AttentionShape, DTYPES, randn};
+    use spex::engine::model::device_ops::{NO_ROW, rope_split, silu_mul, write_rows};
     let Some(gpu) = cuda_device() else { return };
-    let (heads, kv_heads, head_dim, capacity, rows) = (8, 2, 128, 1500, 4);
-    let randn = |shape: &[usize]| Tensor::randn(0f32, 1.0, shape, &Device::Cpu).expect("randn");
-    let q = randn(&[heads, rows, head_dim]);
-    let (keys, values) = (
-        randn(&[kv_heads, 2 * capacity, head_dim]),
-        randn(&[kv_heads, 2 * capacity, head_dim]),
-    );
-    let (k_step, v_step) = (
-        randn(&[kv_heads, rows, head_dim]),
-        randn(&[kv_heads, rows, head_dim]),
-    );
-    let spans = [
-        RowSpan {
-            start: 0,
-            len: 7,
-            extra: None,
-        },
-        RowSpan {
-            start: capacity,
-            len: 1400,
-            extra: None,
-        },
-        RowSpan {
-            start: capacity,
-            len: 3,
-            extra: Some(2),
-        },
-        RowSpan::EMPTY,
-    ];
+    let case = AttentionCase::new(AttentionShape::WIDE, DType::F32);
+    let AttentionShape {
+        heads,
+        kv_heads,
+        head_dim,
+        capacity,
+    } = case.shape;
+    let rows = case.spans.len();
     let (q_lin, k_lin, v_lin) = (
         randn(&[rows, heads * head_dim]),
         randn(&[rows, kv_heads * head_dim]),
@@ -158,32 +117,16 @@ fn device_op_kernels_match_their_cpu_twins() {
     let angles = randn(&[rows, head_dim / 2]);
     let (cos, sin) = (angles.cos().expect("cos"), angles.sin().expect("sin"));
     let (gate, up) = (randn(&[rows, 512]), randn(&[rows, 512]));
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
+    for dtype in DTYPES {
         let on = |t: &Tensor, device: &Device| {
             t.to_dtype(dtype)
                 .and_then(|t| t.to_device(device))
                 .expect("operand")
         };
-        let attention = |d: &Device| {
-            let spans = spans_tensor(&spans, d).expect("spans");
-            let scale = 1.0 / (head_dim as f32).sqrt();
-            decode_attention(
-                &on(&q, d),
-                (&on(&keys, d), &on(&values, d)),
-                (&on(&k_step, d), &on(&v_step, d)),
-                &spans,
-                scale,
-            )
-            .expect("decode attention")
-        };
+        let attention = |d: &Device| case.attend(d, dtype).expect("decode attention");
         let got = attention(&gpu);
         assert_close("decode attention", dtype, &attention(&Device::Cpu), &got);
-        let padding = got
-            .narrow(0, 3, 1)
-            .and_then(|t| t.to_dtype(DType::F32))
-            .and_then(|t| t.flatten_all())
-            .and_then(|t| t.to_vec1::<f32>())
-            .expect("row 3");
+        let padding = fixtures::flat(&got.narrow(0, 3, 1).expect("row 3"));
         assert!(
             padding.iter().all(|&x| x == 0.0),
             "{dtype:?}: a padding row is zeros"
@@ -202,9 +145,9 @@ fn device_op_kernels_match_their_cpu_twins() {
         let silu = |d: &Device| silu_mul(&on(&gate, d), &on(&up, d)).expect("silu mul");
         assert_close("silu mul", dtype, &silu(&Device::Cpu), &silu(&gpu));
         let written = |d: &Device| {
-            let cache = on(&keys, d);
+            let cache = on(&case.keys, d);
             let to = Tensor::new(&[5u32, NO_ROW, 2 * capacity as u32 - 1, 0], d).expect("to");
-            write_rows(&cache, &on(&k_step, d), &to).expect("write rows");
+            write_rows(&cache, &on(&case.k_step, d), &to).expect("write rows");
             cache
         };
         assert_close("write rows", dtype, &written(&Device::Cpu), &written(&gpu));

@@ -151,3 +151,38 @@ fn streamed_text_ends_like_the_finish_text_even_mid_character() {
         "some run ends inside a multi-byte character"
     );
 }
+
+/// A shard index's names, each once and in order; one outside the checkpoint's folder is an
+/// error naming the index (the loader and `spex pull` read it the same way).
+#[test]
+fn a_shard_index_names_its_shards_inside_its_folder() {
+    use spex::engine::checkpoint::{SHARD_INDEX, shard_names};
+    let dir = tempfile::TempDir::new().unwrap();
+    let index = dir.path().join(SHARD_INDEX);
+    let write = |map: &str| {
+        let text = format!(r#"{{"metadata": {{}}, "weight_map": {map}}}"#);
+        std::fs::write(&index, text).unwrap();
+    };
+    write(
+        r#"{"b": "model-2.safetensors", "a": "model-1.safetensors", "c": "model-2.safetensors"}"#,
+    );
+    assert_eq!(
+        shard_names(&index).unwrap(),
+        ["model-1.safetensors", "model-2.safetensors"]
+    );
+    for bad in [
+        "../x.safetensors",
+        "/etc/x.safetensors",
+        "a/../../x.safetensors",
+    ] {
+        write(&format!(r#"{{"a": "{bad}"}}"#));
+        let err = shard_names(&index).unwrap_err().to_string();
+        assert!(
+            err.contains(SHARD_INDEX) && err.contains("outside") && !err.contains('\n'),
+            "{err}"
+        );
+    }
+    write("[]");
+    let err = shard_names(&index).unwrap_err().to_string();
+    assert!(err.contains("weight_map"), "{err}");
+}

@@ -158,23 +158,40 @@ impl Checkpoint {
     }
 }
 
+/// The name of a sharded checkpoint's index, which maps every tensor to its shard.
+pub const SHARD_INDEX: &str = "model.safetensors.index.json";
+
+/// The shard files an index (`model.safetensors.index.json`) names in its `weight_map`,
+/// each once, in order. A name outside the index's folder (absolute, or through `..`) is an
+/// error: a downloaded index must not reach other files.
+pub fn shard_names(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).map_err(|e| EngineError::file(index, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| EngineError::file(index, format!("not valid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| EngineError::Config {
+            path: index.to_path_buf(),
+            field: "weight_map".into(),
+            message: "missing or not an object".into(),
+        })?;
+    let names: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+    let outside = |n: &&&str| n.starts_with('/') || n.split('/').any(|part| part == "..");
+    if let Some(bad) = names.iter().find(outside) {
+        return Err(EngineError::file(
+            index,
+            format!("shard `{bad}` is outside the checkpoint's folder"),
+        ));
+    }
+    Ok(names.into_iter().map(String::from).collect())
+}
+
 /// The safetensors files: those the index names when sharded, else every `*.safetensors`.
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let index = dir.join("model.safetensors.index.json");
+    let index = dir.join(SHARD_INDEX);
     if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|e| EngineError::file(&index, e))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| EngineError::file(&index, format!("not valid JSON: {e}")))?;
-        let map = json
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| EngineError::Config {
-                path: index.clone(),
-                field: "weight_map".into(),
-                message: "missing or not an object".into(),
-            })?;
-        let names: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
-        let files: Vec<PathBuf> = names.into_iter().map(|n| dir.join(n)).collect();
+        let files: Vec<PathBuf> = (shard_names(&index)?.iter()).map(|n| dir.join(n)).collect();
         if let Some(missing) = files.iter().find(|f| !f.is_file()) {
             return Err(EngineError::file(
                 missing,

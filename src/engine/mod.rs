@@ -6,6 +6,7 @@
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod custom_op;
 pub mod decoder;
 pub mod error;
 pub mod events;

@@ -60,7 +60,7 @@ pub struct Pulled {
 /// Files a checkpoint may have beside its weights; only the first two are required.
 const REQUIRED: [&str; 2] = ["config.json", "tokenizer.json"];
 const OPTIONAL: [&str; 2] = ["tokenizer_config.json", "generation_config.json"];
-const INDEX: &str = "model.safetensors.index.json";
+const INDEX: &str = crate::engine::checkpoint::SHARD_INDEX;
 const WEIGHTS: &str = "model.safetensors";
 
 /// Downloads `repo` at `revision` (a branch, tag or 40-hex commit) into the local cache:
@@ -174,28 +174,8 @@ impl Fetcher<'_> {
     }
 }
 
-/// The shard files a `model.safetensors.index.json` names, each once.
+/// The shard files a `model.safetensors.index.json` names, each once
+/// (`engine::checkpoint::shard_names`).
 fn shards(index: &std::path::Path) -> Result<Vec<String>, HubError> {
-    let text = std::fs::read_to_string(index).map_err(|e| HubError::io(index, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| HubError::Invalid(format!("{}: {e}", index.display())))?;
-    let map = json["weight_map"]
-        .as_object()
-        .ok_or_else(|| HubError::Invalid(format!("{}: no `weight_map` object", index.display())))?;
-    let mut shards: Vec<String> = map
-        .values()
-        .filter_map(|v| v.as_str().map(String::from))
-        .collect();
-    shards.sort();
-    shards.dedup();
-    if let Some(bad) = shards
-        .iter()
-        .find(|s| s.starts_with('/') || s.split('/').any(|part| part == ".."))
-    {
-        return Err(HubError::Invalid(format!(
-            "{}: shard `{bad}` is outside the snapshot",
-            index.display()
-        )));
-    }
-    Ok(shards)
+    crate::engine::checkpoint::shard_names(index).map_err(|e| HubError::Invalid(e.to_string()))
 }

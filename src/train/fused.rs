@@ -10,6 +10,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor, bail};
 use rayon::prelude::*;
 
+use crate::engine::custom_op::cpu_operand;
 use crate::engine::error::Result;
 use crate::engine::kernels;
 use crate::engine::model::Rope as RopeTables;
@@ -51,12 +52,9 @@ impl SequenceOps for Fused {
 /// Rows handed to one rayon task: big enough that scheduling costs nothing next to the work.
 const ROWS_PER_TASK: usize = 64;
 
+/// An f32 operand's elements, checked contiguous (`custom_op::cpu_operand`).
 fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> CResult<&'a [f32]> {
-    let data = s.as_slice::<f32>()?;
-    match l.contiguous_offsets() {
-        Some((start, end)) => Ok(&data[start..end]),
-        None => Err(candle_core::Error::RequiresContiguous { op }),
-    }
+    cpu_operand(op, (s, l), "an operand")
 }
 
 fn last_dim(shape: &Shape, op: &'static str) -> CResult<usize> {

@@ -16,7 +16,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor};
 
-use super::{Elem, by_dtype, cpu_slice};
+use super::{Elem, by_dtype};
+use crate::engine::custom_op::{cpu_operand, op_error};
 use crate::engine::error::Result;
 
 const OP: &str = "decode attention";
@@ -129,7 +130,7 @@ impl DecodeAttention {
             && head_dim <= MAX_HEAD_DIM;
         match ok {
             true => Ok(dims),
-            false => Err(super::bail(
+            false => Err(op_error(
                 OP,
                 format!(
                     "shapes q {:?}, keys {:?}, values {:?}, k_step {:?}, v_step {:?}, spans {:?} do not fit",
@@ -166,11 +167,11 @@ impl CustomOp3 for DecodeAttention {
         let (Storage::Cpu(spans), Storage::Cpu(k_step), Storage::Cpu(v_step)) =
             (&*spans, &*k_step, &*v_step)
         else {
-            return Err(super::bail(OP, "the step's operands are not on the CPU"));
+            return Err(op_error(OP, "the step's operands are not on the CPU"));
         };
-        let spans = cpu_slice::<u32>(OP, (spans, ls), "spans")?;
+        let spans = cpu_operand::<u32>(OP, (spans, ls), "spans")?;
         let out = by_dtype!(OP, q.dtype(), |T| {
-            let operand = |s, l, what| cpu_slice::<T>(OP, (s, l), what);
+            let operand = |s, l, what| cpu_operand::<T>(OP, (s, l), what);
             let inputs = Inputs {
                 q: operand(q, lq, "q")?,
                 keys: operand(keys, lk, "keys")?,
@@ -236,7 +237,7 @@ fn run<'a, T: Elem>(
         let (start, len, extra) = (span[0] as usize, span[1] as usize, span[2]);
         if start + len > cache_rows || (extra != NO_EXTRA && extra as usize >= rows) {
             let message = format!("row {row}'s span {span:?} is outside the cache");
-            return Err(super::bail(OP, message));
+            return Err(op_error(OP, message));
         }
         let total = len + usize::from(extra != NO_EXTRA);
         for head in 0..heads {

@@ -10,7 +10,7 @@ use candle_core::{CudaStorage, DType, Layout, Storage, Tensor, WithDType};
 
 use super::attention::{DecodeAttention, Dims};
 use super::elementwise::{RopeSplit, SplitDims, WriteDims, WriteRows};
-use super::{bail, range};
+use crate::engine::custom_op::{contiguous_range, op_error};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/device_ops.ptx"));
 /// `decode_attention`'s threads per (row, head) block (`THREADS` in kernels.cu).
@@ -51,7 +51,8 @@ fn view<'a, T: CudaDType>(
     (s, l): (&'a CudaStorage, &Layout),
     what: &str,
 ) -> candle_core::Result<CudaView<'a, T>> {
-    Ok(s.as_cuda_slice::<T>()?.slice(range(op, l, what)?))
+    Ok(s.as_cuda_slice::<T>()?
+        .slice(contiguous_range(op, l, what)?))
 }
 
 /// A tensor the op carries beside candle's operands, read on the GPU with `read`.
@@ -64,7 +65,7 @@ fn with_gpu<R>(
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
         Storage::Cuda(s) => read((s, layout)),
-        _ => Err(bail(op, format!("{what} is not on the GPU"))),
+        _ => Err(op_error(op, format!("{what} is not on the GPU"))),
     }
 }
 
@@ -169,7 +170,7 @@ pub(super) fn write_rows<T: CudaDType + DeviceRepr + WithDType>(
     let dev = cache.device.clone();
     let func = dev.get_or_load_custom_func(&kernel::<T>("write_rows"), MODULE, PTX)?;
     let src = view::<T>(OP, src, "src")?;
-    let cache_range = range(OP, lc, "cache")?;
+    let cache_range = contiguous_range(OP, lc, "cache")?;
     let mut cache = cache.as_cuda_slice_mut::<T>()?.slice_mut(cache_range);
     with_gpu(OP, &op.to, "to", |to| {
         let to = view::<u32>(OP, to, "to")?;

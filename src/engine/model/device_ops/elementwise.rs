@@ -7,7 +7,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, InplaceOp2, Layout, Shape};
 use candle_core::{Storage, Tensor, WithDType};
 
-use super::{Elem, bail, by_dtype, cpu_slice};
+use super::{Elem, by_dtype};
+use crate::engine::custom_op::{contiguous_range, cpu_operand, op_error};
 use crate::engine::error::Result;
 use crate::engine::kernels::rope_row;
 
@@ -86,7 +87,7 @@ impl RopeSplit {
                 kv_heads: kv_width / head_dim,
                 head_dim,
             }),
-            false => Err(bail(
+            false => Err(op_error(
                 Self::OP,
                 format!(
                     "shapes q {:?}, k {:?}, v {:?}, cos {:?}, sin {:?} do not fit",
@@ -125,10 +126,10 @@ impl CustomOp3 for RopeSplit {
         let (cos, lc) = self.cos.storage_and_layout();
         let (sin, ls) = self.sin.storage_and_layout();
         let (Storage::Cpu(cos), Storage::Cpu(sin)) = (&*cos, &*sin) else {
-            return Err(bail(Self::OP, "cos and sin are not on the CPU"));
+            return Err(op_error(Self::OP, "cos and sin are not on the CPU"));
         };
         let out = by_dtype!(Self::OP, q.dtype(), |T| {
-            let operand = |s, l, what| cpu_slice::<T>(Self::OP, (s, l), what);
+            let operand = |s, l, what| cpu_operand::<T>(Self::OP, (s, l), what);
             let sources = [
                 operand(q, lq, "q")?,
                 operand(k, lk, "k")?,
@@ -222,7 +223,7 @@ impl WriteRows {
                 cache_rows,
                 head_dim,
             }),
-            false => Err(bail(
+            false => Err(op_error(
                 Self::OP,
                 format!(
                     "shapes cache {:?}, rows {:?}, to {:?} do not fit",
@@ -250,14 +251,17 @@ impl InplaceOp2 for WriteRows {
         let dims = self.dims(lc, ls)?;
         let (to, lt) = self.to.storage_and_layout();
         let Storage::Cpu(to) = &*to else {
-            return Err(bail(Self::OP, "the rows' cache rows are not on the CPU"));
+            return Err(op_error(
+                Self::OP,
+                "the rows' cache rows are not on the CPU",
+            ));
         };
-        let to = cpu_slice::<u32>(Self::OP, (to, lt), "to")?;
-        let cache_range = super::range(Self::OP, lc, "cache")?;
+        let to = cpu_operand::<u32>(Self::OP, (to, lt), "to")?;
+        let cache_range = contiguous_range(Self::OP, lc, "cache")?;
         by_dtype!(Self::OP, src.dtype(), |T| {
-            let src = cpu_slice::<T>(Self::OP, (src, ls), "src")?;
+            let src = cpu_operand::<T>(Self::OP, (src, ls), "src")?;
             let cache = T::slice_mut(cache)
-                .ok_or_else(|| bail(Self::OP, "the cache and the rows differ in dtype"))?;
+                .ok_or_else(|| op_error(Self::OP, "the cache and the rows differ in dtype"))?;
             let cache = &mut cache[cache_range];
             write_rows_cpu(dims, cache, src, to)
         })
@@ -292,7 +296,7 @@ fn write_rows_cpu<T: Elem>(
         let at = at as usize;
         if at >= d.cache_rows {
             let message = format!("row {row}'s cache row {at} is past {} rows", d.cache_rows);
-            return Err(bail(WriteRows::OP, message));
+            return Err(op_error(WriteRows::OP, message));
         }
         for head in 0..d.kv_heads {
             let from = &src[(head * d.rows + row) * d.head_dim..][..d.head_dim];
@@ -311,7 +315,7 @@ impl SiluMul {
     pub(super) fn elements(&self, gate: &Layout, up: &Layout) -> candle_core::Result<usize> {
         match gate.shape() == up.shape() {
             true => Ok(gate.shape().elem_count()),
-            false => Err(bail(
+            false => Err(op_error(
                 Self::OP,
                 format!("shapes {:?} and {:?} differ", gate.dims(), up.dims()),
             )),
@@ -333,8 +337,8 @@ impl CustomOp2 for SiluMul {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         self.elements(lg, lu)?;
         let out = by_dtype!(Self::OP, gate.dtype(), |T| {
-            let gate = cpu_slice::<T>(Self::OP, (gate, lg), "gate")?;
-            let up = cpu_slice::<T>(Self::OP, (up, lu), "up")?;
+            let gate = cpu_operand::<T>(Self::OP, (gate, lg), "gate")?;
+            let up = cpu_operand::<T>(Self::OP, (up, lu), "up")?;
             let out = gate.iter().zip(up).map(|(&g, &u)| {
                 let g = g.f32();
                 T::of(g / (1.0 + (-g).exp()) * u.f32())

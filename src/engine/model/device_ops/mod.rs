@@ -16,35 +16,16 @@ mod attention;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod elementwise;
+#[doc(hidden)]
+pub mod fixtures;
 #[cfg(test)]
 mod tests;
 
 pub use attention::{CHUNK, MAX_HEAD_DIM, RowSpan, decode_attention, spans_tensor};
 pub use elementwise::{NO_ROW, rope_split, silu_mul, write_rows};
 
-use candle_core::{CpuStorage, Layout, WithDType};
+use candle_core::{CpuStorage, WithDType};
 use half::{bf16, f16};
-
-/// An op's error: its name and what is wrong.
-fn bail(op: &str, message: impl std::fmt::Display) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{op}: {message}"))
-}
-
-/// The contiguous range of `layout` in its storage.
-fn range(op: &str, layout: &Layout, what: &str) -> candle_core::Result<std::ops::Range<usize>> {
-    let (start, end) = (layout.contiguous_offsets())
-        .ok_or_else(|| bail(op, format!("{what} is not contiguous")))?;
-    Ok(start..end)
-}
-
-/// An operand of a CPU twin: its elements, checked contiguous.
-fn cpu_slice<'a, T: WithDType>(
-    op: &str,
-    (storage, layout): (&'a CpuStorage, &Layout),
-    what: &str,
-) -> candle_core::Result<&'a [T]> {
-    Ok(&storage.as_slice::<T>()?[range(op, layout, what)?])
-}
 
 /// An element the CPU twins read and write, computed in f32.
 trait Elem: WithDType {
@@ -116,7 +97,7 @@ macro_rules! by_dtype {
                 type $t = half::f16;
                 $body
             }
-            dtype => Err($crate::engine::model::device_ops::bail(
+            dtype => Err($crate::engine::custom_op::op_error(
                 $op,
                 format!("{dtype:?} is not supported"),
             )),

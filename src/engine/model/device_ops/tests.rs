@@ -3,73 +3,27 @@
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 
-use super::{NO_ROW, RowSpan, decode_attention, rope_split, silu_mul, spans_tensor, write_rows};
+use super::fixtures::{AttentionCase, AttentionShape, DTYPES, flat, randn, rounded};
+use super::{NO_ROW, decode_attention, rope_split, silu_mul, spans_tensor, write_rows};
 
-const HEADS: usize = 4;
-const KV_HEADS: usize = 2;
-const HEAD_DIM: usize = 32;
-/// Two passes' spans, long enough that one crosses a chunk.
-const CAPACITY: usize = 1300;
-
-struct Case {
-    q: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    k_step: Tensor,
-    v_step: Tensor,
-    spans: Vec<RowSpan>,
+fn case() -> AttentionCase {
+    AttentionCase::new(AttentionShape::SMALL, DType::F32)
 }
 
-fn randn(shape: (usize, usize, usize)) -> Tensor {
-    Tensor::randn(0f32, 1.0, shape, &Device::Cpu).expect("randn")
-}
-
-fn case() -> Case {
-    let rows = 4;
-    Case {
-        q: randn((HEADS, rows, HEAD_DIM)),
-        keys: randn((KV_HEADS, 2 * CAPACITY, HEAD_DIM)),
-        values: randn((KV_HEADS, 2 * CAPACITY, HEAD_DIM)),
-        k_step: randn((KV_HEADS, rows, HEAD_DIM)),
-        v_step: randn((KV_HEADS, rows, HEAD_DIM)),
-        spans: vec![
-            RowSpan {
-                start: 0,
-                len: 5,
-                extra: None,
-            },
-            RowSpan {
-                start: CAPACITY,
-                len: 1200,
-                extra: None,
-            },
-            RowSpan {
-                start: 0,
-                len: 4,
-                extra: Some(2),
-            },
-            RowSpan::EMPTY,
-        ],
-    }
-}
-
-fn run(c: &Case, dtype: DType) -> Vec<Vec<f32>> {
-    let cast = |t: &Tensor| t.to_dtype(dtype).expect("cast");
-    let spans = spans_tensor(&c.spans, &Device::Cpu).expect("spans");
-    let out = decode_attention(
-        &cast(&c.q),
-        (&cast(&c.keys), &cast(&c.values)),
-        (&cast(&c.k_step), &cast(&c.v_step)),
-        &spans,
-        1.0 / (HEAD_DIM as f32).sqrt(),
-    )
-    .expect("decode attention");
+fn run(c: &AttentionCase, dtype: DType) -> Vec<Vec<f32>> {
+    let out = c.attend(&Device::Cpu, dtype).expect("decode attention");
     (out.to_dtype(DType::F32).and_then(|t| t.to_vec2())).expect("out")
 }
 
 /// Softmax attention in f64 over the columns a span names.
-fn reference(c: &Case, row: usize, head: usize) -> Vec<f32> {
-    let kv = head / (HEADS / KV_HEADS);
+fn reference(c: &AttentionCase, row: usize, head: usize) -> Vec<f32> {
+    let AttentionShape {
+        heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = c.shape;
+    let kv = head / (heads / kv_heads);
     let span = c.spans[row];
     let vec = |t: &Tensor, i: usize| -> Vec<f64> {
         let v: Vec<f32> = t.i((kv, i)).and_then(|t| t.to_vec1()).expect("row");
@@ -82,23 +36,24 @@ fn reference(c: &Case, row: usize, head: usize) -> Vec<f32> {
         cols.push((vec(&c.k_step, e), vec(&c.v_step, e)));
     }
     if cols.is_empty() {
-        return vec![0.0; HEAD_DIM];
+        return vec![0.0; head_dim];
     }
     let q: Vec<f32> = c.q.i((head, row)).and_then(|t| t.to_vec1()).expect("q");
     let scores: Vec<f64> = (cols.iter())
         .map(|(k, _)| {
-            q.iter().zip(k).map(|(&a, b)| f64::from(a) * b).sum::<f64>() / (HEAD_DIM as f64).sqrt()
+            q.iter().zip(k).map(|(&a, b)| f64::from(a) * b).sum::<f64>() / (head_dim as f64).sqrt()
         })
         .collect();
     let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let p: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
     let sum: f64 = p.iter().sum();
-    (0..HEAD_DIM)
+    (0..head_dim)
         .map(|d| (p.iter().zip(&cols).map(|(p, (_, v))| p * v[d]).sum::<f64>() / sum) as f32)
         .collect()
 }
 
-/// One rounding of `dtype`, relative.
+/// One rounding of `dtype`, relative; f32's is tighter than `fixtures::one_rounding`'s,
+/// which allows for the kernels' different sum orders.
 fn ulp(dtype: DType) -> f32 {
     match dtype {
         DType::BF16 => 1.0 / 128.0,
@@ -107,31 +62,25 @@ fn ulp(dtype: DType) -> f32 {
     }
 }
 
-/// `t` as `dtype` rounds it, in f32: the reference reads what the op reads.
-fn rounded(t: &Tensor, dtype: DType) -> Tensor {
-    t.to_dtype(dtype)
-        .and_then(|t| t.to_dtype(DType::F32))
-        .expect("rounded")
-}
-
 /// How far the op's output strays past one rounding of `dtype` from the f64 reference on the
 /// same (rounded) inputs.
-fn worst_excess(c: &Case, dtype: DType) -> f32 {
+fn worst_excess(c: &AttentionCase, dtype: DType) -> f32 {
     let r = |t: &Tensor| rounded(t, dtype);
-    let c = Case {
+    let c = AttentionCase {
         q: r(&c.q),
         keys: r(&c.keys),
         values: r(&c.values),
         k_step: r(&c.k_step),
         v_step: r(&c.v_step),
-        spans: c.spans.clone(),
+        ..c.clone()
     };
     let out = run(&c, dtype);
+    let (heads, dim) = (c.shape.heads, c.shape.head_dim);
     let mut worst = 0f32;
     for (row, got) in out.iter().enumerate() {
-        for head in 0..HEADS {
+        for head in 0..heads {
             let want = reference(&c, row, head);
-            let got = &got[head * HEAD_DIM..(head + 1) * HEAD_DIM];
+            let got = &got[head * dim..(head + 1) * dim];
             worst = (got.iter().zip(&want)).fold(worst, |w, (a, b)| {
                 w.max((a - b).abs() - ulp(dtype) * b.abs())
             });
@@ -143,7 +92,7 @@ fn worst_excess(c: &Case, dtype: DType) -> f32 {
 #[test]
 fn matches_softmax_attention_across_chunks_groups_and_extra_columns() {
     let c = case();
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
+    for dtype in DTYPES {
         let excess = worst_excess(&c, dtype);
         assert!(excess < 1e-5, "{dtype:?}: {excess} past one rounding");
     }
@@ -171,12 +120,6 @@ fn mismatched_shapes_are_an_error() {
     );
 }
 
-fn flat(t: &Tensor) -> Vec<f32> {
-    (t.to_dtype(DType::F32).and_then(|t| t.flatten_all()))
-        .and_then(|t| t.to_vec1())
-        .expect("f32")
-}
-
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     let d = (a.to_dtype(DType::F32).expect("a") - b.to_dtype(DType::F32).expect("b")).expect("sub");
     (d.abs().and_then(|d| d.flatten_all()).and_then(|d| d.max(0)))
@@ -188,13 +131,13 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 #[test]
 fn rope_split_matches_candles_rope_and_transposes() {
     let (rows, heads, kv_heads, head_dim) = (5, 4, 2, 16);
-    let rand = |cols: usize| Tensor::randn(0f32, 1.0, (rows, cols), &Device::Cpu).expect("randn");
+    let rand = |cols: usize| randn(&[rows, cols]);
     let (q, k, v) = (
         rand(heads * head_dim),
         rand(kv_heads * head_dim),
         rand(kv_heads * head_dim),
     );
-    let angles = Tensor::randn(0f32, 1.0, (rows, head_dim / 2), &Device::Cpu).expect("angles");
+    let angles = randn(&[rows, head_dim / 2]);
     let (cos, sin) = (angles.cos().expect("cos"), angles.sin().expect("sin"));
     let head_major = |x: &Tensor, n: usize| {
         (x.reshape((1, rows, n, head_dim))
@@ -264,7 +207,7 @@ fn write_rows_writes_the_named_rows_only() {
 fn silu_mul_matches_candles_silu_times_up() {
     let rand = || Tensor::randn(0f32, 2.0, (8, 40), &Device::Cpu).expect("randn");
     let (gate, up) = (rand(), rand());
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
+    for dtype in DTYPES {
         let (gate, up) = (rounded(&gate, dtype), rounded(&up, dtype));
         let want = (candle_nn::ops::silu(&gate).expect("silu") * &up).expect("mul");
         let cast = |t: &Tensor| t.to_dtype(dtype).expect("cast");
