@@ -16,6 +16,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor};
 
+use super::dims::Dims;
 use super::{Elem, by_dtype};
 use crate::engine::custom_op::{cpu_operand, op_error};
 use crate::engine::error::Result;
@@ -90,22 +91,6 @@ pub(super) struct DecodeAttention {
     pub(super) v_step: Tensor,
     pub(super) spans: Tensor,
     pub(super) scale: f32,
-}
-
-/// The sizes of one call, checked against every operand's layout.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Dims {
-    pub(super) rows: usize,
-    pub(super) heads: usize,
-    pub(super) kv_heads: usize,
-    pub(super) cache_rows: usize,
-    pub(super) head_dim: usize,
-}
-
-impl Dims {
-    fn out_shape(&self) -> Shape {
-        Shape::from((self.rows, self.heads * self.head_dim))
-    }
 }
 
 impl DecodeAttention {
@@ -197,7 +182,8 @@ impl CustomOp3 for DecodeAttention {
         let dims = self.dims(lq, lk, lv)?;
         let operands = [(q, lq), (keys, lk), (values, lv)];
         let out = by_dtype!(OP, q.dtype(), |T| {
-            super::cuda::decode_attention::<T>(self, dims, operands)
+            let step = (&self.k_step, &self.v_step, &self.spans);
+            super::cuda::decode_attention::<T>(dims, (step, self.scale), operands)
         })?;
         Ok((out, dims.out_shape()))
     }

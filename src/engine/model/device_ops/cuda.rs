@@ -8,8 +8,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Storage, Tensor, WithDType};
 
-use super::attention::{DecodeAttention, Dims};
-use super::elementwise::{RopeSplit, SplitDims, WriteDims, WriteRows};
+use super::dims::{Dims, SplitDims, WriteDims};
 use crate::engine::custom_op::{contiguous_range, op_error};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/device_ops.ptx"));
@@ -69,9 +68,12 @@ fn with_gpu<R>(
     }
 }
 
+/// The step's K and V rows and the rows' spans, then the softmax scale.
+type StepOperands<'a> = ((&'a Tensor, &'a Tensor, &'a Tensor), f32);
+
 pub(super) fn decode_attention<T: CudaDType + DeviceRepr + WithDType>(
-    op: &DecodeAttention,
     dims: Dims,
+    ((k_step, v_step, spans), scale): StepOperands,
     [q, keys, values]: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<CudaStorage> {
     const OP: &str = "decode attention";
@@ -84,9 +86,9 @@ pub(super) fn decode_attention<T: CudaDType + DeviceRepr + WithDType>(
         view::<T>(OP, keys, "keys")?,
         view::<T>(OP, values, "values")?,
     );
-    with_gpu(OP, &op.k_step, "k_step", |k_step| {
-        with_gpu(OP, &op.v_step, "v_step", |v_step| {
-            with_gpu(OP, &op.spans, "spans", |spans| {
+    with_gpu(OP, k_step, "k_step", |k_step| {
+        with_gpu(OP, v_step, "v_step", |v_step| {
+            with_gpu(OP, spans, "spans", |spans| {
                 let (k_step, v_step) = (
                     view::<T>(OP, k_step, "k_step")?,
                     view::<T>(OP, v_step, "v_step")?,
@@ -111,7 +113,7 @@ pub(super) fn decode_attention<T: CudaDType + DeviceRepr + WithDType>(
                 ints.iter().for_each(|x| {
                     b.arg(x);
                 });
-                b.arg(&op.scale);
+                b.arg(&scale);
                 let cfg = LaunchConfig {
                     grid_dim: (dims.rows as u32, dims.heads as u32, 1),
                     block_dim: (ATTENTION_THREADS, 1, 1),
@@ -128,8 +130,8 @@ pub(super) fn decode_attention<T: CudaDType + DeviceRepr + WithDType>(
 }
 
 pub(super) fn rope_split<T: CudaDType + DeviceRepr + WithDType>(
-    op: &RopeSplit,
     dims: SplitDims,
+    (cos, sin): (&Tensor, &Tensor),
     [q, k, v]: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<CudaStorage> {
     const OP: &str = "rope split";
@@ -143,8 +145,8 @@ pub(super) fn rope_split<T: CudaDType + DeviceRepr + WithDType>(
         view::<T>(OP, k, "k")?,
         view::<T>(OP, v, "v")?,
     );
-    with_gpu(OP, &op.cos, "cos", |cos| {
-        with_gpu(OP, &op.sin, "sin", |sin| {
+    with_gpu(OP, cos, "cos", |cos| {
+        with_gpu(OP, sin, "sin", |sin| {
             let (cos, sin) = (view::<T>(OP, cos, "cos")?, view::<T>(OP, sin, "sin")?);
             let mut b = func.builder();
             b.arg(&q).arg(&k).arg(&v).arg(&cos).arg(&sin).arg(&out);
@@ -161,8 +163,8 @@ pub(super) fn rope_split<T: CudaDType + DeviceRepr + WithDType>(
 }
 
 pub(super) fn write_rows<T: CudaDType + DeviceRepr + WithDType>(
-    op: &WriteRows,
     dims: WriteDims,
+    to: &Tensor,
     (cache, lc): (&mut CudaStorage, &Layout),
     src: (&CudaStorage, &Layout),
 ) -> candle_core::Result<()> {
@@ -172,7 +174,7 @@ pub(super) fn write_rows<T: CudaDType + DeviceRepr + WithDType>(
     let src = view::<T>(OP, src, "src")?;
     let cache_range = contiguous_range(OP, lc, "cache")?;
     let mut cache = cache.as_cuda_slice_mut::<T>()?.slice_mut(cache_range);
-    with_gpu(OP, &op.to, "to", |to| {
+    with_gpu(OP, to, "to", |to| {
         let to = view::<u32>(OP, to, "to")?;
         let n = dims.kv_heads * dims.rows * dims.head_dim;
         let mut b = func.builder();

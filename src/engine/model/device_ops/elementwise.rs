@@ -7,6 +7,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, InplaceOp2, Layout, Shape};
 use candle_core::{Storage, Tensor, WithDType};
 
+use super::dims::{SplitDims, WriteDims};
 use super::{Elem, by_dtype};
 use crate::engine::custom_op::{contiguous_range, cpu_operand, op_error};
 use crate::engine::error::Result;
@@ -51,15 +52,6 @@ pub(super) struct RopeSplit {
     pub(super) sin: Tensor,
 }
 
-/// [`rope_split`]'s sizes, checked against every operand.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct SplitDims {
-    pub(super) rows: usize,
-    pub(super) heads: usize,
-    pub(super) kv_heads: usize,
-    pub(super) head_dim: usize,
-}
-
 impl RopeSplit {
     const OP: &str = "rope split";
 
@@ -99,12 +91,6 @@ impl RopeSplit {
                 ),
             )),
         }
-    }
-}
-
-impl SplitDims {
-    fn out_shape(&self) -> Shape {
-        Shape::from((self.heads + 2 * self.kv_heads, self.rows, self.head_dim))
     }
 }
 
@@ -154,7 +140,7 @@ impl CustomOp3 for RopeSplit {
         let dims = self.dims(lq, lk, lv)?;
         let operands = [(q, lq), (k, lk), (v, lv)];
         let out = by_dtype!(Self::OP, q.dtype(), |T| {
-            super::cuda::rope_split::<T>(self, dims, operands)
+            super::cuda::rope_split::<T>(dims, (&self.cos, &self.sin), operands)
         })?;
         Ok((out, dims.out_shape()))
     }
@@ -199,15 +185,6 @@ fn rope_split_cpu<T: Elem>(
 /// The operand of [`write_rows`] beyond candle's two: each row's cache row.
 pub(super) struct WriteRows {
     pub(super) to: Tensor,
-}
-
-/// [`write_rows`]'s sizes.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct WriteDims {
-    pub(super) rows: usize,
-    pub(super) kv_heads: usize,
-    pub(super) cache_rows: usize,
-    pub(super) head_dim: usize,
 }
 
 impl WriteRows {
@@ -277,7 +254,7 @@ impl InplaceOp2 for WriteRows {
     ) -> candle_core::Result<()> {
         let dims = self.dims(lc, ls)?;
         by_dtype!(Self::OP, src.dtype(), |T| {
-            super::cuda::write_rows::<T>(self, dims, (cache, lc), (src, ls))
+            super::cuda::write_rows::<T>(dims, &self.to, (cache, lc), (src, ls))
         })
     }
 }

@@ -15,6 +15,7 @@
 mod attention;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod dims;
 mod elementwise;
 #[doc(hidden)]
 pub mod fixtures;
