@@ -573,3 +573,63 @@ fn a_run_cut_short_by_its_context_says_so_on_stderr() {
     let (ok, stderr) = spex(&args);
     assert!(ok && stderr.is_empty(), "nothing to say: {stderr}");
 }
+
+/// `spex sweep lengths`: the bench at each length, identical at every one, a chart at slide
+/// size, and a length past the context is one line.
+#[test]
+fn a_length_sweep_reports_every_length_and_draws_its_chart() {
+    let (dir, _) = random_model(&spec(1, 3, Variant::Tied, 6));
+    let d = dir.path().display().to_string();
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "To be, or not to be\nShall I compare thee\n").unwrap();
+    let p = prompts.display().to_string();
+    let chart = dir.path().join("lengths.svg");
+    let c = chart.display().to_string();
+    let args = [
+        "sweep",
+        "lengths",
+        "--model",
+        &d,
+        "--prompts",
+        &p,
+        "--chart",
+        &c,
+    ];
+    let out = spex_ok(
+        &[
+            &args[..],
+            &["--lengths", "4,8", "--policy", "speed,loopspec", "--json"],
+        ]
+        .concat(),
+        &[],
+        Path::new("."),
+    );
+    let sweep: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(sweep["prompts"], 2);
+    let points = sweep["points"].as_array().unwrap();
+    let lengths: Vec<u64> = points
+        .iter()
+        .map(|p| p["max_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(lengths, [4, 8]);
+    for point in points {
+        assert!(point["ceiling"].as_f64().unwrap() > 0.0, "{point}");
+        let policies = point["policies"].as_array().unwrap();
+        let names: Vec<&str> = policies
+            .iter()
+            .map(|q| q["policy"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["speed", "loopspec"]);
+        assert!(policies.iter().all(|q| q["identical"] == true), "{point}");
+    }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(
+        svg.starts_with(r#"<svg width="1280" height="720""#),
+        "{svg:.80}"
+    );
+    assert!(svg.contains("loopspec") && svg.contains("ceiling"));
+    assert_clean_error(
+        &["sweep", "lengths", "--model", &d, "--lengths", "8,600"],
+        "--lengths: 600 tokens do not fit the context",
+    );
+}

@@ -10,6 +10,7 @@ mod load_bar;
 pub mod models;
 mod record;
 mod replay;
+mod sweep;
 mod train;
 
 use std::path::PathBuf;
@@ -49,6 +50,8 @@ pub enum Command {
     Replay(replay::ReplayArgs),
     /// Where early passes disagreed with the committed tokens, over recorded traces.
     Explain(explain::ExplainArgs),
+    /// The bench over a varying quantity, as a table and an SVG chart (for slides).
+    Sweep(sweep::SweepArgs),
     /// Draw a recorded run's dashboard at one step as an SVG picture (for slides).
     Snapshot(replay::SnapshotArgs),
     /// List the models of models.toml and whether each is on this machine.
@@ -404,6 +407,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Tui(args)) => dashboard(&args),
         Some(Command::Replay(args)) => replay::run(&args),
         Some(Command::Explain(args)) => explain::run(&args),
+        Some(Command::Sweep(args)) => sweep::run(&args),
         Some(Command::Snapshot(args)) => replay::snapshot(&args),
         Some(Command::Models) => list_models(),
         Some(Command::Pull { name, revision }) => hub::run(&name, revision.as_deref()),
@@ -594,7 +598,9 @@ fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
 
 /// A count of at least 1 (`--max-tokens`, `--runs`): refused as the command line is read,
 /// before a model loads.
-fn parse_count<T: std::str::FromStr + PartialEq + From<u8>>(s: &str) -> Result<T, String> {
+pub(crate) fn parse_count<T: std::str::FromStr + PartialEq + From<u8>>(
+    s: &str,
+) -> Result<T, String> {
     let n: T = s
         .parse()
         .map_err(|_| format!("{s:?} is not a whole number"))?;
@@ -605,7 +611,7 @@ fn parse_count<T: std::str::FromStr + PartialEq + From<u8>>(s: &str) -> Result<T
 }
 
 /// `--turn-ms`: a finite number of milliseconds, 0 to 1000.
-fn parse_turn_ms(s: &str) -> Result<f64, String> {
+pub(crate) fn parse_turn_ms(s: &str) -> Result<f64, String> {
     let ms: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
     if (0.0..=1000.0).contains(&ms) {
         Ok(ms)

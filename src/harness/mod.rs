@@ -12,5 +12,6 @@ pub mod metrics;
 pub mod race;
 pub mod report;
 pub mod roofline;
+pub mod sweep;
 pub mod trace;
 pub mod what_if;

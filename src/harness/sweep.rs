@@ -1,0 +1,108 @@
+//! Sweeps: the bench (`bench::bench_prompt`, figured by `report::BenchReport`) repeated over
+//! one quantity that varies, so a chart can show how speedup moves with it. The length sweep
+//! runs every prompt at each generation length: SPEED's pipeline fills and drains once per
+//! run, so a short generation pays a larger share of its start. Read by the CLI's `sweep`.
+
+use serde::Serialize;
+
+use super::bench::{Turns, bench_prompt};
+use super::report::BenchReport;
+use crate::engine::LoadedModel;
+use crate::engine::decoder::DecodeOptions;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::policy::PolicyKind;
+
+/// One policy at one point of a sweep.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PolicyPoint {
+    pub policy: String,
+    /// Over every prompt: baseline decode time / policy decode time.
+    pub speedup: f64,
+    pub tokens_per_sec: f64,
+    /// Identical to the baseline on every prompt where it must be.
+    pub identical: bool,
+}
+
+/// The bench at one generation length.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LengthPoint {
+    pub max_tokens: usize,
+    pub baseline_tokens_per_sec: f64,
+    /// R · t(1 row) / t(R rows), the prompts' mean.
+    pub ceiling: f64,
+    pub policies: Vec<PolicyPoint>,
+}
+
+/// Speedup and ceiling against generation length.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LengthSweep {
+    pub prompts: usize,
+    pub points: Vec<LengthPoint>,
+}
+
+impl LengthSweep {
+    /// The policies whose text differed from the baseline's where it must not, at any length.
+    pub fn failed(&self) -> Vec<String> {
+        let mut failed: Vec<String> = (self.points.iter())
+            .flat_map(|p| p.policies.iter().filter(|q| !q.identical))
+            .map(|q| q.policy.clone())
+            .collect();
+        failed.sort();
+        failed.dedup();
+        failed
+    }
+}
+
+/// The bench of `policies` on every prompt at each of `lengths` tokens; `progress` hears
+/// each (length, prompt) pair before it runs, counted from 1.
+pub fn sweep_lengths(
+    loaded: &LoadedModel,
+    prompts: &[String],
+    (options, lengths): (DecodeOptions, &[usize]),
+    (policies, turns): (&[PolicyKind], Turns),
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LengthSweep> {
+    if lengths.is_empty() || prompts.is_empty() {
+        return Err(EngineError::Invalid(
+            "a sweep needs at least one length and one prompt".into(),
+        ));
+    }
+    let passes = loaded.model().passes();
+    let total = lengths.len() * prompts.len();
+    let mut points = Vec::with_capacity(lengths.len());
+    for (i, &max_tokens) in lengths.iter().enumerate() {
+        let options = DecodeOptions {
+            max_tokens,
+            ..options
+        };
+        let mut results = Vec::with_capacity(prompts.len());
+        for (j, prompt) in prompts.iter().enumerate() {
+            progress(i * prompts.len() + j + 1, total);
+            let mut observe = |_: usize, _: &_| Ok(());
+            let lanes = (policies, turns);
+            results.push(bench_prompt(loaded, prompt, options, lanes, &mut observe)?);
+        }
+        points.push(point(max_tokens, &BenchReport::of(&results, passes)));
+    }
+    Ok(LengthSweep {
+        prompts: prompts.len(),
+        points,
+    })
+}
+
+fn point(max_tokens: usize, report: &BenchReport) -> LengthPoint {
+    let baseline = report.policies.first();
+    LengthPoint {
+        max_tokens,
+        baseline_tokens_per_sec: baseline.map_or(0.0, |p| p.figures.baseline_tokens_per_sec),
+        ceiling: report.ceiling,
+        policies: (report.policies.iter())
+            .map(|p| PolicyPoint {
+                policy: p.policy.clone(),
+                speedup: p.figures.speedup,
+                tokens_per_sec: p.figures.tokens_per_sec,
+                identical: p.mismatches == 0,
+            })
+            .collect(),
+    }
+}
