@@ -633,3 +633,39 @@ fn a_length_sweep_reports_every_length_and_draws_its_chart() {
         "--lengths: 600 tokens do not fit the context",
     );
 }
+
+/// `spex sweep sizes`: every size measured beside its bound, the machine's limits named, a
+/// chart; a size that is not a multiple of the heads' 128 is one line.
+#[test]
+fn a_size_sweep_measures_every_size_beside_its_bound() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let chart = dir.path().join("sizes.svg");
+    let c = chart.display().to_string();
+    let args = ["sweep", "sizes", "--hidden", "256,128", "--threads", "1"];
+    let out = spex_ok(
+        &[&args[..], &["--chart", &c, "--json"]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let sweep: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert!(sweep["read_bytes_per_sec"].as_f64().unwrap() > 0.0);
+    let points = sweep["points"].as_array().unwrap();
+    let hidden: Vec<u64> = points
+        .iter()
+        .map(|p| p["hidden"].as_u64().unwrap())
+        .collect();
+    assert_eq!(hidden, [128, 256], "sorted");
+    for p in points {
+        let (ceiling, bound) = (
+            p["ceiling"].as_f64().unwrap(),
+            p["ceiling_bound"].as_f64().unwrap(),
+        );
+        assert!(ceiling > 0.0 && (1.0..=4.0).contains(&bound), "{p}");
+    }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.contains("roofline bound") && svg.contains("measured"));
+    assert_clean_error(
+        &["sweep", "sizes", "--hidden", "100"],
+        "--hidden: 100 is not a multiple of the heads' 128",
+    );
+}

@@ -2,6 +2,7 @@
 //! `main` calls [`run`]; the dashboard and the trainer are reached from here too.
 
 mod bench;
+mod chart;
 pub mod device;
 mod explain;
 mod generate;
@@ -11,6 +12,7 @@ pub mod models;
 mod record;
 mod replay;
 mod sweep;
+mod sweep_sizes;
 mod train;
 
 use std::path::PathBuf;

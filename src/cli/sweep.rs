@@ -3,11 +3,9 @@
 //! size (1280 × 720).
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use plotters::coord::types::RangedCoordf64;
-use plotters::prelude::*;
 
 use super::{ModelArgs, SamplingArgs, parse_count, parse_turn_ms};
 use crate::engine::{DecodeOptions, PolicyKind};
@@ -26,6 +24,28 @@ pub struct SweepArgs {
 pub enum Sweep {
     /// Speedup and ceiling against generation length, for each policy.
     Lengths(LengthArgs),
+    /// The ceiling against model size (random bf16 checkpoints of Ouro's proportions, up to
+    /// Ouro-1.4B's shape), beside the roofline's bound from the machine's measured read
+    /// bandwidth and multiply-add rate.
+    Sizes(SizeArgs),
+}
+
+/// `spex sweep sizes`.
+#[derive(Debug, Args)]
+pub struct SizeArgs {
+    /// The hidden sizes, comma-separated; each model has Ouro-1.4B's 24 layers, 4 passes,
+    /// heads of 128, an MLP of 2.75 × hidden and a vocabulary of 49152 (2048: its exact shape).
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048", value_parser = parse_count::<usize>)]
+    pub hidden: Vec<usize>,
+    /// Decode threads (default: the physical cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Where the chart is written.
+    #[arg(long, default_value = "sweep-sizes.svg")]
+    pub chart: PathBuf,
+    /// Print one JSON report instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `spex sweep lengths`.
@@ -61,6 +81,7 @@ pub struct LengthArgs {
 pub fn run(args: &SweepArgs) -> anyhow::Result<()> {
     match &args.sweep {
         Sweep::Lengths(args) => lengths(args),
+        Sweep::Sizes(args) => super::sweep_sizes::run(args),
     }
 }
 
@@ -108,7 +129,7 @@ fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
         "{} on {machine}: speedup against generation length",
         session.name
     );
-    draw_lengths(&sweep, &title, &args.chart)?;
+    super::chart::draw(&length_chart(&sweep, title), &args.chart)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&sweep)?);
     } else {
@@ -143,88 +164,33 @@ fn print_lengths(sweep: &LengthSweep) {
     }
 }
 
-/// The policies' colours, in order (then again).
-const COLOURS: [RGBColor; 5] = [
-    RGBColor(0, 114, 178),
-    RGBColor(213, 94, 0),
-    RGBColor(0, 158, 115),
-    RGBColor(204, 121, 167),
-    RGBColor(230, 159, 0),
-];
-
-/// Speedup (one line per policy) and the ceiling (dashed) against the generation length, on
-/// a log₂ axis, written to `path` as an SVG of 1280 × 720.
-fn draw_lengths(sweep: &LengthSweep, title: &str, path: &Path) -> anyhow::Result<()> {
-    let chart_error = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: {e}", path.display());
-    let log2 = |n: usize| (n as f64).log2();
-    let xs: Vec<f64> = sweep.points.iter().map(|p| log2(p.max_tokens)).collect();
-    let (x0, x1) = (xs[0] - 0.25, xs[xs.len() - 1] + 0.25);
-    let ys = (sweep.points.iter())
-        .flat_map(|p| std::iter::once(p.ceiling).chain(p.policies.iter().map(|q| q.speedup)));
-    let top = ys.fold(1.0f64, f64::max) * 1.1;
-    let root = SVGBackend::new(path, (1280, 720)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| chart_error(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 32))
-        .margin(24)
-        .x_label_area_size(64)
-        .y_label_area_size(80)
-        .build_cartesian_2d(x0..x1, 0.0..top)
-        .map_err(|e| chart_error(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("tokens generated")
-        .y_desc("speedup over baseline (×)")
-        .x_labels(xs.len())
-        .x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round()))
-        .axis_desc_style(("sans-serif", 24))
-        .label_style(("sans-serif", 20))
-        .draw()
-        .map_err(|e| chart_error(&e))?;
-    draw_lines(&mut chart, &xs, sweep).map_err(|e| chart_error(&e))?;
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .label_font(("sans-serif", 22))
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| chart_error(&e))?;
-    root.present().map_err(|e| chart_error(&e))?;
-    Ok(())
-}
-
-/// The chart's axes: tokens (log₂) and speedup.
-type Axes<'a> = ChartContext<'a, SVGBackend<'a>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
-
-/// The ceiling (dashed) and one line of dots per policy, with their legend entries.
-fn draw_lines(
-    chart: &mut Axes,
-    xs: &[f64],
-    sweep: &LengthSweep,
-) -> Result<(), DrawingAreaErrorKind<std::io::Error>> {
-    let ceiling: Vec<(f64, f64)> = xs
-        .iter()
-        .zip(&sweep.points)
-        .map(|(&x, p)| (x, p.ceiling))
-        .collect();
-    let grey = RGBColor(90, 90, 90);
-    chart
-        .draw_series(DashedLineSeries::new(ceiling, 10, 6, grey.stroke_width(3)))?
-        .label("ceiling")
-        .legend(move |(x, y)| PathElement::new([(x, y), (x + 24, y)], grey.stroke_width(3)));
-    let count = sweep.points[0].policies.len();
-    for k in 0..count {
-        let colour = COLOURS[k % COLOURS.len()];
-        let line: Vec<(f64, f64)> = (xs.iter().zip(&sweep.points))
-            .map(|(&x, p)| (x, p.policies[k].speedup))
-            .collect();
-        let style = colour.stroke_width(4);
-        chart
-            .draw_series(LineSeries::new(line.clone(), style))?
-            .label(sweep.points[0].policies[k].policy.clone())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 24, y)], style));
-        chart.draw_series(line.into_iter().map(|p| Circle::new(p, 6, colour.filled())))?;
+/// The length sweep's chart: the ceiling (dashed) and each policy's speedup.
+fn length_chart(sweep: &LengthSweep, title: String) -> super::chart::Chart {
+    let line = |f: &dyn Fn(&crate::harness::sweep::LengthPoint) -> f64| -> Vec<(f64, f64)> {
+        (sweep.points.iter())
+            .map(|p| (p.max_tokens as f64, f(p)))
+            .collect()
+    };
+    let mut series = vec![super::chart::Series {
+        name: "ceiling".into(),
+        points: line(&|p| p.ceiling),
+        dashed: true,
+    }];
+    let names = sweep
+        .points
+        .first()
+        .map(|p| p.policies.iter().map(|q| q.policy.clone()));
+    for (k, name) in names.into_iter().flatten().enumerate() {
+        series.push(super::chart::Series {
+            name,
+            points: line(&|p| p.policies[k].speedup),
+            dashed: false,
+        });
     }
-    Ok(())
+    super::chart::Chart {
+        title,
+        x_desc: "tokens generated",
+        y_desc: "speedup over baseline (×)",
+        series,
+    }
 }

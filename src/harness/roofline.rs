@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::engine::kernels::pool;
+use crate::engine::kernels::{Kernels, Weight, pool};
 use crate::engine::memory;
 use crate::engine::model::LoopedModel;
 
@@ -81,4 +81,47 @@ fn sum(words: &[u64]) -> u64 {
 /// reads as weights.
 pub fn bandwidth_share(model: &LoopedModel, tokens_per_sec: f64, read_bytes_per_sec: f64) -> f64 {
     weight_bytes_per_token(model) as f64 * tokens_per_sec / read_bytes_per_sec
+}
+
+/// The kernels' multiply-add rate, per second, for products of `rows` rows with bf16 weights
+/// that stay in each thread's L2 cache (256 × 1024 elements, 512 KB, per decode thread): the
+/// arithmetic a step can do when memory does not hold it back. The best of [`SWEEPS`] timed
+/// rounds of 20 products, after one.
+pub fn multiply_adds_per_sec(kernels: &Kernels, rows: usize) -> f64 {
+    const INNER: usize = 1024;
+    let outs = 256 * kernels.pool().threads();
+    let weight: Vec<half::bf16> = (0..outs * INNER)
+        .map(|i| half::bf16::from_f32(((i % 13) as f32 - 6.0) / 8.0))
+        .collect();
+    let x: Vec<f32> = (0..rows * INNER).map(|i| (i % 7) as f32 / 7.0).collect();
+    let mut out = vec![0f32; rows * outs];
+    let mut best = Duration::MAX;
+    for round in 0..=SWEEPS {
+        let started = Instant::now();
+        for _ in 0..20 {
+            kernels.matmul_t(&x, Weight::Bf16(&weight), rows, INNER, &mut out);
+            std::hint::black_box(&mut out);
+        }
+        if round > 0 {
+            best = best.min(started.elapsed());
+        }
+    }
+    (20 * rows * outs * INNER) as f64 / best.as_secs_f64()
+}
+
+/// The roofline of one step of `rows` rows: each pass reads every layer's weights once
+/// (`layer_bytes_per_pass` at `read_bytes_per_sec`), and does a multiply-add per weight and
+/// row (at `multiply_adds_per_sec`); the step takes at least the longer of the two. Attention
+/// over the context and the LM head are left out: both are small beside the layers at short
+/// context.
+pub fn step_bound_secs(
+    model: &LoopedModel,
+    rows: usize,
+    (read_bytes_per_sec, multiply_adds_per_sec): (f64, f64),
+) -> f64 {
+    let bytes = layer_bytes_per_pass(model) as f64;
+    let weights = bytes / model.dtype.size_in_bytes() as f64;
+    let memory = bytes / read_bytes_per_sec;
+    let arithmetic = rows as f64 * weights / multiply_adds_per_sec;
+    memory.max(arithmetic)
 }

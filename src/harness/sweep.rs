@@ -106,3 +106,62 @@ fn point(max_tokens: usize, report: &BenchReport) -> LengthPoint {
             .collect(),
     }
 }
+
+/// One model size: its steps measured, and the roofline's bound on them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SizePoint {
+    pub hidden: usize,
+    /// Weight bytes one pass reads.
+    pub bytes_per_pass: u64,
+    pub one_row_ms: f64,
+    pub full_ms: f64,
+    /// R · t(1 row) / t(R rows), measured.
+    pub ceiling: f64,
+    /// The same from the roofline's step times (`roofline::step_bound_secs`).
+    pub ceiling_bound: f64,
+}
+
+/// The ceiling against model size, beside its roofline bound.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SizeSweep {
+    pub read_bytes_per_sec: f64,
+    /// The kernels' multiply-add rate at 1 row and at R rows.
+    pub multiply_adds_per_sec: (f64, f64),
+    pub points: Vec<SizePoint>,
+}
+
+/// The machine's limits, measured with `loaded`'s kernels: its read bandwidth and its
+/// multiply-add rate at 1 and at R rows. Errors where the model does not decode on the host.
+pub fn machine_limits(loaded: &LoadedModel) -> Result<(f64, (f64, f64))> {
+    let kernels = (loaded.backend.kernels())
+        .ok_or_else(|| EngineError::Invalid("the size sweep times spex's CPU kernels".into()))?;
+    let passes = loaded.model().passes();
+    Ok((
+        super::roofline::read_bytes_per_sec(kernels.pool()),
+        (
+            super::roofline::multiply_adds_per_sec(kernels, 1),
+            super::roofline::multiply_adds_per_sec(kernels, passes),
+        ),
+    ))
+}
+
+/// `loaded`'s steps at position `pos`, and their bound under `limits` (`machine_limits`).
+pub fn size_point(
+    loaded: &LoadedModel,
+    pos: usize,
+    (read_bytes_per_sec, (one_row_rate, full_rate)): (f64, (f64, f64)),
+) -> Result<SizePoint> {
+    let model = loaded.model();
+    let passes = model.passes();
+    let times = loaded.backend.step_times(pos, 20)?;
+    let bound =
+        |rows, rate| super::roofline::step_bound_secs(model, rows, (read_bytes_per_sec, rate));
+    Ok(SizePoint {
+        hidden: model.config.hidden_size,
+        bytes_per_pass: super::roofline::layer_bytes_per_pass(model),
+        one_row_ms: times.one_row.as_secs_f64() * 1e3,
+        full_ms: times.full.as_secs_f64() * 1e3,
+        ceiling: times.ceiling(),
+        ceiling_bound: passes as f64 * bound(1, one_row_rate) / bound(passes, full_rate),
+    })
+}

@@ -1,0 +1,112 @@
+//! Line charts for the sweeps, drawn with plotters as SVG at slide size (1280 × 720): one
+//! dashed grey line for a bound or a ceiling, coloured lines with dots for what was measured,
+//! against an x axis of powers of two (tokens, hidden sizes).
+
+use std::path::Path;
+
+use plotters::coord::types::RangedCoordf64;
+use plotters::prelude::*;
+
+/// One line of a chart.
+pub struct Series {
+    pub name: String,
+    /// (x, y) points; x is a power of two, drawn on a log₂ axis.
+    pub points: Vec<(f64, f64)>,
+    /// A bound or a ceiling: dashed grey, no dots.
+    pub dashed: bool,
+}
+
+/// What a chart shows.
+pub struct Chart {
+    pub title: String,
+    pub x_desc: &'static str,
+    pub y_desc: &'static str,
+    pub series: Vec<Series>,
+}
+
+/// The measured lines' colours, in order (then again): Okabe and Ito's, told apart by
+/// colour-blind readers.
+const COLOURS: [RGBColor; 5] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(230, 159, 0),
+];
+
+const GREY: RGBColor = RGBColor(90, 90, 90);
+
+type Axes<'a> = ChartContext<'a, SVGBackend<'a>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Writes `chart` to `path`; an error names the file.
+pub fn draw(chart: &Chart, path: &Path) -> anyhow::Result<()> {
+    let error = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: {e}", path.display());
+    let log2 = |x: f64| x.log2();
+    let xs: Vec<f64> = (chart.series.iter())
+        .flat_map(|s| s.points.iter().map(|p| log2(p.0)))
+        .collect();
+    let (x0, x1) = xs
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+    let top = (chart.series.iter())
+        .flat_map(|s| s.points.iter().map(|p| p.1))
+        .fold(1.0f64, f64::max)
+        * 1.1;
+    let root = SVGBackend::new(path, (1280, 720)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| error(&e))?;
+    let mut axes = ChartBuilder::on(&root)
+        .caption(&chart.title, ("sans-serif", 32))
+        .margin(24)
+        .x_label_area_size(64)
+        .y_label_area_size(80)
+        .build_cartesian_2d(x0 - 0.25..x1 + 0.25, 0.0..top)
+        .map_err(|e| error(&e))?;
+    axes.configure_mesh()
+        .x_desc(chart.x_desc)
+        .y_desc(chart.y_desc)
+        .x_labels((x1 - x0) as usize + 1)
+        .x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round()))
+        .axis_desc_style(("sans-serif", 24))
+        .label_style(("sans-serif", 20))
+        .draw()
+        .map_err(|e| error(&e))?;
+    draw_series(&mut axes, &chart.series).map_err(|e| error(&e))?;
+    axes.configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .label_font(("sans-serif", 22))
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| error(&e))?;
+    root.present().map_err(|e| error(&e))?;
+    Ok(())
+}
+
+/// Every line with its legend entry.
+fn draw_series(
+    axes: &mut Axes,
+    series: &[Series],
+) -> Result<(), DrawingAreaErrorKind<std::io::Error>> {
+    let mut colours = COLOURS.iter().cycle();
+    for s in series {
+        let points: Vec<(f64, f64)> = s.points.iter().map(|&(x, y)| (x.log2(), y)).collect();
+        if s.dashed {
+            let style = GREY.stroke_width(3);
+            axes.draw_series(DashedLineSeries::new(points, 10, 6, style))?
+                .label(s.name.clone())
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 24, y)], style));
+            continue;
+        }
+        let colour = *colours.next().expect("the colours cycle");
+        let style = colour.stroke_width(4);
+        axes.draw_series(LineSeries::new(points.clone(), style))?
+            .label(s.name.clone())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 24, y)], style));
+        axes.draw_series(
+            points
+                .into_iter()
+                .map(|p| Circle::new(p, 6, colour.filled())),
+        )?;
+    }
+    Ok(())
+}

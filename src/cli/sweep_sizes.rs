@@ -1,0 +1,169 @@
+//! `spex sweep sizes`: the ceiling against model size. Each size is a random bf16 checkpoint
+//! of Ouro's proportions written to a temporary folder, loaded on the CPU, its steps timed
+//! (`harness::sweep::size_point`) beside the roofline's bound, and deleted; a table (or
+//! `--json`) and a chart.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use candle_core::DType;
+
+use super::chart::{Chart, Series, draw};
+use super::device::{DTypeSpec, DeviceSpec};
+use super::sweep::SizeArgs;
+use super::{IsaArg, KvCacheArg, ModelArgs, PrefetchArg};
+use crate::engine::config::ModelShape;
+use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
+use crate::harness::sweep::{SizeSweep, machine_limits, size_point};
+
+/// Ouro's vocabulary, the same at every size.
+const VOCAB: usize = 49152;
+/// The context each model is loaded with (its KV cache's size) and the position its steps
+/// are timed at.
+const CONTEXT: usize = 512;
+const TIMED_AT: usize = 64;
+
+/// A checkpoint's temporary folder, deleted when dropped (also on an error).
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Ouro-1.4B's proportions at `hidden`: 24 layers, 4 passes, heads of 128, untied.
+fn shape(hidden: usize) -> ModelShape {
+    let heads = (hidden / 128).max(1);
+    ModelShape {
+        hidden,
+        layers: 24,
+        passes: 4,
+        heads,
+        kv_heads: heads,
+        head_dim: hidden / heads,
+        intermediate: hidden * 11 / 4,
+        vocab: VOCAB,
+        context: CONTEXT,
+        tied: false,
+    }
+}
+
+fn model_args(dir: &std::path::Path, threads: Option<usize>) -> ModelArgs {
+    ModelArgs {
+        model: Some(dir.display().to_string()),
+        context: CONTEXT,
+        device: Some(DeviceSpec::Cpu),
+        dtype: Some(DTypeSpec(DType::BF16)),
+        candle_ops: false,
+        offline: true,
+        chat: false,
+        f32_proposals: false,
+        kv_cache: KvCacheArg::F16,
+        isa: IsaArg::Auto,
+        threads,
+        prefetch: PrefetchArg::Auto,
+    }
+}
+
+pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
+    let mut hidden = args.hidden.clone();
+    hidden.sort_unstable();
+    hidden.dedup();
+    if hidden.is_empty() {
+        anyhow::bail!("--hidden: no size given");
+    }
+    if let Some(&bad) = hidden.iter().find(|&&h| h < 128 || h % 128 != 0) {
+        anyhow::bail!("--hidden: {bad} is not a multiple of the heads' 128");
+    }
+    let terminal = std::io::stderr().is_terminal();
+    let mut limits = None;
+    let mut points = Vec::with_capacity(hidden.len());
+    for (i, &h) in hidden.iter().enumerate() {
+        if terminal {
+            eprint!("\rspex sweep: size {}/{} (hidden {h})", i + 1, hidden.len());
+        }
+        let dir =
+            Scratch(std::env::temp_dir().join(format!("spex-sweep-{}-{h}", std::process::id())));
+        let spec = RandomSpec {
+            shape: shape(h),
+            pad_vocab_to: Some(VOCAB),
+            dtype: DType::BF16,
+            ..RandomSpec::default()
+        };
+        write_random_checkpoint(&dir.0, &spec)?;
+        let session = super::load_model(&model_args(&dir.0, args.threads))?;
+        let machine = match limits {
+            Some(l) => l,
+            None => *limits.insert(machine_limits(&session.loaded)?),
+        };
+        points.push(size_point(&session.loaded, TIMED_AT, machine)?);
+    }
+    if terminal {
+        eprintln!();
+    }
+    let (read_bytes_per_sec, multiply_adds_per_sec) =
+        limits.expect("at least one size was measured: this is a bug");
+    let sweep = SizeSweep {
+        read_bytes_per_sec,
+        multiply_adds_per_sec,
+        points,
+    };
+    report(&sweep, args)
+}
+
+fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
+    let machine = super::device::cpu_model().unwrap_or_else(|| "an unknown CPU".into());
+    let line = |f: &dyn Fn(&crate::harness::sweep::SizePoint) -> f64| -> Vec<(f64, f64)> {
+        (sweep.points.iter())
+            .map(|p| (p.hidden as f64, f(p)))
+            .collect()
+    };
+    let chart = Chart {
+        title: format!("The ceiling against model size on {machine}, bf16"),
+        x_desc: "hidden size (24 layers × 4 passes; 2048 is Ouro-1.4B)",
+        y_desc: "ceiling: R · t(1 row) / t(R rows) (×)",
+        series: vec![
+            Series {
+                name: "roofline bound".into(),
+                points: line(&|p| p.ceiling_bound),
+                dashed: true,
+            },
+            Series {
+                name: "measured".into(),
+                points: line(&|p| p.ceiling),
+                dashed: false,
+            },
+        ],
+    };
+    draw(&chart, &args.chart)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(sweep)?);
+        return Ok(());
+    }
+    let (one, full) = sweep.multiply_adds_per_sec;
+    println!(
+        "{machine}: read bandwidth {:.1} GB/s; multiply-adds {:.1} G/s at 1 row, {:.1} G/s at R rows",
+        sweep.read_bytes_per_sec / 1e9,
+        one / 1e9,
+        full / 1e9
+    );
+    println!(
+        "{:>7} {:>10} {:>11} {:>11} {:>8} {:>8} {:>7}",
+        "hidden", "MB/pass", "1 row ms", "R rows ms", "ceiling", "bound", "of it"
+    );
+    for p in &sweep.points {
+        println!(
+            "{:>7} {:>10.0} {:>11.2} {:>11.2} {:>7.2}× {:>7.2}× {:>6.0}%",
+            p.hidden,
+            p.bytes_per_pass as f64 / 1e6,
+            p.one_row_ms,
+            p.full_ms,
+            p.ceiling,
+            p.ceiling_bound,
+            100.0 * p.ceiling / p.ceiling_bound
+        );
+    }
+    println!("chart: {}", args.chart.display());
+    Ok(())
+}
