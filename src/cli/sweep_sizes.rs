@@ -130,6 +130,11 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
                 dashed: true,
             },
             Series {
+                name: "no overlap: memory, then arithmetic".into(),
+                points: line(&|p| p.ceiling_serial),
+                dashed: false,
+            },
+            Series {
                 name: "measured".into(),
                 points: line(&|p| p.ceiling),
                 dashed: false,
@@ -149,19 +154,20 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
         full / 1e9
     );
     println!(
-        "{:>7} {:>10} {:>11} {:>11} {:>8} {:>8} {:>7}",
-        "hidden", "MB/pass", "1 row ms", "R rows ms", "ceiling", "bound", "of it"
+        "{:>7} {:>10} {:>11} {:>11} {:>8} {:>8} {:>7} {:>11}",
+        "hidden", "MB/pass", "1 row ms", "R rows ms", "ceiling", "bound", "of it", "no overlap"
     );
     for p in &sweep.points {
         println!(
-            "{:>7} {:>10.0} {:>11.2} {:>11.2} {:>7.2}× {:>7.2}× {:>6.0}%",
+            "{:>7} {:>10.0} {:>11.2} {:>11.2} {:>7.2}× {:>7.2}× {:>6.0}% {:>10.2}×",
             p.hidden,
             p.bytes_per_pass as f64 / 1e6,
             p.one_row_ms,
             p.full_ms,
             p.ceiling,
             p.ceiling_bound,
-            100.0 * p.ceiling / p.ceiling_bound
+            100.0 * p.ceiling / p.ceiling_bound,
+            p.ceiling_serial
         );
     }
     println!("chart: {}", args.chart.display());

@@ -109,19 +109,38 @@ pub fn multiply_adds_per_sec(kernels: &Kernels, rows: usize) -> f64 {
     (20 * rows * outs * INNER) as f64 / best.as_secs_f64()
 }
 
-/// The roofline of one step of `rows` rows: each pass reads every layer's weights once
-/// (`layer_bytes_per_pass` at `read_bytes_per_sec`), and does a multiply-add per weight and
-/// row (at `multiply_adds_per_sec`); the step takes at least the longer of the two. Attention
-/// over the context and the LM head are left out: both are small beside the layers at short
-/// context.
-pub fn step_bound_secs(
+/// The roofline's two bounds on a step's time, in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepBound {
+    /// Memory and arithmetic overlapped: the longer of the two.
+    pub overlapped_secs: f64,
+    /// Memory, then arithmetic: their sum.
+    pub serial_secs: f64,
+}
+
+/// The roofline of a step as `timing::StepTimes` measures it, at `read_bytes_per_sec` and
+/// `multiply_adds_per_sec`: each pass reads every layer's weights once and does a multiply-add
+/// per weight and row. The LM head is read once per token: a fourth of it in a one-row step
+/// (`rows` = 1, the mean of a token's R steps), all of it, for every row, in an R-row step
+/// (every row read out). Attention over the context is left out: small at short context.
+pub fn step_bound(
     model: &LoopedModel,
     rows: usize,
     (read_bytes_per_sec, multiply_adds_per_sec): (f64, f64),
-) -> f64 {
-    let bytes = layer_bytes_per_pass(model) as f64;
-    let weights = bytes / model.dtype.size_in_bytes() as f64;
+) -> StepBound {
+    let size = model.dtype.size_in_bytes() as f64;
+    let layers = layer_bytes_per_pass(model) as f64;
+    let head = (model.config.vocab_size * model.config.hidden_size) as f64 * size;
+    let head_share = if rows == 1 {
+        1.0 / model.passes() as f64
+    } else {
+        1.0
+    };
+    let bytes = layers + head * head_share;
     let memory = bytes / read_bytes_per_sec;
-    let arithmetic = rows as f64 * weights / multiply_adds_per_sec;
-    memory.max(arithmetic)
+    let arithmetic = rows as f64 * (bytes / size) / multiply_adds_per_sec;
+    StepBound {
+        overlapped_secs: memory.max(arithmetic),
+        serial_secs: memory + arithmetic,
+    }
 }

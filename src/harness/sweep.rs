@@ -117,8 +117,11 @@ pub struct SizePoint {
     pub full_ms: f64,
     /// R · t(1 row) / t(R rows), measured.
     pub ceiling: f64,
-    /// The same from the roofline's step times (`roofline::step_bound_secs`).
+    /// The same from the roofline's step times with memory and arithmetic overlapped
+    /// (`roofline::step_bound`): the bound.
     pub ceiling_bound: f64,
+    /// The same with memory, then arithmetic: what a step that cannot overlap them reaches.
+    pub ceiling_serial: f64,
 }
 
 /// The ceiling against model size, beside its roofline bound.
@@ -154,14 +157,16 @@ pub fn size_point(
     let model = loaded.model();
     let passes = model.passes();
     let times = loaded.backend.step_times(pos, 20)?;
-    let bound =
-        |rows, rate| super::roofline::step_bound_secs(model, rows, (read_bytes_per_sec, rate));
+    let one = super::roofline::step_bound(model, 1, (read_bytes_per_sec, one_row_rate));
+    let full = super::roofline::step_bound(model, passes, (read_bytes_per_sec, full_rate));
+    let r = passes as f64;
     Ok(SizePoint {
         hidden: model.config.hidden_size,
         bytes_per_pass: super::roofline::layer_bytes_per_pass(model),
         one_row_ms: times.one_row.as_secs_f64() * 1e3,
         full_ms: times.full.as_secs_f64() * 1e3,
         ceiling: times.ceiling(),
-        ceiling_bound: passes as f64 * bound(1, one_row_rate) / bound(passes, full_rate),
+        ceiling_bound: r * one.overlapped_secs / full.overlapped_secs,
+        ceiling_serial: r * one.serial_secs / full.serial_secs,
     })
 }
