@@ -27,25 +27,7 @@ pub enum Sweep {
     /// The ceiling against model size (random bf16 checkpoints of Ouro's proportions, up to
     /// Ouro-1.4B's shape), beside the roofline's bound from the machine's measured read
     /// bandwidth and multiply-add rate.
-    Sizes(SizeArgs),
-}
-
-/// `spex sweep sizes`.
-#[derive(Debug, Args)]
-pub struct SizeArgs {
-    /// The hidden sizes, comma-separated; each model has Ouro-1.4B's 24 layers, 4 passes,
-    /// heads of 128, an MLP of 2.75 × hidden and a vocabulary of 49152 (2048: its exact shape).
-    #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048", value_parser = parse_count::<usize>)]
-    pub hidden: Vec<usize>,
-    /// Decode threads (default: the physical cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Where the chart is written.
-    #[arg(long, default_value = "sweep-sizes.svg")]
-    pub chart: PathBuf,
-    /// Print one JSON report instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    Sizes(super::sweep_sizes::SizeArgs),
 }
 
 /// `spex sweep lengths`.

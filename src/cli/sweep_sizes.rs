@@ -7,10 +7,10 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use candle_core::DType;
+use clap::Args;
 
 use super::chart::{Chart, Series, draw};
 use super::device::{DTypeSpec, DeviceSpec};
-use super::sweep::SizeArgs;
 use super::{IsaArg, KvCacheArg, ModelArgs, PrefetchArg};
 use crate::engine::config::ModelShape;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
@@ -22,6 +22,24 @@ const VOCAB: usize = 49152;
 /// are timed at.
 const CONTEXT: usize = 512;
 const TIMED_AT: usize = 64;
+
+/// `spex sweep sizes`.
+#[derive(Debug, Args)]
+pub struct SizeArgs {
+    /// The hidden sizes, comma-separated; each model has Ouro-1.4B's 24 layers, 4 passes,
+    /// heads of 128, an MLP of 2.75 × hidden and a vocabulary of 49152 (2048: its exact shape).
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048", value_parser = super::parse_count::<usize>)]
+    pub hidden: Vec<usize>,
+    /// Decode threads (default: the physical cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Where the chart is written.
+    #[arg(long, default_value = "sweep-sizes.svg")]
+    pub chart: PathBuf,
+    /// Print one JSON report instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// A checkpoint's temporary folder, deleted when dropped (also on an error).
 struct Scratch(PathBuf);
