@@ -153,9 +153,7 @@ fn print_header(
     println!(
         "{} on {} ({}), {}{}{}; {} against baseline, {}, {} runs per prompt interleaved in turns of {} ms",
         session.name,
-        (session.loaded.backend.info().accelerator)
-            .or_else(cpu_model)
-            .unwrap_or_else(|| "an unknown CPU".into()),
+        super::device::machine_name(&session.loaded),
         session.device,
         backend_note(&session.loaded),
         kv_cache_note(&session.loaded),

@@ -189,6 +189,17 @@ pub fn decode_threads(asked: Option<usize>) -> Result<usize, EngineError> {
     }
 }
 
+/// What `loaded` decodes on, for headings: the GPU's name where candle ops run on one, else
+/// the CPU's model name, else "an unknown CPU".
+pub fn machine_name(loaded: &crate::engine::LoadedModel) -> String {
+    (loaded.backend.info().accelerator).unwrap_or_else(cpu_name)
+}
+
+/// The CPU's model name, else "an unknown CPU".
+pub fn cpu_name() -> String {
+    cpu_model().unwrap_or_else(|| "an unknown CPU".into())
+}
+
 /// The CPU's model name (Linux `/proc/cpuinfo`), if known.
 pub fn cpu_model() -> Option<String> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;

@@ -75,7 +75,7 @@ fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
         anyhow::bail!("--lengths: {long} tokens do not fit the context of {context} tokens");
     }
     let options = DecodeOptions {
-        max_tokens: 1,
+        max_tokens: 1, // each length's, set by `sweep_lengths`
         context,
         sampling: args.sampling.resolve(&session)?,
     };
@@ -104,12 +104,10 @@ fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
     if terminal {
         eprintln!();
     }
-    let machine = (session.loaded.backend.info().accelerator)
-        .or_else(super::device::cpu_model)
-        .unwrap_or_else(|| "an unknown CPU".into());
     let title = format!(
-        "{} on {machine}: speedup against generation length",
-        session.name
+        "{} on {}: speedup against generation length",
+        session.name,
+        super::device::machine_name(&session.loaded)
     );
     super::chart::draw(&length_chart(&sweep, title), &args.chart)?;
     if args.json {

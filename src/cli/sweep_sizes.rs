@@ -120,18 +120,16 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
     if terminal {
         eprintln!();
     }
-    let (read_bytes_per_sec, multiply_adds_per_sec) =
-        limits.expect("at least one size was measured: this is a bug");
     let sweep = SizeSweep {
-        read_bytes_per_sec,
-        multiply_adds_per_sec,
+        limits: limits.expect("at least one size was measured: this is a bug"),
         points,
     };
     report(&sweep, args)
 }
 
 fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
-    let machine = super::device::cpu_model().unwrap_or_else(|| "an unknown CPU".into());
+    // The sizes load on the CPU (`model_args`), so the CPU is the machine.
+    let machine = super::device::cpu_name();
     let line = |f: &dyn Fn(&crate::harness::sweep::SizePoint) -> f64| -> Vec<(f64, f64)> {
         (sweep.points.iter())
             .map(|p| (p.hidden as f64, f(p)))
@@ -164,10 +162,10 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(sweep)?);
         return Ok(());
     }
-    let (one, full) = sweep.multiply_adds_per_sec;
+    let (one, full) = sweep.limits.multiply_adds_per_sec;
     println!(
         "{machine}: read bandwidth {:.1} GB/s; multiply-adds {:.1} G/s at 1 row, {:.1} G/s at R rows",
-        sweep.read_bytes_per_sec / 1e9,
+        sweep.limits.read_bytes_per_sec / 1e9,
         one / 1e9,
         full / 1e9
     );

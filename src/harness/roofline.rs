@@ -27,12 +27,16 @@ pub fn layer_bytes_per_pass(model: &LoopedModel) -> u64 {
     (c.num_hidden_layers * per_layer * model.dtype.size_in_bytes()) as u64
 }
 
+/// Weight bytes of the LM head, which a readout reads.
+pub fn head_bytes(model: &LoopedModel) -> u64 {
+    let c = &model.config;
+    (c.vocab_size * c.hidden_size * model.dtype.size_in_bytes()) as u64
+}
+
 /// Weight bytes a baseline token reads: every pass's layers, and the LM head once (its
 /// readout at the last pass).
 pub fn weight_bytes_per_token(model: &LoopedModel) -> u64 {
-    let c = &model.config;
-    let head = (c.vocab_size * c.hidden_size * model.dtype.size_in_bytes()) as u64;
-    layer_bytes_per_pass(model) * model.passes() as u64 + head
+    layer_bytes_per_pass(model) * model.passes() as u64 + head_bytes(model)
 }
 
 /// This machine's read bandwidth in bytes per second: a sum over a buffer of
@@ -130,7 +134,7 @@ pub fn step_bound(
 ) -> StepBound {
     let size = model.dtype.size_in_bytes() as f64;
     let layers = layer_bytes_per_pass(model) as f64;
-    let head = (model.config.vocab_size * model.config.hidden_size) as f64 * size;
+    let head = head_bytes(model) as f64;
     let head_share = if rows == 1 {
         1.0 / model.passes() as f64
     } else {

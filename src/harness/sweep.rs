@@ -124,36 +124,43 @@ pub struct SizePoint {
     pub ceiling_serial: f64,
 }
 
-/// The ceiling against model size, beside its roofline bound.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct SizeSweep {
+/// The machine's limits the roofline is drawn from.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MachineLimits {
     pub read_bytes_per_sec: f64,
     /// The kernels' multiply-add rate at 1 row and at R rows.
     pub multiply_adds_per_sec: (f64, f64),
+}
+
+/// The ceiling against model size, beside its roofline bound.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SizeSweep {
+    #[serde(flatten)]
+    pub limits: MachineLimits,
     pub points: Vec<SizePoint>,
 }
 
 /// The machine's limits, measured with `loaded`'s kernels: its read bandwidth and its
 /// multiply-add rate at 1 and at R rows. Errors where the model does not decode on the host.
-pub fn machine_limits(loaded: &LoadedModel) -> Result<(f64, (f64, f64))> {
+pub fn machine_limits(loaded: &LoadedModel) -> Result<MachineLimits> {
     let kernels = (loaded.backend.kernels())
         .ok_or_else(|| EngineError::Invalid("the size sweep times spex's CPU kernels".into()))?;
     let passes = loaded.model().passes();
-    Ok((
-        super::roofline::read_bytes_per_sec(kernels.pool()),
-        (
+    Ok(MachineLimits {
+        read_bytes_per_sec: super::roofline::read_bytes_per_sec(kernels.pool()),
+        multiply_adds_per_sec: (
             super::roofline::multiply_adds_per_sec(kernels, 1),
             super::roofline::multiply_adds_per_sec(kernels, passes),
         ),
-    ))
+    })
 }
 
 /// `loaded`'s steps at position `pos`, and their bound under `limits` (`machine_limits`).
-pub fn size_point(
-    loaded: &LoadedModel,
-    pos: usize,
-    (read_bytes_per_sec, (one_row_rate, full_rate)): (f64, (f64, f64)),
-) -> Result<SizePoint> {
+pub fn size_point(loaded: &LoadedModel, pos: usize, limits: MachineLimits) -> Result<SizePoint> {
+    let MachineLimits {
+        read_bytes_per_sec,
+        multiply_adds_per_sec: (one_row_rate, full_rate),
+    } = limits;
     let model = loaded.model();
     let passes = model.passes();
     let times = loaded.backend.step_times(pos, 20)?;

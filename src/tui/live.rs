@@ -192,11 +192,16 @@ impl<'a> Races<'a> {
         Ok(())
     }
 
-    /// Stops the current race, finishes its waiting trace, and starts a race of `prompt`.
-    fn start_race(&mut self, prompt: String) -> anyhow::Result<()> {
+    /// Stops the current race, if one runs, and joins its thread.
+    fn stop_race(&mut self) {
         if let Some(r) = self.current.take() {
             r.stop();
         }
+    }
+
+    /// Stops the current race, finishes its waiting trace, and starts a race of `prompt`.
+    fn start_race(&mut self, prompt: String) -> anyhow::Result<()> {
+        self.stop_race();
         // The run being replaced keeps its trace: what it sent so far.
         let settled = self.settle_trace(true);
         // Events of the stopped race must not reach the new run.
@@ -266,9 +271,7 @@ impl Source for Races<'_> {
     }
 
     fn stop(&mut self) -> anyhow::Result<()> {
-        if let Some(r) = self.current.take() {
-            r.stop();
-        }
+        self.stop_race();
         // A trace still waiting for the fingerprint is written before the dashboard closes,
         // with every event the run sent.
         if self.trace_waiting {
