@@ -4,36 +4,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
-use common::{Variant, random_model, spec, spex_ok};
-
-/// Runs spex; returns (success, stderr).
-fn spex(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(args)
-        .output()
-        .expect("run spex");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn assert_clean_error(args: &[&str], needle: &str) {
-    let (ok, stderr) = spex(args);
-    assert!(!ok, "{args:?} should fail");
-    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
-    assert_eq!(
-        stderr.trim().lines().count(),
-        1,
-        "one line expected: {stderr}"
-    );
-    assert!(
-        stderr.contains(needle),
-        "{args:?}: expected {needle:?} in {stderr:?}"
-    );
-}
+use common::{Variant, assert_clean_error, random_model, spec, spex, spex_ok};
 
 fn generate_args(dir: &Path) -> Vec<String> {
     vec![
@@ -240,11 +212,36 @@ fn bad_arguments_get_one_line() {
     }
     assert_clean_error(
         &["bench", "--policy", "fastest"],
-        "expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M] or baseline",
+        "expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or baseline",
     );
     assert_clean_error(
         &["bench", "--policy", "dual:0"],
         "the dual margin must be a positive number of logits",
+    );
+    assert_clean_error(
+        &["bench", "--policy", "self-draft:g=0"],
+        "policy `self-draft:g=0`: `g=0`: γ, the tokens drafted per round, is 1 or more",
+    );
+}
+
+/// A draft depth at or past R, and a draft longer than the context.
+#[test]
+fn self_draft_that_cannot_run_is_one_line() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let d = dir.path().display().to_string();
+    let run = |policy: &str, expected: &str| {
+        let args = [
+            "generate", "--model", &d, "--prompt", "To be", "--policy", policy,
+        ];
+        assert_clean_error(&args, expected);
+    };
+    run(
+        "self-draft:d=2",
+        "self-draft drafts at depth 2, but the model has only 2 passes (the draft depth must be below R)",
+    );
+    run(
+        "self-draft:g=600",
+        "self-draft drafts γ = 600 tokens per round, above the context of",
     );
 }
 
@@ -263,7 +260,7 @@ fn bench_against_itself_is_refused() {
     ];
     assert_clean_error(
         &args,
-        "speculative policies: speed, dual[:MARGIN] or loopspec",
+        "speculative policies: speed, dual[:MARGIN], loopspec[:d1=N][:d2=M] or self-draft",
     );
 }
 
@@ -572,100 +569,4 @@ fn a_run_cut_short_by_its_context_says_so_on_stderr() {
     );
     let (ok, stderr) = spex(&args);
     assert!(ok && stderr.is_empty(), "nothing to say: {stderr}");
-}
-
-/// `spex sweep lengths`: the bench at each length, identical at every one, a chart at slide
-/// size, and a length past the context is one line.
-#[test]
-fn a_length_sweep_reports_every_length_and_draws_its_chart() {
-    let (dir, _) = random_model(&spec(1, 3, Variant::Tied, 6));
-    let d = dir.path().display().to_string();
-    let prompts = dir.path().join("prompts.txt");
-    std::fs::write(&prompts, "To be, or not to be\nShall I compare thee\n").unwrap();
-    let p = prompts.display().to_string();
-    let chart = dir.path().join("lengths.svg");
-    let c = chart.display().to_string();
-    let args = [
-        "sweep",
-        "lengths",
-        "--model",
-        &d,
-        "--prompts",
-        &p,
-        "--chart",
-        &c,
-    ];
-    let out = spex_ok(
-        &[
-            &args[..],
-            &["--lengths", "4,8", "--policy", "speed,loopspec", "--json"],
-        ]
-        .concat(),
-        &[],
-        Path::new("."),
-    );
-    let sweep: serde_json::Value = serde_json::from_slice(&out).unwrap();
-    assert_eq!(sweep["prompts"], 2);
-    let points = sweep["points"].as_array().unwrap();
-    let lengths: Vec<u64> = points
-        .iter()
-        .map(|p| p["max_tokens"].as_u64().unwrap())
-        .collect();
-    assert_eq!(lengths, [4, 8]);
-    for point in points {
-        assert!(point["ceiling"].as_f64().unwrap() > 0.0, "{point}");
-        let policies = point["policies"].as_array().unwrap();
-        let names: Vec<&str> = policies
-            .iter()
-            .map(|q| q["policy"].as_str().unwrap())
-            .collect();
-        assert_eq!(names, ["speed", "loopspec"]);
-        assert!(policies.iter().all(|q| q["identical"] == true), "{point}");
-    }
-    let svg = std::fs::read_to_string(&chart).unwrap();
-    assert!(
-        svg.starts_with(r#"<svg width="1280" height="720""#),
-        "{svg:.80}"
-    );
-    assert!(svg.contains("loopspec") && svg.contains("ceiling"));
-    assert_clean_error(
-        &["sweep", "lengths", "--model", &d, "--lengths", "8,600"],
-        "--lengths: 600 tokens do not fit the context",
-    );
-}
-
-/// `spex sweep sizes`: every size measured beside its bound, the machine's limits named, a
-/// chart; a size that is not a multiple of the heads' 128 is one line.
-#[test]
-fn a_size_sweep_measures_every_size_beside_its_bound() {
-    let dir = tempfile::TempDir::new().unwrap();
-    let chart = dir.path().join("sizes.svg");
-    let c = chart.display().to_string();
-    let args = ["sweep", "sizes", "--hidden", "256,128", "--threads", "1"];
-    let out = spex_ok(
-        &[&args[..], &["--chart", &c, "--json"]].concat(),
-        &[],
-        Path::new("."),
-    );
-    let sweep: serde_json::Value = serde_json::from_slice(&out).unwrap();
-    assert!(sweep["read_bytes_per_sec"].as_f64().unwrap() > 0.0);
-    let points = sweep["points"].as_array().unwrap();
-    let hidden: Vec<u64> = points
-        .iter()
-        .map(|p| p["hidden"].as_u64().unwrap())
-        .collect();
-    assert_eq!(hidden, [128, 256], "sorted");
-    for p in points {
-        let (ceiling, bound) = (
-            p["ceiling"].as_f64().unwrap(),
-            p["ceiling_bound"].as_f64().unwrap(),
-        );
-        assert!(ceiling > 0.0 && (1.0..=4.0).contains(&bound), "{p}");
-    }
-    let svg = std::fs::read_to_string(&chart).unwrap();
-    assert!(svg.contains("roofline bound") && svg.contains("measured"));
-    assert_clean_error(
-        &["sweep", "sizes", "--hidden", "100"],
-        "--hidden: 100 is not a multiple of the heads' 128",
-    );
 }

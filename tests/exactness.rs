@@ -24,20 +24,22 @@ use spex::harness::bench::run_lane;
 struct Tally {
     runs: usize,
     loopspec_runs: usize,
+    self_draft_runs: usize,
     flips: usize,
     second_proposals: usize,
     accepted_second: usize,
 }
 
-/// Every policy that can run on a model with `passes` passes: loopspec's depths must be
-/// below R.
+/// Every policy that can run on a model with `passes` passes: loopspec's depths and
+/// self-draft's must be below R.
 fn policies(passes: usize) -> Vec<PolicyKind> {
     let mut all = vec![PolicyKind::Baseline, PolicyKind::Speed, PolicyKind::DUAL];
+    let parse = |name: &str| name.parse::<PolicyKind>().expect("a valid policy");
     if passes >= 2 {
-        all.push(PolicyKind::LOOPSPEC);
+        all.extend([PolicyKind::LOOPSPEC, parse("self-draft")]);
     }
     if passes >= 3 {
-        all.push("loopspec:d1=1:d2=2".parse().expect("a valid policy"));
+        all.extend([parse("loopspec:d1=1:d2=2"), parse("self-draft:d=2:g=2")]);
     }
     all
 }
@@ -62,6 +64,7 @@ fn assert_lanes_equal_on(loaded: &LoadedModel, prompts: &[&str], label: &str, ta
             );
             tally.runs += 1;
             tally.loopspec_runs += usize::from(matches!(policy, PolicyKind::LoopSpec { .. }));
+            tally.self_draft_runs += usize::from(matches!(policy, PolicyKind::SelfDraft(_)));
             tally.flips += lane.stats.flips_per_pass.iter().sum::<usize>();
             tally.second_proposals += lane.stats.second_proposals;
             tally.accepted_second += lane.stats.accepted_second;
@@ -84,10 +87,11 @@ fn every_shape(variant: Variant) {
             }
         }
     }
-    // Per prompt and KV element type: 3 policies on 12 shapes, loopspec on the 9 with R ≥ 2
-    // and loopspec:d2=2 on the 6 with R ≥ 3.
-    assert_eq!(tally.runs, 2 * 20 * (36 + 9 + 6));
+    // Per prompt and KV element type: 3 policies on 12 shapes, loopspec and self-draft on
+    // the 9 with R ≥ 2, loopspec:d2=2 and self-draft:d=2:g=2 on the 6 with R ≥ 3.
+    assert_eq!(tally.runs, 2 * 20 * (36 + 2 * 9 + 2 * 6));
     assert_eq!(tally.loopspec_runs, 2 * 20 * (9 + 6));
+    assert_eq!(tally.self_draft_runs, 2 * 20 * (9 + 6));
     assert!(
         tally.flips > 100,
         "random models should flip often, saw {}",

@@ -269,3 +269,13 @@ fn loopspec_samples_follow_the_filtered_softmax_jointly() {
     assert!(a.first > 0.05 && a.second > 0.0 && a.restart > 0.0, "{a:?}");
     assert!(stats.gate_opens > 0, "the gate never opened");
 }
+
+/// Self-draft's verification is Leviathan's rejection rule, lossless in distribution: the
+/// first two sampled tokens follow the filtered softmax jointly, the second drafted from
+/// pass 1 and checked at pass 3 in a round of two drafts.
+#[test]
+fn self_draft_samples_follow_the_filtered_softmax_jointly() {
+    let stats = assert_first_two_follow("self-draft:g=2".parse().unwrap(), 3, 3);
+    let a = stats.acceptance();
+    assert!(a.first > 0.05 && a.restart > 0.0, "{a:?}");
+}

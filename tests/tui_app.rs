@@ -11,7 +11,7 @@ use spex::engine::DecodeOptions;
 use spex::engine::policy::PolicyKind;
 use spex::engine::rng::SplitMix;
 use spex::harness::race::{Lane, RaceControl, RaceEvent, run_race};
-use spex::tui::app::{Agreement, App, CellKind, Command, Focus, ModelInfo, Msg, RATES, Seek};
+use spex::tui::app::{Agreement, App, Cell, CellKind, Command, Focus, ModelInfo, Msg, RATES, Seek};
 
 fn info() -> ModelInfo {
     ModelInfo {
@@ -283,6 +283,30 @@ fn a_dual_race_shows_both_candidates_and_counts_second_proposals() {
         both > 0,
         "a step with two candidates shows both in one cell"
     );
+}
+
+/// A self-draft race: drafting steps run one row at a time, verification steps run the whole
+/// group at one pass (one cell that counts its tokens), and a rejection at pass R shows as a
+/// flipped group cell followed by flushed drafts.
+#[test]
+fn a_self_draft_race_draws_its_groups_and_where_a_rejection_cut() {
+    let mut app = running_app();
+    let policy = "self-draft:d=1:g=3".parse().expect("a valid policy");
+    app.update(Msg::Engine(race_events_with("To be", policy)));
+    let run = app.run.as_ref().unwrap();
+    assert_eq!(run.agreement(), Agreement::Same(20));
+    let cells: Vec<&Cell> = (run.columns.iter())
+        .flat_map(|c| c.cells.iter().flatten())
+        .collect();
+    let groups = cells.iter().filter(|c| c.tokens > 1).count();
+    assert!(groups > 0, "a verification step runs a group at one pass");
+    assert!(cells.iter().all(|c| c.tokens <= 4), "γ + 1 tokens at most");
+    let cut = (cells.iter())
+        .filter(|c| c.tokens > 1 && matches!(c.kind, CellKind::Flipped { .. }))
+        .count();
+    assert!(cut > 0, "random weights reject drafts");
+    let group = cells.iter().find(|c| c.tokens > 1).expect("a group");
+    assert!(group.label().starts_with(&format!("{}×", group.tokens)));
 }
 
 #[test]

@@ -44,6 +44,7 @@ fn cell(text: &str, pos: usize, kind: CellKind) -> Option<Cell> {
         text: text.into(),
         pos,
         kind,
+        tokens: 1,
     })
 }
 

@@ -110,3 +110,94 @@ fn draw_series(
     }
     Ok(())
 }
+
+/// A grouped bar chart: one group per model, one bar per policy, a dashed mark per group.
+pub struct BarChart {
+    pub title: String,
+    pub y_desc: &'static str,
+    /// The groups' names, along the x axis.
+    pub groups: Vec<String>,
+    /// The bars' names, in each group, in the legend.
+    pub bars: Vec<String>,
+    /// `values[group][bar]`.
+    pub values: Vec<Vec<f64>>,
+    /// A bound over each group (the ceiling): a dashed grey line across its bars.
+    pub marks: Vec<f64>,
+    pub mark_name: &'static str,
+}
+
+/// The share of a group's unit width its bars take.
+const GROUP_FILL: f64 = 0.8;
+
+/// Writes `chart` to `path`; an error names the file.
+pub fn draw_bars(chart: &BarChart, path: &Path) -> anyhow::Result<()> {
+    let error = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: {e}", path.display());
+    let top =
+        (chart.values.iter().flatten().chain(&chart.marks)).fold(1.0f64, |a, &b| a.max(b)) * 1.15;
+    let groups = chart.groups.len();
+    let root = SVGBackend::new(path, (1280, 720)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| error(&e))?;
+    // Groups centred on the integers, so that the axis's labels fall on them.
+    let mut axes = ChartBuilder::on(&root)
+        .caption(&chart.title, ("sans-serif", 32))
+        .margin(24)
+        .x_label_area_size(48)
+        .y_label_area_size(80)
+        .build_cartesian_2d(-0.5..groups as f64 - 0.5, 0.0..top)
+        .map_err(|e| error(&e))?;
+    let name_at = |x: &f64| {
+        let i = x.round();
+        let on_group = (x - i).abs() < 1e-6 && i >= 0.0;
+        (chart.groups.get(i as usize).filter(|_| on_group)).map_or(String::new(), Clone::clone)
+    };
+    axes.configure_mesh()
+        .disable_x_mesh()
+        .y_desc(chart.y_desc)
+        .x_labels(groups)
+        .x_label_formatter(&name_at)
+        .axis_desc_style(("sans-serif", 24))
+        .label_style(("sans-serif", 20))
+        .draw()
+        .map_err(|e| error(&e))?;
+    draw_bar_series(&mut axes, chart).map_err(|e| error(&e))?;
+    axes.configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 22))
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| error(&e))?;
+    root.present().map_err(|e| error(&e))?;
+    Ok(())
+}
+
+/// Each bar series with its legend entry, then the marks.
+fn draw_bar_series(
+    axes: &mut Axes,
+    chart: &BarChart,
+) -> Result<(), DrawingAreaErrorKind<std::io::Error>> {
+    let width = GROUP_FILL / chart.bars.len().max(1) as f64;
+    for (b, (name, colour)) in chart.bars.iter().zip(COLOURS.iter().cycle()).enumerate() {
+        let left = |g: usize| g as f64 - GROUP_FILL / 2.0 + b as f64 * width;
+        let bars = (chart.values.iter().enumerate()).filter_map(|(g, values)| {
+            let v = *values.get(b)?;
+            let corners = [(left(g) + 0.01, 0.0), (left(g) + width - 0.01, v)];
+            Some(Rectangle::new(corners, colour.filled()))
+        });
+        axes.draw_series(bars)?
+            .label(name.clone())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 8), (x + 20, y + 8)], colour.filled()));
+    }
+    let style = GREY.stroke_width(3);
+    for (g, &mark) in chart.marks.iter().enumerate() {
+        let half = GROUP_FILL / 2.0;
+        let line = [(g as f64 - half, mark), (g as f64 + half, mark)];
+        let series = axes.draw_series(DashedLineSeries::new(line, 10, 6, style))?;
+        if g == 0 {
+            series
+                .label(chart.mark_name)
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 24, y)], style));
+        }
+    }
+    Ok(())
+}

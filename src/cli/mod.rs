@@ -12,6 +12,7 @@ pub mod models;
 mod record;
 mod replay;
 mod sweep;
+mod sweep_policies;
 mod sweep_sizes;
 mod train;
 
@@ -273,7 +274,7 @@ pub struct GenerateArgs {
     pub prompt: String,
     // clap shows this text as the help, where brackets mean optional.
     #[allow(rustdoc::broken_intra_doc_links)]
-    /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits), loopspec[:d1=N][:d2=M] (LoopSpec, verified by rejection sampling) or baseline (default: the entry's policy, else speed).
+    /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits), loopspec[:d1=N][:d2=M] (LoopSpec, verified by rejection sampling), self-draft[:d=N][:g=M] (γ = M tokens drafted from pass N, then verified together) or baseline (default: the entry's policy, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
@@ -315,7 +316,9 @@ pub struct BenchArgs {
     /// The policies raced against baseline, comma-separated, all in one interleaved run:
     /// speed; dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits);
     /// loopspec[:d1=N][:d2=M] (LoopSpec's proposals at depth N, gated second ones at M,
-    /// verified by rejection sampling) (default: the entry's policy, else speed).
+    /// verified by rejection sampling); self-draft[:d=N][:g=M] (draft then verify: γ = M
+    /// tokens drafted from pass N, then verified together) (default: the entry's policy,
+    /// else speed).
     #[arg(long, value_delimiter = ',')]
     pub policy: Vec<PolicyKind>,
     /// Print one JSON report instead of a table.
@@ -342,7 +345,7 @@ pub struct TuiArgs {
     pub max_tokens: usize,
     // clap shows this text as the help, where brackets mean optional.
     #[allow(rustdoc::broken_intra_doc_links)]
-    /// The policy raced against baseline: speed, dual, dual:MARGIN or loopspec[:d1=N][:d2=M] (default: the entry's, else speed).
+    /// The policy raced against baseline: speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M] or self-draft[:d=N][:g=M] (default: the entry's, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Frames per second of the dashboard.

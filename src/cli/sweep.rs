@@ -28,6 +28,8 @@ pub enum Sweep {
     /// Ouro-1.4B's shape), beside the roofline's bound from the machine's measured read
     /// bandwidth and multiply-add rate.
     Sizes(super::sweep_sizes::SizeArgs),
+    /// Every policy's speedup on each model (default: the shipped ones), as bars.
+    Policies(super::sweep_policies::PolicyArgs),
 }
 
 /// `spex sweep lengths`.
@@ -64,6 +66,7 @@ pub fn run(args: &SweepArgs) -> anyhow::Result<()> {
     match &args.sweep {
         Sweep::Lengths(args) => lengths(args),
         Sweep::Sizes(args) => super::sweep_sizes::run(args),
+        Sweep::Policies(args) => super::sweep_policies::run(args),
     }
 }
 

@@ -67,7 +67,6 @@ pub fn sweep_lengths(
             "a sweep needs at least one length and one prompt".into(),
         ));
     }
-    let passes = loaded.model().passes();
     let total = lengths.len() * prompts.len();
     let mut points = Vec::with_capacity(lengths.len());
     for (i, &max_tokens) in lengths.iter().enumerate() {
@@ -75,14 +74,10 @@ pub fn sweep_lengths(
             max_tokens,
             ..options
         };
-        let mut results = Vec::with_capacity(prompts.len());
-        for (j, prompt) in prompts.iter().enumerate() {
-            progress(i * prompts.len() + j + 1, total);
-            let mut observe = |_: usize, _: &_| Ok(());
-            let lanes = (policies, turns);
-            results.push(bench_prompt(loaded, prompt, options, lanes, &mut observe)?);
-        }
-        points.push(point(max_tokens, &BenchReport::of(&results, passes)));
+        let done = i * prompts.len();
+        let mut progress = |j: usize| progress(done + j, total);
+        let report = bench_prompts(loaded, prompts, options, (policies, turns), &mut progress)?;
+        points.push(point(max_tokens, &report));
     }
     Ok(LengthSweep {
         prompts: prompts.len(),
@@ -90,21 +85,79 @@ pub fn sweep_lengths(
     })
 }
 
+/// The bench of `policies` on every prompt, as one report; `progress` hears each prompt
+/// before it runs, counted from 1.
+fn bench_prompts(
+    loaded: &LoadedModel,
+    prompts: &[String],
+    options: DecodeOptions,
+    lanes: (&[PolicyKind], Turns),
+    progress: &mut dyn FnMut(usize),
+) -> Result<BenchReport> {
+    let mut results = Vec::with_capacity(prompts.len());
+    for (j, prompt) in prompts.iter().enumerate() {
+        progress(j + 1);
+        let mut observe = |_: usize, _: &_| Ok(());
+        results.push(bench_prompt(loaded, prompt, options, lanes, &mut observe)?);
+    }
+    Ok(BenchReport::of(&results, loaded.model().passes()))
+}
+
 fn point(max_tokens: usize, report: &BenchReport) -> LengthPoint {
-    let baseline = report.policies.first();
     LengthPoint {
         max_tokens,
-        baseline_tokens_per_sec: baseline.map_or(0.0, |p| p.figures.baseline_tokens_per_sec),
+        baseline_tokens_per_sec: baseline_tokens_per_sec(report),
         ceiling: report.ceiling,
-        policies: (report.policies.iter())
-            .map(|p| PolicyPoint {
-                policy: p.policy.clone(),
-                speedup: p.figures.speedup,
-                tokens_per_sec: p.figures.tokens_per_sec,
-                identical: p.mismatches == 0,
-            })
-            .collect(),
+        policies: policy_points(report),
     }
+}
+
+fn baseline_tokens_per_sec(report: &BenchReport) -> f64 {
+    (report.policies.first()).map_or(0.0, |p| p.figures.baseline_tokens_per_sec)
+}
+
+fn policy_points(report: &BenchReport) -> Vec<PolicyPoint> {
+    (report.policies.iter())
+        .map(|p| PolicyPoint {
+            policy: p.policy.clone(),
+            speedup: p.figures.speedup,
+            tokens_per_sec: p.figures.tokens_per_sec,
+            identical: p.mismatches == 0,
+        })
+        .collect()
+}
+
+/// Every policy's bench on one model.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelPoint {
+    pub model: String,
+    pub baseline_tokens_per_sec: f64,
+    /// R · t(1 row) / t(R rows), the prompts' mean.
+    pub ceiling: f64,
+    pub policies: Vec<PolicyPoint>,
+}
+
+/// The bench of `policies` on every prompt of `loaded`, named `model`; `progress` hears each
+/// prompt before it runs, counted from 1.
+pub fn policy_point(
+    (model, loaded): (&str, &LoadedModel),
+    prompts: &[String],
+    options: DecodeOptions,
+    lanes: (&[PolicyKind], Turns),
+    progress: &mut dyn FnMut(usize),
+) -> Result<ModelPoint> {
+    if prompts.is_empty() {
+        return Err(EngineError::Invalid(
+            "a sweep needs at least one prompt".into(),
+        ));
+    }
+    let report = bench_prompts(loaded, prompts, options, lanes, progress)?;
+    Ok(ModelPoint {
+        model: model.to_string(),
+        baseline_tokens_per_sec: baseline_tokens_per_sec(&report),
+        ceiling: report.ceiling,
+        policies: policy_points(&report),
+    })
 }
 
 /// One model size: its steps measured, and the roofline's bound on them.

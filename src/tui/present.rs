@@ -191,7 +191,7 @@ fn draw_pipeline(frame: &mut Frame, area: Rect, app: &App, run: &RunView, tall: 
                 width: CELL_WIDTH - 1,
                 ..row
             };
-            draw_cell(frame, at, &cell.text, &cell.kind, tall);
+            draw_cell(frame, at, &cell.label(), &cell.kind, tall);
         }
         y += cell_h;
     }

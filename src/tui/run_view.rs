@@ -31,12 +31,42 @@ pub enum CellKind {
     Flushed,
 }
 
-/// One token at one pass in one step.
+/// One token at one pass in one step, or a draft group: the tokens a draft-then-verify
+/// policy runs together at one pass.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Cell {
+    /// The (oldest) token's text.
     pub text: String,
     pub pos: usize,
     pub kind: CellKind,
+    /// Tokens at this pass in this step: 1, or a draft group's size.
+    pub tokens: usize,
+}
+
+impl Cell {
+    /// What the cell says: the token, or for a group its size and its oldest token
+    /// (`5×the`); a flipped cell draws its old and new tokens instead.
+    pub fn label(&self) -> String {
+        match self.tokens {
+            1 => self.text.clone(),
+            n => format!("{n}×{}", self.text),
+        }
+    }
+
+    /// Adds another token of a draft group: the cell takes the most telling kind, a
+    /// rejection first, then tokens still in flight, then kept ones, then flushed ones.
+    fn join(&mut self, kind: CellKind) {
+        let rank = |k: &CellKind| match k {
+            CellKind::Flipped { .. } => 3,
+            CellKind::Speculative => 2,
+            CellKind::Verified => 1,
+            CellKind::Flushed => 0,
+        };
+        self.tokens += 1;
+        if rank(&kind) > rank(&self.kind) {
+            self.kind = kind;
+        }
+    }
 }
 
 /// One step of the SPEED lane: a cell per pass (pass 1 first).
@@ -209,11 +239,14 @@ fn step_cells(step: &StepEvent, passes: usize) -> Vec<Option<Cell>> {
                     cell.kind = kind;
                 }
             }
+            // Another token at this pass: a draft group verifying together.
+            Some(cell) => cell.join(kind),
             slot => {
                 *slot = Some(Cell {
                     text,
                     pos: row.pos,
                     kind,
+                    tokens: 1,
                 })
             }
         }

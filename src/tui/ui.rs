@@ -382,7 +382,7 @@ fn draw_pipeline(frame: &mut Frame, area: Rect, app: &App, run: &RunView) {
                             cell_text(old, 3).trim_end(),
                             cell_text(new, 4).trim_end()
                         ),
-                        _ => cell.text.clone(),
+                        _ => cell.label(),
                     };
                     Span::styled(cell_text(&text, w), cell_style(&cell.kind))
                 }

@@ -212,3 +212,31 @@ pub fn recorded_race(
         cut_line: None,
     }
 }
+
+/// Runs spex; returns (success, stderr).
+pub fn spex(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(args)
+        .output()
+        .expect("run spex");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Asserts that spex fails with one line of stderr that contains `needle`, and no panic.
+pub fn assert_clean_error(args: &[&str], needle: &str) {
+    let (ok, stderr) = spex(args);
+    assert!(!ok, "{args:?} should fail");
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    assert_eq!(
+        stderr.trim().lines().count(),
+        1,
+        "one line expected: {stderr}"
+    );
+    assert!(
+        stderr.contains(needle),
+        "{args:?}: expected {needle:?} in {stderr:?}"
+    );
+}

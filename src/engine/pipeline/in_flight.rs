@@ -85,4 +85,6 @@ pub(super) type Decided = (Vec<f32>, Action);
 pub(super) struct Readouts {
     pub(super) main: Option<Decided>,
     pub(super) side: Option<Decided>,
+    /// Whether its row ran in this step (a token waiting for a draft does not).
+    pub(super) ran: bool,
 }

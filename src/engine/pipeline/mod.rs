@@ -62,6 +62,18 @@
 //! branch is flushed. So the window stays a chain: LoopSpec's tree of branches cut to one
 //! level.
 //!
+//! # Draft then verify
+//!
+//! A drafting policy ([`Drafting`](super::policy::Drafting): depth d, γ drafts; Leviathan et
+//! al.'s draft-then-verify with the model's own first d passes as the draft model) changes
+//! only which tokens run in a step. While a token is below pass d, it alone runs and the
+//! older tokens wait; its pass-d readout drafts the next token until γ drafts follow the
+//! verified one. Then every token of the group runs passes d+1..R together, γ + 1 rows at
+//! the same pass, each attending to the entries its elders write in the same step, as in
+//! the prefill. At pass R the walk is the one above: each readout keeps or rejects its
+//! child, a rejection flushes the rest of the group, and the last token's readout commits a
+//! bonus token. The drafts' first d passes are kept, so drafting costs no extra rows.
+//!
 //! # Callers
 //!
 //! Generic over the step model: every step backend, and the what-if oracle that answers from
@@ -77,19 +89,18 @@ mod in_flight;
 mod options;
 mod prefill;
 mod report;
+mod verdict;
 
 pub use options::DecodeOptions;
 
-use in_flight::{Decided, InFlight, Readouts};
+use in_flight::{InFlight, Readouts};
 
 use super::error::{EngineError, Result};
-use super::events::{
-    Committed, DecodeEvent, FinishReason, Flip, Flush, Prediction, RowEvent, StepEvent,
-};
+use super::events::{Committed, DecodeEvent, FinishReason, Flush, Prediction, RowEvent, StepEvent};
 use super::kv_cache::KvCache;
-use super::model::{ReadoutKind, RowSlot, StepModel};
+use super::model::{ReadoutKind, RowSlot, StepModel, StepRow};
 use super::pass::Pass;
-use super::policy::{Action, Policy, Proposal, Readout, Verdict};
+use super::policy::{Action, Policy, Proposal, Readout};
 use super::sampling::argmax;
 use super::tokenizer::{Detokenizer, TextTokenizer};
 
@@ -159,6 +170,13 @@ impl<B: StepModel> Pipeline<B> {
         policy
             .check(backend.passes())
             .map_err(EngineError::Invalid)?;
+        if let Some(drafting) = policy.drafting().filter(|d| d.tokens >= context) {
+            return Err(EngineError::Invalid(format!(
+                "{} drafts γ = {} tokens per round, above the context of {context} positions",
+                policy.name(),
+                drafting.tokens
+            )));
+        }
         let cache = KvCache::new(backend.empty_kv(context)?, backend.passes(), context);
         Ok(Self {
             cache,
@@ -322,37 +340,17 @@ impl<B: StepModel> Pipeline<B> {
         }
     }
 
-    /// One batched step over the whole window (each token's row, then the side candidates'),
-    /// then the walk from oldest to newest.
+    /// One batched step over the window's tokens that run (each token's row, then the side
+    /// candidates'), then the walk from oldest to newest.
     fn step(&mut self) -> Result<StepEvent> {
-        let passes = self.passes();
-        let candidates: Vec<Vec<Proposal>> = (0..self.window.len())
-            .map(|i| self.candidates_of(i))
-            .collect();
-        let kinds: Vec<(ReadoutKind, Option<ReadoutKind>)> = self
-            .window
-            .iter()
-            .zip(&candidates)
-            .map(|(t, c)| {
-                let kind = self.readout_after(t.next_pass(), c.len());
-                // A side candidate's readout is used only if it wins in this step, which
-                // takes its parent's readout: otherwise the LM head would run for nothing.
-                let side_kind = t.side.as_ref().map(|s| match kind.wanted() {
-                    true => self.readout_after(s.next_pass(), 0),
-                    false => ReadoutKind::None,
-                });
-                (kind, side_kind)
-            })
-            .collect();
-        let (mut rows, mut side_rows) = (Vec::new(), Vec::new());
-        for (t, (kind, side_kind)) in self.window.iter_mut().zip(kinds) {
-            rows.push(t.row(kind, false));
-            if let (Some(side), Some(kind)) = (t.side.as_deref_mut(), side_kind) {
-                side_rows.push(side.row(kind, true));
-            }
-        }
-        rows.extend(side_rows);
+        let running = self.running();
+        let rows = self.rows(&running);
         let slots: Vec<RowSlot> = rows.iter().map(|r| r.slot).collect();
+        // The candidates each row's readout settles: its token's, by the order rows run in.
+        let candidates: Vec<Vec<Proposal>> = (running.iter().enumerate())
+            .filter(|&(_, &runs)| runs)
+            .map(|(i, _)| self.candidates_of(i))
+            .collect();
         let started = Instant::now();
         let out = self.backend.run_step(rows, &mut self.cache)?;
         let actions: Vec<Option<Action>> = (out.logits.iter().zip(&slots).enumerate())
@@ -373,19 +371,69 @@ impl<B: StepModel> Pipeline<B> {
             kv: Vec::new(),
             compute,
         };
-        let readouts = self.take_outputs(out.hidden, out.logits, actions);
+        let readouts = self.take_outputs(&running, out.hidden, out.logits, actions);
         self.walk(readouts, &mut event)?;
-        if self.window.front().is_some_and(|t| t.passes_done == passes) {
+        // A verification step finishes a whole draft group at pass R.
+        while self
+            .window
+            .front()
+            .is_some_and(|t| t.passes_done == self.passes())
+        {
             self.window.pop_front();
         }
         event.kv = self.cache.occupancy();
         Ok(event)
     }
 
+    /// Which of the window's tokens run in this step ("Draft then verify"): all of them,
+    /// except under a drafting policy while a token is still below the draft depth, when only
+    /// those run and the rest wait.
+    fn running(&self) -> Vec<bool> {
+        let drafting_below = (self.policy.drafting())
+            .map(|d| d.depth.number())
+            .filter(|&depth| self.window.iter().any(|t| t.passes_done < depth));
+        (self.window.iter())
+            .map(|t| drafting_below.is_none_or(|depth| t.passes_done < depth))
+            .collect()
+    }
+
+    /// The step's rows: each running token's, then their side candidates'.
+    fn rows(&mut self, running: &[bool]) -> Vec<StepRow<B::Hidden>> {
+        // A full draft proposes nothing more: its tokens go on to their verification.
+        let draft_full = (self.policy.drafting()).is_some_and(|d| self.window.len() > d.tokens);
+        let kinds: Vec<(ReadoutKind, Option<ReadoutKind>)> = (self.window.iter().enumerate())
+            .map(|(i, t)| {
+                let pass = t.next_pass();
+                let kind = match draft_full && !pass.is_last(self.passes()) {
+                    true => ReadoutKind::None,
+                    false => self.readout_after(pass, self.candidates_of(i).len()),
+                };
+                // A side candidate's readout is used only if it wins in this step, which
+                // takes its parent's readout: otherwise the LM head would run for nothing.
+                let side_kind = t.side.as_ref().map(|s| match kind.wanted() {
+                    true => self.readout_after(s.next_pass(), 0),
+                    false => ReadoutKind::None,
+                });
+                (kind, side_kind)
+            })
+            .collect();
+        let (mut rows, mut side_rows) = (Vec::new(), Vec::new());
+        let tokens = self.window.iter_mut().zip(kinds).zip(running);
+        for ((t, (kind, side_kind)), _) in tokens.filter(|(_, runs)| **runs) {
+            rows.push(t.row(kind, false));
+            if let (Some(side), Some(kind)) = (t.side.as_deref_mut(), side_kind) {
+                side_rows.push(side.row(kind, true));
+            }
+        }
+        rows.extend(side_rows);
+        rows
+    }
+
     /// Hands each row's new hidden state back to its token (in the order the step ran them:
     /// the window, then the side candidates) and returns the readouts by window entry.
     fn take_outputs(
         &mut self,
+        running: &[bool],
         hidden: Vec<B::Hidden>,
         logits: Vec<Option<Vec<f32>>>,
         actions: Vec<Option<Action>>,
@@ -401,14 +449,18 @@ impl<B: StepModel> Pipeline<B> {
             t.passes_done += 1;
             readout
         };
-        let mut readouts: Vec<Readouts> = (self.window.iter_mut())
-            .map(|t| Readouts {
-                main: next(t),
-                side: None,
+        let mut readouts: Vec<Readouts> = (self.window.iter_mut().zip(running))
+            .map(|(t, &ran)| match ran {
+                true => Readouts {
+                    main: next(t),
+                    side: None,
+                    ran,
+                },
+                false => Readouts::default(),
             })
             .collect();
         for (t, r) in self.window.iter_mut().zip(&mut readouts) {
-            if let Some(side) = t.side.as_deref_mut() {
+            if let Some(side) = t.side.as_deref_mut().filter(|_| r.ran) {
                 r.side = next(side);
             }
         }
@@ -421,6 +473,10 @@ impl<B: StepModel> Pipeline<B> {
     fn walk(&mut self, mut readouts: Vec<Readouts>, event: &mut StepEvent) -> Result<()> {
         let mut index = 0;
         while index < readouts.len() {
+            if !readouts[index].ran {
+                index += 1; // a token waiting for a draft: no row, nothing to walk
+                continue;
+            }
             let walked = self.walk_row(index, &mut readouts, event)?;
             let (Walked::GoOn(row) | Walked::Stop(row)) = &walked;
             event.rows.push(row.clone());
@@ -447,7 +503,7 @@ impl<B: StepModel> Pipeline<B> {
         event: &mut StepEvent,
     ) -> Result<Walked> {
         let passes = self.passes();
-        let Readouts { main, side } = std::mem::take(&mut readouts[index]);
+        let Readouts { main, side, .. } = std::mem::take(&mut readouts[index]);
         let t = &self.window[index];
         let (pos, pass) = (t.pos, t.last_pass());
         let mut row = self.row_event(t, false);
@@ -501,94 +557,6 @@ impl<B: StepModel> Pipeline<B> {
         } else {
             Walked::Stop(row)
         })
-    }
-
-    /// Carries out the policy's verdict on the candidates of the token at `index`: a first
-    /// candidate found wrong is a flip (pass < R) or a misprediction found at commit (pass
-    /// R); of two candidates one leaves; a rejection flushes everything younger, which was
-    /// computed from a wrong token. Returns whether the walk goes on, and on a rejection the
-    /// token to commit or propose instead.
-    fn settle(
-        &mut self,
-        index: usize,
-        verdict: Verdict,
-        candidates: &[Proposal],
-        side_readout: Option<Decided>,
-        readouts: &mut Vec<Readouts>,
-        event: &mut StepEvent,
-    ) -> Result<(bool, Option<Proposal>)> {
-        let t = &self.window[index];
-        let new = match &verdict {
-            Verdict::Keep(0) => None,
-            Verdict::Keep(i) => Some(candidates[*i].token),
-            Verdict::Reject(p) => Some(p.token),
-        };
-        if let Some(new) = new {
-            event.flips.push(Flip {
-                pos: t.pos + 1,
-                pass: t.last_pass(),
-                old: self.token(candidates[0].token),
-                new: self.token(new),
-            });
-        }
-        match verdict {
-            Verdict::Keep(0) => {
-                self.drop_side(index, event);
-                Ok((true, None))
-            }
-            Verdict::Keep(_) => {
-                self.promote_side(index, side_readout, readouts, event)?;
-                Ok((true, None))
-            }
-            Verdict::Reject(instead) => {
-                self.drop_side(index, event);
-                event.flushes.push(self.flush_from(index + 1));
-                readouts.truncate(index + 1);
-                Ok((false, Some(instead)))
-            }
-        }
-    }
-
-    /// The side candidate of the token at `index` lost: it leaves as a dropped row.
-    fn drop_side(&mut self, index: usize, event: &mut StepEvent) {
-        if let Some(side) = self.window[index].side.take() {
-            self.cache.drop_second(side.pos);
-            if side.passes_done > 0 {
-                event.rows.push(self.row_event(&side, true));
-            }
-        }
-    }
-
-    /// The side candidate of the token at `index` won: the first candidate leaves as a
-    /// dropped row, anything it started is flushed, and the side takes its place in the
-    /// window (and in the walk, with the readout it made this step).
-    fn promote_side(
-        &mut self,
-        index: usize,
-        side_readout: Option<Decided>,
-        readouts: &mut Vec<Readouts>,
-        event: &mut StepEvent,
-    ) -> Result<()> {
-        let side = self.window[index]
-            .side
-            .take()
-            .expect("a second candidate is kept only where one is in flight: this is a bug");
-        if self.window.len() > index + 2 {
-            event.flushes.push(self.flush_from(index + 2));
-        }
-        let first = self
-            .window
-            .remove(index + 1)
-            .expect("the first candidate is in flight: this is a bug");
-        event.rows.push(self.row_event(&first, true));
-        self.cache.promote_second(side.pos, side.passes_done)?;
-        self.window.push_back(*side);
-        readouts.truncate(index + 1);
-        readouts.push(Readouts {
-            main: side_readout,
-            side: None,
-        });
-        Ok(())
     }
 
     /// The candidates in flight for the position after the token at `index`: its child,

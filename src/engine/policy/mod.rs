@@ -5,15 +5,18 @@
 //!
 //! `speed` holds the policies that commit exactly the baseline's choice (greedy or
 //! seed-coupled: `engine::sampling`); `loopspec` the one that verifies by rejection
-//! sampling.
+//! sampling; `self_draft` draft-then-verify decoding, whose window the scheduler paces
+//! from the policy's [`Drafting`].
 
 mod loopspec;
+mod self_draft;
 mod speed;
 
 use std::fmt;
 use std::sync::Arc;
 
 pub use loopspec::LoopSpec;
+pub use self_draft::SelfDraft;
 pub use speed::{Baseline, Dual, Speed};
 
 use super::pass::Pass;
@@ -116,6 +119,19 @@ impl Readout<'_> {
     }
 }
 
+/// How a draft-then-verify policy paces the window (`engine::pipeline`, "Draft then
+/// verify"): tokens are drafted one after another through passes 1..=`depth`, each
+/// proposing the next at `depth`, until `tokens` drafts (γ) follow the verified token; while
+/// one is drafting, the tokens past `depth` wait. Then the whole group runs the remaining
+/// passes together and pass R checks every draft at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drafting {
+    /// d: the pass whose readout drafts, below R.
+    pub depth: Pass,
+    /// γ: drafts per round, 1 or more.
+    pub tokens: usize,
+}
+
 /// What a policy decides for the scheduler.
 pub trait Policy: Send + Sync + fmt::Debug {
     /// Its name in the CLI, events and the dashboard.
@@ -140,13 +156,21 @@ pub trait Policy: Send + Sync + fmt::Debug {
     fn keeps_baseline_sample(&self) -> bool {
         true
     }
+
+    /// `Some` for a draft-then-verify policy: the scheduler holds the tokens past the draft
+    /// depth while the next is drafted. `None` (SPEED's pipelining): every token advances a
+    /// pass in every step.
+    fn drafting(&self) -> Option<Drafting> {
+        None
+    }
 }
 
 /// The policies the CLI, models.toml and the dashboard can name: `speed`, `baseline`, `dual`
 /// or `dual:MARGIN` (the second-proposal gate in logits; the gate's best value depends on how
 /// peaked a model's pass-1 readouts are, so it is a per-model setting), and
 /// `loopspec[:d1=N][:d2=M]` (first proposals at depth N, 1 by default; gated second
-/// proposals at depth M, none by default).
+/// proposals at depth M, none by default) and `self-draft[:d=N][:g=M]` (γ = M drafts from
+/// pass N, then one verification).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum PolicyKind {
@@ -160,6 +184,7 @@ pub enum PolicyKind {
         d1: Pass,
         d2: Option<Pass>,
     },
+    SelfDraft(Drafting),
     Baseline,
 }
 
@@ -184,6 +209,7 @@ impl PolicyKind {
                 ..Dual::default()
             }),
             Self::LoopSpec { d1, d2 } => Box::new(LoopSpec { d1, d2 }),
+            Self::SelfDraft(drafting) => Box::new(SelfDraft { drafting }),
             Self::Baseline => Box::new(Baseline),
         }
     }
@@ -207,8 +233,11 @@ impl std::str::FromStr for PolicyKind {
             ("loopspec", params) => loopspec::parse_depths(params)
                 .map(|(d1, d2)| Self::LoopSpec { d1, d2 })
                 .map_err(|e| format!("policy `{s}`: {e}")),
+            ("self-draft", params) => self_draft::parse_drafting(params)
+                .map(Self::SelfDraft)
+                .map_err(|e| format!("policy `{s}`: {e}")),
             _ => Err(format!(
-                "unknown policy `{s}` (expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M] or baseline)"
+                "unknown policy `{s}` (expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or baseline)"
             )),
         }
     }
@@ -245,6 +274,16 @@ impl fmt::Display for PolicyKind {
                     None => Ok(()),
                 }
             }
+            Self::SelfDraft(Drafting { depth, tokens }) => {
+                f.write_str("self-draft")?;
+                if *depth != Pass::FIRST {
+                    write!(f, ":d={depth}")?;
+                }
+                if *tokens != SelfDraft::DEFAULT_TOKENS {
+                    write!(f, ":g={tokens}")?;
+                }
+                Ok(())
+            }
             _ => f.write_str(self.build().name()),
         }
     }
@@ -275,6 +314,10 @@ mod tests {
             "loopspec:d1=2",
             "loopspec:d2=3",
             "loopspec:d1=2:d2=3",
+            "self-draft",
+            "self-draft:d=2",
+            "self-draft:g=6",
+            "self-draft:d=2:g=1",
         ] {
             let kind: PolicyKind = name.parse().expect("a valid policy name");
             assert_eq!(kind.to_string(), name);
@@ -359,6 +402,12 @@ mod tests {
             "loopspec:d1=x",
             "loopspec:d1=1:d1=2",
             "loopspec:1",
+            "self-draft:g=0",
+            "self-draft:d=0",
+            "self-draft:g=x",
+            "self-draft:g=2:g=3",
+            "self-draft:x=1",
+            "self-draft:4",
         ] {
             let err = bad
                 .parse::<PolicyKind>()

@@ -1,0 +1,163 @@
+//! `spex sweep policies`: every policy's speedup on each model, one bench per model
+//! (`harness::sweep::policy_point`), as a table (or `--json`) and a bar chart: SPEED against
+//! dual, LoopSpec and draft-then-verify on the same model and machine.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::chart::{BarChart, draw_bars};
+use super::{ModelArgs, SamplingArgs, parse_count, parse_turn_ms};
+use crate::engine::{DecodeOptions, PolicyKind};
+use crate::harness::bench::Turns;
+use crate::harness::sweep::{ModelPoint, policy_point};
+
+/// `spex sweep policies`.
+#[derive(Debug, Args)]
+pub struct PolicyArgs {
+    /// The models, comma-separated: models.toml entries or checkpoint directories.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "shakespeare-r4k6-sync,shakespeare-r4k6,shakespeare-r4k4"
+    )]
+    pub models: Vec<String>,
+    /// How every model is loaded (its `--model` is `--models`').
+    #[command(flatten)]
+    pub load: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// A file with one prompt per line (default: the built-in prompts).
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
+    pub max_tokens: usize,
+    /// Interleaved runs per prompt (the median run's figures are kept).
+    #[arg(long, default_value_t = 1, value_parser = parse_count::<u64>)]
+    pub runs: u64,
+    /// Compute, in milliseconds, each lane runs before the next takes its turn.
+    #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
+    pub turn_ms: f64,
+    /// The policies, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "speed,dual,loopspec,self-draft"
+    )]
+    pub policy: Vec<PolicyKind>,
+    /// Where the chart is written.
+    #[arg(long, default_value = "sweep-policies.svg")]
+    pub chart: PathBuf,
+    /// Print one JSON report instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
+    if args.load.model.is_some() {
+        anyhow::bail!("--model: the policy sweep names its models with --models");
+    }
+    let prompts = super::bench::read_prompts(args.prompts.as_deref())?;
+    let turns = Turns {
+        runs: args.runs as usize,
+        turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
+    };
+    let terminal = std::io::stderr().is_terminal();
+    let (mut points, mut machine) = (Vec::with_capacity(args.models.len()), String::new());
+    for (m, model) in args.models.iter().enumerate() {
+        let load = ModelArgs {
+            model: Some(model.clone()),
+            ..args.load.clone()
+        };
+        let session = super::load_model(&load)?;
+        machine = super::device::machine_name(&session.loaded);
+        let options = DecodeOptions {
+            max_tokens: args.max_tokens,
+            context: load.context,
+            sampling: args.sampling.resolve(&session)?,
+        };
+        let prompts: Vec<String> = (prompts.iter())
+            .map(|p| session.prompt(p))
+            .collect::<Result<_, _>>()?;
+        let mut progress = |done: usize| {
+            if terminal {
+                eprint!(
+                    "\rspex sweep: model {}/{}, prompt {done}/{}",
+                    m + 1,
+                    args.models.len(),
+                    prompts.len()
+                );
+            }
+        };
+        let lanes = (args.policy.as_slice(), turns);
+        let named = (session.name.as_str(), &session.loaded);
+        points.push(policy_point(
+            named,
+            &prompts,
+            options,
+            lanes,
+            &mut progress,
+        )?);
+    }
+    if terminal {
+        eprintln!();
+    }
+    let title = format!("speedup by policy on {machine}, {} tokens", args.max_tokens);
+    draw_bars(&policy_chart(&points, title), &args.chart)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&points)?);
+    } else {
+        print_policies(&points);
+        println!("chart: {}", args.chart.display());
+    }
+    let failed: Vec<String> = (points.iter())
+        .flat_map(|m| {
+            (m.policies.iter().filter(|p| !p.identical))
+                .map(|p| format!("{} on {}", p.policy, m.model))
+        })
+        .collect();
+    if !failed.is_empty() {
+        anyhow::bail!("{} output differs from baseline", failed.join(", "));
+    }
+    Ok(())
+}
+
+fn print_policies(points: &[ModelPoint]) {
+    let Some(first) = points.first() else {
+        return;
+    };
+    let mut header = format!("{:<24} {:>9} {:>8}", "model", "base t/s", "ceiling");
+    for p in &first.policies {
+        header.push_str(&format!(" {:>14}", p.policy));
+    }
+    println!("{header}");
+    for point in points {
+        let mut line = format!(
+            "{:<24} {:>9.1} {:>7.2}×",
+            point.model, point.baseline_tokens_per_sec, point.ceiling
+        );
+        for p in &point.policies {
+            line.push_str(&format!(" {:>13.2}×", p.speedup));
+        }
+        println!("{line}");
+    }
+}
+
+/// Bars of each policy's speedup, grouped by model, with each model's ceiling.
+fn policy_chart(points: &[ModelPoint], title: String) -> BarChart {
+    BarChart {
+        title,
+        y_desc: "speedup over baseline (×)",
+        groups: points.iter().map(|m| m.model.clone()).collect(),
+        bars: (points.first().into_iter())
+            .flat_map(|m| m.policies.iter().map(|p| p.policy.clone()))
+            .collect(),
+        values: (points.iter())
+            .map(|m| m.policies.iter().map(|p| p.speedup).collect())
+            .collect(),
+        marks: points.iter().map(|m| m.ceiling).collect(),
+        mark_name: "ceiling",
+    }
+}

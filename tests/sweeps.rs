@@ -1,0 +1,144 @@
+//! The sweeps end to end (`spex sweep lengths|sizes|policies`): each point measured with
+//! identical outputs, a chart at slide size, and bad arguments as one line.
+
+mod common;
+
+use std::path::Path;
+
+use common::{Variant, assert_clean_error, random_model, spec, spex_ok};
+
+/// `spex sweep lengths`: the bench at each length, identical at every one, a chart at slide
+/// size, and a length past the context is one line.
+#[test]
+fn a_length_sweep_reports_every_length_and_draws_its_chart() {
+    let (dir, _) = random_model(&spec(1, 3, Variant::Tied, 6));
+    let d = dir.path().display().to_string();
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "To be, or not to be\nShall I compare thee\n").unwrap();
+    let p = prompts.display().to_string();
+    let chart = dir.path().join("lengths.svg");
+    let c = chart.display().to_string();
+    let args = [
+        "sweep",
+        "lengths",
+        "--model",
+        &d,
+        "--prompts",
+        &p,
+        "--chart",
+        &c,
+    ];
+    let out = spex_ok(
+        &[
+            &args[..],
+            &["--lengths", "4,8", "--policy", "speed,loopspec", "--json"],
+        ]
+        .concat(),
+        &[],
+        Path::new("."),
+    );
+    let sweep: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(sweep["prompts"], 2);
+    let points = sweep["points"].as_array().unwrap();
+    let lengths: Vec<u64> = points
+        .iter()
+        .map(|p| p["max_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(lengths, [4, 8]);
+    for point in points {
+        assert!(point["ceiling"].as_f64().unwrap() > 0.0, "{point}");
+        let policies = point["policies"].as_array().unwrap();
+        let names: Vec<&str> = policies
+            .iter()
+            .map(|q| q["policy"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["speed", "loopspec"]);
+        assert!(policies.iter().all(|q| q["identical"] == true), "{point}");
+    }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(
+        svg.starts_with(r#"<svg width="1280" height="720""#),
+        "{svg:.80}"
+    );
+    assert!(svg.contains("loopspec") && svg.contains("ceiling"));
+    assert_clean_error(
+        &["sweep", "lengths", "--model", &d, "--lengths", "8,600"],
+        "--lengths: 600 tokens do not fit the context",
+    );
+}
+
+/// `spex sweep sizes`: every size measured beside its bound, the machine's limits named, a
+/// chart; a size that is not a multiple of the heads' 128 is one line.
+#[test]
+fn a_size_sweep_measures_every_size_beside_its_bound() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let chart = dir.path().join("sizes.svg");
+    let c = chart.display().to_string();
+    let args = ["sweep", "sizes", "--hidden", "256,128", "--threads", "1"];
+    let out = spex_ok(
+        &[&args[..], &["--chart", &c, "--json"]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let sweep: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert!(sweep["read_bytes_per_sec"].as_f64().unwrap() > 0.0);
+    let points = sweep["points"].as_array().unwrap();
+    let hidden: Vec<u64> = points
+        .iter()
+        .map(|p| p["hidden"].as_u64().unwrap())
+        .collect();
+    assert_eq!(hidden, [128, 256], "sorted");
+    for p in points {
+        let (ceiling, bound) = (
+            p["ceiling"].as_f64().unwrap(),
+            p["ceiling_bound"].as_f64().unwrap(),
+        );
+        assert!(ceiling > 0.0 && (1.0..=4.0).contains(&bound), "{p}");
+    }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.contains("roofline bound") && svg.contains("measured"));
+    assert_clean_error(
+        &["sweep", "sizes", "--hidden", "100"],
+        "--hidden: 100 is not a multiple of the heads' 128",
+    );
+}
+
+/// `spex sweep policies`: every policy on every model, identical outputs, a bar chart; a
+/// `--model` instead of `--models` is one line.
+#[test]
+fn a_policy_sweep_benches_every_policy_on_every_model() {
+    let (first, _) = random_model(&spec(1, 3, Variant::Tied, 6));
+    let (second, _) = random_model(&spec(2, 2, Variant::Untied, 7));
+    let models = format!("{},{}", first.path().display(), second.path().display());
+    let prompts = first.path().join("prompts.txt");
+    std::fs::write(&prompts, "To be, or not to be\nShall I compare thee\n").unwrap();
+    let p = prompts.display().to_string();
+    let chart = first.path().join("policies.svg");
+    let c = chart.display().to_string();
+    let args = ["sweep", "policies", "--models", &models, "--prompts", &p];
+    let more = ["--max-tokens", "8", "--policy", "speed,self-draft:g=2"];
+    let out = spex_ok(
+        &[&args[..], &more, &["--chart", &c, "--json"]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let points: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let points = points.as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    for point in points {
+        assert!(point["ceiling"].as_f64().unwrap() > 0.0, "{point}");
+        let policies = point["policies"].as_array().unwrap();
+        let names: Vec<&str> = (policies.iter())
+            .map(|q| q["policy"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["speed", "self-draft:g=2"]);
+        assert!(policies.iter().all(|q| q["identical"] == true), "{point}");
+    }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.starts_with(r#"<svg width="1280" height="720""#));
+    assert!(svg.contains("self-draft:g=2") && svg.contains("ceiling"));
+    assert_clean_error(
+        &["sweep", "policies", "--model", "x"],
+        "--model: the policy sweep names its models with --models",
+    );
+}
