@@ -212,7 +212,7 @@ fn bad_arguments_get_one_line() {
     }
     assert_clean_error(
         &["bench", "--policy", "fastest"],
-        "expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or baseline",
+        "expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M] or baseline",
     );
     assert_clean_error(
         &["bench", "--policy", "dual:0"],
@@ -243,6 +243,37 @@ fn self_draft_that_cannot_run_is_one_line() {
         "self-draft:g=600",
         "self-draft drafts γ = 600 tokens per round, above the context of",
     );
+    run(
+        "draft",
+        "policy `draft` drafts with a draft model, and none is loaded beside this one (--draft-model NAME)",
+    );
+}
+
+/// A draft model whose tokenizer differs names both tokenizer files.
+#[test]
+fn a_draft_model_with_another_tokenizer_is_one_line() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let other = tempfile::TempDir::new().unwrap();
+    let mut other_spec = spex::engine::random_checkpoint::RandomSpec::default();
+    other_spec.shape.vocab = 384;
+    spex::engine::random_checkpoint::write_random_checkpoint(other.path(), &other_spec).unwrap();
+    let (d, o) = (dir.path().display().to_string(), other.path().display());
+    let draft = o.to_string();
+    let args = [
+        "generate",
+        "--model",
+        &d,
+        "--prompt",
+        "To be",
+        "--draft-model",
+        &draft,
+    ];
+    assert_clean_error(
+        &[&args[..], &["--policy", "draft"]].concat(),
+        &format!(
+            "the draft model's tokenizer {o}/tokenizer.json differs from the model's {d}/tokenizer.json"
+        ),
+    );
 }
 
 #[test]
@@ -260,7 +291,7 @@ fn bench_against_itself_is_refused() {
     ];
     assert_clean_error(
         &args,
-        "speculative policies: speed, dual[:MARGIN], loopspec[:d1=N][:d2=M] or self-draft",
+        "speculative policies: speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or draft",
     );
 }
 

@@ -64,7 +64,7 @@ fn assert_lanes_equal_on(loaded: &LoadedModel, prompts: &[&str], label: &str, ta
             );
             tally.runs += 1;
             tally.loopspec_runs += usize::from(matches!(policy, PolicyKind::LoopSpec { .. }));
-            tally.self_draft_runs += usize::from(matches!(policy, PolicyKind::SelfDraft(_)));
+            tally.self_draft_runs += usize::from(matches!(policy, PolicyKind::SelfDraft { .. }));
             tally.flips += lane.stats.flips_per_pass.iter().sum::<usize>();
             tally.second_proposals += lane.stats.second_proposals;
             tally.accepted_second += lane.stats.accepted_second;
@@ -436,4 +436,42 @@ fn fused_training_ops_match_composed_ops_on_the_whole_model() {
             );
         }
     }
+}
+
+/// Draft-then-verify with a draft model leaves the output unchanged: drafted by a random
+/// model of another shape (its drafts mostly rejected) and by the model itself (mostly kept),
+/// γ of 1 and 3, on every variant, R = 1, 2 and 4, and both KV element types.
+#[test]
+fn a_draft_model_leaves_the_output_unchanged() {
+    let policies: [PolicyKind; 2] = ["draft:g=1", "draft:g=3"].map(|p| p.parse().expect("valid"));
+    let (mut kept, mut runs) = (Vec::new(), 0);
+    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
+        let (_other_dir, other) = random_model(&spec(1, 2, variant, 99));
+        for (layers, passes) in [(1, 1), (2, 2), (1, 4), (4, 4)] {
+            let seed = (layers * 10 + passes) as u64;
+            let (_dir, loaded) = random_model(&spec(layers, passes, variant, seed));
+            for (kv, draft) in [(KvDtype::F16, &other), (KvDtype::F32, &loaded)] {
+                let target = with_kv_dtype(&loaded, kv);
+                let greedy = with_f32_readouts(&target);
+                let drafted = target.with_draft(draft.clone()).expect("one tokenizer");
+                for &prompt in &PROMPTS[..10] {
+                    let base = run_lane(&greedy, PolicyKind::Baseline, prompt, OPTIONS);
+                    let base = base.expect("baseline");
+                    for policy in policies {
+                        let lane = run_lane(&drafted, policy, prompt, OPTIONS).expect("lane");
+                        let label = format!("{variant:?} K={layers} R={passes} {kv:?} {policy}");
+                        assert_eq!(base.tokens, lane.tokens, "{label}: {prompt:?}");
+                        runs += 1;
+                        if passes > 1 {
+                            kept.push(lane.stats.acceptance().first);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(runs, 3 * 4 * 2 * 10 * 2);
+    let most = kept.iter().copied().fold(0.0, f64::max);
+    let least = kept.iter().copied().fold(1.0, f64::min);
+    assert!(most > 0.5 && least < 0.3, "drafts kept: {least}..{most}");
 }

@@ -210,6 +210,17 @@ fn the_first_sampled_token_follows_the_filtered_softmax() {
 /// makes the second token a speculated one (the last never is). Returns the runs' statistics.
 fn assert_first_two_follow(policy: PolicyKind, passes: usize, max_tokens: usize) -> RunStats {
     let (_dir, loaded) = random_model(&spec(1, passes, Variant::Tied, 12));
+    assert_first_two_follow_on(&loaded, policy, passes, max_tokens)
+}
+
+/// [`assert_first_two_follow`] on `loaded`.
+fn assert_first_two_follow_on(
+    loaded: &LoadedModel,
+    policy: PolicyKind,
+    passes: usize,
+    max_tokens: usize,
+) -> RunStats {
+    let loaded = loaded.clone();
     let prompt = "To be";
     let ids = loaded.tokenizer.encode(prompt).unwrap();
     let base = Sampling {
@@ -278,4 +289,17 @@ fn self_draft_samples_follow_the_filtered_softmax_jointly() {
     let stats = assert_first_two_follow("self-draft:g=2".parse().unwrap(), 3, 3);
     let a = stats.acceptance();
     assert!(a.first > 0.05 && a.restart > 0.0, "{a:?}");
+}
+
+/// Draft-then-verify with a draft model keeps the distribution too: the second token drafted
+/// by another model (a random one of another shape, whose drafts are often rejected) and
+/// checked by Leviathan's rejection rule at pass R.
+#[test]
+fn draft_model_samples_follow_the_filtered_softmax_jointly() {
+    let (_dir, loaded) = random_model(&spec(1, 2, Variant::Tied, 12));
+    let (_draft_dir, draft) = random_model(&spec(2, 1, Variant::Tied, 13));
+    let loaded = loaded.with_draft(draft).unwrap();
+    let stats = assert_first_two_follow_on(&loaded, "draft:g=2".parse().unwrap(), 2, 3);
+    let a = stats.acceptance();
+    assert!(a.first > 0.05 && a.restart > 0.05, "{a:?}");
 }

@@ -32,9 +32,16 @@ fn policies(passes: usize) -> Vec<PolicyKind> {
         PolicyKind::DUAL,
         "dual:0.25".parse().expect("a valid policy"),
         PolicyKind::LOOPSPEC,
+        "self-draft".parse().expect("a valid policy"),
+        "self-draft:g=2".parse().expect("a valid policy"),
     ];
     if passes >= 3 {
-        for name in ["loopspec:d1=2", "loopspec:d2=2", "loopspec:d1=1:d2=2"] {
+        for name in [
+            "loopspec:d1=2",
+            "loopspec:d2=2",
+            "loopspec:d1=1:d2=2",
+            "self-draft:d=2:g=3",
+        ] {
             all.push(name.parse().expect("a valid policy"));
         }
     }
@@ -73,7 +80,7 @@ fn what_if_step_counts_equal_real_runs() {
             differing += usize::from(steps.windows(2).any(|w| w[0] != w[1]));
         }
     }
-    assert_eq!(checked, 7 * (5 + 8 + 8 + 8));
+    assert_eq!(checked, 7 * (7 + 11 + 11 + 11));
     assert!(
         differing >= 20,
         "policies differ in steps on {differing} prompts"
@@ -90,6 +97,14 @@ fn what_if_needs_every_pass_read_out() {
     assert!(
         message.starts_with("ls.jsonl: ") && message.contains("no pass-2 readout"),
         "{message}"
+    );
+    let speed = recorded(&loaded, PROMPTS[0], PolicyKind::Speed);
+    let run = RecordedRun::of(&speed, Path::new("speed.jsonl")).expect("a greedy trace");
+    let draft = "draft".parse().expect("a valid policy");
+    let err = WhatIf::of(vec![run], &[draft]).expect_err("no draft model's predictions");
+    assert!(
+        err.to_string().contains("what-if cannot replay `draft`"),
+        "{err}"
     );
     let mut sampled = recorded(&loaded, PROMPTS[0], PolicyKind::Speed);
     sampled.header.sampling = Sampling {

@@ -11,6 +11,7 @@ mod load_bar;
 pub mod models;
 mod record;
 mod replay;
+mod session;
 mod sweep;
 mod sweep_policies;
 mod sweep_sizes;
@@ -20,10 +21,12 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::engine::model::{KvDtype, LoadOptions};
+use crate::engine::model::KvDtype;
 use crate::engine::policy::PolicyKind;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
-use crate::engine::{EngineError, LoadedModel, Sampling};
+use crate::engine::{EngineError, Sampling};
+use session::model_label;
+pub use session::{Session, load_model, load_model_with};
 
 /// spex: speculative pipelined decoding on looped language models.
 #[derive(Debug, Parser)]
@@ -108,6 +111,10 @@ pub struct ModelArgs {
     /// avx2, neon (aarch64) or portable (a lower one measures it on this machine).
     #[arg(long, value_enum, default_value_t = IsaArg::Auto)]
     pub isa: IsaArg,
+    /// The draft model of the `draft` policy: a models.toml entry or checkpoint directory with
+    /// the same tokenizer (default: the entry's `draft`, if any).
+    #[arg(long)]
+    pub draft_model: Option<String>,
     /// Threads a CPU decode step is split over (both lanes of a race or bench use the same;
     /// default and most: the physical cores this process may use).
     #[arg(long)]
@@ -218,50 +225,6 @@ impl SamplingArgs {
     }
 }
 
-/// A loaded model with what the commands show about it.
-#[derive(Debug, Clone)]
-pub struct Session {
-    pub loaded: LoadedModel,
-    pub name: String,
-    pub device: String,
-    pub dtype: String,
-    pub chat: bool,
-    pub policy: Option<PolicyKind>,
-    /// The entry's sampling defaults.
-    pub sampling: Sampling,
-    /// The prompt the dashboard opens with, ready to run.
-    pub sample_prompt: String,
-}
-
-impl Session {
-    /// The policy raced against baseline: `asked`, else the entry's when it speculates, else
-    /// SPEED.
-    pub fn speculative_policy(&self, asked: Option<PolicyKind>) -> PolicyKind {
-        asked
-            .or(self.policy.filter(|p| *p != PolicyKind::Baseline))
-            .unwrap_or(PolicyKind::Speed)
-    }
-
-    /// The policies a bench races: those asked for, else the entry's speculative one.
-    pub fn bench_policies(&self, asked: &[PolicyKind]) -> Vec<PolicyKind> {
-        if asked.is_empty() {
-            vec![self.speculative_policy(None)]
-        } else {
-            asked.to_vec()
-        }
-    }
-
-    /// The prompt as the model sees it: wrapped in the checkpoint's chat template for chat
-    /// models.
-    pub fn prompt(&self, prompt: &str) -> Result<String, EngineError> {
-        if self.chat {
-            self.loaded.tokenizer.chat_prompt(prompt)
-        } else {
-            Ok(prompt.to_string())
-        }
-    }
-}
-
 /// `spex generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -274,7 +237,7 @@ pub struct GenerateArgs {
     pub prompt: String,
     // clap shows this text as the help, where brackets mean optional.
     #[allow(rustdoc::broken_intra_doc_links)]
-    /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits), loopspec[:d1=N][:d2=M] (LoopSpec, verified by rejection sampling), self-draft[:d=N][:g=M] (γ = M tokens drafted from pass N, then verified together) or baseline (default: the entry's policy, else speed).
+    /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits), loopspec[:d1=N][:d2=M] (LoopSpec, verified by rejection sampling), self-draft[:d=N][:g=M] (γ = M tokens drafted from pass N, then verified together), draft[:g=M] (γ = M tokens drafted by --draft-model) or baseline (default: the entry's policy, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
@@ -317,8 +280,8 @@ pub struct BenchArgs {
     /// speed; dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits);
     /// loopspec[:d1=N][:d2=M] (LoopSpec's proposals at depth N, gated second ones at M,
     /// verified by rejection sampling); self-draft[:d=N][:g=M] (draft then verify: γ = M
-    /// tokens drafted from pass N, then verified together) (default: the entry's policy,
-    /// else speed).
+    /// tokens drafted from pass N, then verified together); draft[:g=M] (the same with γ
+    /// tokens from --draft-model) (default: the entry's policy, else speed).
     #[arg(long, value_delimiter = ',')]
     pub policy: Vec<PolicyKind>,
     /// Print one JSON report instead of a table.
@@ -345,7 +308,7 @@ pub struct TuiArgs {
     pub max_tokens: usize,
     // clap shows this text as the help, where brackets mean optional.
     #[allow(rustdoc::broken_intra_doc_links)]
-    /// The policy raced against baseline: speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M] or self-draft[:d=N][:g=M] (default: the entry's, else speed).
+    /// The policy raced against baseline: speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or draft[:g=M] (default: the entry's, else speed).
     #[arg(long)]
     pub policy: Option<PolicyKind>,
     /// Frames per second of the dashboard.
@@ -418,95 +381,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Pull { name, revision }) => hub::run(&name, revision.as_deref()),
         None => dashboard(&cli.dashboard),
     }
-}
-
-/// Resolves and loads the model `args` name, on the device and dtype asked for, with a
-/// progress bar on stderr while a large checkpoint loads.
-pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
-    let mut bar = load_bar::LoadBar::new(model_label(args));
-    let session = load_model_with(args, &mut |p| bar.show(p));
-    bar.finish();
-    session
-}
-
-/// How a load names the model: as `--model` gave it, or the default entry.
-fn model_label(args: &ModelArgs) -> String {
-    args.model
-        .clone()
-        .unwrap_or_else(|| "the default model".into())
-}
-
-/// [`load_model`], telling `progress` how far the weights are read.
-pub fn load_model_with(
-    args: &ModelArgs,
-    progress: &mut dyn FnMut(crate::engine::checkpoint::LoadProgress),
-) -> Result<Session, EngineError> {
-    let kernels = crate::engine::kernels::KernelOptions {
-        isa: args.isa.isa()?,
-        prefetch: args.prefetch.plan(),
-        threads: Some(device::decode_threads(args.threads)?),
-    };
-    let mut hub_settings = crate::hub::HubSettings::from_env()?;
-    hub_settings.offline |= args.offline;
-    let resolved = models::resolve(args.model.as_deref(), &hub_settings, &mut |p| {
-        if let crate::hub::PullProgress::Downloading {
-            done_bytes,
-            total_bytes,
-            ..
-        } = p
-        {
-            progress(crate::engine::checkpoint::LoadProgress::Downloading {
-                done_bytes,
-                total_bytes,
-            });
-        }
-    })?;
-    let entry = resolved.entry.as_ref();
-    let spec = args
-        .device
-        .or(entry.and_then(|e| e.device))
-        .unwrap_or(device::DeviceSpec::Auto);
-    let dtype = match args.dtype.or(entry.and_then(|e| e.dtype)) {
-        Some(d) => d.0,
-        None => resolved.source.stored_dtype(),
-    };
-    let dev = device::open(spec)?;
-    device::check_dtype(&dev, dtype)?;
-    let chat = args.chat || entry.is_some_and(|e| e.chat);
-    let options = LoadOptions {
-        f32_proposals: args.f32_proposals,
-        kv_dtype: args.kv_cache.into(),
-        candle_ops: args.candle_ops,
-        kernels,
-    };
-    let mut loaded = match &resolved.source {
-        models::ModelSource::Dir(dir) => {
-            LoadedModel::load_reporting(dir, &dev, dtype, options, progress)?
-        }
-        models::ModelSource::Embedded => {
-            LoadedModel::from_bytes(models::EMBEDDED, &dev, dtype, options)?
-        }
-    };
-    if chat {
-        loaded.enable_chat_stop();
-    }
-    Ok(Session {
-        loaded,
-        name: resolved.name,
-        device: device::device_name(&dev),
-        dtype: device::dtype_name(dtype).into(),
-        chat,
-        policy: entry.and_then(|e| e.policy),
-        sample_prompt: entry
-            .and_then(|e| e.prompt.clone())
-            .unwrap_or_else(|| models::DEFAULT_SAMPLE_PROMPT.into()),
-        sampling: Sampling {
-            temperature: entry.and_then(|e| e.temperature).unwrap_or(0.0),
-            top_k: entry.and_then(|e| e.top_k),
-            top_p: entry.and_then(|e| e.top_p),
-            seed: entry.and_then(|e| e.seed).unwrap_or(0),
-        },
-    })
 }
 
 fn list_models() -> anyhow::Result<()> {

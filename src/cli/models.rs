@@ -41,6 +41,8 @@ pub struct ModelEntry {
     pub chat: bool,
     /// The policy `spex generate` uses by default.
     pub policy: Option<PolicyKind>,
+    /// The draft model (an entry or a checkpoint directory) of the `draft` policy.
+    pub draft: Option<String>,
     /// Sampling defaults (`--temperature`, `--top-k`, `--top-p`, `--seed` override them).
     pub temperature: Option<f32>,
     pub top_k: Option<usize>,

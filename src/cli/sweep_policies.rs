@@ -47,6 +47,10 @@ pub struct PolicyArgs {
         default_value = "speed,dual,loopspec,self-draft"
     )]
     pub policy: Vec<PolicyKind>,
+    /// Chart tokens per second, each model's baseline beside its policies, instead of
+    /// speedups: models of different depths side by side.
+    #[arg(long)]
+    pub tokens_per_sec: bool,
     /// Where the chart is written.
     #[arg(long, default_value = "sweep-policies.svg")]
     pub chart: PathBuf,
@@ -104,8 +108,17 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
     if terminal {
         eprintln!();
     }
-    let title = format!("speedup by policy on {machine}, {} tokens", args.max_tokens);
-    draw_bars(&policy_chart(&points, title), &args.chart)?;
+    let chart = match args.tokens_per_sec {
+        true => rate_chart(
+            &points,
+            format!("tokens/s on {machine}, {} tokens", args.max_tokens),
+        ),
+        false => policy_chart(
+            &points,
+            format!("speedup by policy on {machine}, {} tokens", args.max_tokens),
+        ),
+    };
+    draw_bars(&chart, &args.chart)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&points)?);
     } else {
@@ -128,20 +141,51 @@ fn print_policies(points: &[ModelPoint]) {
     let Some(first) = points.first() else {
         return;
     };
-    let mut header = format!("{:<24} {:>9} {:>8}", "model", "base t/s", "ceiling");
+    let mut header = format!(
+        "{:<24} {:>4} {:>9} {:>8}",
+        "model", "K·R", "base t/s", "ceiling"
+    );
     for p in &first.policies {
-        header.push_str(&format!(" {:>14}", p.policy));
+        header.push_str(&format!(" {:>14} {:>7}", p.policy, "t/s"));
     }
     println!("{header}");
     for point in points {
         let mut line = format!(
-            "{:<24} {:>9.1} {:>7.2}×",
-            point.model, point.baseline_tokens_per_sec, point.ceiling
+            "{:<24} {:>4} {:>9.1} {:>7.2}×",
+            point.model, point.layer_applications, point.baseline_tokens_per_sec, point.ceiling
         );
         for p in &point.policies {
-            line.push_str(&format!(" {:>13.2}×", p.speedup));
+            line.push_str(&format!(" {:>13.2}× {:>7.1}", p.speedup, p.tokens_per_sec));
         }
         println!("{line}");
+    }
+}
+
+/// A group's name: the model and the layers a token goes through.
+fn group_name(m: &ModelPoint) -> String {
+    format!("{} (K·R = {})", m.model, m.layer_applications)
+}
+
+/// Bars of tokens per second, grouped by model: its baseline, then each policy.
+fn rate_chart(points: &[ModelPoint], title: String) -> BarChart {
+    let policies = (points.first().into_iter()).flat_map(|m| m.policies.iter());
+    BarChart {
+        title,
+        y_desc: "tokens per second",
+        groups: points.iter().map(group_name).collect(),
+        bars: std::iter::once("baseline".to_string())
+            .chain(policies.map(|p| p.policy.clone()))
+            .collect(),
+        values: (points.iter())
+            .map(|m| {
+                let rates = m.policies.iter().map(|p| p.tokens_per_sec);
+                std::iter::once(m.baseline_tokens_per_sec)
+                    .chain(rates)
+                    .collect()
+            })
+            .collect(),
+        marks: Vec::new(),
+        mark_name: "",
     }
 }
 
@@ -150,7 +194,7 @@ fn policy_chart(points: &[ModelPoint], title: String) -> BarChart {
     BarChart {
         title,
         y_desc: "speedup over baseline (×)",
-        groups: points.iter().map(|m| m.model.clone()).collect(),
+        groups: points.iter().map(group_name).collect(),
         bars: (points.first().into_iter())
             .flat_map(|m| m.policies.iter().map(|p| p.policy.clone()))
             .collect(),

@@ -77,6 +77,7 @@ fn model_args(dir: &std::path::Path, threads: Option<usize>) -> ModelArgs {
         offline: true,
         chat: false,
         f32_proposals: false,
+        draft_model: None,
         kv_cache: KvCacheArg::F16,
         isa: IsaArg::Auto,
         threads,

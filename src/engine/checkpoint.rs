@@ -220,6 +220,19 @@ pub struct LoadedModel {
     pub tokenizer: Arc<TextTokenizer>,
     /// Where it was loaded from.
     pub origin: Origin,
+    /// The draft model beside it, for the policy that drafts with one
+    /// (`policy::draft_model`); attached by [`LoadedModel::with_draft`].
+    pub draft: Option<Arc<LoadedModel>>,
+}
+
+impl Origin {
+    /// Its tokenizer file, for messages.
+    pub fn tokenizer_file(&self) -> std::path::PathBuf {
+        match self {
+            Self::Dir(dir) => dir.join("tokenizer.json"),
+            Self::Embedded(_) => Path::new("<embedded>").join("tokenizer.json"),
+        }
+    }
 }
 
 /// Where a loaded model's files are.
@@ -331,6 +344,23 @@ impl LoadedModel {
             backend,
             tokenizer: Arc::new(tokenizer),
             origin,
+            draft: None,
+        })
+    }
+
+    /// This model with `draft` beside it as its draft model; an error names both tokenizer
+    /// files unless they give every id the same token.
+    pub fn with_draft(self, draft: LoadedModel) -> Result<Self> {
+        if !self.tokenizer.same_vocabulary(&draft.tokenizer) {
+            return Err(EngineError::Invalid(format!(
+                "the draft model's tokenizer {} differs from the model's {}: a draft model must share its vocabulary",
+                draft.origin.tokenizer_file().display(),
+                self.origin.tokenizer_file().display()
+            )));
+        }
+        Ok(Self {
+            draft: Some(Arc::new(draft)),
+            ..self
         })
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::checkpoint::LoadedModel;
+use super::drafter::{Drafter, ModelDrafter};
 use super::error::Result;
 use super::events::DecodeEvent;
 pub use super::kv_cache::DEFAULT_CONTEXT;
@@ -14,7 +15,7 @@ use super::model::{Backend, StepBackend};
 use super::pass::Pass;
 pub use super::pipeline::DecodeOptions;
 use super::pipeline::Pipeline;
-use super::policy::Policy;
+use super::policy::{DraftSource, Policy};
 
 /// What callers ask of a run, whatever its backend.
 trait Run: Send + fmt::Debug {
@@ -51,7 +52,8 @@ impl<B: StepBackend> Run for Pipeline<B> {
     }
 }
 
-/// A run on backend `B`, boxed.
+/// A run on backend `B`, boxed, with `loaded`'s draft model as its drafter where the policy
+/// drafts with one.
 fn boxed<B: StepBackend>(
     backend: Arc<B>,
     loaded: &LoadedModel,
@@ -60,9 +62,26 @@ fn boxed<B: StepBackend>(
     options: DecodeOptions,
 ) -> Result<Box<dyn Run>> {
     let tokenizer = loaded.tokenizer.clone();
+    let wants_model = (policy.drafting()).is_some_and(|d| d.source == DraftSource::Model);
+    let drafter = match &loaded.draft {
+        Some(draft) if wants_model => Some(drafter(draft, options.context)?),
+        _ => None,
+    };
     Ok(Box::new(Pipeline::new(
-        backend, tokenizer, policy, prompt, options,
+        (backend, drafter),
+        tokenizer,
+        policy,
+        prompt,
+        options,
     )?))
+}
+
+/// A draft model as a drafter on its own backend.
+fn drafter(draft: &LoadedModel, context: usize) -> Result<Box<dyn Drafter>> {
+    Ok(match &draft.backend {
+        Backend::Host(b) => Box::new(ModelDrafter::new(b.clone(), context)?),
+        Backend::Device(b) => Box::new(ModelDrafter::new(b.clone(), context)?),
+    })
 }
 
 /// One decoding run: pull its events with [`Decoder::next_event`]: a prefill event first,

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod custom_op;
 pub mod decoder;
+pub mod drafter;
 pub mod error;
 pub mod events;
 pub mod format;

@@ -77,6 +77,12 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Whether `other` gives every id the same token (special tokens included): what a draft
+    /// model needs to draft in this tokenizer's ids.
+    pub fn same_vocabulary(&self, other: &TextTokenizer) -> bool {
+        self.inner.get_vocab(true) == other.inner.get_vocab(true)
+    }
+
     /// Also ends generation at `<|im_end|>` (chat models end their turn with it).
     pub fn stop_at_end_of_turn(&mut self) {
         if let Some(id) = self.inner.token_to_id(SPECIAL_TOKENS[2])

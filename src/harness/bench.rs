@@ -177,7 +177,7 @@ pub fn bench_prompt(
     let Turns { runs, turn } = turns;
     if policies.is_empty() || policies.contains(&PolicyKind::Baseline) {
         return Err(EngineError::Invalid(
-            "bench races baseline against speculative policies: speed, dual[:MARGIN], loopspec[:d1=N][:d2=M] or self-draft[:d=N][:g=M]".into(),
+            "bench races baseline against speculative policies: speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or draft[:g=M]".into(),
         ));
     }
     let lanes: Vec<PolicyKind> = std::iter::once(PolicyKind::Baseline)

@@ -131,6 +131,8 @@ fn policy_points(report: &BenchReport) -> Vec<PolicyPoint> {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ModelPoint {
     pub model: String,
+    /// K · R: the layers a token goes through.
+    pub layer_applications: usize,
     pub baseline_tokens_per_sec: f64,
     /// R · t(1 row) / t(R rows), the prompts' mean.
     pub ceiling: f64,
@@ -152,8 +154,10 @@ pub fn policy_point(
         ));
     }
     let report = bench_prompts(loaded, prompts, options, lanes, progress)?;
+    let config = &loaded.model().config;
     Ok(ModelPoint {
         model: model.to_string(),
+        layer_applications: config.num_hidden_layers * config.total_ut_steps,
         baseline_tokens_per_sec: baseline_tokens_per_sec(&report),
         ceiling: report.ceiling,
         policies: policy_points(&report),

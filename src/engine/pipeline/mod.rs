@@ -64,15 +64,23 @@
 //!
 //! # Draft then verify
 //!
-//! A drafting policy ([`Drafting`](super::policy::Drafting): depth d, γ drafts; Leviathan et
-//! al.'s draft-then-verify with the model's own first d passes as the draft model) changes
-//! only which tokens run in a step. While a token is below pass d, it alone runs and the
-//! older tokens wait; its pass-d readout drafts the next token until γ drafts follow the
-//! verified one. Then every token of the group runs passes d+1..R together, γ + 1 rows at
-//! the same pass, each attending to the entries its elders write in the same step, as in
-//! the prefill. At pass R the walk is the one above: each readout keeps or rejects its
-//! child, a rejection flushes the rest of the group, and the last token's readout commits a
-//! bonus token. The drafts' first d passes are kept, so drafting costs no extra rows.
+//! A drafting policy ([`Drafting`](super::policy::Drafting): γ drafts per round; Leviathan
+//! et al.'s draft-then-verify) changes only which tokens run in a step and where the drafts
+//! come from:
+//!
+//! - *From the model's own first d passes* (`self-draft`): while a token is below pass d, it
+//!   alone runs and the older tokens wait; its pass-d readout drafts the next token, until γ
+//!   drafts follow the verified one. The drafts' first d passes are kept, so drafting costs
+//!   no extra rows.
+//! - *From a draft model* (`draft`, `engine::drafter`): when the verified token waits alone
+//!   at pass 1, the draft model decodes γ tokens after it, timed as part of the step, and
+//!   they join it in the window.
+//!
+//! Then every token of the group runs the remaining passes together, γ + 1 rows at the same
+//! pass, each attending to the entries its elders write in the same step, as in the
+//! prefill. At pass R the walk is the one above: each readout keeps or rejects its child, a
+//! rejection flushes the rest of the group, and the last token's readout commits a bonus
+//! token.
 //!
 //! # Callers
 //!
@@ -87,6 +95,7 @@ use std::time::{Duration, Instant};
 
 mod in_flight;
 mod options;
+mod pacing;
 mod prefill;
 mod report;
 mod verdict;
@@ -95,10 +104,11 @@ pub use options::DecodeOptions;
 
 use in_flight::{InFlight, Readouts};
 
+use super::drafter::Drafter;
 use super::error::{EngineError, Result};
 use super::events::{Committed, DecodeEvent, FinishReason, Flush, Prediction, RowEvent, StepEvent};
 use super::kv_cache::KvCache;
-use super::model::{ReadoutKind, RowSlot, StepModel, StepRow};
+use super::model::{ReadoutKind, RowSlot, StepModel};
 use super::pass::Pass;
 use super::policy::{Action, Policy, Proposal, Readout};
 use super::sampling::argmax;
@@ -131,6 +141,8 @@ pub struct Pipeline<B: StepModel> {
     backend: Arc<B>,
     tokenizer: Arc<TextTokenizer>,
     policy: Box<dyn Policy>,
+    /// The draft model of a policy that drafts with one.
+    drafter: Option<Box<dyn Drafter>>,
     options: DecodeOptions,
     prompt: Vec<u32>,
     cache: KvCache<B::Kv>,
@@ -144,8 +156,9 @@ pub struct Pipeline<B: StepModel> {
 
 impl<B: StepModel> Pipeline<B> {
     /// A run of `prompt` (token ids) on `backend`, checked to fit the context; no compute yet.
+    /// `drafter` is the draft model of a policy that drafts with one (`DraftSource::Model`).
     pub fn new(
-        backend: Arc<B>,
+        (backend, drafter): (Arc<B>, Option<Box<dyn Drafter>>),
         tokenizer: Arc<TextTokenizer>,
         policy: Box<dyn Policy>,
         prompt: Vec<u32>,
@@ -170,12 +183,8 @@ impl<B: StepModel> Pipeline<B> {
         policy
             .check(backend.passes())
             .map_err(EngineError::Invalid)?;
-        if let Some(drafting) = policy.drafting().filter(|d| d.tokens >= context) {
-            return Err(EngineError::Invalid(format!(
-                "{} drafts γ = {} tokens per round, above the context of {context} positions",
-                policy.name(),
-                drafting.tokens
-            )));
+        if let Some(drafting) = policy.drafting() {
+            pacing::check_drafting(policy.name(), drafting, context, drafter.is_some())?;
         }
         let cache = KvCache::new(backend.empty_kv(context)?, backend.passes(), context);
         Ok(Self {
@@ -183,6 +192,7 @@ impl<B: StepModel> Pipeline<B> {
             backend,
             tokenizer,
             policy,
+            drafter,
             options,
             prompt,
             window: VecDeque::new(),
@@ -343,6 +353,7 @@ impl<B: StepModel> Pipeline<B> {
     /// One batched step over the window's tokens that run (each token's row, then the side
     /// candidates'), then the walk from oldest to newest.
     fn step(&mut self) -> Result<StepEvent> {
+        let drafted = self.draft_round()?;
         let running = self.running();
         let rows = self.rows(&running);
         let slots: Vec<RowSlot> = rows.iter().map(|r| r.slot).collect();
@@ -359,7 +370,7 @@ impl<B: StepModel> Pipeline<B> {
                 logits.as_deref().map(|l| self.act(l, s.pass, s.pos + 1, c))
             })
             .collect();
-        let compute = started.elapsed();
+        let compute = started.elapsed() + drafted;
         self.decode_compute += compute;
         self.steps += 1;
         let mut event = StepEvent {
@@ -383,50 +394,6 @@ impl<B: StepModel> Pipeline<B> {
         }
         event.kv = self.cache.occupancy();
         Ok(event)
-    }
-
-    /// Which of the window's tokens run in this step ("Draft then verify"): all of them,
-    /// except under a drafting policy while a token is still below the draft depth, when only
-    /// those run and the rest wait.
-    fn running(&self) -> Vec<bool> {
-        let drafting_below = (self.policy.drafting())
-            .map(|d| d.depth.number())
-            .filter(|&depth| self.window.iter().any(|t| t.passes_done < depth));
-        (self.window.iter())
-            .map(|t| drafting_below.is_none_or(|depth| t.passes_done < depth))
-            .collect()
-    }
-
-    /// The step's rows: each running token's, then their side candidates'.
-    fn rows(&mut self, running: &[bool]) -> Vec<StepRow<B::Hidden>> {
-        // A full draft proposes nothing more: its tokens go on to their verification.
-        let draft_full = (self.policy.drafting()).is_some_and(|d| self.window.len() > d.tokens);
-        let kinds: Vec<(ReadoutKind, Option<ReadoutKind>)> = (self.window.iter().enumerate())
-            .map(|(i, t)| {
-                let pass = t.next_pass();
-                let kind = match draft_full && !pass.is_last(self.passes()) {
-                    true => ReadoutKind::None,
-                    false => self.readout_after(pass, self.candidates_of(i).len()),
-                };
-                // A side candidate's readout is used only if it wins in this step, which
-                // takes its parent's readout: otherwise the LM head would run for nothing.
-                let side_kind = t.side.as_ref().map(|s| match kind.wanted() {
-                    true => self.readout_after(s.next_pass(), 0),
-                    false => ReadoutKind::None,
-                });
-                (kind, side_kind)
-            })
-            .collect();
-        let (mut rows, mut side_rows) = (Vec::new(), Vec::new());
-        let tokens = self.window.iter_mut().zip(kinds).zip(running);
-        for ((t, (kind, side_kind)), _) in tokens.filter(|(_, runs)| **runs) {
-            rows.push(t.row(kind, false));
-            if let (Some(side), Some(kind)) = (t.side.as_deref_mut(), side_kind) {
-                side_rows.push(side.row(kind, true));
-            }
-        }
-        rows.extend(side_rows);
-        rows
     }
 
     /// Hands each row's new hidden state back to its token (in the order the step ran them:

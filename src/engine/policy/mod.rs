@@ -5,9 +5,10 @@
 //!
 //! `speed` holds the policies that commit exactly the baseline's choice (greedy or
 //! seed-coupled: `engine::sampling`); `loopspec` the one that verifies by rejection
-//! sampling; `self_draft` draft-then-verify decoding, whose window the scheduler paces
-//! from the policy's [`Drafting`].
+//! sampling; `self_draft` and `draft_model` draft-then-verify decoding, whose window the
+//! scheduler paces from the policy's [`Drafting`].
 
+mod draft_model;
 mod loopspec;
 mod self_draft;
 mod speed;
@@ -15,6 +16,7 @@ mod speed;
 use std::fmt;
 use std::sync::Arc;
 
+pub use draft_model::DraftModel;
 pub use loopspec::LoopSpec;
 pub use self_draft::SelfDraft;
 pub use speed::{Baseline, Dual, Speed};
@@ -120,16 +122,25 @@ impl Readout<'_> {
 }
 
 /// How a draft-then-verify policy paces the window (`engine::pipeline`, "Draft then
-/// verify"): tokens are drafted one after another through passes 1..=`depth`, each
-/// proposing the next at `depth`, until `tokens` drafts (γ) follow the verified token; while
-/// one is drafting, the tokens past `depth` wait. Then the whole group runs the remaining
-/// passes together and pass R checks every draft at once.
+/// verify"): `tokens` drafts (γ) follow the verified token, drafted one after another from
+/// `source`; then the whole group runs its remaining passes together and pass R checks every
+/// draft at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Drafting {
-    /// d: the pass whose readout drafts, below R.
-    pub depth: Pass,
+    pub source: DraftSource,
     /// γ: drafts per round, 1 or more.
     pub tokens: usize,
+}
+
+/// Where a draft-then-verify policy's drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSource {
+    /// The model's own first d passes (d below R): each draft runs passes 1..=d and its
+    /// pass-d readout drafts the next, while the tokens past d wait.
+    Passes(Pass),
+    /// A separate draft model with the same tokenizer (`engine::drafter`), asked for the
+    /// round's γ drafts at once before the group's first pass.
+    Model,
 }
 
 /// What a policy decides for the scheduler.
@@ -169,8 +180,8 @@ pub trait Policy: Send + Sync + fmt::Debug {
 /// or `dual:MARGIN` (the second-proposal gate in logits; the gate's best value depends on how
 /// peaked a model's pass-1 readouts are, so it is a per-model setting), and
 /// `loopspec[:d1=N][:d2=M]` (first proposals at depth N, 1 by default; gated second
-/// proposals at depth M, none by default) and `self-draft[:d=N][:g=M]` (γ = M drafts from
-/// pass N, then one verification).
+/// proposals at depth M, none by default), `self-draft[:d=N][:g=M]` (γ = M drafts from
+/// pass N, then one verification) and `draft[:g=M]` (γ = M drafts from a draft model).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum PolicyKind {
@@ -184,7 +195,15 @@ pub enum PolicyKind {
         d1: Pass,
         d2: Option<Pass>,
     },
-    SelfDraft(Drafting),
+    /// Draft then verify from the model's own first passes.
+    SelfDraft {
+        depth: Pass,
+        tokens: usize,
+    },
+    /// Draft then verify from a separate draft model.
+    Draft {
+        tokens: usize,
+    },
     Baseline,
 }
 
@@ -209,7 +228,8 @@ impl PolicyKind {
                 ..Dual::default()
             }),
             Self::LoopSpec { d1, d2 } => Box::new(LoopSpec { d1, d2 }),
-            Self::SelfDraft(drafting) => Box::new(SelfDraft { drafting }),
+            Self::SelfDraft { depth, tokens } => Box::new(SelfDraft { depth, tokens }),
+            Self::Draft { tokens } => Box::new(DraftModel { tokens }),
             Self::Baseline => Box::new(Baseline),
         }
     }
@@ -234,10 +254,13 @@ impl std::str::FromStr for PolicyKind {
                 .map(|(d1, d2)| Self::LoopSpec { d1, d2 })
                 .map_err(|e| format!("policy `{s}`: {e}")),
             ("self-draft", params) => self_draft::parse_drafting(params)
-                .map(Self::SelfDraft)
+                .map(|(depth, tokens)| Self::SelfDraft { depth, tokens })
+                .map_err(|e| format!("policy `{s}`: {e}")),
+            ("draft", params) => draft_model::parse_tokens(params)
+                .map(|tokens| Self::Draft { tokens })
                 .map_err(|e| format!("policy `{s}`: {e}")),
             _ => Err(format!(
-                "unknown policy `{s}` (expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or baseline)"
+                "unknown policy `{s}` (expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M] or baseline)"
             )),
         }
     }
@@ -274,7 +297,7 @@ impl fmt::Display for PolicyKind {
                     None => Ok(()),
                 }
             }
-            Self::SelfDraft(Drafting { depth, tokens }) => {
+            Self::SelfDraft { depth, tokens } => {
                 f.write_str("self-draft")?;
                 if *depth != Pass::FIRST {
                     write!(f, ":d={depth}")?;
@@ -284,6 +307,10 @@ impl fmt::Display for PolicyKind {
                 }
                 Ok(())
             }
+            Self::Draft { tokens } => match *tokens == DraftModel::DEFAULT_TOKENS {
+                true => f.write_str("draft"),
+                false => write!(f, "draft:g={tokens}"),
+            },
             _ => f.write_str(self.build().name()),
         }
     }
@@ -318,6 +345,8 @@ mod tests {
             "self-draft:d=2",
             "self-draft:g=6",
             "self-draft:d=2:g=1",
+            "draft",
+            "draft:g=7",
         ] {
             let kind: PolicyKind = name.parse().expect("a valid policy name");
             assert_eq!(kind.to_string(), name);
@@ -408,6 +437,8 @@ mod tests {
             "self-draft:g=2:g=3",
             "self-draft:x=1",
             "self-draft:4",
+            "draft:g=0",
+            "draft:d=1",
         ] {
             let err = bad
                 .parse::<PolicyKind>()

@@ -16,13 +16,14 @@
 //! which reproduce the baseline's text, and Leviathan's rejection rule under sampling, which
 //! keeps the baseline's distribution.
 
-use super::{Action, Drafting, LoopSpec, Policy, Proposal, Readout};
+use super::{Action, DraftSource, Drafting, LoopSpec, Policy, Proposal, Readout};
 use crate::engine::pass::Pass;
 
-/// Drafts `drafting.tokens` tokens from pass `drafting.depth`, then verifies them together.
+/// Drafts `tokens` tokens (γ) from pass `depth` (d), then verifies them together.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SelfDraft {
-    pub drafting: Drafting,
+    pub depth: Pass,
+    pub tokens: usize,
 }
 
 impl SelfDraft {
@@ -32,19 +33,8 @@ impl SelfDraft {
     /// The proposals and checks: LoopSpec's with its first proposal at the draft depth.
     fn checks(&self) -> LoopSpec {
         LoopSpec {
-            d1: self.drafting.depth,
+            d1: self.depth,
             d2: None,
-        }
-    }
-}
-
-impl Default for SelfDraft {
-    fn default() -> Self {
-        Self {
-            drafting: Drafting {
-                depth: Pass::FIRST,
-                tokens: Self::DEFAULT_TOKENS,
-            },
         }
     }
 }
@@ -55,7 +45,7 @@ impl Policy for SelfDraft {
     }
 
     fn check(&self, passes: usize) -> Result<(), String> {
-        let depth = self.drafting.depth;
+        let depth = self.depth;
         if depth.number() >= passes {
             return Err(format!(
                 "self-draft drafts at depth {depth}, but the model has only {passes} passes (the draft depth must be below R)"
@@ -65,7 +55,7 @@ impl Policy for SelfDraft {
     }
 
     fn reads_out(&self, pass: Pass, _passes: usize, in_flight: usize) -> bool {
-        in_flight == 0 && pass == self.drafting.depth
+        in_flight == 0 && pass == self.depth
     }
 
     fn act(&self, r: &Readout, candidates: &[Proposal]) -> Action {
@@ -77,38 +67,44 @@ impl Policy for SelfDraft {
     }
 
     fn drafting(&self) -> Option<Drafting> {
-        Some(self.drafting)
+        Some(Drafting {
+            source: DraftSource::Passes(self.depth),
+            tokens: self.tokens,
+        })
     }
 }
 
 /// Reads `d=N` and `g=M` (either, both or neither, separated by `:`): the draft depth
 /// (default 1) and the draft length γ (default [`SelfDraft::DEFAULT_TOKENS`]), γ ≥ 1.
-pub(super) fn parse_drafting(params: &str) -> Result<Drafting, String> {
+pub(super) fn parse_drafting(params: &str) -> Result<(Pass, usize), String> {
     let (mut depth, mut tokens) = (None, None);
     for part in params.split(':').filter(|p| !p.is_empty()) {
         let (key, value) = part
             .split_once('=')
             .ok_or_else(|| format!("`{part}`: expected d=N or g=M"))?;
-        let number = value.parse::<usize>().ok().filter(|&n| n >= 1);
         let duplicate = match key {
-            "d" => depth
-                .replace(number.and_then(Pass::new).ok_or_else(|| {
+            "d" => {
+                let d = value.parse::<usize>().ok().and_then(Pass::new);
+                let d = d.ok_or_else(|| {
                     format!("`{part}`: the draft depth is a pass number, 1 or more")
-                })?)
-                .is_some(),
-            "g" => tokens
-                .replace(number.ok_or_else(|| {
-                    format!("`{part}`: γ, the tokens drafted per round, is 1 or more")
-                })?)
-                .is_some(),
+                })?;
+                depth.replace(d).is_some()
+            }
+            "g" => tokens.replace(draft_length(part, value)?).is_some(),
             _ => return Err(format!("`{key}`: expected d or g")),
         };
         if duplicate {
             return Err(format!("`{key}` given twice"));
         }
     }
-    Ok(Drafting {
-        depth: depth.unwrap_or(Pass::FIRST),
-        tokens: tokens.unwrap_or(SelfDraft::DEFAULT_TOKENS),
-    })
+    Ok((
+        depth.unwrap_or(Pass::FIRST),
+        tokens.unwrap_or(SelfDraft::DEFAULT_TOKENS),
+    ))
+}
+
+/// γ from `g=M` (`part`), 1 or more.
+pub(super) fn draft_length(part: &str, value: &str) -> Result<usize, String> {
+    (value.parse::<usize>().ok().filter(|&n| n >= 1))
+        .ok_or_else(|| format!("`{part}`: γ, the tokens drafted per round, is 1 or more"))
 }

@@ -76,6 +76,11 @@ pub fn simulate(oracle: &Arc<Oracle>, policy: PolicyKind, costs: &StepCosts) -> 
 }
 
 fn replay(oracle: &Arc<Oracle>, policy: PolicyKind, costs: &StepCosts) -> Result<Simulated> {
+    if let PolicyKind::Draft { .. } = policy {
+        return Err(EngineError::Invalid(format!(
+            "what-if cannot replay `{policy}`: its drafts are a draft model's predictions, which a recorded run of this model does not hold"
+        )));
+    }
     let run = oracle.run();
     let eos = &run.config.eos_token_ids;
     let tokenizer = Arc::new(TextTokenizer::new(Tokenizer::new(BPE::default()), eos));
@@ -89,7 +94,13 @@ fn replay(oracle: &Arc<Oracle>, policy: PolicyKind, costs: &StepCosts) -> Result
         sampling: Sampling::GREEDY,
     };
     let prompt = vec![0; run.prompt_tokens];
-    let mut pipeline = Pipeline::new(oracle.clone(), tokenizer, policy.build(), prompt, options)?;
+    let mut pipeline = Pipeline::new(
+        (oracle.clone(), None),
+        tokenizer,
+        policy.build(),
+        prompt,
+        options,
+    )?;
     let mut steps = 0;
     while let Some(event) = pipeline.next_event()? {
         if let DecodeEvent::Finished(f) = event {
