@@ -71,15 +71,23 @@ pub fn draw(chart: &Chart, path: &Path) -> anyhow::Result<()> {
         .draw()
         .map_err(|e| error(&e))?;
     draw_series(&mut axes, &chart.series).map_err(|e| error(&e))?;
+    finish(axes, &root, SeriesLabelPosition::LowerRight).map_err(|e| error(&e))
+}
+
+/// Draws the legend at `legend` and writes the file.
+fn finish(
+    axes: Axes,
+    root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    legend: SeriesLabelPosition,
+) -> Result<(), DrawingAreaErrorKind<std::io::Error>> {
+    let mut axes = axes;
     axes.configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(legend)
         .label_font(("sans-serif", 22))
         .background_style(WHITE.mix(0.9))
         .border_style(BLACK)
-        .draw()
-        .map_err(|e| error(&e))?;
-    root.present().map_err(|e| error(&e))?;
-    Ok(())
+        .draw()?;
+    root.present()
 }
 
 /// Every line with its legend entry.
@@ -160,15 +168,7 @@ pub fn draw_bars(chart: &BarChart, path: &Path) -> anyhow::Result<()> {
         .draw()
         .map_err(|e| error(&e))?;
     draw_bar_series(&mut axes, chart).map_err(|e| error(&e))?;
-    axes.configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font(("sans-serif", 22))
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| error(&e))?;
-    root.present().map_err(|e| error(&e))?;
-    Ok(())
+    finish(axes, &root, SeriesLabelPosition::UpperRight).map_err(|e| error(&e))
 }
 
 /// Each bar series with its legend entry, then the marks.

@@ -10,8 +10,7 @@ use std::sync::Arc;
 
 use super::error::{EngineError, Result};
 use super::kv_cache::KvCache;
-use super::model::{ReadoutKind, RowInput, RowSlot, StepModel, StepRow};
-use super::pass::Pass;
+use super::model::{ReadoutKind, StepModel};
 use super::policy::Proposal;
 use super::sampling::{Draw, Sampling, draw};
 
@@ -43,32 +42,11 @@ impl<B: StepModel> ModelDrafter<B> {
         })
     }
 
-    /// Reads `tokens` on from the text read so far, through every pass, one batched step per
-    /// pass; returns the last token's final readout (a proposal's: drafts may be approximate).
+    /// Reads `tokens` on from the text read so far, through every pass; returns the last
+    /// token's final readout (a proposal's: drafts may be approximate).
     fn read_on(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let (start, passes) = (self.read.len(), self.backend.passes());
-        let mut inputs: Vec<RowInput<B::Hidden>> =
-            tokens.iter().map(|&id| RowInput::Token(id)).collect();
-        let mut last = None;
-        for pass in Pass::all(passes) {
-            let rows: Vec<StepRow<B::Hidden>> = (inputs.drain(..).enumerate())
-                .map(|(i, input)| StepRow {
-                    slot: RowSlot {
-                        pos: start + i,
-                        pass,
-                        readout: match pass.is_last(passes) && i + 1 == tokens.len() {
-                            true => ReadoutKind::Proposal,
-                            false => ReadoutKind::None,
-                        },
-                        second: false,
-                    },
-                    input,
-                })
-                .collect();
-            let out = self.backend.run_step(rows, &mut self.cache)?;
-            inputs = out.hidden.into_iter().map(RowInput::Hidden).collect();
-            last = out.logits.into_iter().next_back().flatten();
-        }
+        let at = (self.read.len(), tokens);
+        let last = (self.backend).read_tokens(&mut self.cache, at, ReadoutKind::Proposal)?;
         self.read.extend_from_slice(tokens);
         self.cache.set_committed(self.read.len());
         last.ok_or_else(|| EngineError::Invalid("the draft model read no token".into()))

@@ -36,6 +36,41 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
         rows: Vec<StepRow<Self::Hidden>>,
         cache: &mut KvCache<Self::Kv>,
     ) -> Result<StepOutput<Self::Hidden>>;
+
+    /// All R passes over `tokens` at positions `start..`, one batched step per pass (a
+    /// prefill, or a draft model reading on): only the last token's pass-R row reads out,
+    /// as `readout` asks; returns its logits.
+    fn read_tokens(
+        &self,
+        cache: &mut KvCache<Self::Kv>,
+        (start, tokens): (usize, &[u32]),
+        readout: ReadoutKind,
+    ) -> Result<Option<Vec<f32>>> {
+        let passes = self.passes();
+        let mut inputs: Vec<RowInput<Self::Hidden>> =
+            tokens.iter().map(|&id| RowInput::Token(id)).collect();
+        let mut last = None;
+        for pass in Pass::all(passes) {
+            let rows: Vec<StepRow<Self::Hidden>> = (inputs.drain(..).enumerate())
+                .map(|(i, input)| StepRow {
+                    slot: RowSlot {
+                        pos: start + i,
+                        pass,
+                        readout: match pass.is_last(passes) && i + 1 == tokens.len() {
+                            true => readout,
+                            false => ReadoutKind::None,
+                        },
+                        second: false,
+                    },
+                    input,
+                })
+                .collect();
+            let out = self.run_step(rows, cache)?;
+            inputs = out.hidden.into_iter().map(RowInput::Hidden).collect();
+            last = out.logits.into_iter().next_back().flatten();
+        }
+        Ok(last)
+    }
 }
 
 impl<B: StepBackend> StepModel for B {

@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::{Phase, Pipeline};
 use crate::engine::error::Result;
 use crate::engine::events::PrefillEvent;
-use crate::engine::model::{ReadoutKind, RowInput, RowSlot, StepModel, StepRow};
+use crate::engine::model::StepModel;
 use crate::engine::pass::Pass;
 
 impl<B: StepModel> Pipeline<B> {
@@ -14,35 +14,13 @@ impl<B: StepModel> Pipeline<B> {
     /// readout is the first output token, verified, which enters the window at pass 1.
     pub(super) fn prefill(&mut self) -> Result<PrefillEvent> {
         let started = Instant::now();
-        let passes = self.passes();
         let n = self.prompt.len();
-        let mut inputs: Vec<RowInput<B::Hidden>> =
-            self.prompt.iter().map(|&id| RowInput::Token(id)).collect();
-        let mut last_logits = None;
-        for pass in Pass::all(passes) {
-            let rows: Vec<StepRow<B::Hidden>> = inputs
-                .drain(..)
-                .enumerate()
-                .map(|(pos, input)| StepRow {
-                    slot: RowSlot {
-                        pos,
-                        pass,
-                        readout: match pass.is_last(passes) && pos + 1 == n {
-                            true => self.commit_readout(),
-                            false => ReadoutKind::None,
-                        },
-                        second: false,
-                    },
-                    input,
-                })
-                .collect();
-            let out = self.backend.run_step(rows, &mut self.cache)?;
-            inputs = out.hidden.into_iter().map(RowInput::Hidden).collect();
-            last_logits = out.logits.into_iter().next_back().flatten();
-        }
+        let readout = self.commit_readout();
+        let prompt = (0, self.prompt.as_slice());
+        let last_logits = self.backend.read_tokens(&mut self.cache, prompt, readout)?;
         let logits =
             last_logits.expect("prefill reads out the last position at pass R: this is a bug");
-        let last = Pass::last(passes);
+        let last = Pass::last(self.passes());
         let first = self
             .act(&logits, last, n, &[])
             .shown(&[])
