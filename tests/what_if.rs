@@ -13,7 +13,7 @@ use spex::engine::{LoadedModel, Sampling};
 use spex::harness::bench::run_lane;
 use spex::harness::race::RaceEvent;
 use spex::harness::trace::Trace;
-use spex::harness::what_if::{RecordedRun, StepCosts, WhatIf, simulate};
+use spex::harness::what_if::{RecordedRun, StepCosts, WhatIf, WhatIfDraft, simulate};
 use std::sync::Arc;
 
 /// A race of `policy` against baseline on `prompt`, as a trace.
@@ -69,7 +69,7 @@ fn what_if_step_counts_equal_real_runs() {
             let mut steps = Vec::new();
             for policy in policies(passes) {
                 let real = run_lane(&loaded, policy, prompt, OPTIONS).expect("a real run");
-                let what_if = simulate(&oracle, policy, &costs).expect("a what-if");
+                let what_if = simulate(&oracle, policy, &costs, None).expect("a what-if");
                 assert_eq!(
                     what_if.steps, real.stats.steps,
                     "{variant:?} K={layers} R={passes} {prompt:?}: {policy} recorded as {source}"
@@ -103,7 +103,8 @@ fn what_if_needs_every_pass_read_out() {
     let draft = "draft".parse().expect("a valid policy");
     let err = WhatIf::of(vec![run], &[draft]).expect_err("no draft model's predictions");
     assert!(
-        err.to_string().contains("what-if cannot replay `draft`"),
+        err.to_string()
+            .contains("what-if replays `draft` with its draft model only"),
         "{err}"
     );
     let mut sampled = recorded(&loaded, PROMPTS[0], PolicyKind::Speed);
@@ -142,7 +143,7 @@ fn step_costs_from_another_trace_time_every_run() {
     let costs = StepCosts::fit(&samples);
     let policies = [PolicyKind::Speed, PolicyKind::DUAL];
     let own = WhatIf::of(runs(), &policies).expect("a what-if");
-    let lent = WhatIf::timed(runs(), &policies, Some(costs)).expect("a what-if");
+    let lent = WhatIf::timed(runs(), &policies, Some(costs), None).expect("a what-if");
     assert_eq!(lent.step_costs, Some(costs));
     assert_eq!(own.step_costs, None);
     for (o, l) in own.forecasts.iter().zip(&lent.forecasts) {
@@ -152,4 +153,31 @@ fn step_costs_from_another_trace_time_every_run() {
     let baseline = &lent.forecasts[0];
     let expected_us = baseline.steps as f64 * costs.one_row_us;
     assert!((baseline.decode_us - expected_us).abs() <= 1e-9 * expected_us);
+}
+
+/// With its draft model, the `draft` policy's what-if takes the steps a real run takes.
+#[test]
+fn a_draft_models_what_if_takes_the_real_runs_steps() {
+    let (_dir, loaded) = random_model(&spec(2, 3, Variant::Untied, 5));
+    let (_draft_dir, draft) = random_model(&spec(1, 1, Variant::Untied, 6));
+    let drafted = loaded
+        .clone()
+        .with_draft(draft.clone())
+        .expect("one tokenizer");
+    let what_if_draft = WhatIfDraft::measured(draft).expect("a draft model");
+    assert!(what_if_draft.token_us > 0.0);
+    for prompt in PROMPTS.iter().step_by(4) {
+        let trace = recorded(&loaded, prompt, PolicyKind::Speed);
+        let run = RecordedRun::of(&trace, Path::new("test.jsonl")).expect("a greedy trace");
+        let oracle = Arc::new(spex::harness::what_if::Oracle::new(run));
+        let costs = StepCosts::fit(&oracle.run().step_samples);
+        for name in ["draft:g=1", "draft:g=3"] {
+            let policy: PolicyKind = name.parse().expect("a valid policy");
+            let real = run_lane(&drafted, policy, prompt, OPTIONS).expect("a real run");
+            let what_if =
+                simulate(&oracle, policy, &costs, Some(&what_if_draft)).expect("a what-if");
+            assert_eq!(what_if.steps, real.stats.steps, "{prompt:?}: {policy}");
+            assert!(what_if.decode_us > 0.0);
+        }
+    }
 }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::engine::{EngineError, PolicyKind};
 use crate::harness::explain::Explanation;
 use crate::harness::trace::Trace;
-use crate::harness::what_if::{RecordedRun, StepCosts, WhatIf, step_samples};
+use crate::harness::what_if::{RecordedRun, StepCosts, WhatIf, WhatIfDraft, step_samples};
 
 /// `spex explain`.
 #[derive(Debug, Args)]
@@ -36,6 +36,10 @@ pub struct ExplainArgs {
     /// a GPU, say), projects the recorded runs' policies onto it.
     #[arg(long, value_name = "TRACE", requires = "what_if")]
     pub step_costs: Option<PathBuf>,
+    /// The draft model the `draft` policy's what-if drafts with (a models.toml entry or a
+    /// checkpoint directory; its cost per token is measured on this machine).
+    #[arg(long, value_name = "NAME", requires = "what_if")]
+    pub draft_model: Option<String>,
 }
 
 /// The JSON `spex explain --json` prints.
@@ -68,7 +72,17 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     }
     let what_if = match args.what_if.is_empty() {
         true => None,
-        false => Some(WhatIf::timed(runs, &args.what_if, step_costs(args)?)?),
+        false => {
+            let draft = match &args.draft_model {
+                Some(name) => {
+                    let session = super::load_model(&super::ModelArgs::named(name))?;
+                    Some(WhatIfDraft::measured(session.loaded)?)
+                }
+                None => None,
+            };
+            let costs = step_costs(args)?;
+            Some(WhatIf::timed(runs, &args.what_if, costs, draft.as_ref())?)
+        }
     };
     let report = Report {
         files,

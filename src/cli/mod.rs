@@ -145,6 +145,27 @@ impl PrefetchArg {
     }
 }
 
+impl ModelArgs {
+    /// `--model NAME` with every other setting at its default.
+    pub fn named(model: &str) -> Self {
+        Self {
+            model: Some(model.to_string()),
+            context: crate::engine::decoder::DEFAULT_CONTEXT,
+            device: None,
+            dtype: None,
+            candle_ops: false,
+            offline: false,
+            chat: false,
+            f32_proposals: false,
+            kv_cache: KvCacheArg::F16,
+            isa: IsaArg::Auto,
+            draft_model: None,
+            threads: None,
+            prefetch: PrefetchArg::Auto,
+        }
+    }
+}
+
 /// `--kv-cache`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum KvCacheArg {

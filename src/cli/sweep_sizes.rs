@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use candle_core::DType;
 use clap::Args;
 
+use super::ModelArgs;
 use super::chart::{Chart, Series, draw};
 use super::device::{DTypeSpec, DeviceSpec};
-use super::{IsaArg, KvCacheArg, ModelArgs, PrefetchArg};
 use crate::engine::config::ModelShape;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use crate::harness::sweep::{SizeSweep, machine_limits, size_point};
@@ -69,19 +69,12 @@ fn shape(hidden: usize) -> ModelShape {
 
 fn model_args(dir: &std::path::Path, threads: Option<usize>) -> ModelArgs {
     ModelArgs {
-        model: Some(dir.display().to_string()),
         context: CONTEXT,
         device: Some(DeviceSpec::Cpu),
         dtype: Some(DTypeSpec(DType::BF16)),
-        candle_ops: false,
         offline: true,
-        chat: false,
-        f32_proposals: false,
-        draft_model: None,
-        kv_cache: KvCacheArg::F16,
-        isa: IsaArg::Auto,
         threads,
-        prefetch: PrefetchArg::Auto,
+        ..ModelArgs::named(&dir.display().to_string())
     }
 }
 

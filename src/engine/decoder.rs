@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::checkpoint::LoadedModel;
-use super::drafter::{Drafter, ModelDrafter};
+use super::drafter::model_drafter;
 use super::error::Result;
 use super::events::DecodeEvent;
 pub use super::kv_cache::DEFAULT_CONTEXT;
@@ -64,7 +64,7 @@ fn boxed<B: StepBackend>(
     let tokenizer = loaded.tokenizer.clone();
     let wants_model = (policy.drafting()).is_some_and(|d| d.source == DraftSource::Model);
     let drafter = match &loaded.draft {
-        Some(draft) if wants_model => Some(drafter(draft, options.context)?),
+        Some(draft) if wants_model => Some(model_drafter(draft, options.context)?),
         _ => None,
     };
     Ok(Box::new(Pipeline::new(
@@ -74,14 +74,6 @@ fn boxed<B: StepBackend>(
         prompt,
         options,
     )?))
-}
-
-/// A draft model as a drafter on its own backend.
-fn drafter(draft: &LoadedModel, context: usize) -> Result<Box<dyn Drafter>> {
-    Ok(match &draft.backend {
-        Backend::Host(b) => Box::new(ModelDrafter::new(b.clone(), context)?),
-        Backend::Device(b) => Box::new(ModelDrafter::new(b.clone(), context)?),
-    })
 }
 
 /// One decoding run: pull its events with [`Decoder::next_event`]: a prefill event first,

@@ -8,9 +8,10 @@
 use std::fmt;
 use std::sync::Arc;
 
+use super::checkpoint::LoadedModel;
 use super::error::{EngineError, Result};
 use super::kv_cache::KvCache;
-use super::model::{ReadoutKind, StepModel};
+use super::model::{Backend, ReadoutKind, StepModel};
 use super::policy::Proposal;
 use super::sampling::{Draw, Sampling, draw};
 
@@ -19,6 +20,14 @@ pub trait Drafter: Send + fmt::Debug {
     /// `tokens` tokens continuing `text` (the prompt and every committed token, not empty),
     /// each with the distribution it was drawn from when sampling.
     fn draft(&mut self, text: &[u32], tokens: usize, sampling: &Sampling) -> Result<Vec<Proposal>>;
+}
+
+/// `draft` as a drafter with a cache of `context` positions, on its own backend.
+pub fn model_drafter(draft: &LoadedModel, context: usize) -> Result<Box<dyn Drafter>> {
+    Ok(match &draft.backend {
+        Backend::Host(b) => Box::new(ModelDrafter::new(b.clone(), context)?),
+        Backend::Device(b) => Box::new(ModelDrafter::new(b.clone(), context)?),
+    })
 }
 
 /// A loaded model as a drafter, on its own step backend.

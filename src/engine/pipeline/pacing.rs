@@ -16,7 +16,8 @@ impl<B: StepModel> Pipeline<B> {
     /// pass 1, the draft model's drafts (γ, or as many as may still matter) join it. Returns
     /// the time the draft model took, which the step counts.
     pub(super) fn draft_round(&mut self) -> Result<Duration> {
-        let Some(drafting) = self.policy.drafting() else {
+        let from_model = |d: &Drafting| d.source == DraftSource::Model;
+        let Some(drafting) = self.policy.drafting().filter(from_model) else {
             return Ok(Duration::ZERO);
         };
         let root = match self.window.front() {

@@ -5,6 +5,7 @@
 //! costs the recorded run measured (`StepCosts`, fitted to its steps), so the speedup is a
 //! prediction for the machine the trace was recorded on. Read by the CLI's `explain`.
 
+mod drafts;
 mod oracle;
 mod recorded;
 
@@ -14,6 +15,7 @@ use serde::Serialize;
 use tokenizers::Tokenizer;
 use tokenizers::models::bpe::BPE;
 
+pub use drafts::WhatIfDraft;
 pub use oracle::{Lineage, LineageStore, Oracle};
 pub use recorded::{RecordedRun, step_samples};
 
@@ -68,20 +70,38 @@ pub struct Simulated {
     pub decode_us: f64,
 }
 
-/// Replays `run` under `policy` with the real scheduler over the oracle; errors (naming the
-/// trace) where the run lacks a readout the policy needs, and if the replay's text is not the
-/// recorded one.
-pub fn simulate(oracle: &Arc<Oracle>, policy: PolicyKind, costs: &StepCosts) -> Result<Simulated> {
-    replay(oracle, policy, costs).map_err(|e| EngineError::file(&oracle.run().path, e))
+/// Replays `run` under `policy` with the real scheduler over the oracle, `draft` drafting
+/// for the `draft` policy; errors (naming the trace) where the run lacks a readout the
+/// policy needs, and if the replay's text is not the recorded one.
+pub fn simulate(
+    oracle: &Arc<Oracle>,
+    policy: PolicyKind,
+    costs: &StepCosts,
+    draft: Option<&WhatIfDraft>,
+) -> Result<Simulated> {
+    replay(oracle, policy, costs, draft).map_err(|e| EngineError::file(&oracle.run().path, e))
 }
 
-fn replay(oracle: &Arc<Oracle>, policy: PolicyKind, costs: &StepCosts) -> Result<Simulated> {
-    if let PolicyKind::Draft { .. } = policy {
-        return Err(EngineError::Invalid(format!(
-            "what-if cannot replay `{policy}`: its drafts are a draft model's predictions, which a recorded run of this model does not hold"
-        )));
-    }
+fn replay(
+    oracle: &Arc<Oracle>,
+    policy: PolicyKind,
+    costs: &StepCosts,
+    draft: Option<&WhatIfDraft>,
+) -> Result<Simulated> {
     let run = oracle.run();
+    // The oracle reads no prompt token; a draft model reads them all.
+    let (prompt, drafter) = match (policy, draft) {
+        (PolicyKind::Draft { .. }, Some(draft)) => {
+            let (drafter, count) = draft.drafter(run.context)?;
+            (draft.prompt(run)?, Some((drafter, count, draft.token_us)))
+        }
+        (PolicyKind::Draft { .. }, None) => {
+            return Err(EngineError::Invalid(format!(
+                "what-if replays `{policy}` with its draft model only (--draft-model NAME)"
+            )));
+        }
+        _ => (vec![0; run.prompt_tokens], None),
+    };
     let eos = &run.config.eos_token_ids;
     let tokenizer = Arc::new(TextTokenizer::new(Tokenizer::new(BPE::default()), eos));
     let max_tokens = match run.finish {
@@ -93,9 +113,12 @@ fn replay(oracle: &Arc<Oracle>, policy: PolicyKind, costs: &StepCosts) -> Result
         context: run.context,
         sampling: Sampling::GREEDY,
     };
-    let prompt = vec![0; run.prompt_tokens];
+    let (drafter, drafted) = match drafter {
+        Some((drafter, count, token_us)) => (Some(drafter), Some((count, token_us))),
+        None => (None, None),
+    };
     let mut pipeline = Pipeline::new(
-        (oracle.clone(), None),
+        (oracle.clone(), drafter),
         tokenizer,
         policy.build(),
         prompt,
@@ -113,10 +136,11 @@ fn replay(oracle: &Arc<Oracle>, policy: PolicyKind, costs: &StepCosts) -> Result
         )));
     }
     let decode_rows = &pipeline.cache().store().rows_per_step[run.config.total_ut_steps..];
+    let drafting_us = drafted.map_or(0.0, |(count, token_us)| count.get() as f64 * token_us);
     Ok(Simulated {
         steps,
         rows: decode_rows.iter().sum(),
-        decode_us: decode_rows.iter().map(|&m| costs.step_us(m)).sum(),
+        decode_us: decode_rows.iter().map(|&m| costs.step_us(m)).sum::<f64>() + drafting_us,
     })
 }
 
@@ -150,16 +174,17 @@ impl WhatIf {
     /// Replays every run under baseline and each of `policies`, timed by the step costs each
     /// run measured.
     pub fn of(runs: Vec<RecordedRun>, policies: &[PolicyKind]) -> Result<Self> {
-        Self::timed(runs, policies, None)
+        Self::timed(runs, policies, None, None)
     }
 
     /// Replays every run under baseline and each of `policies`, timed by `step_costs` where
     /// given (the steps each policy takes come from the runs, the time of a step from
-    /// elsewhere), else by each run's own.
+    /// elsewhere), else by each run's own; `draft` drafts for the `draft` policy.
     pub fn timed(
         runs: Vec<RecordedRun>,
         policies: &[PolicyKind],
         step_costs: Option<StepCosts>,
+        draft: Option<&WhatIfDraft>,
     ) -> Result<Self> {
         let tokens = runs.iter().map(RecordedRun::tokens).sum();
         let oracles: Vec<(Arc<Oracle>, StepCosts)> = (runs.into_iter())
@@ -178,7 +203,7 @@ impl WhatIf {
                 decode_us: 0.0,
             };
             for (oracle, costs) in &oracles {
-                let s = simulate(oracle, policy, costs)?;
+                let s = simulate(oracle, policy, costs, draft)?;
                 total.steps += s.steps;
                 total.rows += s.rows;
                 total.decode_us += s.decode_us;

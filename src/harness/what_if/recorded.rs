@@ -24,6 +24,8 @@ pub struct RecordedRun {
     pub policy: PolicyKind,
     pub config: OuroConfig,
     pub prompt_tokens: usize,
+    /// The prompt as typed, for a draft model to read again.
+    pub prompt: String,
     /// Committed token ids, in order (the first at position `prompt_tokens`).
     pub output: Vec<u32>,
     /// Why the run stopped; `None` for a trace cut short.
@@ -57,6 +59,7 @@ impl RecordedRun {
             policy: header.policy,
             config,
             prompt_tokens: 0,
+            prompt: header.prompt.clone(),
             output: Vec::new(),
             finish: None,
             max_tokens: header.max_tokens,
