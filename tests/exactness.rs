@@ -195,6 +195,16 @@ fn speed_equals_baseline_on_the_device_code_path() {
         tally.accepted_second > 0,
         "no second candidate won on the device path"
     );
+    // A draft group wider than the device step's one padded shape would not be exact.
+    let (_dir, loaded) = random_model(&spec(1, 2, Variant::Tied, 7));
+    let wide = "self-draft:g=4".parse().expect("a valid policy");
+    let err = run_lane(&with_device_backend(&loaded), wide, PROMPTS[0], OPTIONS)
+        .expect_err("5 rows on a 4-row device step");
+    assert!(
+        err.to_string()
+            .contains("this device keeps a step exact up to 4 rows"),
+        "{err}"
+    );
 }
 
 /// bf16 through candle's ops (the GPU's code path, here on the CPU), where a token's pass

@@ -82,4 +82,10 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
     fn proposal_error_bound(&self, _state: &Self::Hidden) -> Option<f64> {
         None
     }
+
+    /// The most rows a decode step may have and still compute each row as a one-row step
+    /// does (batch invariance); `None`: any number.
+    fn invariant_rows(&self) -> Option<usize> {
+        None
+    }
 }

@@ -147,6 +147,12 @@ impl StepBackend for DeviceBackend {
         &self.model
     }
 
+    /// Decode steps are padded to one shape of 2·R rows (`padded_rows`); a step of more
+    /// rows has another shape, whose sums may fall otherwise.
+    fn invariant_rows(&self) -> Option<usize> {
+        Some(padded_rows(&self.model, 0))
+    }
+
     fn new_store(&self, capacity: usize) -> Result<DeviceKv> {
         DeviceKv::new(&self.model, capacity)
     }

@@ -37,6 +37,12 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
         cache: &mut KvCache<Self::Kv>,
     ) -> Result<StepOutput<Self::Hidden>>;
 
+    /// The most rows a decode step may have and still compute each row as a one-row step
+    /// does (batch invariance); `None`: any number.
+    fn invariant_rows(&self) -> Option<usize> {
+        None
+    }
+
     /// All R passes over `tokens` at positions `start..`, one batched step per pass (a
     /// prefill, or a draft model reading on): only the last token's pass-R row reads out,
     /// as `readout` asks; returns its logits.
@@ -83,6 +89,10 @@ impl<B: StepBackend> StepModel for B {
 
     fn positions(&self) -> usize {
         self.model().config.max_position_embeddings
+    }
+
+    fn invariant_rows(&self) -> Option<usize> {
+        StepBackend::invariant_rows(self)
     }
 
     fn empty_kv(&self, capacity: usize) -> Result<Self::Kv> {

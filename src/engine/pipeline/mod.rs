@@ -184,7 +184,8 @@ impl<B: StepModel> Pipeline<B> {
             .check(backend.passes())
             .map_err(EngineError::Invalid)?;
         if let Some(drafting) = policy.drafting() {
-            pacing::check_drafting(policy.name(), drafting, context, drafter.is_some())?;
+            let limits = (context, backend.invariant_rows());
+            pacing::check_drafting(policy.name(), drafting, limits, drafter.is_some())?;
         }
         let cache = KvCache::new(backend.empty_kv(context)?, backend.passes(), context);
         Ok(Self {

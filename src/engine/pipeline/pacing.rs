@@ -87,17 +87,24 @@ impl<B: StepModel> Pipeline<B> {
     }
 }
 
-/// Errors unless a drafting policy can run: γ inside the context, and a draft model beside
+/// Errors unless a drafting policy can run: γ inside the context, a group of γ + 1 rows
+/// within the rows the backend computes exactly (`invariant_rows`), and a draft model beside
 /// the model where the policy drafts with one.
 pub(super) fn check_drafting(
     policy: &str,
     drafting: Drafting,
-    context: usize,
+    (context, invariant_rows): (usize, Option<usize>),
     has_drafter: bool,
 ) -> Result<()> {
     if drafting.tokens >= context {
         return Err(EngineError::Invalid(format!(
             "{policy} drafts γ = {} tokens per round, above the context of {context} positions",
+            drafting.tokens
+        )));
+    }
+    if let Some(rows) = invariant_rows.filter(|&rows| drafting.tokens + 1 > rows) {
+        return Err(EngineError::Invalid(format!(
+            "{policy} drafts γ = {} tokens per round, but this device keeps a step exact up to {rows} rows (γ + 1)",
             drafting.tokens
         )));
     }
