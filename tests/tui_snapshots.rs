@@ -169,6 +169,54 @@ fn every_panel() {
     }
 }
 
+/// A draft-then-verify run in the pipeline panel: one-row drafting steps at pass 1, then the
+/// group of five at each deeper pass as one cell (`5×…`); at pass 4 the first group keeps
+/// every draft, the second is cut by a rejection.
+#[test]
+fn draft_groups_in_the_pipeline() {
+    let mut app = app();
+    let group = |text: &str, kind: CellKind| cell(text, 20, kind).map(|c| Cell { tokens: 5, ..c });
+    let mut columns = VecDeque::new();
+    for round in 0..2u64 {
+        let first = 40 + round * 8;
+        for (k, word) in [" that", " is", " the", " question", ":"]
+            .iter()
+            .enumerate()
+        {
+            let mut cells = vec![cell(word, 20 + k, CellKind::Speculative), None, None, None];
+            if k == 0 {
+                cells[0] = cell(word, 20, CellKind::Verified);
+            }
+            columns.push_back(StepColumn {
+                step: first + k as u64,
+                cells,
+            });
+        }
+        for pass in 1..4 {
+            let last = pass == 3;
+            let kind = match (last, round) {
+                (true, 0) => CellKind::Verified,
+                (true, _) => CellKind::Flipped {
+                    old: " is".into(),
+                    new: " was".into(),
+                },
+                _ => CellKind::Speculative,
+            };
+            let mut cells = vec![None; 4];
+            cells[pass] = group(" that", kind);
+            columns.push_back(StepColumn {
+                step: first + 4 + pass as u64,
+                cells,
+            });
+        }
+    }
+    app.run.as_mut().expect("a run").columns = columns;
+    let out = render(140, 7, |f| {
+        draw_panel(f, Rect::new(0, 0, 140, 7), &app, Panel::Pipeline)
+    });
+    insta::assert_snapshot!(out);
+}
+
 #[test]
 fn too_small_message() {
     let app = app();
