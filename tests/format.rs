@@ -57,6 +57,7 @@ fn shipped_checkpoints_hold_exactly_the_format_tensors() {
         "models/shakespeare-r4k6-sync",
         "models/shakespeare-r4k6",
         "models/shakespeare-r4k4",
+        "models/shakespeare-r1k6",
         "train/run",
     ] {
         let dir = root.join(dir);

@@ -141,7 +141,7 @@ const GROUP_FILL: f64 = 0.8;
 pub fn draw_bars(chart: &BarChart, path: &Path) -> anyhow::Result<()> {
     let error = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: {e}", path.display());
     let top =
-        (chart.values.iter().flatten().chain(&chart.marks)).fold(1.0f64, |a, &b| a.max(b)) * 1.15;
+        (chart.values.iter().flatten().chain(&chart.marks)).fold(1.0f64, |a, &b| a.max(b)) * 1.6;
     let groups = chart.groups.len();
     let root = SVGBackend::new(path, (1280, 720)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| error(&e))?;

@@ -76,9 +76,12 @@ pub fn load_model_with(
 ) -> Result<Session, EngineError> {
     let (mut session, entry_draft) = load_one(args, progress)?;
     if let Some(draft) = args.draft_model.clone().or(entry_draft) {
+        // The draft decodes on the model's threads (`LoadedModel::with_draft`): its own count
+        // is the default, so that a capped `--threads` is noted once.
         let draft_args = ModelArgs {
             model: Some(draft),
             draft_model: None,
+            threads: None,
             ..args.clone()
         };
         let (draft, _) = load_one(&draft_args, progress)?;

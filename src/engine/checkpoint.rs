@@ -358,6 +358,14 @@ impl LoadedModel {
                 self.origin.tokenizer_file().display()
             )));
         }
+        // The draft model decodes between the model's steps: on the model's own threads.
+        let backend = match (&self.backend, draft.backend) {
+            (Backend::Host(model), Backend::Host(d)) => {
+                Backend::Host(Arc::new(d.on_threads_of(model.kernels())))
+            }
+            (_, other) => other,
+        };
+        let draft = LoadedModel { backend, ..draft };
         Ok(Self {
             draft: Some(Arc::new(draft)),
             ..self

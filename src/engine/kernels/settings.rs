@@ -79,6 +79,16 @@ impl Kernels {
         }
     }
 
+    /// The same instruction set and plan on `other`'s decode threads: two models that take
+    /// turns in one decode (a model and its draft model) share one pool, because two pools of
+    /// spinning workers on the same cores starve each other.
+    pub fn on_threads_of(&self, other: &Kernels) -> Self {
+        Self {
+            tuning: self.tuning,
+            pool: other.pool.clone(),
+        }
+    }
+
     /// The instruction set they run.
     pub fn isa(&self) -> Isa {
         self.tuning.isa

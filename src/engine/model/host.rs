@@ -166,6 +166,14 @@ impl HostBackend {
         }
     }
 
+    /// The same model on `other`'s decode threads (`Kernels::on_threads_of`).
+    pub fn on_threads_of(&self, other: &Kernels) -> Self {
+        Self {
+            kernels: self.kernels.on_threads_of(other),
+            ..self.clone()
+        }
+    }
+
     /// The model with the prefetch plan `choice` fixed.
     pub fn with_prefetch_choice(self, choice: Choice) -> Self {
         Self {
