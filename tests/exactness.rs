@@ -30,33 +30,56 @@ struct Tally {
     accepted_second: usize,
 }
 
-/// Every policy that can run on a model with `passes` passes: loopspec's depths and
-/// self-draft's must be below R.
-fn policies(passes: usize) -> Vec<PolicyKind> {
-    let mut all = vec![PolicyKind::Baseline, PolicyKind::Speed, PolicyKind::DUAL];
+/// Which policies a suite runs: SPEED's pipelined ones (baseline, speed, dual, loopspec), the
+/// self-drafting ones, or both. The drafting suite runs natively only (`.ci/aarch64-check`):
+/// its rows are the kernels' rows, which the pipelined suite and the kernels' unit tests
+/// check under qemu.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Suite {
+    Pipelined,
+    Drafting,
+    All,
+}
+
+/// Every policy of `suite` that can run on a model with `passes` passes: loopspec's depths
+/// and self-draft's must be below R.
+fn policies(passes: usize, suite: Suite) -> Vec<PolicyKind> {
     let parse = |name: &str| name.parse::<PolicyKind>().expect("a valid policy");
+    let mut pipelined = vec![PolicyKind::Baseline, PolicyKind::Speed, PolicyKind::DUAL];
+    let mut drafting = Vec::new();
     if passes >= 2 {
-        all.extend([PolicyKind::LOOPSPEC, parse("self-draft")]);
+        pipelined.push(PolicyKind::LOOPSPEC);
+        drafting.push(parse("self-draft"));
     }
     if passes >= 3 {
-        all.extend([parse("loopspec:d1=1:d2=2"), parse("self-draft:d=2:g=2")]);
+        pipelined.push(parse("loopspec:d1=1:d2=2"));
+        drafting.push(parse("self-draft:d=2:g=2"));
     }
-    all
+    match suite {
+        Suite::Pipelined => pipelined,
+        Suite::Drafting => drafting,
+        Suite::All => [pipelined, drafting].concat(),
+    }
 }
 
 /// Every lane on `loaded` (its proposal readouts from the f16 head where the CPU has one)
 /// against ordinary greedy decoding with the f32 head.
 fn assert_lanes_equal(loaded: &LoadedModel, label: &str, tally: &mut Tally) {
-    assert_lanes_equal_on(loaded, &PROMPTS, label, tally);
+    assert_lanes_equal_on(loaded, (&PROMPTS, Suite::All), label, tally);
 }
 
-/// [`assert_lanes_equal`] on `prompts`.
-fn assert_lanes_equal_on(loaded: &LoadedModel, prompts: &[&str], label: &str, tally: &mut Tally) {
+/// [`assert_lanes_equal`] on `prompts`, with the policies of `suite`.
+fn assert_lanes_equal_on(
+    loaded: &LoadedModel,
+    (prompts, suite): (&[&str], Suite),
+    label: &str,
+    tally: &mut Tally,
+) {
     let greedy = with_f32_readouts(loaded);
     for &prompt in prompts {
         let base = run_lane(&greedy, PolicyKind::Baseline, prompt, OPTIONS).expect("baseline");
         assert!(!base.tokens.is_empty());
-        for policy in policies(loaded.model().passes()) {
+        for policy in policies(loaded.model().passes(), suite) {
             let lane = run_lane(loaded, policy, prompt, OPTIONS).expect("speculative lane");
             assert_eq!(
                 base.tokens, lane.tokens,
@@ -72,10 +95,11 @@ fn assert_lanes_equal_on(loaded: &LoadedModel, prompts: &[&str], label: &str, ta
     }
 }
 
-/// Every lane against the ordinary greedy baseline on every shape of one variant: K = 1, 2, 4 layers and R =
-/// 1–4 passes, each with the f16 and the f32 KV cache. One test per variant, so that the test
-/// threads share the shapes (most of the suite's time, most of all under qemu).
-fn every_shape(variant: Variant) {
+/// Every lane of `suite` against the ordinary greedy baseline on every shape of one variant:
+/// K = 1, 2, 4 layers and R = 1–4 passes, each with the f16 and the f32 KV cache. One test per
+/// variant, so that the test threads share the shapes (most of the suite's time, most of all
+/// under qemu).
+fn every_shape(variant: Variant, suite: Suite) -> Tally {
     let mut tally = Tally::default();
     for layers in [1, 2, 4] {
         for passes in [1, 2, 3, 4] {
@@ -83,15 +107,20 @@ fn every_shape(variant: Variant) {
             let (_dir, loaded) = random_model(&spec(layers, passes, variant, seed));
             for kv in [KvDtype::F16, KvDtype::F32] {
                 let label = format!("{variant:?} K={layers} R={passes} KV {kv:?}");
-                assert_lanes_equal(&with_kv_dtype(&loaded, kv), &label, &mut tally);
+                let loaded = with_kv_dtype(&loaded, kv);
+                assert_lanes_equal_on(&loaded, (&PROMPTS, suite), &label, &mut tally);
             }
         }
     }
-    // Per prompt and KV element type: 3 policies on 12 shapes, loopspec and self-draft on
-    // the 9 with R ≥ 2, loopspec:d2=2 and self-draft:d=2:g=2 on the 6 with R ≥ 3.
-    assert_eq!(tally.runs, 2 * 20 * (36 + 2 * 9 + 2 * 6));
+    tally
+}
+
+/// The pipelined policies on every shape of `variant`: 3 policies on 12 shapes, loopspec on
+/// the 9 with R ≥ 2 and loopspec:d2=2 on the 6 with R ≥ 3, per prompt and KV element type.
+fn pipelined_on_every_shape(variant: Variant) {
+    let tally = every_shape(variant, Suite::Pipelined);
+    assert_eq!(tally.runs, 2 * 20 * (36 + 9 + 6));
     assert_eq!(tally.loopspec_runs, 2 * 20 * (9 + 6));
-    assert_eq!(tally.self_draft_runs, 2 * 20 * (9 + 6));
     assert!(
         tally.flips > 100,
         "random models should flip often, saw {}",
@@ -112,24 +141,35 @@ fn every_shape(variant: Variant) {
 
 #[test]
 fn speed_equals_baseline_on_every_tied_shape() {
-    every_shape(Variant::Tied);
+    pipelined_on_every_shape(Variant::Tied);
 }
 
 #[test]
 fn speed_equals_baseline_on_every_untied_shape() {
-    every_shape(Variant::Untied);
+    pipelined_on_every_shape(Variant::Untied);
 }
 
 #[test]
 fn speed_equals_baseline_on_every_gqa_shape() {
-    every_shape(Variant::Gqa);
+    pipelined_on_every_shape(Variant::Gqa);
+}
+
+/// Self-draft on every shape of every variant: self-draft on the 9 shapes with R ≥ 2 and
+/// self-draft:d=2:g=2 on the 6 with R ≥ 3, per prompt and KV element type.
+#[test]
+fn self_draft_equals_baseline_on_every_shape() {
+    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
+        let tally = every_shape(variant, Suite::Drafting);
+        assert_eq!(tally.runs, 2 * 20 * (9 + 6));
+        assert_eq!(tally.self_draft_runs, 2 * 20 * (9 + 6));
+    }
 }
 
 /// Weights the host kernels read as stored, in bf16 or f16, on every shape of every variant:
 /// every lane equals the baseline, and where the kernels widen the weights (every ISA but
 /// AVX-512 BF16's bf16 products, which round the activations to bf16) the baseline equals,
 /// token for token, the same checkpoint widened to f32 (a widened bf16 or f16 is exact).
-fn every_shape_stored(dtype: DType) {
+fn every_shape_stored(dtype: DType, suite: Suite) -> Tally {
     let mut tally = Tally::default();
     let prompts = &PROMPTS[..6];
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
@@ -144,8 +184,9 @@ fn every_shape_stored(dtype: DType) {
             let stored = LoadedModel::load(dir.path(), &Device::Cpu, dtype).expect("load");
             assert!(matches!(stored.backend, Backend::Host(_)), "host kernels");
             let label = format!("{dtype:?} {variant:?} K={layers} R={passes}");
-            assert_lanes_equal_on(&stored, prompts, &label, &mut tally);
-            if dtype == DType::BF16 && kernels::detected_isa() == kernels::Isa::Avx512Bf16 {
+            assert_lanes_equal_on(&stored, (prompts, suite), &label, &mut tally);
+            let fused = dtype == DType::BF16 && kernels::detected_isa() == kernels::Isa::Avx512Bf16;
+            if fused || suite == Suite::Drafting {
                 continue;
             }
             let widened = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
@@ -160,6 +201,12 @@ fn every_shape_stored(dtype: DType) {
             }
         }
     }
+    tally
+}
+
+/// The pipelined policies with weights as stored in `dtype`.
+fn pipelined_on_every_shape_stored(dtype: DType) {
+    let tally = every_shape_stored(dtype, Suite::Pipelined);
     assert!(tally.flips > 100, "{dtype:?}: {} flips", tally.flips);
     assert!(
         tally.accepted_second > 10,
@@ -170,12 +217,21 @@ fn every_shape_stored(dtype: DType) {
 
 #[test]
 fn speed_equals_baseline_on_every_shape_with_bf16_weights() {
-    every_shape_stored(DType::BF16);
+    pipelined_on_every_shape_stored(DType::BF16);
 }
 
 #[test]
 fn speed_equals_baseline_on_every_shape_with_f16_weights() {
-    every_shape_stored(DType::F16);
+    pipelined_on_every_shape_stored(DType::F16);
+}
+
+/// Self-draft with bf16 and f16 weights as stored, on every shape of every variant.
+#[test]
+fn self_draft_equals_baseline_with_stored_weights() {
+    for dtype in [DType::BF16, DType::F16] {
+        let tally = every_shape_stored(dtype, Suite::Drafting);
+        assert_eq!(tally.self_draft_runs, 6 * 3 * (9 + 6), "{dtype:?}");
+    }
 }
 
 #[test]
@@ -236,7 +292,7 @@ fn speed_equals_baseline_on_the_device_code_path_in_bf16() {
             "--candle-ops runs bf16 on candle's ops"
         );
         let label = format!("device bf16 {variant:?}");
-        assert_lanes_equal_on(&loaded, &PROMPTS[..8], &label, &mut tally);
+        assert_lanes_equal_on(&loaded, (&PROMPTS[..8], Suite::All), &label, &mut tally);
     }
     assert!(tally.flips > 0, "no flip on the bf16 device path");
 }
@@ -450,14 +506,18 @@ fn fused_training_ops_match_composed_ops_on_the_whole_model() {
 
 /// Draft-then-verify with a draft model leaves the output unchanged: drafted by a random
 /// model of another shape (its drafts mostly rejected) and by the model itself (mostly kept),
-/// γ of 1 and 3, on every variant, R = 1, 2 and 4, and both KV element types.
+/// γ of 1 and 3, on every shape of every variant (K = 1, 2, 4; R = 1–4), and both KV element
+/// types.
 #[test]
 fn a_draft_model_leaves_the_output_unchanged() {
     let policies: [PolicyKind; 2] = ["draft:g=1", "draft:g=3"].map(|p| p.parse().expect("valid"));
     let (mut kept, mut runs) = (Vec::new(), 0);
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
         let (_other_dir, other) = random_model(&spec(1, 2, variant, 99));
-        for (layers, passes) in [(1, 1), (2, 2), (1, 4), (4, 4)] {
+        let shapes = [1, 2, 4]
+            .into_iter()
+            .flat_map(|k| (1..=4).map(move |r| (k, r)));
+        for (layers, passes) in shapes {
             let seed = (layers * 10 + passes) as u64;
             let (_dir, loaded) = random_model(&spec(layers, passes, variant, seed));
             for (kv, draft) in [(KvDtype::F16, &other), (KvDtype::F32, &loaded)] {
@@ -480,7 +540,7 @@ fn a_draft_model_leaves_the_output_unchanged() {
             }
         }
     }
-    assert_eq!(runs, 3 * 4 * 2 * 10 * 2);
+    assert_eq!(runs, 3 * 12 * 2 * 10 * 2);
     let most = kept.iter().copied().fold(0.0, f64::max);
     let least = kept.iter().copied().fold(1.0, f64::min);
     assert!(most > 0.5 && least < 0.3, "drafts kept: {least}..{most}");
