@@ -111,7 +111,7 @@ fn prefetch_note(loaded: &crate::engine::LoadedModel) -> String {
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(args.prompts.as_deref())?;
-    let session = load_model(&args.model)?;
+    let session = load_model(&args.model, &args.policy)?;
     let passes = session.loaded.model().passes();
     let options = DecodeOptions {
         max_tokens: args.max_tokens,

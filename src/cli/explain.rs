@@ -75,7 +75,7 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
         false => {
             let draft = match &args.draft_model {
                 Some(name) => {
-                    let session = super::load_model(&super::ModelArgs::named(name))?;
+                    let session = super::load_model(&super::ModelArgs::named(name), &[])?;
                     Some(WhatIfDraft::measured(session.loaded)?)
                 }
                 None => None,

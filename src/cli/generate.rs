@@ -11,7 +11,7 @@ use crate::harness::trace::TraceWriter;
 
 /// Runs `spex generate`: one-line errors for bad input; a failed write to stdout ends it.
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
-    let session = load_model(&args.model)?;
+    let session = load_model(&args.model, args.policy.as_slice())?;
     let loaded = &session.loaded;
     let policy = args
         .policy

@@ -429,9 +429,9 @@ fn list_models() -> anyhow::Result<()> {
 }
 
 fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
-    let model = args.model.clone();
+    let (model, policy) = (args.model.clone(), args.policy);
     let session = crate::tui::loading::while_loading(model_label(&model), move |progress| {
-        load_model_with(&model, progress)
+        load_model_with(&model, policy.as_slice(), progress)
     })??;
     let policy = session.speculative_policy(args.policy);
     let info = crate::tui::app::ModelInfo {

@@ -52,10 +52,11 @@ impl Session {
 }
 
 /// Resolves and loads the model `args` name, on the device and dtype asked for, with a
-/// progress bar on stderr while a large checkpoint loads.
-pub fn load_model(args: &ModelArgs) -> Result<Session, EngineError> {
+/// progress bar on stderr while a large checkpoint loads; `policies` are those the command
+/// was asked to run (empty: the entry's), which say whether its draft model is needed.
+pub fn load_model(args: &ModelArgs, policies: &[PolicyKind]) -> Result<Session, EngineError> {
     let mut bar = load_bar::LoadBar::new(model_label(args));
-    let session = load_model_with(args, &mut |p| bar.show(p));
+    let session = load_model_with(args, policies, &mut |p| bar.show(p));
     bar.finish();
     session
 }
@@ -67,15 +68,22 @@ pub(super) fn model_label(args: &ModelArgs) -> String {
         .unwrap_or_else(|| "the default model".into())
 }
 
-/// [`load_model`], telling `progress` how far the weights are read. The draft model
-/// (`--draft-model`, else the entry's `draft`) is loaded after the model, with the same
-/// settings, and attached to it.
+/// [`load_model`], telling `progress` how far the weights are read. The draft model is
+/// loaded after the model, with the same settings, and attached to it: `--draft-model`
+/// always, the entry's `draft` only where a `draft` policy will run (`policies`, else the
+/// entry's), so that every other command starts without it.
 pub fn load_model_with(
     args: &ModelArgs,
+    policies: &[PolicyKind],
     progress: &mut dyn FnMut(crate::engine::checkpoint::LoadProgress),
 ) -> Result<Session, EngineError> {
     let (mut session, entry_draft) = load_one(args, progress)?;
-    if let Some(draft) = args.draft_model.clone().or(entry_draft) {
+    let is_draft = |p: &PolicyKind| matches!(p, PolicyKind::Draft { .. });
+    let drafts = match policies {
+        [] => session.policy.as_ref().is_some_and(is_draft),
+        asked => asked.iter().any(is_draft),
+    };
+    if let Some(draft) = (args.draft_model.clone()).or(entry_draft.filter(|_| drafts)) {
         // The draft decodes on the model's threads (`LoadedModel::with_draft`): its own count
         // is the default, so that a capped `--threads` is noted once.
         let draft_args = ModelArgs {

@@ -72,7 +72,7 @@ pub fn run(args: &SweepArgs) -> anyhow::Result<()> {
 
 fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
     let prompts = super::bench::read_prompts(args.prompts.as_deref())?;
-    let session = super::load_model(&args.model)?;
+    let session = super::load_model(&args.model, &args.policy)?;
     let context = args.model.context;
     if let Some(&long) = args.lengths.iter().find(|&&n| n >= context) {
         anyhow::bail!("--lengths: {long} tokens do not fit the context of {context} tokens");

@@ -75,7 +75,7 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
             model: Some(model.clone()),
             ..args.load.clone()
         };
-        let session = super::load_model(&load)?;
+        let session = super::load_model(&load, &args.policy)?;
         machine = super::device::machine_name(&session.loaded);
         let options = DecodeOptions {
             max_tokens: args.max_tokens,

@@ -104,7 +104,7 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
             ..RandomSpec::default()
         };
         write_random_checkpoint(&dir.0, &spec)?;
-        let session = super::load_model(&model_args(&dir.0, args.threads))?;
+        let session = super::load_model(&model_args(&dir.0, args.threads), &[])?;
         let machine = match limits {
             Some(l) => l,
             None => *limits.insert(machine_limits(&session.loaded)?),

@@ -356,18 +356,21 @@ impl<B: StepModel> Pipeline<B> {
     fn step(&mut self) -> Result<StepEvent> {
         let drafted = self.draft_round()?;
         let running = self.running();
-        let rows = self.rows(&running);
+        let candidates: Vec<Vec<Proposal>> = (0..self.window.len())
+            .map(|i| self.candidates_of(i))
+            .collect();
+        let rows = self.rows(&running, &candidates);
         let slots: Vec<RowSlot> = rows.iter().map(|r| r.slot).collect();
         // The candidates each row's readout settles: its token's, by the order rows run in.
-        let candidates: Vec<Vec<Proposal>> = (running.iter().enumerate())
+        let by_row: Vec<&[Proposal]> = (candidates.iter().zip(&running))
             .filter(|&(_, &runs)| runs)
-            .map(|(i, _)| self.candidates_of(i))
+            .map(|(c, _)| c.as_slice())
             .collect();
         let started = Instant::now();
         let out = self.backend.run_step(rows, &mut self.cache)?;
         let actions: Vec<Option<Action>> = (out.logits.iter().zip(&slots).enumerate())
             .map(|(k, (logits, s))| {
-                let c = candidates.get(k).map_or(&[][..], Vec::as_slice);
+                let c = by_row.get(k).copied().unwrap_or_default();
                 logits.as_deref().map(|l| self.act(l, s.pass, s.pos + 1, c))
             })
             .collect();

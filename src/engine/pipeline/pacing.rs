@@ -9,7 +9,7 @@ use super::Pipeline;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::model::{ReadoutKind, StepModel, StepRow};
 use crate::engine::pass::Pass;
-use crate::engine::policy::{DraftSource, Drafting};
+use crate::engine::policy::{DraftSource, Drafting, Proposal};
 
 impl<B: StepModel> Pipeline<B> {
     /// A draft model's round ("Draft then verify"): when the verified token waits alone at
@@ -54,16 +54,21 @@ impl<B: StepModel> Pipeline<B> {
             .collect()
     }
 
-    /// The step's rows: each running token's, then their side candidates'.
-    pub(super) fn rows(&mut self, running: &[bool]) -> Vec<StepRow<B::Hidden>> {
+    /// The step's rows: each running token's, then their side candidates'; `candidates` are
+    /// those in flight after each window entry.
+    pub(super) fn rows(
+        &mut self,
+        running: &[bool],
+        candidates: &[Vec<Proposal>],
+    ) -> Vec<StepRow<B::Hidden>> {
         // A full draft proposes nothing more: its tokens go on to their verification.
         let draft_full = (self.policy.drafting()).is_some_and(|d| self.window.len() > d.tokens);
-        let kinds: Vec<(ReadoutKind, Option<ReadoutKind>)> = (self.window.iter().enumerate())
-            .map(|(i, t)| {
+        let kinds: Vec<(ReadoutKind, Option<ReadoutKind>)> = (self.window.iter().zip(candidates))
+            .map(|(t, c)| {
                 let pass = t.next_pass();
                 let kind = match draft_full && !pass.is_last(self.passes()) {
                     true => ReadoutKind::None,
-                    false => self.readout_after(pass, self.candidates_of(i).len()),
+                    false => self.readout_after(pass, c.len()),
                 };
                 // A side candidate's readout is used only if it wins in this step, which
                 // takes its parent's readout: otherwise the LM head would run for nothing.
