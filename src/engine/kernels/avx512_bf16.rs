@@ -162,7 +162,13 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
     let full = inner - inner % 32;
     // SAFETY: padded row r of `xs` starts at r · stride, inside `xs` for r < R.
     let x: [*const bf16; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * stride) });
-    let (near, far) = (plan.near(2, G * inner), plan.far(2));
+    // Into L1 as many elements ahead as the f32 kernels (the plan's near bytes over 4: 4 KB
+    // of bf16 in `l2`), with no floor of a group: at Ouro-1.4B's shape a group of 4 rows is
+    // 16–45 KB, and prefetching a whole group ahead into a 32 KB L1 evicted the lines (and
+    // the rows of `x`) before their use. On an AMD EPYC Zen 4 (2 threads, runs alternating,
+    // `measure_step_times`) the 4-row step went from 98–106 to 87–95 ms where one-row steps
+    // took 79–85 ms (ceiling 3.21–3.36× → 3.49–3.68×); 8 KB ahead gave 3.36–3.47×.
+    let (near, far) = (plan.near(4, 0), plan.far(2));
     for (g, group) in w.chunks_exact(G * inner).enumerate() {
         // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < G.
         let wj: [*const bf16; G] =
