@@ -168,7 +168,7 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
     // the rows of `x`) before their use. On an AMD EPYC Zen 4 (2 threads, runs alternating,
     // `measure_step_times`) the 4-row step went from 98–106 to 87–95 ms where one-row steps
     // took 79–85 ms (ceiling 3.21–3.36× → 3.49–3.68×); 8 KB ahead gave 3.36–3.47×.
-    let (near, far) = (plan.near(4, 0), plan.far(2));
+    let (near, far) = (plan.near(size_of::<f32>(), 0), plan.far(size_of::<bf16>()));
     for (g, group) in w.chunks_exact(G * inner).enumerate() {
         // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < G.
         let wj: [*const bf16; G] =
