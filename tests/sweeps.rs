@@ -1,11 +1,14 @@
 //! The sweeps end to end (`spex sweep lengths|sizes|policies`): each point measured with
-//! identical outputs, a chart at slide size, and bad arguments as one line.
+//! identical outputs, a chart at slide size, and bad arguments as one line; and the bench's
+//! bandwidth figures at a size whose passes read DRAM.
 
 mod common;
 
 use std::path::Path;
 
+use candle_core::DType;
 use common::{Variant, assert_clean_error, random_model, spec, spex_ok};
+use spex::engine::random_checkpoint::write_random_checkpoint;
 
 /// `spex sweep lengths`: the bench at each length, identical at every one, a chart at slide
 /// size, and a length past the context is one line.
@@ -141,4 +144,47 @@ fn a_policy_sweep_benches_every_policy_on_every_model() {
         &["sweep", "policies", "--model", "x"],
         "--model: the policy sweep names its models with --models",
     );
+}
+
+/// `spex bench` on a model whose passes read DRAM (100 MB of bf16 weights a pass) probes the
+/// read bandwidth over those weights before the first prompt and after each, and sets each
+/// prompt's baseline against the probes either side of it.
+#[test]
+fn a_bench_at_real_size_probes_the_bandwidth_around_every_prompt() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let mut s = spec(4, 2, Variant::Untied, 8);
+    (s.shape.hidden, s.shape.heads, s.shape.kv_heads) = (1024, 8, 8);
+    (s.shape.head_dim, s.shape.intermediate, s.dtype) = (128, 2816, DType::BF16);
+    write_random_checkpoint(dir.path(), &s).unwrap();
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "To be, or not to be\nShall I compare thee\n").unwrap();
+    let (d, p) = (dir.path().display(), prompts.display());
+    let args = [
+        "bench",
+        "--model",
+        &d.to_string(),
+        "--prompts",
+        &p.to_string(),
+    ];
+    let out = spex_ok(
+        &[&args[..], &["--max-tokens", "2", "--runs", "1", "--json"]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let overall = &report["overall"];
+    let numbers = |key: &str| -> Vec<f64> {
+        let values = overall[key]
+            .as_array()
+            .unwrap_or_else(|| panic!("{key}: {overall}"));
+        values.iter().map(|v| v.as_f64().unwrap()).collect()
+    };
+    let (probes, shares) = (
+        numbers("read_bytes_per_sec_probes"),
+        numbers("baseline_bandwidth_share_per_prompt"),
+    );
+    assert_eq!((probes.len(), shares.len()), (3, 2), "{overall}");
+    assert!(probes.iter().chain(&shares).all(|&v| v > 0.0), "{overall}");
+    let median = overall["baseline_bandwidth_share"].as_f64().unwrap();
+    assert!(shares.contains(&median), "{overall}");
 }

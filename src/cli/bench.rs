@@ -9,6 +9,7 @@ use serde_json::json;
 use super::device::cpu_model;
 use super::{BenchArgs, load_model};
 use crate::engine::events::DecodeEvent;
+use crate::engine::kernels::Weight;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
 use crate::harness::bench::{Comparison, PromptResult, Turns, bench_prompt};
@@ -122,15 +123,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if !args.json {
         print_header(args, &session, options, &policies);
     }
-    let results = bench_prompts(args, &session, options, (&prompts, &policies))?;
+    let (results, probes) = bench_prompts(args, &session, options, (&prompts, &policies))?;
     let report = BenchReport::of(&results, passes);
-    let bandwidth = Bandwidth::of(&session.loaded, &report);
+    let bandwidth = Bandwidth::of(session.loaded.model(), (&results, &report), probes);
     if args.json {
-        let json = json_report(&session, (&report, bandwidth), (args, options.sampling));
+        let json = json_report(
+            &session,
+            (&report, bandwidth.as_ref()),
+            (args, options.sampling),
+        );
         println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
         print_overall(&report, passes);
-        print_bandwidth(bandwidth);
+        print_bandwidth(bandwidth.as_ref());
     }
     let failed = report.failed();
     if !failed.is_empty() {
@@ -166,13 +171,14 @@ fn print_header(
 }
 
 /// Every prompt's race of the baseline and `policies`, each printed as it ends (unless
-/// `--json`) and recorded where `--record` asks.
+/// `--json`) and recorded where `--record` asks; with the read bandwidth probed before the
+/// first prompt and after each, where it means something ([`probe_bandwidth`]).
 fn bench_prompts(
     args: &BenchArgs,
     session: &super::Session,
     options: DecodeOptions,
     (prompts, policies): (&[String], &[PolicyKind]),
-) -> anyhow::Result<Vec<PromptResult>> {
+) -> anyhow::Result<(Vec<PromptResult>, Vec<f64>)> {
     let passes = session.loaded.model().passes();
     let mut recorder = match &args.record {
         Some(dir) => Some(BenchRecorder::new(
@@ -186,6 +192,7 @@ fn bench_prompts(
         turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
     };
     let mut results = Vec::new();
+    let mut probes: Vec<f64> = probe_bandwidth(&session.loaded)?.into_iter().collect();
     for (index, prompt) in prompts.iter().enumerate() {
         let mut traces = match recorder.as_mut() {
             Some(r) => r.open(index, prompt, policies)?,
@@ -209,8 +216,25 @@ fn bench_prompts(
             print_prompt(&PromptReport::of(&r), results.is_empty(), passes);
         }
         results.push(r);
+        probes.extend(probe_bandwidth(&session.loaded)?);
     }
-    Ok(results)
+    Ok((results, probes))
+}
+
+/// The read bandwidth over the model's own weights (`harness::roofline`), where the host
+/// kernels decode a model whose passes read DRAM; `None` elsewhere (weights in cache, or
+/// candle's ops decoding).
+fn probe_bandwidth(loaded: &crate::engine::LoadedModel) -> Result<Option<f64>, EngineError> {
+    use crate::harness::roofline;
+    let Some(kernels) = loaded.backend.kernels() else {
+        return Ok(None);
+    };
+    if roofline::layer_bytes_per_pass(loaded.model()) < roofline::MEANINGFUL_FROM_BYTES {
+        return Ok(None);
+    }
+    let probe =
+        |weights: &[Weight<'_>]| roofline::weights_read_bytes_per_sec(kernels.pool(), weights);
+    loaded.backend.with_layer_weights(probe).transpose()
 }
 
 /// Where `--record` writes: one trace per prompt and policy, each with the policy's lane and
@@ -273,60 +297,99 @@ fn record_event(
 }
 
 /// The baseline against the machine's read bandwidth (`harness::roofline`), each figure
-/// computed once for the table and the JSON.
-#[derive(Debug, Clone, Copy)]
+/// computed once for the table and the JSON. Each prompt's baseline is set against the
+/// probes taken either side of it: where the bandwidth moves from minute to minute, one
+/// probe at the end measures a different machine from most of the decoding.
+#[derive(Debug, Clone)]
 struct Bandwidth {
-    read_bytes_per_sec: f64,
+    /// Probed before the first prompt and after each, in bytes per second.
+    probes: Vec<f64>,
     weight_bytes_per_token: u64,
     baseline_tokens_per_sec: f64,
-    baseline_share: f64,
+    /// Each prompt's baseline tokens a second × weight bytes a token, over the mean of the
+    /// probes either side of it; sorted.
+    shares: Vec<f64>,
 }
 
 impl Bandwidth {
-    /// Measured where the host kernels decode a model whose passes read DRAM, against the
-    /// first policy's baseline.
-    fn of(loaded: &crate::engine::LoadedModel, report: &BenchReport) -> Option<Self> {
+    /// From the probes around the prompts (none where the model's passes stay in cache, or
+    /// candle's ops decode) and the first policy's baselines.
+    fn of(
+        model: &crate::engine::model::LoopedModel,
+        (results, report): (&[PromptResult], &BenchReport),
+        probes: Vec<f64>,
+    ) -> Option<Self> {
         use crate::harness::roofline;
-        let model = loaded.model();
-        let kernels = loaded.backend.kernels()?;
-        let large = roofline::layer_bytes_per_pass(model) >= roofline::MEANINGFUL_FROM_BYTES;
+        if probes.len() != results.len() + 1 {
+            return None;
+        }
         let baseline_tokens_per_sec = report.policies.first()?.figures.baseline_tokens_per_sec;
-        let read_bytes_per_sec = large.then(|| roofline::read_bytes_per_sec(kernels.pool()))?;
+        let mut shares: Vec<f64> = (results.iter().zip(probes.windows(2)))
+            .filter_map(|(r, around)| {
+                let tokens_per_sec = r.policies.first()?.baseline.tokens_per_sec();
+                let read_bytes_per_sec = (around[0] + around[1]) / 2.0;
+                Some(roofline::bandwidth_share(
+                    model,
+                    tokens_per_sec,
+                    read_bytes_per_sec,
+                ))
+            })
+            .collect();
+        shares.sort_by(f64::total_cmp);
         Some(Self {
-            read_bytes_per_sec,
             weight_bytes_per_token: roofline::weight_bytes_per_token(model),
             baseline_tokens_per_sec,
-            baseline_share: roofline::bandwidth_share(
-                model,
-                baseline_tokens_per_sec,
-                read_bytes_per_sec,
-            ),
+            probes,
+            shares,
         })
+    }
+
+    /// The median of sorted `values` (the lower of the middle two).
+    fn median(values: &[f64]) -> f64 {
+        values
+            .get(values.len().saturating_sub(1) / 2)
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// The probes' median, in bytes per second.
+    fn read_bytes_per_sec(&self) -> f64 {
+        let mut sorted = self.probes.clone();
+        sorted.sort_by(f64::total_cmp);
+        Self::median(&sorted)
     }
 }
 
-/// The line under the table at real size: the bandwidth, a baseline token's weight bytes,
-/// and the share of the bandwidth the baseline reads.
-fn print_bandwidth(bandwidth: Option<Bandwidth>) {
+/// The line under the table at real size: the bandwidth probed, a baseline token's weight
+/// bytes, and the share of the bandwidth the baseline read around each prompt.
+fn print_bandwidth(bandwidth: Option<&Bandwidth>) {
     let Some(b) = bandwidth else {
         return;
     };
+    let gb = |bytes_per_sec: f64| bytes_per_sec / 1e9;
+    let (low, high) =
+        (b.probes.iter().copied()).fold((f64::MAX, 0f64), |(l, h), p| (l.min(p), h.max(p)));
     let bytes = b.weight_bytes_per_token as f64;
+    let percent = |share: Option<&f64>| 100.0 * share.copied().unwrap_or(0.0);
     println!(
-        "read bandwidth {:.1} GB/s; a baseline token reads {:.2} GB of weights, so {:.2} tok/s \
-         reads {:.1} GB/s: {:.0} % of it",
-        b.read_bytes_per_sec / 1e9,
+        "read bandwidth over the weights {:.1}–{:.1} GB/s, probed around every prompt; a \
+         baseline token reads {:.2} GB of weights, so {:.2} tok/s reads {:.1} GB/s; around \
+         each prompt the baseline read {:.0} % of the bandwidth (median; {:.0}–{:.0} %)",
+        gb(low),
+        gb(high),
         bytes / 1e9,
         b.baseline_tokens_per_sec,
-        bytes * b.baseline_tokens_per_sec / 1e9,
-        100.0 * b.baseline_share
+        gb(bytes * b.baseline_tokens_per_sec),
+        100.0 * Bandwidth::median(&b.shares),
+        percent(b.shares.first()),
+        percent(b.shares.last()),
     );
 }
 
 /// The whole run as one JSON object (the `--json` output): the report, with what ran it.
 fn json_report(
     session: &super::Session,
-    (report, bandwidth): (&BenchReport, Option<Bandwidth>),
+    (report, bandwidth): (&BenchReport, Option<&Bandwidth>),
     (args, sampling): (&BenchArgs, crate::engine::Sampling),
 ) -> serde_json::Value {
     let info = session.loaded.backend.info();
@@ -352,9 +415,11 @@ fn json_report(
         "prompts": report.prompts,
         "overall": {
             "ceiling": report.ceiling,
-            "read_bytes_per_sec": bandwidth.map(|b| b.read_bytes_per_sec),
+            "read_bytes_per_sec": bandwidth.map(Bandwidth::read_bytes_per_sec),
+            "read_bytes_per_sec_probes": bandwidth.map(|b| &b.probes),
             "weight_bytes_per_token": crate::harness::roofline::weight_bytes_per_token(session.loaded.model()),
-            "baseline_bandwidth_share": bandwidth.map(|b| b.baseline_share),
+            "baseline_bandwidth_share": bandwidth.map(|b| Bandwidth::median(&b.shares)),
+            "baseline_bandwidth_share_per_prompt": bandwidth.map(|b| &b.shares),
             "policies": report.policies,
         }
     })

@@ -53,18 +53,52 @@ pub fn read_bytes_per_sec(pool: &pool::Pool) -> f64 {
     buffer.resize(base + BUFFER_BYTES / 8, 1);
     let words = &buffer[base..];
     let parts = pool.threads();
-    let mut best = Duration::MAX;
-    for sweep in 0..=SWEEPS {
-        let started = Instant::now();
+    let best = best_sweep(SWEEPS, || {
         pool.run(&|part| {
             let range = pool::share(words.len(), parts, part, 64);
             std::hint::black_box(sum(&words[range]));
         });
-        if sweep > 0 {
-            best = best.min(started.elapsed());
-        }
-    }
+    });
     BUFFER_BYTES as f64 / best.as_secs_f64()
+}
+
+/// Sweeps of [`weights_read_bytes_per_sec`] timed; the best counts.
+pub const WEIGHT_SWEEPS: usize = 3;
+
+/// The read bandwidth over `weights` themselves, in bytes per second: the pages a decode step
+/// streams, so that the probe and the step read the same memory with nothing allocated. Each
+/// thread sums its share of every matrix, as a matmul splits them, all in one job; the best
+/// of [`WEIGHT_SWEEPS`] after one. On a VM whose bandwidth moves from second to second (an
+/// AMD EPYC Zen 4 VM read 35 GB/s and 60 GB/s from one buffer, seconds apart), only a probe
+/// taken beside the decoding it is compared with means anything: `spex bench` takes one
+/// around every prompt.
+pub fn weights_read_bytes_per_sec(pool: &pool::Pool, weights: &[Weight<'_>]) -> f64 {
+    let bytes: usize = weights.iter().map(|w| 8 * w.words().len()).sum();
+    let parts = pool.threads();
+    let best = best_sweep(WEIGHT_SWEEPS, || {
+        pool.run(&|part| {
+            let total = weights.iter().fold(0u64, |total, w| {
+                let words = w.words();
+                let range = pool::share(words.len(), parts, part, 64);
+                total.wrapping_add(sum(&words[range]))
+            });
+            std::hint::black_box(total);
+        });
+    });
+    bytes as f64 / best.as_secs_f64()
+}
+
+/// The shortest of `sweeps` timed runs of `sweep`, after one untimed.
+fn best_sweep(sweeps: usize, mut sweep: impl FnMut()) -> Duration {
+    sweep();
+    (0..sweeps)
+        .map(|_| {
+            let started = Instant::now();
+            sweep();
+            started.elapsed()
+        })
+        .min()
+        .unwrap_or(Duration::MAX)
 }
 
 /// The wrapping sum of `words` in 16 lanes, which the compiler keeps in vector registers: a

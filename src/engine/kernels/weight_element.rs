@@ -216,6 +216,20 @@ impl<'a> Weight<'a> {
         }
     }
 
+    /// The stored bits as 64-bit words, the few bytes at either end outside 8-byte alignment
+    /// left out: what a read-bandwidth probe sums (`harness::roofline`).
+    pub fn words(self) -> &'a [u64] {
+        // SAFETY: f32, bf16 and f16 are plain bits, and every bit pattern is a valid u64;
+        // `align_to` puts only whole, aligned words in the middle slice.
+        unsafe {
+            match self {
+                Self::F32(w) => w.align_to::<u64>().1,
+                Self::Bf16(w) => w.align_to::<u64>().1,
+                Self::F16(w) => w.align_to::<u64>().1,
+            }
+        }
+    }
+
     /// Elements `range`, widened to f32 (a row of the embedding, say).
     pub fn widen_into(self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
         match self {

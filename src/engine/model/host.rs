@@ -188,6 +188,19 @@ impl HostBackend {
         &self.kernels
     }
 
+    /// `f` of every layer's projections as the kernels read them (the LM head left out): the
+    /// pages a step streams, for a probe of the bandwidth they are read at.
+    pub fn with_layer_weights<R>(&self, f: impl FnOnce(&[Weight<'_>]) -> R) -> Result<R> {
+        let views = (self.model.weights.layers.iter())
+            .flat_map(LayerWeights::projections)
+            .map(HostView::new)
+            .collect::<Result<Vec<_>>>()?;
+        let weights = (views.iter())
+            .map(HostView::weight)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(f(&weights))
+    }
+
     /// How its prefetch plan was fixed (forced, or timed with the trials).
     pub fn prefetch_choice(&self) -> Option<&Choice> {
         self.prefetch_choice.as_ref()

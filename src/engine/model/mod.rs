@@ -77,7 +77,28 @@ pub struct LayerWeights {
     pub post_attention_layernorm_2: Tensor,
 }
 
+/// A layer's seven projections, in the order the host kernels stream them, borrowed (`mut`
+/// for mutably): the one list of them.
+macro_rules! projections {
+    ($layer:expr $(, $m:tt)?) => {
+        [
+            &$($m)? $layer.q_proj,
+            &$($m)? $layer.k_proj,
+            &$($m)? $layer.v_proj,
+            &$($m)? $layer.o_proj,
+            &$($m)? $layer.gate_proj,
+            &$($m)? $layer.up_proj,
+            &$($m)? $layer.down_proj,
+        ]
+    };
+}
+
 impl LayerWeights {
+    /// The seven projections (`[out, in]` matrices), in the order a step streams them.
+    pub fn projections(&self) -> [&Tensor; 7] {
+        projections!(self)
+    }
+
     /// Reads (or creates) layer `index`'s tensors by their names in `format`'s table, in the
     /// table's order.
     fn load(vb: &VarBuilder, config: &OuroConfig, index: usize) -> candle_core::Result<Self> {
@@ -158,15 +179,7 @@ impl Weights {
     fn host_matrices(&mut self) -> Vec<&mut Tensor> {
         let mut mats: Vec<&mut Tensor> = Vec::new();
         for layer in &mut self.layers {
-            mats.extend([
-                &mut layer.q_proj,
-                &mut layer.k_proj,
-                &mut layer.v_proj,
-                &mut layer.o_proj,
-                &mut layer.gate_proj,
-                &mut layer.up_proj,
-                &mut layer.down_proj,
-            ]);
+            mats.extend(projections!(layer, mut));
         }
         mats.push(&mut self.lm_head);
         mats
