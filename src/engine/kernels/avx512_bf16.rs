@@ -162,34 +162,37 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
     let full = inner - inner % 32;
     // SAFETY: padded row r of `xs` starts at r · stride, inside `xs` for r < R.
     let x: [*const bf16; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * stride) });
-    // Into L1 as many elements ahead as the f32 kernels (the plan's near bytes over 4: 4 KB
-    // of bf16 in `l2`), with no floor of a group: at Ouro-1.4B's shape a group of 4 rows is
-    // 16–45 KB, and prefetching a whole group ahead into a 32 KB L1 evicted the lines (and
-    // the rows of `x`) before their use. On an AMD EPYC Zen 4 (2 threads, runs alternating,
-    // `measure_step_times`) the 4-row step went from 98–106 to 87–95 ms where one-row steps
-    // took 79–85 ms (ceiling 3.21–3.36× → 3.49–3.68×); 8 KB ahead gave 3.36–3.47×.
+    // Into L1, each weight row's own line `near / G` elements ahead (the plan's near bytes
+    // over 4 over G: 1 KB of each row in `l2`, 4 KB of the group), no floor of a group: at
+    // Ouro-1.4B's shape a group of 4 rows is 16–45 KB, and a whole group ahead evicted lines
+    // (and the rows of `x`) from the 32 KB L1 before their use. One address running through
+    // the contiguous group 4 times as fast as the rows, as the f32 kernels prefetch, reaches
+    // rows 2–4 of a group late. One row with the far prefetch on takes no near prefetch: L1's
+    // own prefetcher keeps up with it, and the prefetches only took load slots. On an AMD
+    // EPYC Zen 4 (2 threads, products over an Ouro-1.4B-shaped stack, both variants in one
+    // process alternating, 863 rounds where memory read ~60 GB/s) the one-row sweep took
+    // 48.0 ms against 52.1 ms with the running address, the 4-row 56.1 against 60.1 ms.
     let (near, far) = (plan.near(size_of::<f32>(), 0), plan.far(size_of::<bf16>()));
+    let near_per_row = (R > 1 || far == 0).then_some(near / G);
     for (g, group) in w.chunks_exact(G * inner).enumerate() {
         // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < G.
         let wj: [*const bf16; G] =
             std::array::from_fn(|j| unsafe { group.as_ptr().add(j * inner) });
-        // One line (32 bf16) of each of the group's rows a chunk, `near` and `far` ahead in
-        // the contiguous group, as `avx512::dots_rows` prefetches.
-        let (near_at, far_at) = (
-            group.as_ptr().wrapping_add(near),
-            group.as_ptr().wrapping_add(far),
-        );
+        // Into L2, one line (32 bf16) a row a chunk, `far` ahead in the contiguous group (the
+        // next groups), as `avx512::dots_rows` prefetches.
+        let far_at = group.as_ptr().wrapping_add(far);
         let mut acc = [[_mm512_setzero_ps(); G]; R];
         let mut k = 0;
         while k < full {
             // SAFETY: k + 32 <= inner, within every weight row and every padded row.
             unsafe { chunk(&mut acc, (x, wj), k, !0) };
-            for line in 0..G {
-                let at = G * k + 32 * line;
+            for (line, row) in wj.iter().enumerate() {
                 // A prefetch never faults, whatever the address.
-                _mm_prefetch::<_MM_HINT_T0>(near_at.wrapping_add(at).cast());
+                if let Some(ahead) = near_per_row {
+                    _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(k + ahead).cast());
+                }
                 if far > 0 {
-                    _mm_prefetch::<_MM_HINT_T1>(far_at.wrapping_add(at).cast());
+                    _mm_prefetch::<_MM_HINT_T1>(far_at.wrapping_add(G * k + 32 * line).cast());
                 }
             }
             k += 32;
