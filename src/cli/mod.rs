@@ -2,6 +2,7 @@
 //! `main` calls [`run`]; the dashboard and the trainer are reached from here too.
 
 mod bench;
+mod bench_bandwidth;
 mod chart;
 pub mod device;
 mod explain;

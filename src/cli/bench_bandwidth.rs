@@ -1,0 +1,114 @@
+//! The bench's bandwidth figures at real size: the read bandwidth probed over the model's own
+//! weights around every prompt (`harness::roofline`), and the share of it each prompt's
+//! baseline read. `bench` calls it between prompts and formats its line and JSON.
+
+use crate::engine::kernels::Weight;
+use crate::engine::{EngineError, LoadedModel};
+use crate::harness::bench::PromptResult;
+use crate::harness::report::BenchReport;
+
+/// The read bandwidth over the model's own weights (`harness::roofline`), where the host
+/// kernels decode a model whose passes read DRAM; `None` elsewhere (weights in cache, or
+/// candle's ops decoding).
+pub(super) fn probe_bandwidth(loaded: &LoadedModel) -> Result<Option<f64>, EngineError> {
+    use crate::harness::roofline;
+    let Some(kernels) = loaded.backend.kernels() else {
+        return Ok(None);
+    };
+    if roofline::layer_bytes_per_pass(loaded.model()) < roofline::MEANINGFUL_FROM_BYTES {
+        return Ok(None);
+    }
+    let probe =
+        |weights: &[Weight<'_>]| roofline::weights_read_bytes_per_sec(kernels.pool(), weights);
+    loaded.backend.with_layer_weights(probe).transpose()
+}
+
+/// The baseline against the machine's read bandwidth (`harness::roofline`), each figure
+/// computed once for the table and the JSON. Each prompt's baseline is set against the
+/// probes taken either side of it: where the bandwidth moves from minute to minute, one
+/// probe at the end measures a different machine from most of the decoding.
+#[derive(Debug, Clone)]
+pub(super) struct Bandwidth {
+    /// Probed before the first prompt and after each, in bytes per second.
+    pub(super) probes: Vec<f64>,
+    weight_bytes_per_token: u64,
+    baseline_tokens_per_sec: f64,
+    /// Each prompt's baseline tokens a second × weight bytes a token, over the mean of the
+    /// probes either side of it; sorted.
+    pub(super) shares: Vec<f64>,
+}
+
+impl Bandwidth {
+    /// From the probes around the prompts (none where the model's passes stay in cache, or
+    /// candle's ops decode) and the first policy's baselines.
+    pub(super) fn of(
+        model: &crate::engine::model::LoopedModel,
+        (results, report): (&[PromptResult], &BenchReport),
+        probes: Vec<f64>,
+    ) -> Option<Self> {
+        use crate::harness::roofline;
+        if probes.len() != results.len() + 1 {
+            return None;
+        }
+        let baseline_tokens_per_sec = report.policies.first()?.figures.baseline_tokens_per_sec;
+        let mut shares: Vec<f64> = (results.iter().zip(probes.windows(2)))
+            .filter_map(|(r, around)| {
+                let tokens_per_sec = r.policies.first()?.baseline.tokens_per_sec();
+                let read_bytes_per_sec = (around[0] + around[1]) / 2.0;
+                Some(roofline::bandwidth_share(
+                    model,
+                    tokens_per_sec,
+                    read_bytes_per_sec,
+                ))
+            })
+            .collect();
+        shares.sort_by(f64::total_cmp);
+        Some(Self {
+            weight_bytes_per_token: roofline::weight_bytes_per_token(model),
+            baseline_tokens_per_sec,
+            probes,
+            shares,
+        })
+    }
+
+    /// The median of sorted `values` (the lower of the middle two).
+    pub(super) fn median(values: &[f64]) -> f64 {
+        values
+            .get(values.len().saturating_sub(1) / 2)
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// The probes' median, in bytes per second.
+    pub(super) fn read_bytes_per_sec(&self) -> f64 {
+        let mut sorted = self.probes.clone();
+        sorted.sort_by(f64::total_cmp);
+        Self::median(&sorted)
+    }
+}
+
+/// The line under the table at real size: the bandwidth probed, a baseline token's weight
+/// bytes, and the share of the bandwidth the baseline read around each prompt.
+pub(super) fn print_bandwidth(bandwidth: Option<&Bandwidth>) {
+    let Some(b) = bandwidth else {
+        return;
+    };
+    let gb = |bytes_per_sec: f64| bytes_per_sec / 1e9;
+    let (low, high) =
+        (b.probes.iter().copied()).fold((f64::MAX, 0f64), |(l, h), p| (l.min(p), h.max(p)));
+    let bytes = b.weight_bytes_per_token as f64;
+    let percent = |share: Option<&f64>| 100.0 * share.copied().unwrap_or(0.0);
+    println!(
+        "read bandwidth over the weights {:.1}–{:.1} GB/s, probed around every prompt; a \
+         baseline token reads {:.2} GB of weights, so {:.2} tok/s reads {:.1} GB/s; around \
+         each prompt the baseline read {:.0} % of the bandwidth (median; {:.0}–{:.0} %)",
+        gb(low),
+        gb(high),
+        bytes / 1e9,
+        b.baseline_tokens_per_sec,
+        gb(bytes * b.baseline_tokens_per_sec),
+        100.0 * Bandwidth::median(&b.shares),
+        percent(b.shares.first()),
+        percent(b.shares.last()),
+    );
+}
