@@ -309,10 +309,10 @@ fn json_report(
         "prompts": report.prompts,
         "overall": {
             "ceiling": report.ceiling,
-            "read_bytes_per_sec": bandwidth.map(Bandwidth::read_bytes_per_sec),
+            "read_bytes_per_sec": bandwidth.map(|b| Bandwidth::median_low_high(&b.probes).0),
             "read_bytes_per_sec_probes": bandwidth.map(|b| &b.probes),
             "weight_bytes_per_token": crate::harness::roofline::weight_bytes_per_token(session.loaded.model()),
-            "baseline_bandwidth_share": bandwidth.map(|b| Bandwidth::median(&b.shares)),
+            "baseline_bandwidth_share": bandwidth.map(|b| Bandwidth::median_low_high(&b.shares).0),
             "baseline_bandwidth_share_per_prompt": bandwidth.map(|b| &b.shares),
             "policies": report.policies,
         }

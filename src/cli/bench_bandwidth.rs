@@ -34,7 +34,7 @@ pub(super) struct Bandwidth {
     weight_bytes_per_token: u64,
     baseline_tokens_per_sec: f64,
     /// Each prompt's baseline tokens a second × weight bytes a token, over the mean of the
-    /// probes either side of it; sorted.
+    /// probes either side of it, in prompt order.
     pub(super) shares: Vec<f64>,
 }
 
@@ -51,7 +51,7 @@ impl Bandwidth {
             return None;
         }
         let baseline_tokens_per_sec = report.policies.first()?.figures.baseline_tokens_per_sec;
-        let mut shares: Vec<f64> = (results.iter().zip(probes.windows(2)))
+        let shares: Vec<f64> = (results.iter().zip(probes.windows(2)))
             .filter_map(|(r, around)| {
                 let tokens_per_sec = r.policies.first()?.baseline.tokens_per_sec();
                 let read_bytes_per_sec = (around[0] + around[1]) / 2.0;
@@ -62,7 +62,6 @@ impl Bandwidth {
                 ))
             })
             .collect();
-        shares.sort_by(f64::total_cmp);
         Some(Self {
             weight_bytes_per_token: roofline::weight_bytes_per_token(model),
             baseline_tokens_per_sec,
@@ -71,19 +70,14 @@ impl Bandwidth {
         })
     }
 
-    /// The median of sorted `values` (the lower of the middle two).
-    pub(super) fn median(values: &[f64]) -> f64 {
-        values
-            .get(values.len().saturating_sub(1) / 2)
-            .copied()
-            .unwrap_or(0.0)
-    }
-
-    /// The probes' median, in bytes per second.
-    pub(super) fn read_bytes_per_sec(&self) -> f64 {
-        let mut sorted = self.probes.clone();
+    /// The median, lowest and highest of `values` (the lower of the middle two for an even
+    /// count); zeros where there are none.
+    pub(super) fn median_low_high(values: &[f64]) -> (f64, f64, f64) {
+        let mut sorted = values.to_vec();
         sorted.sort_by(f64::total_cmp);
-        Self::median(&sorted)
+        let at = |i: usize| sorted.get(i).copied().unwrap_or(0.0);
+        let last = sorted.len().saturating_sub(1);
+        (at(last / 2), at(0), at(last))
     }
 }
 
@@ -94,10 +88,9 @@ pub(super) fn print_bandwidth(bandwidth: Option<&Bandwidth>) {
         return;
     };
     let gb = |bytes_per_sec: f64| bytes_per_sec / 1e9;
-    let (low, high) =
-        (b.probes.iter().copied()).fold((f64::MAX, 0f64), |(l, h), p| (l.min(p), h.max(p)));
+    let (_, low, high) = Bandwidth::median_low_high(&b.probes);
+    let (share, least, most) = Bandwidth::median_low_high(&b.shares);
     let bytes = b.weight_bytes_per_token as f64;
-    let percent = |share: Option<&f64>| 100.0 * share.copied().unwrap_or(0.0);
     println!(
         "read bandwidth over the weights {:.1}–{:.1} GB/s, probed around every prompt; a \
          baseline token reads {:.2} GB of weights, so {:.2} tok/s reads {:.1} GB/s; around \
@@ -107,8 +100,8 @@ pub(super) fn print_bandwidth(bandwidth: Option<&Bandwidth>) {
         bytes / 1e9,
         b.baseline_tokens_per_sec,
         gb(bytes * b.baseline_tokens_per_sec),
-        100.0 * Bandwidth::median(&b.shares),
-        percent(b.shares.first()),
-        percent(b.shares.last()),
+        100.0 * share,
+        100.0 * least,
+        100.0 * most,
     );
 }
