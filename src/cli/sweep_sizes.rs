@@ -1,7 +1,7 @@
 //! `spex sweep sizes`: the ceiling against model size. Each size is a random bf16 checkpoint
 //! of Ouro's proportions written to a temporary folder, loaded on the CPU, its steps timed
-//! (`harness::sweep::size_point`) beside the roofline's bound, and deleted; a table (or
-//! `--json`) and a chart.
+//! (`harness::sweep::size_point`) beside the roofline's bound from the bandwidth probed over
+//! its own weights, and deleted; a table (or `--json`) and a chart.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -158,20 +158,28 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
     }
     let (one, full) = sweep.limits.multiply_adds_per_sec;
     println!(
-        "{machine}: read bandwidth {:.1} GB/s; multiply-adds {:.1} G/s at 1 row, {:.1} G/s at R rows",
-        sweep.limits.read_bytes_per_sec / 1e9,
+        "{machine}: multiply-adds {:.1} G/s at 1 row, {:.1} G/s at R rows; read bandwidth probed over each model's weights",
         one / 1e9,
         full / 1e9
     );
     println!(
-        "{:>7} {:>10} {:>11} {:>11} {:>8} {:>8} {:>7} {:>11}",
-        "hidden", "MB/pass", "1 row ms", "R rows ms", "ceiling", "bound", "of it", "no overlap"
+        "{:>7} {:>10} {:>8} {:>11} {:>11} {:>8} {:>8} {:>7} {:>11}",
+        "hidden",
+        "MB/pass",
+        "GB/s",
+        "1 row ms",
+        "R rows ms",
+        "ceiling",
+        "bound",
+        "of it",
+        "no overlap"
     );
     for p in &sweep.points {
         println!(
-            "{:>7} {:>10.0} {:>11.2} {:>11.2} {:>7.2}× {:>7.2}× {:>6.0}% {:>10.2}×",
+            "{:>7} {:>10.0} {:>8.1} {:>11.2} {:>11.2} {:>7.2}× {:>7.2}× {:>6.0}% {:>10.2}×",
             p.hidden,
             p.bytes_per_pass as f64 / 1e6,
+            p.read_bytes_per_sec / 1e9,
             p.one_row_ms,
             p.full_ms,
             p.ceiling,

@@ -1,20 +1,17 @@
 //! How close decoding runs to the machine's memory bandwidth, the limit of a step at real size
 //! (every pass reads every layer's weights once, whatever its rows): the machine's read
-//! bandwidth as the decode threads see it, and the weight bytes a baseline token reads. Called
-//! by `spex bench`, which reports the baseline's share of the bandwidth.
+//! bandwidth over the weights as the decode threads see it, the kernels' multiply-add rate,
+//! and the weight bytes a baseline token reads. Called by `spex bench` (the baseline's share
+//! of the bandwidth) and `harness::sweep` (the size sweep's roofline bound).
 
 use std::time::{Duration, Instant};
 
 use crate::engine::kernels::{Kernels, Weight, pool};
-use crate::engine::memory;
 use crate::engine::model::LoopedModel;
 
 /// Weight bytes per pass from which the figures mean something: smaller models' weights stay
 /// in the caches, where no step reads DRAM.
 pub const MEANINGFUL_FROM_BYTES: u64 = 64 << 20;
-
-/// Bytes the bandwidth is measured over: far beyond any last-level cache.
-pub const BUFFER_BYTES: usize = 512 << 20;
 
 /// Sweeps timed; the best counts (the machine's limit, not its noise).
 pub const SWEEPS: usize = 5;
@@ -37,29 +34,6 @@ pub fn head_bytes(model: &LoopedModel) -> u64 {
 /// readout at the last pass).
 pub fn weight_bytes_per_token(model: &LoopedModel) -> u64 {
     layer_bytes_per_pass(model) * model.passes() as u64 + head_bytes(model)
-}
-
-/// This machine's read bandwidth in bytes per second: a sum over a buffer of
-/// [`BUFFER_BYTES`] on huge pages, as the host's weights are (on 4 KB pages the sum read 13 %
-/// less on an AMD EPYC Zen 4 VM, 27.8 against 31.9 GB/s on one thread), split across the
-/// decode threads as a matmul is; the best of [`SWEEPS`] after one.
-pub fn read_bytes_per_sec(pool: &pool::Pool) -> f64 {
-    const HUGE_WORDS: usize = (2 << 20) / 8;
-    let mut buffer: Vec<u64> = Vec::with_capacity(BUFFER_BYTES / 8 + HUGE_WORDS);
-    let base = buffer.as_ptr().align_offset(2 << 20).min(HUGE_WORDS);
-    // Advised before the first touch, so the faults that fill it take huge pages.
-    let spare = buffer.spare_capacity_mut();
-    memory::advise_huge_pages(&spare[base..base + BUFFER_BYTES / 8], false);
-    buffer.resize(base + BUFFER_BYTES / 8, 1);
-    let words = &buffer[base..];
-    let parts = pool.threads();
-    let best = best_sweep(SWEEPS, || {
-        pool.run(&|part| {
-            let range = pool::share(words.len(), parts, part, 64);
-            std::hint::black_box(sum(&words[range]));
-        });
-    });
-    BUFFER_BYTES as f64 / best.as_secs_f64()
 }
 
 /// Sweeps of [`weights_read_bytes_per_sec`] timed; the best counts.
@@ -124,7 +98,7 @@ pub fn bandwidth_share(model: &LoopedModel, tokens_per_sec: f64, read_bytes_per_
 /// The kernels' multiply-add rate, per second, for products of `rows` rows with bf16 weights
 /// that stay in each thread's L2 cache (256 × 1024 elements, 512 KB, per decode thread): the
 /// arithmetic a step can do when memory does not hold it back. The best of [`SWEEPS`] timed
-/// rounds of 20 products, after one.
+/// rounds of [`PRODUCTS_PER_SWEEP`] products, after one.
 pub fn multiply_adds_per_sec(kernels: &Kernels, rows: usize) -> f64 {
     const INNER: usize = 1024;
     let outs = 256 * kernels.pool().threads();
@@ -136,7 +110,7 @@ pub fn multiply_adds_per_sec(kernels: &Kernels, rows: usize) -> f64 {
     let mut best = Duration::MAX;
     for round in 0..=SWEEPS {
         let started = Instant::now();
-        for _ in 0..20 {
+        for _ in 0..PRODUCTS_PER_SWEEP {
             kernels.matmul_t(&x, Weight::Bf16(&weight), rows, INNER, &mut out);
             std::hint::black_box(&mut out);
         }
@@ -144,8 +118,15 @@ pub fn multiply_adds_per_sec(kernels: &Kernels, rows: usize) -> f64 {
             best = best.min(started.elapsed());
         }
     }
-    (20 * rows * outs * INNER) as f64 / best.as_secs_f64()
+    (PRODUCTS_PER_SWEEP * rows * outs * INNER) as f64 / best.as_secs_f64()
 }
+
+/// Products a timed round of [`multiply_adds_per_sec`] runs: a few milliseconds, so that a
+/// round times the kernels and not a decode thread still waking. Rounds of 20 (a fifth of a
+/// millisecond on two threads) read 2.5–4× too low on an AMD EPYC Zen 4 VM's 2 vCPUs (1–4
+/// rows: the equivalent of 29–42 GB/s of weights against 88–137 GB/s in rounds of 200), and
+/// made two threads look slower than one.
+pub const PRODUCTS_PER_SWEEP: usize = 200;
 
 /// The roofline's two bounds on a step's time, in seconds.
 #[derive(Debug, Clone, Copy, PartialEq)]

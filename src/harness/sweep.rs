@@ -170,6 +170,10 @@ pub struct SizePoint {
     pub hidden: usize,
     /// Weight bytes one pass reads.
     pub bytes_per_pass: u64,
+    /// The read bandwidth over this model's own weights (`roofline::weights_read_bytes_per_sec`),
+    /// the mean of a probe just before its steps are timed and one just after: from DRAM at
+    /// real size, from the caches where its weights fit there.
+    pub read_bytes_per_sec: f64,
     pub one_row_ms: f64,
     pub full_ms: f64,
     /// R · t(1 row) / t(R rows), measured.
@@ -181,10 +185,10 @@ pub struct SizePoint {
     pub ceiling_serial: f64,
 }
 
-/// The machine's limits the roofline is drawn from.
+/// The machine's arithmetic the roofline is drawn from; its bandwidth is probed beside each
+/// size's steps ([`SizePoint::read_bytes_per_sec`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct MachineLimits {
-    pub read_bytes_per_sec: f64,
     /// The kernels' multiply-add rate at 1 row and at R rows.
     pub multiply_adds_per_sec: (f64, f64),
 }
@@ -197,14 +201,12 @@ pub struct SizeSweep {
     pub points: Vec<SizePoint>,
 }
 
-/// The machine's limits, measured with `loaded`'s kernels: its read bandwidth and its
-/// multiply-add rate at 1 and at R rows. Errors where the model does not decode on the host.
+/// The machine's multiply-add rate at 1 and at R rows, measured with `loaded`'s kernels.
+/// Errors where the model does not decode on the host.
 pub fn machine_limits(loaded: &LoadedModel) -> Result<MachineLimits> {
-    let kernels = (loaded.backend.kernels())
-        .ok_or_else(|| EngineError::Invalid("the size sweep times spex's CPU kernels".into()))?;
+    let kernels = host_kernels(loaded)?;
     let passes = loaded.model().passes();
     Ok(MachineLimits {
-        read_bytes_per_sec: super::roofline::read_bytes_per_sec(kernels.pool()),
         multiply_adds_per_sec: (
             super::roofline::multiply_adds_per_sec(kernels, 1),
             super::roofline::multiply_adds_per_sec(kernels, passes),
@@ -212,21 +214,45 @@ pub fn machine_limits(loaded: &LoadedModel) -> Result<MachineLimits> {
     })
 }
 
-/// `loaded`'s steps at position `pos`, and their bound under `limits` (`machine_limits`).
+/// `loaded`'s host kernels; an error where candle's ops decode it.
+fn host_kernels(loaded: &LoadedModel) -> Result<&crate::engine::kernels::Kernels> {
+    loaded.backend.kernels().ok_or_else(not_on_host)
+}
+
+fn not_on_host() -> EngineError {
+    EngineError::Invalid("the size sweep times spex's CPU kernels".into())
+}
+
+/// The read bandwidth over `loaded`'s own layer weights, in bytes per second.
+fn weights_bandwidth(loaded: &LoadedModel) -> Result<f64> {
+    let pool = host_kernels(loaded)?.pool();
+    let probe = |w: &[crate::engine::kernels::Weight<'_>]| {
+        super::roofline::weights_read_bytes_per_sec(pool, w)
+    };
+    loaded
+        .backend
+        .with_layer_weights(probe)
+        .ok_or_else(not_on_host)?
+}
+
+/// `loaded`'s steps at position `pos`, and their bound under `limits` (`machine_limits`) and
+/// the bandwidth probed over its weights either side of them: on a machine whose bandwidth
+/// moves from one minute to the next, one probe for the whole sweep set some sizes' steps
+/// against a different machine.
 pub fn size_point(loaded: &LoadedModel, pos: usize, limits: MachineLimits) -> Result<SizePoint> {
-    let MachineLimits {
-        read_bytes_per_sec,
-        multiply_adds_per_sec: (one_row_rate, full_rate),
-    } = limits;
+    let (one_row_rate, full_rate) = limits.multiply_adds_per_sec;
     let model = loaded.model();
     let passes = model.passes();
+    let before = weights_bandwidth(loaded)?;
     let times = loaded.backend.step_times(pos, 20)?;
+    let read_bytes_per_sec = (before + weights_bandwidth(loaded)?) / 2.0;
     let one = super::roofline::step_bound(model, 1, (read_bytes_per_sec, one_row_rate));
     let full = super::roofline::step_bound(model, passes, (read_bytes_per_sec, full_rate));
     let r = passes as f64;
     Ok(SizePoint {
         hidden: model.config.hidden_size,
         bytes_per_pass: super::roofline::layer_bytes_per_pass(model),
+        read_bytes_per_sec,
         one_row_ms: times.one_row.as_secs_f64() * 1e3,
         full_ms: times.full.as_secs_f64() * 1e3,
         ceiling: times.ceiling(),
