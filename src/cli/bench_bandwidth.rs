@@ -2,7 +2,6 @@
 //! weights around every prompt (`harness::roofline`), and the share of it each prompt's
 //! baseline read. `bench` calls it between prompts and formats its line and JSON.
 
-use crate::engine::kernels::Weight;
 use crate::engine::{EngineError, LoadedModel};
 use crate::harness::bench::PromptResult;
 use crate::harness::report::BenchReport;
@@ -12,15 +11,10 @@ use crate::harness::report::BenchReport;
 /// candle's ops decoding).
 pub(super) fn probe_bandwidth(loaded: &LoadedModel) -> Result<Option<f64>, EngineError> {
     use crate::harness::roofline;
-    let Some(kernels) = loaded.backend.kernels() else {
-        return Ok(None);
-    };
     if roofline::layer_bytes_per_pass(loaded.model()) < roofline::MEANINGFUL_FROM_BYTES {
         return Ok(None);
     }
-    let probe =
-        |weights: &[Weight<'_>]| roofline::weights_read_bytes_per_sec(kernels.pool(), weights);
-    loaded.backend.with_layer_weights(probe).transpose()
+    roofline::loaded_weights_read_bytes_per_sec(loaded).transpose()
 }
 
 /// The baseline against the machine's read bandwidth (`harness::roofline`), each figure

@@ -6,6 +6,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::engine::LoadedModel;
+use crate::engine::error::Result;
 use crate::engine::kernels::{Kernels, Weight, pool};
 use crate::engine::model::LoopedModel;
 
@@ -60,6 +62,14 @@ pub fn weights_read_bytes_per_sec(pool: &pool::Pool, weights: &[Weight<'_>]) -> 
         });
     });
     bytes as f64 / best.as_secs_f64()
+}
+
+/// [`weights_read_bytes_per_sec`] over `loaded`'s own layer weights, on its decode threads;
+/// `None` where candle's ops decode it (no host kernels). What `spex bench` probes around
+/// each prompt and `harness::sweep` beside each size's steps.
+pub fn loaded_weights_read_bytes_per_sec(loaded: &LoadedModel) -> Option<Result<f64>> {
+    let pool = loaded.backend.kernels()?.pool();
+    (loaded.backend).with_layer_weights(|weights| weights_read_bytes_per_sec(pool, weights))
 }
 
 /// The shortest of `sweeps` timed runs of `sweep`, after one untimed.

@@ -225,14 +225,7 @@ fn not_on_host() -> EngineError {
 
 /// The read bandwidth over `loaded`'s own layer weights, in bytes per second.
 fn weights_bandwidth(loaded: &LoadedModel) -> Result<f64> {
-    let pool = host_kernels(loaded)?.pool();
-    let probe = |w: &[crate::engine::kernels::Weight<'_>]| {
-        super::roofline::weights_read_bytes_per_sec(pool, w)
-    };
-    loaded
-        .backend
-        .with_layer_weights(probe)
-        .ok_or_else(not_on_host)?
+    super::roofline::loaded_weights_read_bytes_per_sec(loaded).ok_or_else(not_on_host)?
 }
 
 /// `loaded`'s steps at position `pos`, and their bound under `limits` (`machine_limits`) and
