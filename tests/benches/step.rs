@@ -120,15 +120,7 @@ fn attention_table(kernels: &Kernels) {
         own: None,
     };
     let (mut out, mut scores) = (vec![0f32; 256], Vec::new());
-    let layouts = [
-        ("rows", KvLayout::Rows),
-        (
-            "heads",
-            KvLayout::Heads {
-                capacity: positions,
-            },
-        ),
-    ];
+    let layouts = [("rows", KvLayout::Rows), ("tiles", KvLayout::Tiles)];
     for (layout_name, layout) in layouts {
         for (name, spread) in [("hot", false), ("cold", true)] {
             let mut times = Vec::new();

@@ -8,7 +8,8 @@
 //! its first (`dual`: `engine::pipeline`, "Second candidates"), and the prompt's rows. A group walks the cache in
 //! blocks, one head's tile of positions each, and every row of the group reads a block while
 //! it is in L1, so the group streams the cache once instead of once per row. The host cache
-//! lies head by head ([`KvLayout::Heads`]), so a block is one contiguous run.
+//! lies in tiles ([`KvLayout::Tiles`]), so a block is one contiguous run and the blocks in
+//! the walk's order one stream.
 //!
 //! Exactness: a row's result does not depend on its group. Every (row, position) score is
 //! the same dot product (see `avx2::head_scores`), each row's softmax is its own, and each
@@ -18,7 +19,7 @@
 use std::ops::Range;
 
 use super::kv_element::KvElement;
-use super::{Isa, Kernels, Prefetch, Tuning, detected_isa, portable, prefetch, softmax_in_place};
+use super::{Isa, Kernels, detected_isa, portable, softmax_in_place};
 
 /// Positions per tile: one head's keys of a tile (`TILE · head_dim` floats, 8 KB at 64)
 /// stay in L1 while every row of the group reads them.
@@ -39,13 +40,16 @@ pub enum KvLayout {
     /// `[positions × kv_heads·head_dim]`: at `s·kv_dim + j·head_dim`, a position's entry whole,
     /// as a step computes it.
     Rows,
-    /// `[kv_heads × capacity × head_dim]`: at `(j·capacity + s)·head_dim`, each kv head's
-    /// positions one contiguous run (the host cache). A head's walk over its keys or values
-    /// is then one stream the hardware prefetchers follow, where in `Rows` it reads 128 bytes
-    /// of every 512 (hidden 256, head_dim 64): on an AMD EPYC Zen 4, one row's attention over
-    /// one layer's 128 positions from DRAM took 4.5–4.6 µs against 6.8–7.0 (`cargo bench
-    /// --bench step -- --only attention`, plan `l1`).
-    Heads { capacity: usize },
+    /// `[tiles × kv_heads × TILE × head_dim]`: positions in tiles of 64 (`TILE`), each tile every
+    /// kv head's 64 entries, one head after another (the host cache). A block of the walk
+    /// (one head's tile) is then one contiguous run, and the walk's blocks in order are one
+    /// stream: the first positions of every head, whatever the capacity, lie together. With
+    /// each head's positions contiguous over the whole capacity instead (a head's run of 16 KB
+    /// at Ouro-1.4B's shape and position 64, then a jump of the capacity), the hardware
+    /// prefetchers restarted at every run: on an AMD EPYC Zen 4, one row's attention over one
+    /// layer's 64 / 256 positions from DRAM (16 heads of 128, f16) took 53–54 / 154–157 µs
+    /// with a capacity of 512 against 38 / 137–141 µs laid out contiguously.
+    Tiles,
 }
 
 /// One pass's keys and values (f32 or f16) as the attention reads them.
@@ -71,42 +75,62 @@ impl KvLayout {
     /// Its strides for kv heads of `head_dim` elements: the one definition of where an entry
     /// lies, for the attention's reads and the host cache's writes (`model::host_kv`).
     pub fn strides(self, kv_heads: usize, head_dim: usize) -> KvStrides {
+        let kv_dim = kv_heads * head_dim;
         match self {
             Self::Rows => KvStrides {
-                pos: kv_heads * head_dim,
+                pos: kv_dim,
                 head: head_dim,
-                runs: 1,
+                tile: TILE * kv_dim,
+                extent_head: kv_heads - 1,
+                head_dim,
             },
-            Self::Heads { capacity } => KvStrides {
+            Self::Tiles => KvStrides {
                 pos: head_dim,
-                head: capacity * head_dim,
-                runs: kv_heads,
+                head: TILE * head_dim,
+                tile: TILE * kv_dim,
+                extent_head: kv_heads - 1,
+                head_dim,
             },
         }
+    }
+
+    /// Elements a cache of `capacity` positions holds in this layout (whole tiles in
+    /// [`KvLayout::Tiles`]).
+    pub fn elements(self, capacity: usize, kv_heads: usize, head_dim: usize) -> usize {
+        let positions = match self {
+            Self::Rows => capacity,
+            Self::Tiles => capacity.next_multiple_of(TILE),
+        };
+        positions * kv_heads * head_dim
     }
 }
 
 /// Element strides of a cache in one layout ([`KvLayout::strides`]).
 #[derive(Debug, Clone, Copy)]
 pub struct KvStrides {
-    /// From one position's entry of a kv head to the next position's.
+    /// From one position's entry of a kv head to the next position's, within a tile.
     pos: usize,
     /// From kv head j's entry of a position to kv head j + 1's.
     head: usize,
-    /// Contiguous runs that hold a span of positions of every kv head: one of whole entries
-    /// in `Rows`, one per kv head in `Heads`.
-    runs: usize,
+    /// From a tile's first position to the next tile's.
+    tile: usize,
+    /// The kv head whose entries lie last in a tile.
+    extent_head: usize,
+    head_dim: usize,
 }
 
 impl KvStrides {
     /// Where kv head `head`'s entry at position `pos` starts.
     pub fn offset(self, head: usize, pos: usize) -> usize {
-        head * self.head + pos * self.pos
+        pos / TILE * self.tile + pos % TILE * self.pos + head * self.head
     }
 
-    /// The contiguous runs holding `positions` of every kv head.
-    fn runs(self, positions: Range<usize>) -> impl Iterator<Item = Range<usize>> {
-        (0..self.runs).map(move |j| self.offset(j, positions.start)..self.offset(j, positions.end))
+    /// Elements from the start that hold the first `len` positions of every kv head.
+    pub fn extent(self, len: usize) -> usize {
+        match len {
+            0 => 0,
+            _ => self.offset(self.extent_head, len - 1) + self.head_dim,
+        }
     }
 }
 
@@ -147,12 +171,8 @@ pub fn attend_row(
         cached: len,
         own: None,
     };
-    let tuning = Tuning {
-        isa: detected_isa(),
-        prefetch: Prefetch::L1,
-    };
     attend_group_on(
-        tuning,
+        detected_isa(),
         &[query],
         (keys, values),
         (shape, 0..shape.heads),
@@ -176,14 +196,13 @@ impl Kernels {
         out: &mut [f32],
         scores: &mut Vec<f32>,
     ) {
-        attend_group_on(self.tuning, queries, cache.into(), heads, out, scores);
+        attend_group_on(self.tuning.isa, queries, cache.into(), heads, out, scores);
     }
 }
 
-/// [`Kernels::attend_group`] with the kernels and plan of `t` (the tests compare
-/// instruction sets).
+/// [`Kernels::attend_group`] with the kernels of `isa` (the tests compare instruction sets).
 pub(super) fn attend_group_on<'a, E: KvElement>(
-    t: Tuning,
+    isa: Isa,
     queries: &[Query<'_>],
     cache: impl Into<KvView<'a, E>>,
     (shape, heads): (AttnShape, Range<usize>),
@@ -202,24 +221,18 @@ pub(super) fn attend_group_on<'a, E: KvElement>(
     scores.clear();
     scores.resize(count * queries.iter().map(Query::len).sum::<usize>(), 0.0);
     let walk = Walk {
-        isa: t.isa,
+        isa,
         queries,
         starts: &starts,
         shape,
         strides: cache.layout.strides(shape.kv_heads, shape.head_dim),
         heads,
     };
-    // Under the L2 plan the cache rows come from DRAM: ask for all the keys and the first
-    // block of values now, and each next block of values as the walk reaches a block
-    // (`Walk::values`). On an AMD EPYC Zen 4, 4-row steps 2–6 % faster in one process.
-    let far = t.prefetch.far_enabled();
-    if far {
-        let cached = queries.iter().map(|q| q.cached).max().unwrap_or(0);
-        walk.prefetch_runs(cache.keys, 0..cached);
-        if let Some(first) = walk.blocks(cached).next() {
-            walk.prefetch_block(cache.values, first, cached);
-        }
-    }
+    // No prefetch of the walk's own: in `KvLayout::Tiles` its blocks are one stream the
+    // hardware prefetchers follow, and the kernels prefetch a few positions ahead into L1.
+    // On an AMD EPYC Zen 4, asking for all the keys up front (and each next block of values
+    // as the walk reached a block) took one row's attention over one layer's 64 / 256
+    // positions from DRAM (16 heads of 128, f16) from 33 to 38–39 µs / 121–122 to 142–145 µs.
     walk.scores(cache.keys, scores);
     for (query, &start) in queries.iter().zip(&starts) {
         let len = query.len();
@@ -228,7 +241,7 @@ pub(super) fn attend_group_on<'a, E: KvElement>(
         }
     }
     out.fill(0.0);
-    walk.values(cache.values, scores, out, far);
+    walk.values(cache.values, scores, out);
 }
 
 /// One group's walk over the cache in tiles (the scores, then the outputs).
@@ -260,30 +273,15 @@ impl Walk<'_> {
         self.kv_head(h) * self.shape.head_dim
     }
 
-    /// The walk's blocks, (head, a tile's first position): one head's tiles in order, then
-    /// the next head's. Every row of the group reads a block while it is in L1, and in
-    /// `KvLayout::Heads` the walk streams one contiguous run at a time: on an AMD EPYC Zen 4,
-    /// one row's attention over 128 positions from DRAM took 4.6 µs, against 6.5–6.9 µs with
-    /// the tiles outside and the heads inside (`cargo bench --bench step -- --only attention`).
+    /// The walk's blocks, (head, a tile's first position): every head's block of a tile, then
+    /// the next tile's, the order in which `KvLayout::Tiles` lays them out. Every row of the
+    /// group reads a block while it is in L1. Each head still meets its tiles in order, so its
+    /// output sums the positions in order whatever the walk's order across heads.
     fn blocks(&self, cached: usize) -> impl Iterator<Item = (usize, usize)> + use<> {
-        let tiles = move |h| (0..cached).step_by(TILE).map(move |s0| (h, s0));
-        self.heads.clone().flat_map(tiles)
-    }
-
-    /// Prefetches block (`h`, `s0`)'s entries of `cache` into L2.
-    fn prefetch_block<E>(&self, cache: &[E], (h, s0): (usize, usize), cached: usize) {
-        let end = (s0 + TILE).min(cached);
-        if end > s0 {
-            let last = self.kv_offset(h, end - 1) + self.shape.head_dim;
-            prefetch_span(cache, self.kv_offset(h, s0)..last);
-        }
-    }
-
-    /// Prefetches `positions` of `cache` into L2.
-    fn prefetch_runs<E>(&self, cache: &[E], positions: Range<usize>) {
-        for run in self.strides.runs(positions) {
-            prefetch_span(cache, run);
-        }
+        let heads = self.heads.clone();
+        (0..cached)
+            .step_by(TILE)
+            .flat_map(move |s0| heads.clone().map(move |h| (h, s0)))
     }
 
     /// Each row's `heads` runs of scores, `q_h · k_s / √head_dim`.
@@ -323,17 +321,12 @@ impl Walk<'_> {
         }
     }
 
-    /// Each row's output, `Σ_s p_s · v_s` per head, the positions in order; with `far`, each
-    /// tile first prefetches the next into L2.
-    fn values<E: KvElement>(&self, values: &[E], probs: &[f32], out: &mut [f32], far: bool) {
+    /// Each row's output, `Σ_s p_s · v_s` per head, the positions in order.
+    fn values<E: KvElement>(&self, values: &[E], probs: &[f32], out: &mut [f32]) {
         let (stride, head_dim) = (self.strides.pos, self.shape.head_dim);
         let width = self.heads.len() * head_dim;
         let cached = self.queries.iter().map(|q| q.cached).max().unwrap_or(0);
-        let mut blocks = self.blocks(cached).peekable();
-        while let Some((h, s0)) = blocks.next() {
-            if let Some(&next) = blocks.peek().filter(|_| far) {
-                self.prefetch_block(values, next, cached);
-            }
+        for (h, s0) in self.blocks(cached) {
             let vh = &values[self.kv_offset(h, s0)..];
             for (n, (query, &start)) in self.queries.iter().zip(self.starts).enumerate() {
                 let end = (s0 + TILE).min(query.cached);
@@ -361,11 +354,6 @@ impl Walk<'_> {
             }
         }
     }
-}
-
-/// Prefetches `span` of `cache` into L2, as far as the cache reaches.
-fn prefetch_span<E>(cache: &[E], span: Range<usize>) {
-    prefetch::into_l2(&cache[span.start.min(cache.len())..span.end.min(cache.len())]);
 }
 
 /// `scores[s] = (q · keys[s·stride ..][..head_dim]) · scale`, `q` one head.

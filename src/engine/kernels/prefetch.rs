@@ -1,5 +1,5 @@
 //! How far ahead the kernels that stream weights prefetch them: the x86 matmuls (`avx2`,
-//! `avx512`, `avx512_bf16`), the f16 LM head (`f16`) and the attention's K/V rows. Each host
+//! `avx512`, `avx512_bf16`) and the f16 LM head (`f16`). Each host
 //! model's `Kernels` carries one [`Prefetch`] plan, forced (`--prefetch`) or chosen by timing
 //! every candidate on the model's own decode steps when it loads ([`choose`], called by
 //! `model::timing`).
@@ -150,28 +150,6 @@ impl Prefetch {
     pub(super) fn far(self, bytes_per_element: usize) -> usize {
         self.far_bytes / bytes_per_element
     }
-
-    /// Whether the plan prefetches into L2 (the weights come from DRAM, and so, between a
-    /// layer's steps, do the attention's K/V rows: `attention` then prefetches them too).
-    pub(super) fn far_enabled(self) -> bool {
-        self.far_bytes > 0
-    }
-}
-
-/// Prefetches `elements` into L2 (each cache line once); nothing off x86.
-#[inline]
-pub(super) fn into_l2<E>(elements: &[E]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        let start = elements.as_ptr().cast::<i8>();
-        for line in (0..std::mem::size_of_val(elements)).step_by(64) {
-            // SAFETY: a prefetch never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(line)) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = elements;
 }
 
 #[cfg(test)]

@@ -205,7 +205,7 @@ fn attention_kernels_agree_closely_with_the_portable_loops() {
                 let cache = (&keys[..], &values[..]);
                 let mut scores = Vec::new();
                 attention::attend_group_on(
-                    Tuning::from(Isa::Portable),
+                    Isa::Portable,
                     &query,
                     cache,
                     (shape, 0..heads),
@@ -290,33 +290,33 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
     let cache = (&keys_e[..], &values_e[..]);
     let all_heads = (shape, 0..heads);
     attention::attend_group_on(
-        Tuning::from(isa),
+        isa,
         &queries,
         cache,
         all_heads.clone(),
         &mut group,
         &mut Vec::new(),
     );
-    // The same cache laid out head by head, with room for more positions: the same bits.
-    let capacity = 75;
-    let by_heads = |rows: &[E]| {
-        let mut heads = vec![E::default(); shape.kv_heads * capacity * head_dim];
+    // The same cache laid out in tiles, with room for more positions: the same bits.
+    let strides = KvLayout::Tiles.strides(shape.kv_heads, head_dim);
+    let by_tiles = |rows: &[E]| {
+        let mut tiles = vec![E::default(); KvLayout::Tiles.elements(75, shape.kv_heads, head_dim)];
         for (s, row) in rows.chunks_exact(kv_dim).enumerate() {
             for (j, entry) in row.chunks_exact(head_dim).enumerate() {
-                heads[(j * capacity + s) * head_dim..][..head_dim].copy_from_slice(entry);
+                tiles[strides.offset(j, s)..][..head_dim].copy_from_slice(entry);
             }
         }
-        heads
+        tiles
     };
-    let (keys_h, values_h) = (by_heads(&keys_e), by_heads(&values_e));
+    let (keys_t, values_t) = (by_tiles(&keys_e), by_tiles(&values_e));
     let view = KvView {
-        keys: &keys_h,
-        values: &values_h,
-        layout: KvLayout::Heads { capacity },
+        keys: &keys_t,
+        values: &values_t,
+        layout: KvLayout::Tiles,
     };
     let mut by_head = vec![0f32; group.len()];
     attention::attend_group_on(
-        Tuning::from(isa),
+        isa,
         &queries,
         view,
         all_heads,
@@ -326,20 +326,13 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
     let same_bits = (by_head.iter().zip(&group)).all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(
         same_bits,
-        "{isa:?} {shape:?}: the head-major layout gave other bits"
+        "{isa:?} {shape:?}: the tiled layout gave other bits"
     );
     // Split by heads, each head alone: the same bits.
     for h in 0..heads {
         let mut one = vec![0f32; rows.len() * head_dim];
         let head = (shape, h..h + 1);
-        attention::attend_group_on(
-            Tuning::from(isa),
-            &queries,
-            cache,
-            head,
-            &mut one,
-            &mut Vec::new(),
-        );
+        attention::attend_group_on(isa, &queries, cache, head, &mut one, &mut Vec::new());
         for (n, o) in one.chunks_exact(head_dim).enumerate() {
             let whole = &group[n * q_dim + h * head_dim..][..head_dim];
             assert_eq!(o, whole, "{isa:?} {shape:?} row {n} head {h}");
@@ -362,7 +355,7 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
         let mut out = vec![0f32; q_dim];
         let cache = (&narrowed::<E>(&k)[..], &narrowed::<E>(&v)[..]);
         attention::attend_group_on(
-            Tuning::from(isa),
+            isa,
             &alone,
             cache,
             all_heads_of(shape),
@@ -410,7 +403,7 @@ fn an_f16_cache_attends_as_its_values_in_f32_bit_for_bit() {
             let (k16, v16) = (narrowed::<half::f16>(&keys), narrowed::<half::f16>(&values));
             let heads = all_heads_of(shape);
             attention::attend_group_on(
-                Tuning::from(isa),
+                isa,
                 &query,
                 f32_cache,
                 heads.clone(),
@@ -418,7 +411,7 @@ fn an_f16_cache_attends_as_its_values_in_f32_bit_for_bit() {
                 &mut Vec::new(),
             );
             attention::attend_group_on(
-                Tuning::from(isa),
+                isa,
                 &query,
                 (&k16[..], &v16[..]),
                 heads,

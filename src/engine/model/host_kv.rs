@@ -1,6 +1,7 @@
-//! The host backend's K/V buffers (`model::host`): one `[passes, kv_heads, capacity,
-//! head_dim]` pair per layer (`kernels::KvLayout::Heads`: each head's positions contiguous,
-//! the stream the attention walks), in f32 or f16 ([`KvDtype`], chosen when the model is loaded), and the K/V rows set
+//! The host backend's K/V buffers (`model::host`): per layer, one pair of buffers holding
+//! every pass's cache one after another, each in `kernels::KvLayout::Tiles` (tiles of
+//! positions, every kv head's entries of a tile together: the stream the attention walks), in
+//! f32 or f16 ([`KvDtype`], chosen when the model is loaded), and the K/V rows set
 //! aside for second candidates. The step writes rows in f32 and the attention kernels read
 //! the element type they find (`kernels::KvElement`); `KvCache` (engine::kv_cache) keeps
 //! the fill levels and drives `swap_aside`/`forget_aside` through [`KvStore`].
@@ -13,7 +14,7 @@ use half::f16;
 use super::LoopedModel;
 use crate::engine::config::OuroConfig;
 use crate::engine::error::Result;
-use crate::engine::kernels::{KvElement, KvLayout, KvView};
+use crate::engine::kernels::{KvElement, KvLayout, KvStrides, KvView};
 use crate::engine::kv_cache::{AsideSlot, KvStore};
 use crate::engine::pass::Pass;
 
@@ -65,7 +66,8 @@ impl HostKv {
     }
 }
 
-/// Where entries lie in a layer's buffer (`KvLayout::Heads` for every pass, one after another).
+/// Where entries lie in a layer's buffer ([`KvLayout::Tiles`] for every pass, one after
+/// another).
 #[derive(Debug, Clone, Copy)]
 struct Geometry {
     capacity: usize,
@@ -74,18 +76,21 @@ struct Geometry {
 }
 
 impl Geometry {
-    fn layout(self) -> KvLayout {
-        KvLayout::Heads {
-            capacity: self.capacity,
-        }
+    const LAYOUT: KvLayout = KvLayout::Tiles;
+
+    /// Elements of one pass's cache.
+    fn pass_size(self) -> usize {
+        Self::LAYOUT.elements(self.capacity, self.kv_heads, self.head_dim)
+    }
+
+    fn strides(self) -> KvStrides {
+        Self::LAYOUT.strides(self.kv_heads, self.head_dim)
     }
 
     /// Where kv head `head`'s entry at (`pass`, `pos`) starts: `pass`'s buffer, then
-    /// `KvLayout::Heads` within it.
+    /// [`KvLayout::Tiles`] within it.
     fn offset(self, pass: Pass, head: usize, pos: usize) -> usize {
-        let pass_size = self.kv_heads * self.capacity * self.head_dim;
-        let strides = self.layout().strides(self.kv_heads, self.head_dim);
-        pass.index() * pass_size + strides.offset(head, pos)
+        pass.index() * self.pass_size() + self.strides().offset(head, pos)
     }
 }
 
@@ -104,13 +109,14 @@ pub struct KvBuffers<E> {
 impl<E: KvElement> KvBuffers<E> {
     fn new(cfg: &OuroConfig, capacity: usize) -> Self {
         let (layers, kv_dim) = (cfg.num_hidden_layers, cfg.kv_dim());
-        let size = cfg.total_ut_steps * capacity * kv_dim;
+        let geometry = Geometry {
+            capacity,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+        };
+        let size = cfg.total_ut_steps * geometry.pass_size();
         Self {
-            geometry: Geometry {
-                capacity,
-                kv_heads: cfg.num_key_value_heads,
-                head_dim: cfg.head_dim,
-            },
+            geometry,
             keys: vec![vec![E::default(); size]; layers],
             values: vec![vec![E::default(); size]; layers],
             aside: HashMap::new(),
@@ -136,11 +142,12 @@ impl<E: KvElement> KvBuffers<E> {
     /// The first `len` positions of `pass` in `layer`.
     pub(super) fn pass(&self, layer: usize, pass: Pass, len: usize) -> KvView<'_, E> {
         let g = self.geometry;
-        let range = g.offset(pass, 0, 0)..g.offset(pass, g.kv_heads - 1, len);
+        let start = g.offset(pass, 0, 0);
+        let range = start..start + g.strides().extent(len);
         KvView {
             keys: &self.keys[layer][range.clone()],
             values: &self.values[layer][range],
-            layout: g.layout(),
+            layout: Geometry::LAYOUT,
         }
     }
 
@@ -218,14 +225,15 @@ mod tests {
 
     /// A row's K (or V, `which` 1) at (`layer`, `pass`, `pos`): every element its own value.
     fn row(layer: usize, pass: Pass, pos: usize, which: usize) -> Vec<f32> {
-        let base = (layer * 1000 + pass.index() * 100 + pos * 10 + which) as f32;
+        let base = (layer * 100_000 + pass.index() * 10_000 + pos * 10 + which) as f32;
         (0..16).map(|i| base + i as f32 / 64.0).collect()
     }
 
-    /// Rows stored at every (layer, pass, position) read back whole from `entries`, lie head
-    /// by head in the pass's view, and a position swapped aside and back is restored.
+    /// Rows stored at every (layer, pass, position) read back whole from `entries`, lie in
+    /// tiles in the pass's view (two of them here), and a position swapped aside and back is
+    /// restored.
     #[test]
-    fn rows_stored_head_by_head_read_back_whole() {
+    fn rows_stored_in_tiles_read_back_whole() {
         let shape = ModelShape {
             hidden: 32,
             layers: 2,
@@ -238,7 +246,7 @@ mod tests {
             context: 16,
             tied: true,
         };
-        let (capacity, filled) = (10, 7);
+        let (capacity, filled) = (70, 67);
         let mut kv = HostKv::F32(KvBuffers::new(&shape.ouro_config(16, "float32"), capacity));
         for (layer, pass, pos) in
             (0..2).flat_map(|l| Pass::all(3).flat_map(move |p| (0..filled).map(move |s| (l, p, s))))
@@ -253,12 +261,13 @@ mod tests {
             for pass in Pass::all(3) {
                 let (k, v) = kv.entries(layer, pass, filled).expect("entries");
                 let view = buffers.pass(layer, pass, filled);
-                assert_eq!(view.layout, KvLayout::Heads { capacity });
+                assert_eq!(view.layout, KvLayout::Tiles);
                 for pos in 0..filled {
                     assert_eq!(k[pos * 16..][..16], row(layer, pass, pos, 0));
                     assert_eq!(v[pos * 16..][..16], row(layer, pass, pos, 1));
                     for (j, d) in (0..2).flat_map(|j| (0..8).map(move |d| (j, d))) {
-                        let at = (j * capacity + pos) * 8 + d;
+                        // Tiles of 64 positions, each every kv head's 64 entries in turn.
+                        let at = (pos / 64 * 2 * 64 + j * 64 + pos % 64) * 8 + d;
                         assert_eq!(view.keys[at], row(layer, pass, pos, 0)[j * 8 + d]);
                     }
                 }
