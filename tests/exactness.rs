@@ -349,16 +349,23 @@ fn step_members(step: usize, positions: usize, passes: usize) -> Vec<(usize, usi
 }
 
 fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel, tolerance: f32) {
+    // More positions than one tile of the host cache (`kernels::KvLayout::Tiles`: 64), in a
+    // cache whose capacity is not a whole number of tiles.
     let ids = loaded
         .tokenizer
-        .encode("Shall I compare thee to a summer's day? Thou art more")
+        .encode(
+            "Shall I compare thee to a summer's day? Thou art more lovely and more \
+             temperate: rough winds do shake the darling buds of May",
+        )
         .unwrap();
+    assert!(ids.len() > 64, "{} positions", ids.len());
     let reference = reference_logits(loaded, &ids);
     let passes = loaded.model().passes();
     let seconds: Vec<(u32, Vec<f32>)> = (1..ids.len())
         .map(|pos| second_candidate(loaded, &ids, pos))
         .collect();
-    let mut cache = KvCache::new(backend.new_store(64).unwrap(), passes, 64);
+    let capacity = ids.len() + 5;
+    let mut cache = KvCache::new(backend.new_store(capacity).unwrap(), passes, capacity);
     let mut hidden: Vec<Option<RowInput<B::Hidden>>> =
         ids.iter().map(|&id| Some(RowInput::Token(id))).collect();
     let mut worst = 0f32;

@@ -1,7 +1,7 @@
 //! The KV cache of a looped model: one K and one V buffer per (pass, layer), stacked per layer
-//! (`[kv_heads, passes · capacity, head_dim]` on a device, `[passes, kv_heads, capacity, head_dim]` on the
-//! host) so that the rows of one step, each at its own pass, read their pass's slice of one
-//! buffer. [`KvCache`] keeps the bookkeeping every backend shares
+//! (`[kv_heads, passes · capacity, head_dim]` on a device; on the host each pass in tiles of
+//! positions, `kernels::KvLayout::Tiles`) so that the rows of one step, each at its own pass,
+//! read their pass's slice of one buffer. [`KvCache`] keeps the bookkeeping every backend shares
 //! (fill levels, the committed prefix, the slot of a second candidate); the buffers are the
 //! step backend's own [`KvStore`] (host memory, or candle tensors on a device). Written by
 //! `model`'s step; rolled back by the decoder when speculative tokens are flushed.

@@ -47,8 +47,8 @@ pub enum KvLayout {
     /// each head's positions contiguous over the whole capacity instead (a head's run of 16 KB
     /// at Ouro-1.4B's shape and position 64, then a jump of the capacity), the hardware
     /// prefetchers restarted at every run: on an AMD EPYC Zen 4, one row's attention over one
-    /// layer's 64 / 256 positions from DRAM (16 heads of 128, f16) took 53–54 / 154–157 µs
-    /// with a capacity of 512 against 38 / 137–141 µs laid out contiguously.
+    /// layer's 64 / 256 positions from DRAM (16 heads of 128, f16, a capacity of 512) took
+    /// 53–54 / 154–157 µs that way against 33 / 121–122 µs in tiles.
     Tiles,
 }
 

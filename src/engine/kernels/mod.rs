@@ -32,8 +32,9 @@
 //! - **Keys and values in f16** (`kv_element`): the attention streams its pass's whole cache,
 //!   the part of a step that grows with its rows, so half the bytes is half that time. Every
 //!   row reads the same rounded entries, so batch invariance holds; `--kv-cache f32` keeps f32.
-//! - **Each head's cache in one run** (`[passes, kv_heads, capacity, head_dim]`): a head is one
-//!   contiguous stream the hardware prefetchers follow; `attention` keeps the query and the
+//! - **The cache in tiles** (`KvLayout::Tiles`: per pass, tiles of 64 positions, each every kv
+//!   head's entries in turn): the attention walks it tile by tile, one contiguous stream the
+//!   hardware prefetchers follow whatever the capacity; `attention` keeps the query and the
 //!   output head in registers and scores 8 positions per block.
 //! - **Proposal readouts through an f16 LM head** (`model::half_head`): readouts before pass R
 //!   only steer speculation; a pass-R readout recomputes in f32 every logit within twice a
