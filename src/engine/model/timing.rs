@@ -136,11 +136,7 @@ fn median_times<B: StepBackend>(
 /// candidate a turn, as a race gives its lanes: a baseline token's R one-row steps (the LM
 /// head on the last only), then one R-row step, over the candidate's own KV cache of the
 /// default context, so that its steps follow its own and find its cache laid out as a run's
-/// and where the other's turn left it. On an AMD EPYC Zen 4 VM, one-row steps that each read
-/// out a proposal over a cache of 65 positions (as timed before) put `l1` within a few
-/// percent of `l2` and sometimes chose it, though `l1` ran both lanes of a race slower
-/// (`spex bench --prefetch l1|l2`: speculative lane 15–35 %); with a 512-position cache the
-/// plans' 4-row steps differ more, as in the race (`prefetch::cheapest` weighs the rest).
+/// and where the other's turn left it, as a race's steps do.
 pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
     let passes = backend.model().passes();
     let positions = backend.model().config.max_position_embeddings;
