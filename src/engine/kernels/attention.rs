@@ -12,9 +12,9 @@
 //! the walk's order one stream.
 //!
 //! Exactness: a row's result does not depend on its group. Every (row, position) score is
-//! the same dot product (see `avx2::head_scores`), each row's softmax is its own, and each
-//! row's output sums the positions in order, carried from tile to tile in memory, which
-//! rounds nothing. A row alone (`attend_row`) is a group of one.
+//! the same dot product (see `avx2::head_scores`, `avx512_attention::head_scores`), each row's
+//! softmax is its own, and each row's output sums the positions in order, carried from tile
+//! to tile in memory, which rounds nothing. A row alone (`attend_row`) is a group of one.
 
 use std::ops::Range;
 
@@ -367,6 +367,12 @@ fn head_scores<E: KvElement>(
 ) {
     match (isa, q.len()) {
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` is the detected ISA or a `Kernels`' checked one: with AVX-512F the CPU
+        // has AVX2, FMA and F16C. (Heads of 64 stay on AVX2, which holds them without spills.)
+        (i, 128) if i.has_avx512() => unsafe {
+            super::avx512_attention::head_scores::<8, E>(q, keys, stride, scale, scores)
+        },
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` is the detected ISA or a `Kernels`' checked one: with AVX2 the CPU has
         // FMA and F16C.
         (i, 64) if i.has_avx2() => unsafe {
@@ -390,6 +396,12 @@ fn head_values<E: KvElement>(
     out: &mut [f32],
 ) {
     match (isa, out.len()) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` is the detected ISA or a `Kernels`' checked one: with AVX-512F the CPU
+        // has AVX2, FMA and F16C. (Heads of 64 stay on AVX2, as in `head_scores`.)
+        (i, 128) if i.has_avx512() => unsafe {
+            super::avx512_attention::head_values::<8, E>(probs, values, stride, out)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` is the detected ISA or a `Kernels`' checked one: with AVX2 the CPU has
         // FMA and F16C.

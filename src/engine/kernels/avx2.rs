@@ -311,12 +311,12 @@ pub(super) fn reduce4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
 /// How many positions ahead the attention kernels prefetch a head's cache entry: a row's
 /// cache comes from L3 (the step's weights pass through L2 between its layers), one head's few
 /// lines at the stride of a whole entry. 4–5 % off a 4-row step on an AMD EPYC Zen 5.
-const PREFETCH_POSITIONS: usize = 16;
+pub(super) const PREFETCH_POSITIONS: usize = 16;
 
 /// Prefetches the cache lines of one head's entry, `cache[at..at + len]` (a prefetch never
 /// faults, so `at` may lie past the end).
 #[inline(always)]
-fn prefetch_head<E>(cache: &[E], at: usize, len: usize) {
+pub(super) fn prefetch_head<E>(cache: &[E], at: usize, len: usize) {
     let start = cache.as_ptr().wrapping_add(at) as *const i8;
     for line in (0..len * std::mem::size_of::<E>()).step_by(64) {
         // SAFETY: a prefetch never faults, whatever the address.

@@ -31,6 +31,13 @@ pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
     /// into the AVX2 kernels, whose target features cover both.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> __m256;
+    /// Sixteen elements from `p`, widened to f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, and sixteen elements must be readable at `p`. Inlined
+    /// into the AVX-512 kernels, whose target features cover it.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> __m512;
 }
 
 impl KvElement for f32 {
@@ -48,6 +55,12 @@ impl KvElement for f32 {
     unsafe fn load8(p: *const Self) -> __m256 {
         // SAFETY: the caller's features and bounds.
         unsafe { _mm256_loadu_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: the caller's features and bounds.
+        unsafe { _mm512_loadu_ps(p) }
     }
 }
 
@@ -68,5 +81,11 @@ impl KvElement for f16 {
     unsafe fn load8(p: *const Self) -> __m256 {
         // SAFETY: the caller's features and bounds; eight f16 are the 16 bytes loaded.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: the caller's features and bounds; sixteen f16 are the 32 bytes loaded.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
 }

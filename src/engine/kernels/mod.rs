@@ -114,6 +114,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
+mod avx512_attention;
+#[cfg(target_arch = "x86_64")]
 mod avx512_bf16;
 pub mod f16;
 mod isa;

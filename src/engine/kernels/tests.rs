@@ -216,6 +216,16 @@ fn attention_kernels_agree_closely_with_the_portable_loops() {
                 for (x, y) in a.iter().zip(&b) {
                     assert!((x - y).abs() < 1e-5, "{shape:?} len {len}: {x} vs {y}");
                 }
+                for isa in supported_isas() {
+                    let heads = (shape, 0..heads);
+                    attention::attend_group_on(isa, &query, cache, heads, &mut b, &mut scores);
+                    for (x, y) in a.iter().zip(&b) {
+                        assert!(
+                            (x - y).abs() < 1e-5,
+                            "{isa:?} {shape:?} len {len}: {x} vs {y}"
+                        );
+                    }
+                }
             }
         }
     }
