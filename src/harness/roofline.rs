@@ -117,17 +117,12 @@ pub fn multiply_adds_per_sec(kernels: &Kernels, rows: usize) -> f64 {
         .collect();
     let x: Vec<f32> = (0..rows * INNER).map(|i| (i % 7) as f32 / 7.0).collect();
     let mut out = vec![0f32; rows * outs];
-    let mut best = Duration::MAX;
-    for round in 0..=SWEEPS {
-        let started = Instant::now();
+    let best = best_sweep(SWEEPS, || {
         for _ in 0..PRODUCTS_PER_SWEEP {
             kernels.matmul_t(&x, Weight::Bf16(&weight), rows, INNER, &mut out);
             std::hint::black_box(&mut out);
         }
-        if round > 0 {
-            best = best.min(started.elapsed());
-        }
-    }
+    });
     (PRODUCTS_PER_SWEEP * rows * outs * INNER) as f64 / best.as_secs_f64()
 }
 

@@ -20,17 +20,22 @@ use super::kv_element::KvElement;
 /// Positions whose scores are computed together (8 accumulators beside the query's chunks).
 const SCORE_BLOCK: usize = 8;
 
-/// The sums of eight accumulators, one a lane: each folded to 8 lanes (the halves added),
-/// then [`reduce4`]'s tree four at a time.
+/// An accumulator's 16 lanes folded to 8 (the halves added), for [`reduce4`]'s tree.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn fold(a: __m512) -> __m256 {
+    _mm256_add_ps(
+        _mm512_castps512_ps256(a),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a))),
+    )
+}
+
+/// The sums of eight accumulators, one a lane: each [`fold`]ed, then [`reduce4`]'s tree four
+/// at a time (each sum from its own accumulator alone, so a position's score is the same
+/// whichever block it falls in).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 fn reduce8(acc: &[__m512; SCORE_BLOCK]) -> (__m128, __m128) {
-    let fold = |a: __m512| {
-        _mm256_add_ps(
-            _mm512_castps512_ps256(a),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a))),
-        )
-    };
     let f: [__m256; SCORE_BLOCK] = std::array::from_fn(|p| fold(acc[p]));
     (
         reduce4(f[0], f[1], f[2], f[3]),
@@ -77,11 +82,12 @@ pub fn head_scores<const C: usize, E: KvElement>(
         s += SCORE_BLOCK;
     }
     for (s, score) in scores.iter_mut().enumerate().skip(s) {
-        let mut acc = [_mm512_setzero_ps(); SCORE_BLOCK];
+        let mut acc = _mm512_setzero_ps();
         for (c, qc) in qv.iter().enumerate() {
-            acc[0] = _mm512_fmadd_ps(*qc, key(s, c), acc[0]);
+            acc = _mm512_fmadd_ps(*qc, key(s, c), acc);
         }
-        *score = _mm_cvtss_f32(reduce8(&acc).0) * scale;
+        let zero = _mm256_setzero_ps();
+        *score = _mm_cvtss_f32(reduce4(fold(acc), zero, zero, zero)) * scale;
     }
 }
 

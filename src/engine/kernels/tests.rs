@@ -217,8 +217,8 @@ fn attention_kernels_agree_closely_with_the_portable_loops() {
                     assert!((x - y).abs() < 1e-5, "{shape:?} len {len}: {x} vs {y}");
                 }
                 for isa in supported_isas() {
-                    let heads = (shape, 0..heads);
-                    attention::attend_group_on(isa, &query, cache, heads, &mut b, &mut scores);
+                    let all_heads = (shape, 0..heads);
+                    attention::attend_group_on(isa, &query, cache, all_heads, &mut b, &mut scores);
                     for (x, y) in a.iter().zip(&b) {
                         assert!(
                             (x - y).abs() < 1e-5,
@@ -324,16 +324,9 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
         values: &values_t,
         layout: KvLayout::Tiles,
     };
-    let mut by_head = vec![0f32; group.len()];
-    attention::attend_group_on(
-        isa,
-        &queries,
-        view,
-        all_heads,
-        &mut by_head,
-        &mut Vec::new(),
-    );
-    let same_bits = (by_head.iter().zip(&group)).all(|(a, b)| a.to_bits() == b.to_bits());
+    let mut tiled = vec![0f32; group.len()];
+    attention::attend_group_on(isa, &queries, view, all_heads, &mut tiled, &mut Vec::new());
+    let same_bits = (tiled.iter().zip(&group)).all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(
         same_bits,
         "{isa:?} {shape:?}: the tiled layout gave other bits"
