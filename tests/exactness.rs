@@ -312,16 +312,43 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 ///
 /// Against an f16 KV cache the reference rounds its keys and values alike, but a value within
 /// an f32 rounding error of a midpoint between two f16s can round the other way there than
-/// in the step: one f16 ulp (2⁻¹¹ relative) in an entry. Seen on aarch64 as 3·10⁻⁴ in the
-/// logits; the tolerance allows that, not more. (A step that read unrounded entries anywhere
-/// would differ from baseline decoding, which the exactness tests compare bit for bit.)
+/// in the step: one f16 ulp (at most 2⁻¹⁰ relative) in an entry, and every layer and pass
+/// after it carries it on. So the tolerance there is one f16 ulp of the row's largest logit,
+/// at most 2⁻¹⁰ of it (`f16::EPSILON`). Seen: on aarch64 3·10⁻⁴ in the logits; on an AMD
+/// EPYC Zen 3 (AVX2), GQA with 4 layers × 4 passes, 3.6·10⁻³ where the largest logit was
+/// 13.2 (0.28 of that row's tolerance). A wrong entry, position or tile moves logits by whole
+/// units. (A step that read unrounded entries anywhere would differ from baseline decoding,
+/// which the exactness tests compare bit for bit.)
 fn check_pipelined_steps(loaded: &LoadedModel) {
+    let f32_tolerance = Tolerance {
+        absolute: 1e-4,
+        of_largest: 0.0,
+    };
     match &loaded.backend {
         Backend::Host(b) if b.options().kv_dtype == KvDtype::F16 => {
-            check_pipelined_steps_on(&**b, loaded, 2e-3)
+            let one_f16_ulp = Tolerance {
+                absolute: 0.0,
+                of_largest: f32::from(half::f16::EPSILON),
+            };
+            check_pipelined_steps_on(&**b, loaded, one_f16_ulp)
         }
-        Backend::Host(b) => check_pipelined_steps_on(&**b, loaded, 1e-4),
-        Backend::Device(b) => check_pipelined_steps_on(&**b, loaded, 1e-4),
+        Backend::Host(b) => check_pipelined_steps_on(&**b, loaded, f32_tolerance),
+        Backend::Device(b) => check_pipelined_steps_on(&**b, loaded, f32_tolerance),
+    }
+}
+
+/// How far a step's logits may lie from the reference's: `absolute`, plus `of_largest` times
+/// the largest magnitude among the reference row's logits.
+#[derive(Debug, Clone, Copy)]
+struct Tolerance {
+    absolute: f32,
+    of_largest: f32,
+}
+
+impl Tolerance {
+    fn of(self, want: &[f32]) -> f32 {
+        let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        self.absolute + self.of_largest * largest
     }
 }
 
@@ -348,7 +375,11 @@ fn step_members(step: usize, positions: usize, passes: usize) -> Vec<(usize, usi
         .collect()
 }
 
-fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel, tolerance: f32) {
+fn check_pipelined_steps_on<B: StepBackend>(
+    backend: &B,
+    loaded: &LoadedModel,
+    tolerance: Tolerance,
+) {
     // More positions than one tile of the host cache (`kernels::KvLayout::Tiles`: 64), in a
     // cache whose capacity is not a whole number of tiles.
     let ids = loaded
@@ -368,7 +399,9 @@ fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel, t
     let mut cache = KvCache::new(backend.new_store(capacity).unwrap(), passes, capacity);
     let mut hidden: Vec<Option<RowInput<B::Hidden>>> =
         ids.iter().map(|&id| Some(RowInput::Token(id))).collect();
-    let mut worst = 0f32;
+    // The row that came nearest its tolerance (or passed it furthest): its distance from the
+    // reference beyond the f16 head's allowance, and its tolerance.
+    let (mut worst, mut worst_tolerance) = (f32::NEG_INFINITY, tolerance.of(&[]));
     let slot = |pos: usize, pass: usize, second: bool| RowSlot {
         pos,
         pass: spex::engine::Pass::from_index(pass),
@@ -400,7 +433,10 @@ fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel, t
             // Readouts may come from the f16 head, within its bound (at pass R only the logits
             // that could be the argmax are recomputed exactly).
             let allowed = backend.proposal_error_bound(&h).unwrap_or(0.0);
-            worst = worst.max(diff - allowed as f32);
+            let (beyond, row_tolerance) = (diff - allowed as f32, tolerance.of(want));
+            if beyond - row_tolerance > worst - worst_tolerance {
+                (worst, worst_tolerance) = (beyond, row_tolerance);
+            }
             if second {
                 cache.drop_second(pos);
             } else {
@@ -409,8 +445,8 @@ fn check_pipelined_steps_on<B: StepBackend>(backend: &B, loaded: &LoadedModel, t
         }
     }
     assert!(
-        worst < tolerance,
-        "batched step logits differ from the reference by {worst} (tolerance {tolerance})"
+        worst < worst_tolerance,
+        "batched step logits differ from the reference by {worst} (tolerance {worst_tolerance})"
     );
 }
 
