@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::engine::LoadedModel;
 use crate::engine::error::Result;
-use crate::engine::kernels::{Kernels, Weight, pool};
+use crate::engine::kernels::{Kernels, Matrix, Weight, pool};
 use crate::engine::model::LoopedModel;
 
 /// Weight bytes per pass from which the figures mean something: smaller models' weights stay
@@ -41,20 +41,35 @@ pub fn weight_bytes_per_token(model: &LoopedModel) -> u64 {
 /// Sweeps of [`weights_read_bytes_per_sec`] timed; the best counts.
 pub const WEIGHT_SWEEPS: usize = 3;
 
-/// The read bandwidth over `weights` themselves, in bytes per second: the pages a decode step
-/// streams, so that the probe and the step read the same memory with nothing allocated. Each
-/// thread sums its share of every matrix, as a matmul splits them, all in one job; the best
-/// of [`WEIGHT_SWEEPS`] after one. On a VM whose bandwidth moves from second to second (an
-/// AMD EPYC Zen 4 VM read 35 GB/s and 60 GB/s from one buffer, seconds apart), only a probe
-/// taken beside the decoding it is compared with means anything: `spex bench` takes one
-/// around every prompt.
-pub fn weights_read_bytes_per_sec(pool: &pool::Pool, weights: &[Weight<'_>]) -> f64 {
-    let bytes: usize = weights.iter().map(|w| 8 * w.words().len()).sum();
+/// The read bandwidth over `matrices` themselves, in bytes per second: the pages a decode step
+/// streams, so that the probe and the step read the same memory with nothing allocated. The
+/// faster of two reads, each the best of [`WEIGHT_SWEEPS`] after one: a plain sum
+/// ([`summed_bytes_per_sec`]) and the kernels' own one-row products
+/// ([`multiplied_bytes_per_sec`]), whichever reads these pages faster on this machine.
+///
+/// Why two: neither read is the faster everywhere. On an AMD EPYC Zen 3 VM (AVX2) one thread's
+/// plain sum read 11–13 GB/s where the kernels' one-row products, which prefetch ahead of
+/// several weight rows at once, streamed 15–20 GB/s over the same pages; on two threads the
+/// sum was the faster (19–22 against 18–20 GB/s). A probe slower than the decoding it is set
+/// against made a baseline read 124–146 % of "the bandwidth".
+///
+/// On a VM whose bandwidth moves from second to second (an AMD EPYC Zen 4 VM read 35 GB/s
+/// and 60 GB/s from one buffer, seconds apart), only a probe taken beside the decoding it is
+/// compared with means anything: `spex bench` takes one around every prompt.
+pub fn weights_read_bytes_per_sec(kernels: &Kernels, matrices: &[Matrix<'_>]) -> f64 {
+    let summed = summed_bytes_per_sec(kernels.pool(), matrices);
+    summed.max(multiplied_bytes_per_sec(kernels, matrices))
+}
+
+/// The bytes a second of a plain read of `matrices`: each thread sums its share of every
+/// matrix's words, as a matmul splits them, all in one job.
+pub fn summed_bytes_per_sec(pool: &pool::Pool, matrices: &[Matrix<'_>]) -> f64 {
+    let bytes: usize = matrices.iter().map(|m| 8 * m.weight.words().len()).sum();
     let parts = pool.threads();
     let best = best_sweep(WEIGHT_SWEEPS, || {
         pool.run(&|part| {
-            let total = weights.iter().fold(0u64, |total, w| {
-                let words = w.words();
+            let total = matrices.iter().fold(0u64, |total, m| {
+                let words = m.weight.words();
                 let range = pool::share(words.len(), parts, part, 64);
                 total.wrapping_add(sum(&words[range]))
             });
@@ -64,12 +79,32 @@ pub fn weights_read_bytes_per_sec(pool: &pool::Pool, weights: &[Weight<'_>]) -> 
     bytes as f64 / best.as_secs_f64()
 }
 
+/// The bytes a second the kernels stream `matrices` at in one-row products (one row of
+/// ones against each, on the kernels' threads, with their prefetch plan): every weight read
+/// once, with a multiply-add each, which a one-row step is too little arithmetic to be held
+/// back by.
+pub fn multiplied_bytes_per_sec(kernels: &Kernels, matrices: &[Matrix<'_>]) -> f64 {
+    let bytes: usize = (matrices.iter())
+        .map(|m| m.weight.len() * m.weight.element_bytes())
+        .sum();
+    let widest = |f: fn(&Matrix<'_>) -> usize| matrices.iter().map(f).max().unwrap_or(0);
+    let x = vec![1f32; widest(|m| m.inner)];
+    let mut out = vec![0f32; widest(|m| m.outs())];
+    let best = best_sweep(WEIGHT_SWEEPS, || {
+        for m in matrices {
+            kernels.matmul_t(&x[..m.inner], m.weight, 1, m.inner, &mut out[..m.outs()]);
+        }
+        std::hint::black_box(&mut out);
+    });
+    bytes as f64 / best.as_secs_f64()
+}
+
 /// [`weights_read_bytes_per_sec`] over `loaded`'s own layer weights, on its decode threads;
 /// `None` where candle's ops decode it (no host kernels). What `spex bench` probes around
 /// each prompt and `harness::sweep` beside each size's steps.
 pub fn loaded_weights_read_bytes_per_sec(loaded: &LoadedModel) -> Option<Result<f64>> {
-    let pool = loaded.backend.kernels()?.pool();
-    (loaded.backend).with_layer_weights(|weights| weights_read_bytes_per_sec(pool, weights))
+    let kernels = loaded.backend.kernels()?;
+    (loaded.backend).with_layer_matrices(|matrices| weights_read_bytes_per_sec(kernels, matrices))
 }
 
 /// The shortest of `sweeps` timed runs of `sweep`, after one untimed.
@@ -166,5 +201,43 @@ pub fn step_bound(
     StepBound {
         overlapped_secs: memory.max(arithmetic),
         serial_secs: memory + arithmetic,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probe_reads_matrices_of_every_shape_through_both_reads() {
+        // Rows of 64 and 256 elements, with more and fewer rows than the other: the products'
+        // input and output buffers are sized by the widest of each.
+        let (wide, tall) = (
+            vec![half::bf16::ONE; 256 * 8],
+            vec![half::bf16::ONE; 64 * 48],
+        );
+        let matrices = [
+            Matrix {
+                weight: Weight::Bf16(&wide),
+                inner: 256,
+            },
+            Matrix {
+                weight: Weight::Bf16(&tall),
+                inner: 64,
+            },
+        ];
+        for threads in [1, 2] {
+            let kernels = Kernels::new(crate::engine::kernels::KernelOptions {
+                threads: Some(threads),
+                ..Default::default()
+            })
+            .expect("kernels");
+            let summed = summed_bytes_per_sec(kernels.pool(), &matrices);
+            let multiplied = multiplied_bytes_per_sec(&kernels, &matrices);
+            assert!(summed.is_finite() && summed > 0.0, "{summed}");
+            assert!(multiplied.is_finite() && multiplied > 0.0, "{multiplied}");
+            let probe = weights_read_bytes_per_sec(&kernels, &matrices);
+            assert!(probe.is_finite() && probe > 0.0, "{probe}");
+        }
     }
 }

@@ -140,7 +140,7 @@ pub use prefetch::Prefetch;
 use settings::Tuning;
 pub use settings::{KernelOptions, Kernels};
 pub use subnormals::SubnormalsFlushed;
-pub use weight_element::{Weight, WeightElement};
+pub use weight_element::{Matrix, Weight, WeightElement};
 
 /// Rows of `x` processed together against one group of weight rows, NEON and portable.
 const ROW_BLOCK: usize = 4;

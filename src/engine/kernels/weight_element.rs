@@ -160,6 +160,21 @@ pub enum Weight<'a> {
     F16(&'a [f16]),
 }
 
+/// A weight matrix with its shape: `weight`'s elements, `inner` to a row.
+#[derive(Debug, Clone, Copy)]
+pub struct Matrix<'a> {
+    pub weight: Weight<'a>,
+    /// Elements a row: the products' inner dimension.
+    pub inner: usize,
+}
+
+impl Matrix<'_> {
+    /// Its rows: a product's outputs for each input row.
+    pub fn outs(self) -> usize {
+        self.weight.len() / self.inner.max(1)
+    }
+}
+
 impl<'a> From<&'a [f32]> for Weight<'a> {
     fn from(w: &'a [f32]) -> Self {
         Self::F32(w)

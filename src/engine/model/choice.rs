@@ -13,7 +13,7 @@ use super::timing::{self, StepTimes};
 use super::{KvDtype, LoadOptions, LoopedModel, Weights};
 use crate::engine::config::OuroConfig;
 use crate::engine::error::Result;
-use crate::engine::kernels::{Isa, Kernels, Weight, prefetch};
+use crate::engine::kernels::{Isa, Kernels, Matrix, prefetch};
 
 /// The backend a model was loaded with: chosen once, from its device and dtype.
 #[derive(Debug, Clone)]
@@ -96,9 +96,9 @@ impl Backend {
 
     /// `f` of every layer's projections as the host kernels read them; `None` where candle's
     /// ops decode.
-    pub fn with_layer_weights<R>(&self, f: impl FnOnce(&[Weight<'_>]) -> R) -> Option<Result<R>> {
+    pub fn with_layer_matrices<R>(&self, f: impl FnOnce(&[Matrix<'_>]) -> R) -> Option<Result<R>> {
         match self {
-            Self::Host(b) => Some(b.with_layer_weights(f)),
+            Self::Host(b) => Some(b.with_layer_matrices(f)),
             Self::Device(_) => None,
         }
     }

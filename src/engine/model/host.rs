@@ -15,7 +15,7 @@ use super::host_kv::{HostKv, KvBuffers};
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::prefetch::{Choice, Prefetch};
-use crate::engine::kernels::{self, Kernels, KvElement, SubnormalsFlushed, Weight};
+use crate::engine::kernels::{self, Kernels, KvElement, Matrix, SubnormalsFlushed, Weight};
 use crate::engine::kv_cache::KvCache;
 
 /// A read view of a contiguous CPU tensor's elements as stored.
@@ -23,6 +23,8 @@ struct HostView<'a> {
     guard: StorageRef<'a>,
     start: usize,
     len: usize,
+    /// The last dimension: a matrix's row length.
+    inner: usize,
 }
 
 impl<'a> HostView<'a> {
@@ -37,6 +39,7 @@ impl<'a> HostView<'a> {
             guard,
             start: layout.start_offset(),
             len: layout.shape().elem_count(),
+            inner: layout.dims().last().copied().unwrap_or(1),
         })
     }
 
@@ -190,15 +193,21 @@ impl HostBackend {
 
     /// `f` of every layer's projections as the kernels read them (the LM head left out): the
     /// pages a step streams, for a probe of the bandwidth they are read at.
-    pub fn with_layer_weights<R>(&self, f: impl FnOnce(&[Weight<'_>]) -> R) -> Result<R> {
+    pub fn with_layer_matrices<R>(&self, f: impl FnOnce(&[Matrix<'_>]) -> R) -> Result<R> {
         let views = (self.model.weights.layers.iter())
             .flat_map(LayerWeights::projections)
             .map(HostView::new)
             .collect::<Result<Vec<_>>>()?;
-        let weights = (views.iter())
-            .map(HostView::weight)
+        let matrices = (views.iter())
+            .map(|view| {
+                let weight = view.weight()?;
+                Ok(Matrix {
+                    weight,
+                    inner: view.inner,
+                })
+            })
             .collect::<Result<Vec<_>>>()?;
-        Ok(f(&weights))
+        Ok(f(&matrices))
     }
 
     /// How its prefetch plan was fixed (forced, or timed with the trials).
