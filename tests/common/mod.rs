@@ -48,6 +48,26 @@ pub const PROMPTS: [&str; 20] = [
     "Whether 'tis nobler in the mind to suffer",
 ];
 
+/// Indices into [`PROMPTS`] that differ the most (the longest, non-ASCII, the first, spaces
+/// only at the ends, one letter): the order [`exactness_prompts`] takes them in under
+/// emulation.
+const MOST_VARIED: [usize; 5] = [6, 16, 0, 12, 5];
+
+/// The prompts an exactness suite decodes where it would decode the first `most` of
+/// [`PROMPTS`]: those, or a quarter as many of [`MOST_VARIED`] (at least one) where
+/// `SPEX_EXACTNESS_PROMPTS=quarter`. `.ci/aarch64-check` sets it: under qemu, which checks
+/// the NEON kernels' rows and not the scheduling (the same on every ISA, checked natively on
+/// every prompt), the whole suite took 31 minutes of a CI run.
+pub fn exactness_prompts(most: usize) -> Vec<&'static str> {
+    match std::env::var("SPEX_EXACTNESS_PROMPTS").as_deref() {
+        Ok("quarter") => (MOST_VARIED.iter())
+            .take(most.div_ceil(4))
+            .map(|&i| PROMPTS[i])
+            .collect(),
+        _ => PROMPTS[..most].to_vec(),
+    }
+}
+
 /// A random checkpoint written to a fresh temp dir and loaded on the CPU in f32.
 pub fn random_model(spec: &RandomSpec) -> (TempDir, LoadedModel) {
     let dir = TempDir::new().expect("temp dir");

@@ -159,8 +159,6 @@ impl HostBackend {
         self.options
     }
 
-    /// Whether proposal readouts go through the f16 head (built where it is faster and
-    /// faithful, and the options did not ask for f32 proposals).
     /// The same model on the same threads with prefetch plan `plan` (the loader times each).
     pub fn with_prefetch(&self, plan: Prefetch) -> Self {
         Self {
@@ -215,6 +213,8 @@ impl HostBackend {
         self.prefetch_choice.as_ref()
     }
 
+    /// Whether proposal readouts go through the f16 head (built where it is faster and
+    /// faithful, and the options did not ask for f32 proposals).
     pub fn has_half_head(&self) -> bool {
         self.half_head.is_some()
     }
