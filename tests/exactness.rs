@@ -5,18 +5,19 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{
-    OPTIONS, PROMPTS, Variant, exactness_prompts, random_model, reference_logits, spec,
-    with_device_backend, with_f32_readouts, with_kv_dtype,
+    OPTIONS, PROMPTS, Variant, exactness_prompts, random_model, spec, with_device_backend,
+    with_f32_readouts, with_kv_dtype,
 };
 use spex::engine::LoadedModel;
 use spex::engine::kernels;
-use spex::engine::kv_cache::KvCache;
-use spex::engine::model::{
-    Backend, KvDtype, LoadOptions, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow,
-};
+use spex::engine::model::{Backend, KvDtype, LoadOptions};
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
 use spex::harness::bench::run_lane;
+
+/// The batched step against the unbatched reference forward.
+#[path = "exactness/reference_step.rs"]
+mod reference_step;
 
 /// What the speculative lanes did over all prompts: runs, flips, and the second candidates
 /// `dual` started and committed.
@@ -319,164 +320,6 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
-}
-
-/// Runs the staggered SPEED pattern on a fixed sequence: token p runs pass r at step p + r,
-/// so every step mixes rows of different passes and positions. Beside each pass-1 row from
-/// position 1 on runs a second candidate (another token at the same position), dropped after
-/// its step. Every readout is compared with the reference (the second's with the reference of
-/// its own sequence).
-///
-/// Against an f16 KV cache the reference rounds its keys and values alike, but a value within
-/// an f32 rounding error of a midpoint between two f16s can round the other way there than
-/// in the step: one f16 ulp (at most 2⁻¹⁰ relative) in an entry, and every layer and pass
-/// after it carries it on. So the tolerance there is one f16 ulp of the row's largest logit,
-/// at most 2⁻¹⁰ of it (`f16::EPSILON`). Seen: on aarch64 3·10⁻⁴ in the logits; on an AMD
-/// EPYC Zen 3 (AVX2), GQA with 4 layers × 4 passes, 3.6·10⁻³ where the largest logit was
-/// 13.2 (0.28 of that row's tolerance). A wrong entry, position or tile moves logits by whole
-/// units. (A step that read unrounded entries anywhere would differ from baseline decoding,
-/// which the exactness tests compare bit for bit.)
-fn check_pipelined_steps(loaded: &LoadedModel) {
-    let f32_tolerance = Tolerance {
-        absolute: 1e-4,
-        of_largest: 0.0,
-    };
-    match &loaded.backend {
-        Backend::Host(b) if b.options().kv_dtype == KvDtype::F16 => {
-            let one_f16_ulp = Tolerance {
-                absolute: 0.0,
-                of_largest: f32::from(half::f16::EPSILON),
-            };
-            check_pipelined_steps_on(&**b, loaded, one_f16_ulp)
-        }
-        Backend::Host(b) => check_pipelined_steps_on(&**b, loaded, f32_tolerance),
-        Backend::Device(b) => check_pipelined_steps_on(&**b, loaded, f32_tolerance),
-    }
-}
-
-/// How far a step's logits may lie from the reference's: `absolute`, plus `of_largest` times
-/// the largest magnitude among the reference row's logits.
-#[derive(Debug, Clone, Copy)]
-struct Tolerance {
-    absolute: f32,
-    of_largest: f32,
-}
-
-impl Tolerance {
-    fn of(self, want: &[f32]) -> f32 {
-        let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        self.absolute + self.of_largest * largest
-    }
-}
-
-/// The token a second candidate at `pos` of `ids` runs, and its pass-1 reference logits.
-fn second_candidate(loaded: &LoadedModel, ids: &[u32], pos: usize) -> (u32, Vec<f32>) {
-    let vocab = loaded.model().config.vocab_size as u32;
-    let mut alt = ids[..=pos].to_vec();
-    alt[pos] = (ids[pos] + 7) % vocab;
-    (alt[pos], reference_logits(loaded, &alt)[0][pos].clone())
-}
-
-/// The rows of step `step` of the staggered pattern: (position, pass index, second).
-fn step_members(step: usize, positions: usize, passes: usize) -> Vec<(usize, usize, bool)> {
-    (0..passes)
-        .filter_map(|r| {
-            step.checked_sub(r)
-                .filter(|&p| p < positions)
-                .map(|p| (p, r))
-        })
-        .flat_map(|(p, r)| {
-            let second = (r == 0 && p > 0).then_some((p, r, true));
-            std::iter::once((p, r, false)).chain(second)
-        })
-        .collect()
-}
-
-fn check_pipelined_steps_on<B: StepBackend>(
-    backend: &B,
-    loaded: &LoadedModel,
-    tolerance: Tolerance,
-) {
-    // More positions than one tile of the host cache (`kernels::KvLayout::Tiles`: 64), in a
-    // cache whose capacity is not a whole number of tiles.
-    let ids = loaded
-        .tokenizer
-        .encode(
-            "Shall I compare thee to a summer's day? Thou art more lovely and more \
-             temperate: rough winds do shake the darling buds of May",
-        )
-        .unwrap();
-    assert!(ids.len() > 64, "{} positions", ids.len());
-    let reference = reference_logits(loaded, &ids);
-    let passes = loaded.model().passes();
-    let seconds: Vec<(u32, Vec<f32>)> = (1..ids.len())
-        .map(|pos| second_candidate(loaded, &ids, pos))
-        .collect();
-    let capacity = ids.len() + 5;
-    let mut cache = KvCache::new(backend.new_store(capacity).unwrap(), passes, capacity);
-    let mut hidden: Vec<Option<RowInput<B::Hidden>>> =
-        ids.iter().map(|&id| Some(RowInput::Token(id))).collect();
-    // The row that came nearest its tolerance (or passed it furthest): its distance from the
-    // reference beyond the f16 head's allowance, and its tolerance.
-    let (mut worst, mut worst_tolerance) = (f32::NEG_INFINITY, tolerance.of(&[]));
-    let slot = |pos: usize, pass: usize, second: bool| RowSlot {
-        pos,
-        pass: spex::engine::Pass::from_index(pass),
-        readout: match pass + 1 == passes {
-            true => ReadoutKind::Argmax,
-            false => ReadoutKind::Proposal,
-        },
-        second,
-    };
-    for step in 0..ids.len() + passes - 1 {
-        let members = step_members(step, ids.len(), passes);
-        let rows: Vec<StepRow<B::Hidden>> = members
-            .iter()
-            .map(|&(pos, pass, second)| StepRow {
-                slot: slot(pos, pass, second),
-                input: match second {
-                    true => RowInput::Token(seconds[pos - 1].0),
-                    false => hidden[pos].take().unwrap(),
-                },
-            })
-            .collect();
-        let out = spex::engine::model::step(backend, rows, &mut cache).unwrap();
-        for ((&(pos, pass, second), h), logits) in members.iter().zip(out.hidden).zip(out.logits) {
-            let want = match second {
-                true => &seconds[pos - 1].1,
-                false => &reference[pass][pos],
-            };
-            let diff = max_abs_diff(&logits.unwrap(), want);
-            // Readouts may come from the f16 head, within its bound (at pass R only the logits
-            // that could be the argmax are recomputed exactly).
-            let allowed = backend.proposal_error_bound(&h).unwrap_or(0.0);
-            let (beyond, row_tolerance) = (diff - allowed as f32, tolerance.of(want));
-            if beyond - row_tolerance > worst - worst_tolerance {
-                (worst, worst_tolerance) = (beyond, row_tolerance);
-            }
-            if second {
-                cache.drop_second(pos);
-            } else {
-                hidden[pos] = Some(RowInput::Hidden(h));
-            }
-        }
-    }
-    assert!(
-        worst < worst_tolerance,
-        "batched step logits differ from the reference by {worst} (tolerance {worst_tolerance})"
-    );
-}
-
-#[test]
-fn batched_step_matches_reference_forward() {
-    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
-        for (layers, passes) in [(1, 1), (2, 3), (4, 4)] {
-            let (_dir, loaded) = random_model(&spec(layers, passes, variant, 3));
-            check_pipelined_steps(&loaded);
-            check_pipelined_steps(&with_kv_dtype(&loaded, KvDtype::F32));
-            check_pipelined_steps(&with_device_backend(&loaded));
-        }
-    }
 }
 
 #[test]

@@ -274,13 +274,12 @@ fn a_hundred_thousand_mutated_traces_never_panic_the_reader() {
 }
 
 #[test]
-fn generate_and_bench_record_traces_that_read_back() {
+fn generate_records_a_trace_that_reads_back() {
     let (dir, _) = random_model(&spec(2, 3, Variant::Gqa, 4));
     let d = dir.path().display().to_string();
     let file = dir.path().join("gen.jsonl");
     let f = file.display().to_string();
     let args = ["--model", &d, "--max-tokens", "8"];
-    let here = Path::new(".");
     spex_ok(
         &[
             &["generate", "--prompt", "To be", "--record", &f],
@@ -288,45 +287,18 @@ fn generate_and_bench_record_traces_that_read_back() {
         ]
         .concat(),
         &[],
-        here,
+        Path::new("."),
     );
     let trace = Trace::read(&file).unwrap();
     assert_eq!(trace.header.prompt, "To be");
     assert_eq!(trace.header.model.weights_sha256.len(), 64);
     assert!(trace.steps() > 0 && matches!(trace.events.last(), Some(RaceEvent::Done)));
-    let traces = dir.path().join("traces");
-    let t = traces.display().to_string();
-    let prompts = dir.path().join("prompts.txt");
-    std::fs::write(&prompts, "To be\nShall I\n").unwrap();
-    let p = prompts.display().to_string();
-    let bench = [
-        "bench",
-        "--runs",
-        "2",
-        "--policy",
-        "speed,dual:2",
-        "--prompts",
-        &p,
-    ];
-    spex_ok(
-        &[&bench[..], &["--record", &t], &args[..]].concat(),
-        &[],
-        here,
-    );
-    let mut names: Vec<String> = std::fs::read_dir(&traces)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    assert_eq!(
-        names,
-        [
-            "01-dual_2.jsonl",
-            "01-speed.jsonl",
-            "02-dual_2.jsonl",
-            "02-speed.jsonl"
-        ]
-    );
+}
+
+#[test]
+fn bench_records_a_trace_a_run_that_what_if_replays() {
+    let (dir, _) = random_model(&spec(2, 3, Variant::Gqa, 4));
+    let traces = record_bench_traces(dir.path());
     let trace = Trace::read(&traces.join("02-dual_2.jsonl")).unwrap();
     assert_eq!(trace.header.policy, PolicyKind::Dual { margin_below: 2.0 });
     assert_eq!(trace.header.prompt, "Shall I");
@@ -345,19 +317,7 @@ fn generate_and_bench_record_traces_that_read_back() {
     );
     // What-if from the speed traces predicts the steps the dual traces recorded, and each
     // policy's own replay its recorded steps.
-    let what_if = |policy: &str| -> serde_json::Value {
-        let files = [1, 2].map(|n| traces.join(format!("0{n}-{policy}.jsonl")));
-        let files = files.map(|f| f.display().to_string());
-        let args = ["explain", &files[0], &files[1], "--json"];
-        let out = spex_ok(
-            &[&args[..], &["--what-if", "speed,dual:2"]].concat(),
-            &[],
-            here,
-        );
-        let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
-        report["what_if"]["forecasts"].clone()
-    };
-    let (from_speed, from_dual) = (what_if("speed"), what_if("dual_2"));
+    let (from_speed, from_dual) = (what_if(&traces, "speed"), what_if(&traces, "dual_2"));
     let names: Vec<&str> = (0..3)
         .map(|i| from_speed[i]["policy"].as_str().unwrap())
         .collect();
@@ -369,6 +329,57 @@ fn generate_and_bench_record_traces_that_read_back() {
     assert_eq!(from_speed[1]["steps"], from_speed[1]["recorded_steps"]);
     assert_eq!(from_dual[2]["steps"], from_dual[2]["recorded_steps"]);
     assert!(from_speed[2]["recorded_steps"].is_null());
+}
+
+/// `spex bench --record DIR/traces` over two prompts, two runs each, speed and dual:2 on the
+/// checkpoint in `dir`; checks the file names and returns the folder.
+fn record_bench_traces(dir: &Path) -> std::path::PathBuf {
+    let d = dir.display().to_string();
+    let traces = dir.join("traces");
+    let t = traces.display().to_string();
+    let prompts = dir.join("prompts.txt");
+    std::fs::write(&prompts, "To be\nShall I\n").unwrap();
+    let p = prompts.display().to_string();
+    let bench = [
+        "bench",
+        "--runs",
+        "2",
+        "--policy",
+        "speed,dual:2",
+        "--prompts",
+        &p,
+    ];
+    let args = ["--model", &d, "--max-tokens", "8", "--record", &t];
+    spex_ok(&[&bench[..], &args[..]].concat(), &[], Path::new("."));
+    let mut names: Vec<String> = std::fs::read_dir(&traces)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "01-dual_2.jsonl",
+            "01-speed.jsonl",
+            "02-dual_2.jsonl",
+            "02-speed.jsonl"
+        ]
+    );
+    traces
+}
+
+/// `spex explain --what-if speed,dual:2` over `policy`'s two traces: its forecasts.
+fn what_if(traces: &Path, policy: &str) -> serde_json::Value {
+    let files = [1, 2].map(|n| traces.join(format!("0{n}-{policy}.jsonl")));
+    let files = files.map(|f| f.display().to_string());
+    let args = ["explain", &files[0], &files[1], "--json"];
+    let out = spex_ok(
+        &[&args[..], &["--what-if", "speed,dual:2"]].concat(),
+        &[],
+        Path::new("."),
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    report["what_if"]["forecasts"].clone()
 }
 
 mod explorer {

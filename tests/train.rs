@@ -126,36 +126,44 @@ fn assert_fails(args: &[&str], needle: &str) {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
 
+/// `spex train`'s arguments: `--config`, `--corpus` and `--out`, then `extra`.
+fn train_args(cfg: &Path, corpus: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let paths = [("--config", cfg), ("--corpus", corpus), ("--out", out)];
+    (paths.iter())
+        .flat_map(|(flag, path)| [flag.to_string(), path.display().to_string()])
+        .chain(extra.iter().map(|a| a.to_string()))
+        .collect()
+}
+
+/// [`assert_fails`] on [`train_args`].
+fn assert_train_fails(paths: (&Path, &Path, &Path), extra: &[&str], needle: &str) {
+    let args = train_args(paths.0, paths.1, paths.2, extra);
+    assert_fails(&args.iter().map(String::as_str).collect::<Vec<_>>(), needle);
+}
+
+/// [`spex_train`] on [`train_args`], which must succeed.
+fn assert_trains(paths: (&Path, &Path, &Path), extra: &[&str]) {
+    let args = train_args(paths.0, paths.1, paths.2, extra);
+    let (ok, err) = spex_train(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{args:?}: {err}");
+}
+
 #[test]
-fn bad_training_input_is_a_clear_error_and_overwrites_nothing() {
-    let (dir, cfg, corpus) = setup(TINY);
+fn a_missing_or_empty_corpus_is_a_clear_error_and_writes_nothing() {
+    let (dir, cfg, _) = setup(TINY);
     let out = dir.path().join("out");
-    let (c, o) = (cfg.display().to_string(), out.display().to_string());
-    assert_fails(
-        &[
-            "--config",
-            &c,
-            "--corpus",
-            "/nonexistent/corpus.txt",
-            "--out",
-            &o,
-        ],
-        "/nonexistent/corpus.txt",
-    );
+    let missing = Path::new("/nonexistent/corpus.txt");
+    assert_train_fails((&cfg, missing, &out), &[], "/nonexistent/corpus.txt");
     let empty = dir.path().join("empty.txt");
     std::fs::write(&empty, "  \n").unwrap();
-    assert_fails(
-        &[
-            "--config",
-            &c,
-            "--corpus",
-            &empty.display().to_string(),
-            "--out",
-            &o,
-        ],
-        "empty corpus file",
-    );
+    assert_train_fails((&cfg, &empty, &out), &[], "empty corpus file");
     assert!(!out.exists(), "nothing written");
+}
+
+#[test]
+fn a_bad_config_value_is_a_clear_error_naming_its_key() {
+    let (dir, _, corpus) = setup(TINY);
+    let out = dir.path().join("out");
     for (from, to, needle) in [
         ("passes = 2", "passes = 0", "K·R"),
         ("layers = 1", "layers = 0", "K·R"),
@@ -182,74 +190,31 @@ fn bad_training_input_is_a_clear_error_and_overwrites_nothing() {
     ] {
         let bad = dir.path().join("bad.toml");
         std::fs::write(&bad, TINY.replace(from, to)).unwrap();
-        assert_fails(
-            &[
-                "--config",
-                &bad.display().to_string(),
-                "--corpus",
-                &corpus.display().to_string(),
-                "--out",
-                &o,
-            ],
-            needle,
-        );
+        assert_train_fails((&bad, &corpus, &out), &[], needle);
     }
-    // A finished run, then a resume with another shape: refused, files untouched.
-    let (ok, err) = spex_train(&[
-        "--config",
-        &c,
-        "--corpus",
-        &corpus.display().to_string(),
-        "--out",
-        &o,
-        "--max-steps-now",
-        "2",
-    ]);
-    assert!(ok, "{err}");
+    assert!(!out.exists(), "nothing written");
+}
+
+#[test]
+fn a_finished_run_is_refused_another_shape_and_overwritten_by_nothing() {
+    let (dir, cfg, corpus) = setup(TINY);
+    let out = dir.path().join("out");
+    assert_trains((&cfg, &corpus, &out), &["--max-steps-now", "2"]);
     let before = std::fs::read(out.join("model.safetensors")).unwrap();
     let other = dir.path().join("other.toml");
     std::fs::write(&other, TINY.replace("hidden = 32", "hidden = 64")).unwrap();
-    let od = other.display().to_string();
-    assert_fails(
-        &[
-            "--config",
-            &od,
-            "--corpus",
-            &corpus.display().to_string(),
-            "--out",
-            &o,
-            "--resume",
-        ],
+    assert_train_fails(
+        (&other, &corpus, &out),
+        &["--resume"],
         "resume: checkpoint has shape",
     );
-    assert_fails(
-        &[
-            "--config",
-            &c,
-            "--corpus",
-            &corpus.display().to_string(),
-            "--out",
-            &o,
-        ],
-        "already holds a checkpoint",
-    );
+    assert_train_fails((&cfg, &corpus, &out), &[], "already holds a checkpoint");
     assert_eq!(
         before,
         std::fs::read(out.join("model.safetensors")).unwrap(),
         "nothing overwritten"
     );
-    let (ok, err) = spex_train(&[
-        "--config",
-        &c,
-        "--corpus",
-        &corpus.display().to_string(),
-        "--out",
-        &o,
-        "--resume",
-        "--max-steps-now",
-        "2",
-    ]);
-    assert!(ok, "resume continues: {err}");
+    assert_trains((&cfg, &corpus, &out), &["--resume", "--max-steps-now", "2"]);
 }
 
 #[test]

@@ -48,19 +48,10 @@ fn cell(text: &str, pos: usize, kind: CellKind) -> Option<Cell> {
     })
 }
 
-fn app() -> App {
-    let info = ModelInfo {
-        name: "shakespeare-r4k4".into(),
-        passes: 4,
-        layers: 4,
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        policy: spex::engine::PolicyKind::Speed,
-    };
-    let mut app = App::new(info, Some("To be, or not to be".into()), (100, 32));
-    app.focus = Focus::Speculative;
+/// Twelve steps of four rows, a flip and its flush every fifth, a row missing every seventh.
+fn columns() -> VecDeque<StepColumn> {
     let words = [" that", " is", " the", " question", ":"];
-    let columns: VecDeque<StepColumn> = (0..12u64)
+    (0..12u64)
         .map(|s| {
             let p = 10 + s as usize;
             let w = |i: usize| words[(s as usize + i) % words.len()];
@@ -89,7 +80,21 @@ fn app() -> App {
                 cells,
             }
         })
-        .collect();
+        .collect()
+}
+
+fn app() -> App {
+    let info = ModelInfo {
+        name: "shakespeare-r4k4".into(),
+        passes: 4,
+        layers: 4,
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        policy: spex::engine::PolicyKind::Speed,
+    };
+    let mut app = App::new(info, Some("To be, or not to be".into()), (100, 32));
+    app.focus = Focus::Speculative;
+    let columns = columns();
     let flips = (0..5)
         .map(|i| FlipEntry {
             step: 40 + i * 5,

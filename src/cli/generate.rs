@@ -29,11 +29,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         options,
     )?;
     let mut recorder = match &args.record {
-        Some(path) => {
-            let mut header = super::record::header(&session, options)?;
-            (header.policy, header.prompt) = (policy, args.prompt.clone());
-            Some(TraceWriter::create(path, &header)?)
-        }
+        Some(path) => Some(recorder(path, &session, (policy, &args.prompt), options)?),
         None => None,
     };
     // A generate trace has one lane: the speculative one, or the baseline's.
@@ -63,19 +59,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         writeln!(out)?;
         // Fewer tokens than asked for, and stdout holds only the text: say why on stderr.
         if let Some((FinishReason::ContextFull, tokens)) = finished {
-            // The decoder's cache holds `context.min(positions)` (`engine::pipeline`).
             let positions = loaded.model().config.max_position_embeddings;
-            let full = if options.context < positions {
-                format!(
-                    "the context of {} positions is full (--context)",
-                    options.context
-                )
-            } else {
-                format!("the model's {positions} positions are all used")
-            };
             eprintln!(
-                "spex: stopped after {tokens} of {} tokens: {full}",
-                args.max_tokens
+                "spex: stopped after {tokens} of {} tokens: {}",
+                args.max_tokens,
+                context_full(options.context, positions)
             );
         }
     }
@@ -83,6 +71,29 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         r.record(&RaceEvent::Done)?;
     }
     Ok(())
+}
+
+/// The trace `generate --record` writes: the session's header with this run's policy and
+/// prompt.
+fn recorder(
+    path: &std::path::Path,
+    session: &super::session::Session,
+    (policy, prompt): (crate::engine::PolicyKind, &str),
+    options: DecodeOptions,
+) -> anyhow::Result<TraceWriter> {
+    let mut header = super::record::header(session, options)?;
+    (header.policy, header.prompt) = (policy, prompt.to_string());
+    Ok(TraceWriter::create(path, &header)?)
+}
+
+/// Why a run stopped early with its context full: the cache holds `context.min(positions)`
+/// (`engine::pipeline`), so whichever is smaller ran out.
+fn context_full(context: usize, positions: usize) -> String {
+    if context < positions {
+        format!("the context of {context} positions is full (--context)")
+    } else {
+        format!("the model's {positions} positions are all used")
+    }
 }
 
 /// One event on `out`: as a JSON line, or the text it commits.

@@ -108,21 +108,7 @@ fn load_one(
         prefetch: args.prefetch.plan(),
         threads: Some(device::decode_threads(args.threads)?),
     };
-    let mut hub_settings = crate::hub::HubSettings::from_env()?;
-    hub_settings.offline |= args.offline;
-    let resolved = models::resolve(args.model.as_deref(), &hub_settings, &mut |p| {
-        if let crate::hub::PullProgress::Downloading {
-            done_bytes,
-            total_bytes,
-            ..
-        } = p
-        {
-            progress(crate::engine::checkpoint::LoadProgress::Downloading {
-                done_bytes,
-                total_bytes,
-            });
-        }
-    })?;
+    let resolved = resolve(args, progress)?;
     let entry = resolved.entry.as_ref();
     let spec = args
         .device
@@ -163,12 +149,40 @@ fn load_one(
         sample_prompt: entry
             .and_then(|e| e.prompt.clone())
             .unwrap_or_else(|| models::DEFAULT_SAMPLE_PROMPT.into()),
-        sampling: Sampling {
-            temperature: entry.and_then(|e| e.temperature).unwrap_or(0.0),
-            top_k: entry.and_then(|e| e.top_k),
-            top_p: entry.and_then(|e| e.top_p),
-            seed: entry.and_then(|e| e.seed).unwrap_or(0),
-        },
+        sampling: entry_sampling(entry),
     };
     Ok((session, draft))
+}
+
+/// Where `args.model` is: an entry, a directory or the embedded model, pulled from the hub
+/// first where it must be (its download reported to `progress`).
+fn resolve(
+    args: &ModelArgs,
+    progress: &mut dyn FnMut(crate::engine::checkpoint::LoadProgress),
+) -> Result<models::ResolvedModel, EngineError> {
+    let mut hub_settings = crate::hub::HubSettings::from_env()?;
+    hub_settings.offline |= args.offline;
+    models::resolve(args.model.as_deref(), &hub_settings, &mut |p| {
+        if let crate::hub::PullProgress::Downloading {
+            done_bytes,
+            total_bytes,
+            ..
+        } = p
+        {
+            progress(crate::engine::checkpoint::LoadProgress::Downloading {
+                done_bytes,
+                total_bytes,
+            });
+        }
+    })
+}
+
+/// The sampling an entry sets, greedy where it sets none.
+fn entry_sampling(entry: Option<&models::ModelEntry>) -> Sampling {
+    Sampling {
+        temperature: entry.and_then(|e| e.temperature).unwrap_or(0.0),
+        top_k: entry.and_then(|e| e.top_k),
+        top_p: entry.and_then(|e| e.top_p),
+        seed: entry.and_then(|e| e.seed).unwrap_or(0),
+    }
 }

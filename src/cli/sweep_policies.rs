@@ -68,6 +68,43 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
         runs: args.runs as usize,
         turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
     };
+    let (points, machine) = measure_models(args, &prompts, turns)?;
+    let chart = match args.tokens_per_sec {
+        true => rate_chart(
+            &points,
+            format!("tokens/s on {machine}, {} tokens", args.max_tokens),
+        ),
+        false => policy_chart(
+            &points,
+            format!("speedup by policy on {machine}, {} tokens", args.max_tokens),
+        ),
+    };
+    draw_bars(&chart, &args.chart)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&points)?);
+    } else {
+        print_policies(&points);
+        println!("chart: {}", args.chart.display());
+    }
+    let failed: Vec<String> = (points.iter())
+        .flat_map(|m| {
+            (m.policies.iter().filter(|p| !p.identical))
+                .map(|p| format!("{} on {}", p.policy, m.model))
+        })
+        .collect();
+    if !failed.is_empty() {
+        anyhow::bail!("{} output differs from baseline", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// Every model of `args.models` loaded in turn and raced on `prompts`, with progress on a
+/// terminal's stderr; returns the points and the machine they ran on.
+fn measure_models(
+    args: &PolicyArgs,
+    prompts: &[String],
+    turns: Turns,
+) -> anyhow::Result<(Vec<ModelPoint>, String)> {
     let terminal = std::io::stderr().is_terminal();
     let (mut points, mut machine) = (Vec::with_capacity(args.models.len()), String::new());
     for (m, model) in args.models.iter().enumerate() {
@@ -108,33 +145,7 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
     if terminal {
         eprintln!();
     }
-    let chart = match args.tokens_per_sec {
-        true => rate_chart(
-            &points,
-            format!("tokens/s on {machine}, {} tokens", args.max_tokens),
-        ),
-        false => policy_chart(
-            &points,
-            format!("speedup by policy on {machine}, {} tokens", args.max_tokens),
-        ),
-    };
-    draw_bars(&chart, &args.chart)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&points)?);
-    } else {
-        print_policies(&points);
-        println!("chart: {}", args.chart.display());
-    }
-    let failed: Vec<String> = (points.iter())
-        .flat_map(|m| {
-            (m.policies.iter().filter(|p| !p.identical))
-                .map(|p| format!("{} on {}", p.policy, m.model))
-        })
-        .collect();
-    if !failed.is_empty() {
-        anyhow::bail!("{} output differs from baseline", failed.join(", "));
-    }
-    Ok(())
+    Ok((points, machine))
 }
 
 fn print_policies(points: &[ModelPoint]) {

@@ -121,15 +121,14 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
     report(&sweep, args)
 }
 
-fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
-    // The sizes load on the CPU (`model_args`), so the CPU is the machine.
-    let machine = super::device::cpu_name();
+/// The ceiling against hidden size: measured, its roofline bound, and with no overlap.
+fn size_chart(sweep: &SizeSweep, machine: &str) -> Chart {
     let line = |f: &dyn Fn(&crate::harness::sweep::SizePoint) -> f64| -> Vec<(f64, f64)> {
         (sweep.points.iter())
             .map(|p| (p.hidden as f64, f(p)))
             .collect()
     };
-    let chart = Chart {
+    Chart {
         title: format!("The ceiling against model size on {machine}, bf16"),
         x_desc: "hidden size (24 layers × 4 passes; 2048 is Ouro-1.4B)",
         y_desc: "ceiling: R · t(1 row) / t(R rows) (×)",
@@ -150,7 +149,14 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
                 dashed: false,
             },
         ],
-    };
+    }
+}
+
+/// The sweep's chart, then its table (or JSON).
+fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
+    // The sizes load on the CPU (`model_args`), so the CPU is the machine.
+    let machine = super::device::cpu_name();
+    let chart = size_chart(sweep, &machine);
     draw(&chart, &args.chart)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(sweep)?);

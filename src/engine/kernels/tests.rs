@@ -298,15 +298,22 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
     let mut group = vec![0f32; rows.len() * q_dim];
     let (keys_e, values_e) = (narrowed::<E>(&keys), narrowed::<E>(&values));
     let cache = (&keys_e[..], &values_e[..]);
-    let all_heads = (shape, 0..heads);
-    attention::attend_group_on(
-        isa,
-        &queries,
-        cache,
-        all_heads.clone(),
-        &mut group,
-        &mut Vec::new(),
-    );
+    let all_heads = all_heads_of(shape);
+    attention::attend_group_on(isa, &queries, cache, all_heads, &mut group, &mut Vec::new());
+    tiled_layout_gives_the_same_bits(isa, shape, &queries, cache, &group);
+    heads_alone_give_the_same_bits(isa, shape, &queries, cache, &group);
+    rows_alone_give_the_same_bits::<E>(isa, shape, &queries, (&keys, &values), &group);
+}
+
+/// The group's cache laid out in tiles, with room for more positions, gives the same bits.
+fn tiled_layout_gives_the_same_bits<E: KvElement>(
+    isa: Isa,
+    shape: AttnShape,
+    queries: &[attention::Query],
+    (keys_e, values_e): (&[E], &[E]),
+    group: &[f32],
+) {
+    let (head_dim, kv_dim) = (shape.head_dim, shape.kv_heads * shape.head_dim);
     // The same cache laid out in tiles, with room for more positions: the same bits.
     let strides = KvLayout::Tiles.strides(shape.kv_heads, head_dim);
     let by_tiles = |rows: &[E]| {
@@ -318,29 +325,57 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
         }
         tiles
     };
-    let (keys_t, values_t) = (by_tiles(&keys_e), by_tiles(&values_e));
+    let (keys_t, values_t) = (by_tiles(keys_e), by_tiles(values_e));
     let view = KvView {
         keys: &keys_t,
         values: &values_t,
         layout: KvLayout::Tiles,
     };
     let mut tiled = vec![0f32; group.len()];
-    attention::attend_group_on(isa, &queries, view, all_heads, &mut tiled, &mut Vec::new());
-    let same_bits = (tiled.iter().zip(&group)).all(|(a, b)| a.to_bits() == b.to_bits());
+    let all_heads = all_heads_of(shape);
+    attention::attend_group_on(isa, queries, view, all_heads, &mut tiled, &mut Vec::new());
+    let same_bits = (tiled.iter().zip(group)).all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(
         same_bits,
         "{isa:?} {shape:?}: the tiled layout gave other bits"
     );
+}
+
+/// Each head alone gives the bits it gave among all heads.
+fn heads_alone_give_the_same_bits<E: KvElement>(
+    isa: Isa,
+    shape: AttnShape,
+    queries: &[attention::Query],
+    cache: (&[E], &[E]),
+    group: &[f32],
+) {
+    let (heads, head_dim) = (shape.heads, shape.head_dim);
+    let q_dim = heads * head_dim;
     // Split by heads, each head alone: the same bits.
     for h in 0..heads {
-        let mut one = vec![0f32; rows.len() * head_dim];
+        let mut one = vec![0f32; queries.len() * head_dim];
         let head = (shape, h..h + 1);
-        attention::attend_group_on(isa, &queries, cache, head, &mut one, &mut Vec::new());
+        attention::attend_group_on(isa, queries, cache, head, &mut one, &mut Vec::new());
         for (n, o) in one.chunks_exact(head_dim).enumerate() {
             let whole = &group[n * q_dim + h * head_dim..][..head_dim];
             assert_eq!(o, whole, "{isa:?} {shape:?} row {n} head {h}");
         }
     }
+}
+
+/// Each row alone, its own entry (if any) appended to the cache, gives the bits it gave in
+/// the group.
+fn rows_alone_give_the_same_bits<E: KvElement>(
+    isa: Isa,
+    shape: AttnShape,
+    queries: &[attention::Query],
+    (keys, values): (&[f32], &[f32]),
+    group: &[f32],
+) {
+    let (q_dim, kv_dim) = (
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    );
     for (n, query) in queries.iter().enumerate() {
         let (mut k, mut v) = (
             keys[..query.cached * kv_dim].to_vec(),
