@@ -314,7 +314,6 @@ fn tiled_layout_gives_the_same_bits<E: KvElement>(
     group: &[f32],
 ) {
     let (head_dim, kv_dim) = (shape.head_dim, shape.kv_heads * shape.head_dim);
-    // The same cache laid out in tiles, with room for more positions: the same bits.
     let strides = KvLayout::Tiles.strides(shape.kv_heads, head_dim);
     let by_tiles = |rows: &[E]| {
         let mut tiles = vec![E::default(); KvLayout::Tiles.elements(75, shape.kv_heads, head_dim)];
@@ -351,7 +350,6 @@ fn heads_alone_give_the_same_bits<E: KvElement>(
 ) {
     let (heads, head_dim) = (shape.heads, shape.head_dim);
     let q_dim = heads * head_dim;
-    // Split by heads, each head alone: the same bits.
     for h in 0..heads {
         let mut one = vec![0f32; queries.len() * head_dim];
         let head = (shape, h..h + 1);
