@@ -255,25 +255,11 @@ fn init_config(path: &Path, from: &str, to: &str, init: &Path) {
 #[test]
 fn bad_init_sources_are_clear_errors_and_write_nothing() {
     let (dir, _, corpus) = setup(TINY);
-    let corpus = corpus.display().to_string();
     // A trained K=2 checkpoint, then configs that cannot start from it (or from nothing).
     let (deep, cfg) = (dir.path().join("deep"), dir.path().join("cfg.toml"));
     std::fs::write(&cfg, TINY.replace("layers = 1", "layers = 2")).unwrap();
-    let c = cfg.display().to_string();
-    let d = deep.display().to_string();
-    let (ok, err) = spex_train(&[
-        "--config",
-        &c,
-        "--corpus",
-        &corpus,
-        "--out",
-        &d,
-        "--max-steps-now",
-        "1",
-    ]);
-    assert!(ok, "{err}");
+    assert_trains((&cfg, &corpus, &deep), &["--max-steps-now", "1"]);
     let fresh = dir.path().join("fresh");
-    let f = fresh.display().to_string();
     for (from, to, init, needle) in [
         (
             "layers = 1",
@@ -296,7 +282,7 @@ fn bad_init_sources_are_clear_errors_and_write_nothing() {
         ),
     ] {
         init_config(&cfg, from, to, init);
-        assert_fails(&["--config", &c, "--corpus", &corpus, "--out", &f], needle);
+        assert_train_fails((&cfg, &corpus, &fresh), &[], needle);
         assert!(!fresh.exists(), "nothing written for {needle}");
     }
 }
