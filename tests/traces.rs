@@ -444,8 +444,10 @@ mod explorer {
         }
     }
 
-    #[test]
-    fn the_explorer_counts_a_hand_made_trace() {
+    /// A two-pass trace whose counted pass-1 readouts disagree once with what was committed
+    /// ("X" for " my") and agree once (","): of a position read out twice, only the
+    /// survivor's readout counts.
+    fn hand_made_trace() -> Trace {
         let (x, my, comma) = (token(20, "X"), token(21, " my"), token(31, ","));
         let prefill = RaceEvent::Decode {
             lane: Lane::Speculative,
@@ -476,11 +478,17 @@ mod explorer {
         ];
         let mut header = super::header("To be", spex::engine::PolicyKind::Speed);
         header.model.passes = 2;
-        let trace = Trace {
+        Trace {
             header,
             events,
             cut_line: None,
-        };
+        }
+    }
+
+    #[test]
+    fn the_explorer_counts_a_hand_made_trace() {
+        let (x, my) = (token(20, "X"), token(21, " my"));
+        let trace = hand_made_trace();
         let e = Explanation::of(&[trace.clone(), trace], 10);
         assert_eq!((e.traces, e.positions), (2, 4));
         assert_eq!(

@@ -32,11 +32,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         Some(path) => Some(recorder(path, &session, (policy, &args.prompt), options)?),
         None => None,
     };
-    // A generate trace has one lane: the speculative one, or the baseline's.
-    let lane = match policy {
-        crate::engine::PolicyKind::Baseline => Lane::Baseline,
-        _ => Lane::Speculative,
-    };
+    let lane = trace_lane(policy);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if !args.json {
@@ -71,6 +67,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         r.record(&RaceEvent::Done)?;
     }
     Ok(())
+}
+
+/// A generate trace's one lane: the speculative one, or the baseline's.
+fn trace_lane(policy: crate::engine::PolicyKind) -> Lane {
+    match policy {
+        crate::engine::PolicyKind::Baseline => Lane::Baseline,
+        _ => Lane::Speculative,
+    }
 }
 
 /// The trace `generate --record` writes: the session's header with this run's policy and

@@ -110,13 +110,9 @@ fn slot(pos: usize, pass: usize, passes: usize, second: bool) -> RowSlot {
     }
 }
 
-fn check_pipelined_steps_on<B: StepBackend>(
-    backend: &B,
-    loaded: &LoadedModel,
-    tolerance: Tolerance,
-) {
-    // More positions than one tile of the host cache (`kernels::KvLayout::Tiles`: 64), in a
-    // cache whose capacity is not a whole number of tiles.
+/// More positions than one tile of the host cache (`kernels::KvLayout::Tiles`: 64); the
+/// caller's cache holds a few more, so its capacity is not a whole number of tiles.
+fn tile_crossing_ids(loaded: &LoadedModel) -> Vec<u32> {
     let ids = loaded
         .tokenizer
         .encode(
@@ -125,6 +121,15 @@ fn check_pipelined_steps_on<B: StepBackend>(
         )
         .unwrap();
     assert!(ids.len() > 64, "{} positions", ids.len());
+    ids
+}
+
+fn check_pipelined_steps_on<B: StepBackend>(
+    backend: &B,
+    loaded: &LoadedModel,
+    tolerance: Tolerance,
+) {
+    let ids = tile_crossing_ids(loaded);
     let reference = reference_logits(loaded, &ids);
     let passes = loaded.model().passes();
     let seconds: Vec<(u32, Vec<f32>)> = (1..ids.len())

@@ -505,15 +505,10 @@ impl<B: StepModel> Pipeline<B> {
         }
         let surviving = self.child_of(index).map(|_| index + 1);
         if pass.is_last(passes) {
-            let (token, depth) = match surviving {
-                Some(child) => (self.window[child].token(), self.window[child].proposed_at),
-                None => {
-                    let commit = next.expect("a pass-R action commits or settles: this is a bug");
-                    (commit.0.token, pass)
-                }
-            };
-            let committed = self.commit(pos + 1, token, depth, surviving);
-            event.committed.push(committed);
+            let chosen = next.map(|(first, _)| first);
+            event
+                .committed
+                .push(self.commit_final(pos, pass, surviving, chosen));
             go_on &= self.is_running();
         } else if let Some((first, second)) = next.filter(|_| surviving.is_none())
             && self.may_speculate(pos + 1)
@@ -528,6 +523,25 @@ impl<B: StepModel> Pipeline<B> {
         } else {
             Walked::Stop(row)
         })
+    }
+
+    /// Commits position `pos + 1` after a pass-R readout: the surviving child's token, or
+    /// the readout's own choice where none survived.
+    fn commit_final(
+        &mut self,
+        pos: usize,
+        pass: Pass,
+        surviving: Option<usize>,
+        chosen: Option<Proposal>,
+    ) -> Committed {
+        let (token, depth) = match surviving {
+            Some(child) => (self.window[child].token(), self.window[child].proposed_at),
+            None => {
+                let commit = chosen.expect("a pass-R action commits or settles: this is a bug");
+                (commit.token, pass)
+            }
+        };
+        self.commit(pos + 1, token, depth, surviving)
     }
 
     /// The candidates in flight for the position after the token at `index`: its child,

@@ -104,15 +104,6 @@ fn replay(
     };
     let eos = &run.config.eos_token_ids;
     let tokenizer = Arc::new(TextTokenizer::new(Tokenizer::new(BPE::default()), eos));
-    let max_tokens = match run.finish {
-        Some(FinishReason::EndOfText | FinishReason::ContextFull) => run.max_tokens,
-        _ => run.tokens(),
-    };
-    let options = DecodeOptions {
-        max_tokens,
-        context: run.context,
-        sampling: Sampling::GREEDY,
-    };
     let (drafter, drafted) = match drafter {
         Some((drafter, count, token_us)) => (Some(drafter), Some((count, token_us))),
         None => (None, None),
@@ -122,7 +113,7 @@ fn replay(
         tokenizer,
         policy.build(),
         prompt,
-        options,
+        replay_options(run),
     )?;
     let mut steps = 0;
     while let Some(event) = pipeline.next_event()? {
@@ -142,6 +133,20 @@ fn replay(
         rows: decode_rows.iter().sum(),
         decode_us: decode_rows.iter().map(|&m| costs.step_us(m)).sum::<f64>() + drafting_us,
     })
+}
+
+/// The recorded run's options, greedy: as many tokens as it asked for where it ended on its
+/// own (end of text, a full context), else as many as it decoded.
+fn replay_options(run: &RecordedRun) -> DecodeOptions {
+    let max_tokens = match run.finish {
+        Some(FinishReason::EndOfText | FinishReason::ContextFull) => run.max_tokens,
+        _ => run.tokens(),
+    };
+    DecodeOptions {
+        max_tokens,
+        context: run.context,
+        sampling: Sampling::GREEDY,
+    }
 }
 
 /// A policy's forecast over every run.
