@@ -1,7 +1,8 @@
 //! The rooms, checked: the engine's core imports nothing from the harness, the dashboard, the
 //! CLI, the hub client or training, and the modules two levels down (`engine::model`,
-//! `harness::race`, `tui::app`, …) form no import cycle. Reads the sources as text: every
-//! `crate::…` and `super::…` path outside comments and unit tests is an import.
+//! `harness::race`, `tui::app`, …) form no import cycle, and the engine uses no thread pool but
+//! its own. Reads the sources as text: every `crate::…` and `super::…` path outside comments
+//! and unit tests is an import.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -130,5 +131,19 @@ fn modules_form_no_import_cycle() {
     let mut done = BTreeSet::new();
     for node in edges.keys() {
         visit(node, &edges, &mut Vec::new(), &mut done);
+    }
+}
+
+/// The engine's host kernels run on the decode threads of their own pool and nowhere else, so
+/// `--threads N` is what a step uses: no engine module reaches for rayon's process-wide pool,
+/// which has a thread for every core whatever `--threads` says.
+#[test]
+fn the_engine_threads_only_through_its_own_pool() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src.join("engine"), &mut files);
+    for file in files {
+        let text = code(&std::fs::read_to_string(&file).expect("a source file"));
+        assert!(!text.contains("rayon"), "{} uses rayon", file.display());
     }
 }

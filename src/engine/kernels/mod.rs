@@ -58,8 +58,6 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use rayon::prelude::*;
-
 /// Evaluates `$call` with the constant `$r` equal to `$rows` (1–6; more count as 6), so that
 /// a kernel's loops over its rows unroll and every accumulator stays in a register: the one
 /// dispatch on a row count that the x86 matmuls and the f16 head share. Defined above the
@@ -149,11 +147,6 @@ const ROW_BLOCK: usize = 4;
 /// once for all 5 (AVX2 with 2 weight rows at a time, AVX-512 with 4: `matmul_t_serial`).
 const X86_ROW_BLOCK: usize = 6;
 
-/// Weight matrices with at least this many elements (16 MB: Ouro-1.4B's, not the shipped
-/// model's) are split across threads by output rows; below it, waking a second thread costs
-/// more than it saves (measured: hidden 256 steps were 15 % slower threaded).
-const PARALLEL_MIN_ELEMENTS: usize = 1 << 22;
-
 /// Weight matrices with at least this many elements are split across the decode threads
 /// when `--threads` is above 1 (a hidden-256 projection has 65,536).
 const POOL_MIN_ELEMENTS: usize = 1 << 14;
@@ -172,23 +165,8 @@ fn matmul_t_typed<W: WeightElement>(
     let outs = w.len() / inner;
     debug_assert_eq!(x.len(), rows * inner);
     debug_assert_eq!(out.len(), rows * outs);
-    if w.len() < PARALLEL_MIN_ELEMENTS || rayon::current_num_threads() == 1 {
-        let to = OutLayout { col: 1, row: outs };
-        return matmul_t_serial(t, x, w, rows, inner, SharedOut::new(out), to);
-    }
-    // Threads own disjoint slices: the output transposed, each thread a range of weight rows.
-    let mut out_t = vec![0f32; outs * rows];
-    let chunk_outs = outs.div_ceil(rayon::current_num_threads() * 2).max(16);
-    let to = OutLayout { col: rows, row: 1 };
-    out_t
-        .par_chunks_mut(chunk_outs * rows)
-        .zip(w.par_chunks(chunk_outs * inner))
-        .for_each(|(o, w)| matmul_t_serial(t, x, w, rows, inner, SharedOut::new(o), to));
-    for (j, col) in out_t.chunks_exact(rows).enumerate() {
-        for (m, v) in col.iter().enumerate() {
-            out[m * outs + j] = *v;
-        }
-    }
+    let to = OutLayout { col: 1, row: outs };
+    matmul_t_serial(t, x, w, rows, inner, SharedOut::new(out), to);
 }
 
 /// [`Kernels::gated_t`].
