@@ -47,11 +47,11 @@ pub const WEIGHT_SWEEPS: usize = 3;
 /// ([`summed_bytes_per_sec`]) and the kernels' own one-row products
 /// ([`multiplied_bytes_per_sec`]), whichever reads these pages faster on this machine.
 ///
-/// Why two: neither read is the faster everywhere. On an AMD EPYC Zen 3 VM (AVX2) one thread's
-/// plain sum read 11–13 GB/s where the kernels' one-row products, which prefetch ahead of
-/// several weight rows at once, streamed 15–20 GB/s over the same pages; on two threads the
-/// sum was the faster (19–22 against 18–20 GB/s). A probe slower than the decoding it is set
-/// against made a baseline read 124–146 % of "the bandwidth".
+/// Why two: neither read is the faster everywhere, and a probe slower than the decoding it is
+/// set against would have a baseline read more than "the bandwidth". On an AMD EPYC Zen 3 VM
+/// (AVX2), over Ouro-1.4B's shape, six probes of each read, one moment to the next: one
+/// thread's sum read 11.3–14.8 GB/s and its products 10.6–13.8, each the faster of the pair in
+/// some probes; two threads' sum 20.4–22.0 and products 18.2–21.1.
 ///
 /// On a VM whose bandwidth moves from second to second (an AMD EPYC Zen 4 VM read 35 GB/s
 /// and 60 GB/s from one buffer, seconds apart), only a probe taken beside the decoding it is
