@@ -97,7 +97,11 @@ fn a_size_sweep_measures_every_size_beside_its_bound() {
             p["ceiling"].as_f64().unwrap(),
             p["ceiling_bound"].as_f64().unwrap(),
         );
-        assert!(ceiling > 0.0 && (1.0..=4.0).contains(&bound), "{p}");
+        // The bound comes from rates timed on this machine a moment earlier, which other
+        // processes can slow several times over (CI runs its checks side by side: a 4-row
+        // multiply-add rate read a third of its usual put one at 0.73). The range catches a
+        // wrong unit or formula, not a slow probe.
+        assert!(ceiling > 0.0 && (0.25..=16.0).contains(&bound), "{p}");
         assert!(p["read_bytes_per_sec"].as_f64().unwrap() > 0.0, "{p}");
     }
     let svg = std::fs::read_to_string(&chart).unwrap();
