@@ -107,6 +107,8 @@ macro_rules! with_weight {
 }
 
 mod attention;
+#[cfg(test)]
+mod attention_tests;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
