@@ -459,4 +459,15 @@ fn print_overall(report: &BenchReport, passes: usize) {
             w = passes * 4
         );
     }
+    for p in &report.policies {
+        if let Some((low, high)) = p.figures.nearly_all_flipped() {
+            println!(
+                "{}: passes 2–{passes} changed {:.0}–{:.0} % of the predictions (as random weights do), so almost no guess was kept: read the ceiling ({:.2}×), not the speedup",
+                p.policy,
+                100.0 * low,
+                100.0 * high,
+                report.ceiling
+            );
+        }
+    }
 }

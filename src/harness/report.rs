@@ -47,7 +47,24 @@ impl Figures {
             accepted_second: policy.accepted_second,
         }
     }
+
+    /// The lowest and highest flip rate of the passes after the first, where every one of
+    /// them is at least [`NEARLY_ALL_FLIPS`]: then almost no guess survives to be committed
+    /// (random weights do this: each pass's prediction is nearly independent of the last),
+    /// so the speedup shows flushes, and the ceiling is the figure a run can show. `None`
+    /// otherwise, and for a model of one pass.
+    pub fn nearly_all_flipped(&self) -> Option<(f64, f64)> {
+        let deeper = self.flip_rates.get(1..).filter(|r| !r.is_empty())?;
+        let low = deeper.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = deeper.iter().copied().fold(0.0, f64::max);
+        (low >= NEARLY_ALL_FLIPS).then_some((low, high))
+    }
 }
+
+/// The flip rate from which [`Figures::nearly_all_flipped`] calls a pass's predictions
+/// nearly all flipped. The shipped model's deeper passes flip 1–5 % of theirs (`spex bench
+/// --max-tokens 64`).
+pub const NEARLY_ALL_FLIPS: f64 = 0.9;
 
 /// One policy on one prompt.
 #[derive(Debug, Clone, Serialize)]
@@ -186,4 +203,27 @@ fn run_speedups(lanes: &[&PolicyResult], passes: usize) -> Vec<f64> {
         .collect();
     speedups.sort_by(f64::total_cmp);
     speedups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flipping(flip_rates: &[f64]) -> Option<(f64, f64)> {
+        let figures = Figures {
+            flip_rates: flip_rates.to_vec(),
+            ..Figures::of(&RunStats::default(), &RunStats::default())
+        };
+        figures.nearly_all_flipped()
+    }
+
+    #[test]
+    fn nearly_all_flipped_needs_every_pass_after_the_first() {
+        assert_eq!(flipping(&[0.0, 0.98, 1.0, 0.92]), Some((0.92, 1.0)));
+        assert_eq!(flipping(&[0.0, 0.9]), Some((0.9, 0.9)));
+        assert_eq!(flipping(&[0.0, 0.99, 0.5, 0.99]), None);
+        assert_eq!(flipping(&[0.0, 0.05, 0.01, 0.02]), None);
+        assert_eq!(flipping(&[0.0]), None);
+        assert_eq!(flipping(&[]), None);
+    }
 }

@@ -160,3 +160,49 @@ fn bench_names_the_stored_type_and_the_candle_ops_padding() {
         "{table}"
     );
 }
+
+/// Where the passes after the first flip nearly every prediction (a random checkpoint of 12
+/// layers: 98–100 % at each), the table says to read the ceiling, not the speedup; where
+/// they flip fewer (2 layers: about 60 %), it says nothing.
+#[test]
+fn bench_says_when_nearly_every_prediction_flipped() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let d = dir.path().join("deep");
+    let d = d.to_str().unwrap();
+    let shape = [
+        "--hidden",
+        "128",
+        "--layers",
+        "12",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+    ];
+    let args = [
+        &["random-checkpoint", "--out", d][..],
+        &shape,
+        &["--intermediate", "128"],
+    ];
+    spex_ok(&args.concat(), &[], Path::new("."));
+    let bench = ["--max-tokens", "12", "--runs", "1"];
+    let table = spex_ok(
+        &[&["bench", "--model", d][..], &bench].concat(),
+        &[],
+        Path::new("."),
+    );
+    let table = String::from_utf8(table).unwrap();
+    let note = table
+        .lines()
+        .find(|l| l.starts_with("speed: passes 2–4 changed"));
+    let note = note.unwrap_or_else(|| panic!("no note: {table}"));
+    assert!(
+        note.contains("read the ceiling (") && note.ends_with("not the speedup"),
+        "{note}"
+    );
+    let (_dir, shallow, p) = bench_model();
+    let args = ["bench", "--model", &shallow, "--prompts", &p];
+    let table = spex_ok(&[&args[..], &bench].concat(), &[], Path::new("."));
+    let table = String::from_utf8(table).unwrap();
+    assert!(!table.contains("read the ceiling"), "{table}");
+}
