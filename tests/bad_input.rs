@@ -11,6 +11,10 @@ use common::{Variant, assert_clean_error, random_model, spec, spex, spex_ok};
 #[path = "bad_input/bench_reports.rs"]
 mod bench_reports;
 
+/// What a loaded model holds in memory.
+#[path = "bad_input/load_memory.rs"]
+mod load_memory;
+
 fn generate_args(dir: &Path) -> Vec<String> {
     vec![
         "generate".into(),
