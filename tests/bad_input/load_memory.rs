@@ -70,16 +70,10 @@ fn a_run_holds_its_weights_and_kv_cache_and_little_else() {
         .len();
     // K and V, 512 wide in f16, at 64 positions of 16 layers × 4 passes.
     let kv_bytes = 2 * 512 * 2 * 64 * 16 * 4;
-    let run = [
-        "generate",
-        "--model",
-        &d,
-        "--prompt",
-        "To be",
-        "--max-tokens",
-        "4",
-    ];
-    let peak = peak_resident_bytes(&[&run[..], &["--context", "64"]].concat());
+    let mut run = super::generate_args(dir.path());
+    run.extend(["--context".into(), "64".into()]);
+    let run: Vec<&str> = run.iter().map(String::as_str).collect();
+    let peak = peak_resident_bytes(&run);
     let bound = (weights + kv_bytes) * 11 / 10 + PROCESS_BYTES;
     assert!(
         peak <= bound,
