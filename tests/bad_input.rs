@@ -15,6 +15,10 @@ mod bench_reports;
 #[path = "bad_input/load_memory.rs"]
 mod load_memory;
 
+/// Sizes checked before allocating, files read only when regular, outputs kept apart.
+#[path = "bad_input/limits.rs"]
+mod limits;
+
 fn generate_args(dir: &Path) -> Vec<String> {
     vec![
         "generate".into(),

@@ -195,6 +195,37 @@ fn a_bad_config_value_is_a_clear_error_naming_its_key() {
     assert!(!out.exists(), "nothing written");
 }
 
+/// Settings that would train to NaN or allocate past the memory are refused before a step:
+/// one line naming the key, and nothing written.
+#[test]
+fn non_finite_out_of_range_or_oversized_settings_are_refused() {
+    let (dir, _, corpus) = setup(TINY);
+    let out = dir.path().join("out");
+    for (from, to, needle) in [
+        ("lr = 1e-2", "lr = nan", "train.lr"),
+        ("lr = 1e-2", "lr = -1.0", "train.lr"),
+        ("grad_clip = 1.0", "grad_clip = -1.0", "train.grad_clip"),
+        (
+            "pass_weights = [0.5, 1.0]",
+            "pass_weights = [-1.0, 1.0]",
+            "train.pass_weights",
+        ),
+        ("batch = 4", "batch = 0", "train.batch"),
+        ("steps = 30", "steps = 0", "train.steps"),
+        ("hidden = 32", "hidden = 1000000000", "model.hidden"),
+        (
+            "vocab = 300",
+            "vocab = 1000000000",
+            "the model's weights needs",
+        ),
+    ] {
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, TINY.replace(from, to)).unwrap();
+        assert_train_fails((&bad, &corpus, &out), &[], needle);
+    }
+    assert!(!out.exists(), "nothing written");
+}
+
 #[test]
 fn a_finished_run_is_refused_another_shape_and_overwritten_by_nothing() {
     let (dir, cfg, corpus) = setup(TINY);

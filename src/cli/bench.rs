@@ -23,18 +23,7 @@ pub const DEFAULT_PROMPTS: &str = include_str!("../../assets/prompts.txt");
 /// Reads one prompt per non-empty line; the file must be UTF-8.
 pub fn read_prompts(path: Option<&Path>) -> Result<Vec<String>, EngineError> {
     let text = match path {
-        Some(p) => {
-            let bytes = std::fs::read(p).map_err(|e| EngineError::file(p, e))?;
-            String::from_utf8(bytes).map_err(|e| {
-                EngineError::file(
-                    p,
-                    format!(
-                        "not UTF-8 text (invalid byte at offset {})",
-                        e.utf8_error().valid_up_to()
-                    ),
-                )
-            })?
-        }
+        Some(p) => crate::engine::files::read_text(p, crate::engine::files::FileKind::Settings)?,
         None => DEFAULT_PROMPTS.to_string(),
     };
     let prompts: Vec<String> = text

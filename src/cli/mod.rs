@@ -385,6 +385,9 @@ pub struct RandomArgs {
     /// stored) or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: device::DTypeSpec,
+    /// Replace the checkpoint `--out` already holds.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// Parses the command line and runs it.
@@ -465,6 +468,19 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
 }
 
 fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
+    if args.heads == 0 || !args.hidden.is_multiple_of(args.heads) {
+        anyhow::bail!(
+            "random-checkpoint: --hidden {} must be a positive multiple of --heads {}",
+            args.hidden,
+            args.heads
+        );
+    }
+    if !args.force && crate::engine::checkpoint::holds_checkpoint(&args.out) {
+        anyhow::bail!(
+            "{}: already holds a checkpoint: pass --force to replace it, or choose another --out",
+            args.out.display()
+        );
+    }
     let spec = RandomSpec {
         shape: crate::engine::config::ModelShape {
             hidden: args.hidden,
@@ -484,6 +500,11 @@ fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
         dtype: args.dtype.0,
         ..RandomSpec::default()
     };
+    // The draws in f32 and the tensors in their stored type.
+    let what = std::path::Path::new("random-checkpoint");
+    (spec.shape.validate(what, "--"))
+        .map_err(|e| anyhow::anyhow!(e.to_string().replace('_', "-")))?;
+    crate::engine::memory::check_shape_room(&spec.shape, 2, what)?;
     let config = write_random_checkpoint(&args.out, &spec)?;
     println!(
         "wrote {}: hidden {} K={} R={} vocab {}, {}",

@@ -100,7 +100,7 @@ pub fn models_file_path() -> PathBuf {
 impl ModelsFile {
     /// Parses models.toml; errors carry the file and the line.
     pub fn load(path: &Path) -> Result<Self, EngineError> {
-        let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
+        let text = crate::engine::files::read_text(path, crate::engine::files::FileKind::Settings)?;
         let parsed: Self = toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
         for (name, entry) in &parsed.models {
             if entry.path.is_some() == entry.repo.is_some() {

@@ -112,6 +112,9 @@ pub struct SnapshotArgs {
 }
 
 pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<()> {
+    use crate::engine::files;
+    files::refuse_same_file(&args.out, &args.file, "--out")?;
+    files::check_writable(&args.out, "--out")?;
     let trace = Trace::read(&args.file)?;
     if args.step > trace.steps() {
         anyhow::bail!(
@@ -125,12 +128,8 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<()> {
         || args.file.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let size = (
-        args.width.clamp(40, 400),
-        args.height.clamp(12, 200),
-        args.present,
-    );
+    let size = (args.width.min(400), args.height.min(200), args.present);
     let svg = crate::tui::replay::snapshot(trace, name, args.step, size)?;
-    std::fs::write(&args.out, svg).map_err(|e| crate::engine::EngineError::file(&args.out, e))?;
+    files::write_atomically(&args.out, |out| out.write_all(svg.as_bytes()))?;
     Ok(())
 }

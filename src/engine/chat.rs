@@ -42,10 +42,11 @@ impl ChatTemplate {
     /// error naming the file and the field.
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer_config.json");
-        if !path.is_file() {
+        if !path.exists() {
             return Ok(Self::default());
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| EngineError::file(&path, e))?;
+        let text =
+            crate::engine::files::read_text(&path, crate::engine::files::FileKind::Settings)?;
         let json: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| EngineError::file(&path, format!("not valid JSON: {e}")))?;
         let field = |message: String| EngineError::Config {

@@ -46,14 +46,20 @@ impl Checkpoint {
             return Err(EngineError::file(dir, "no such checkpoint directory"));
         }
         let config_file = dir.join("config.json");
-        if !config_file.is_file() {
+        // `exists`, not `is_file`: a config.json that is a FIFO or a device is refused by
+        // the capped read as what it is, not reported as missing.
+        if !config_file.exists() {
             return Err(EngineError::file(&config_file, "missing"));
         }
         let config = OuroConfig::load(&config_file)?;
         let tokenizer_file = dir.join("tokenizer.json");
-        if !tokenizer_file.is_file() {
+        if !tokenizer_file.exists() {
             return Err(EngineError::file(&tokenizer_file, "missing"));
         }
+        crate::engine::files::check_readable(
+            &tokenizer_file,
+            crate::engine::files::FileKind::Tokenizer,
+        )?;
         Ok(Self {
             dir: dir.to_path_buf(),
             weight_files: weight_files(dir)?,
@@ -158,6 +164,16 @@ impl Checkpoint {
     }
 }
 
+/// Whether `dir` holds a checkpoint's files (a config, weights or a shard index): what a
+/// command that writes one must not replace unasked.
+pub fn holds_checkpoint(dir: &Path) -> bool {
+    let named = ["config.json", "model.safetensors", SHARD_INDEX];
+    named.iter().any(|n| dir.join(n).exists())
+        || std::fs::read_dir(dir).is_ok_and(|entries| {
+            (entries.flatten()).any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        })
+}
+
 /// The name of a sharded checkpoint's index, which maps every tensor to its shard.
 pub const SHARD_INDEX: &str = "model.safetensors.index.json";
 
@@ -165,7 +181,7 @@ pub const SHARD_INDEX: &str = "model.safetensors.index.json";
 /// each once, in order. A name outside the index's folder (absolute, or through `..`) is an
 /// error: a downloaded index must not reach other files.
 pub fn shard_names(index: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(index).map_err(|e| EngineError::file(index, e))?;
+    let text = crate::engine::files::read_text(index, crate::engine::files::FileKind::Settings)?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| EngineError::file(index, format!("not valid JSON: {e}")))?;
     let map = json
@@ -376,5 +392,5 @@ impl LoadedModel {
 /// Writes pretty JSON to `path`.
 pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(value).map_err(|e| EngineError::file(path, e))?;
-    std::fs::write(path, text + "\n").map_err(|e| EngineError::file(path, e))
+    super::files::write_atomically(path, |out| out.write_all((text + "\n").as_bytes()))
 }

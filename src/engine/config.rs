@@ -56,7 +56,7 @@ impl OuroConfig {
 
     /// Reads and validates `config.json`; errors name the file and the field.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
+        let text = crate::engine::files::read_text(path, crate::engine::files::FileKind::Settings)?;
         let value: Value = serde_json::from_str(&text)
             .map_err(|e| EngineError::file(path, format!("not valid JSON: {e}")))?;
         Self::from_json(&value, path)
@@ -103,6 +103,27 @@ impl OuroConfig {
             eos_token_ids: fields.token_ids("eos_token_id")?,
             torch_dtype: fields.string_or("torch_dtype", "float32")?,
         };
+        if !TORCH_DTYPES
+            .iter()
+            .any(|(_, name)| *name == config.torch_dtype)
+        {
+            let known: Vec<&str> = TORCH_DTYPES.iter().map(|(_, name)| *name).collect();
+            return Err(fields.error(
+                "torch_dtype",
+                format!(
+                    "\"{}\" is not a type spex reads ({})",
+                    config.torch_dtype,
+                    known.join(", ")
+                ),
+            ));
+        }
+        let act = fields.string_or("hidden_act", "silu")?;
+        if act != "silu" {
+            return Err(fields.error(
+                "hidden_act",
+                format!("\"{act}\" (spex runs Ouro's \"silu\")"),
+            ));
+        }
         if let Some(scaling) = fields.map.get("rope_scaling")
             && !scaling.is_null()
         {
@@ -112,27 +133,43 @@ impl OuroConfig {
         Ok(config)
     }
 
-    /// Checks the relations between fields (positive sizes, heads dividing evenly).
+    /// Checks every size field against its bounds ([`FIELD_LIMITS`]) and the relations
+    /// between fields (heads dividing evenly, an even head dimension). What the sizes add up
+    /// to in memory is checked where it is allocated (`memory::check_device_room`,
+    /// `memory::check_host_room`).
     pub fn validate(&self, path: &Path) -> Result<()> {
         let err = |field: &str, message: &str| EngineError::Config {
             path: path.to_path_buf(),
             field: field.to_string(),
             message: message.to_string(),
         };
-        for (field, value) in [
-            ("hidden_size", self.hidden_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("total_ut_steps", self.total_ut_steps),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("intermediate_size", self.intermediate_size),
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-        ] {
+        let sizes = [
+            self.hidden_size,
+            self.num_hidden_layers,
+            self.total_ut_steps,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.vocab_size,
+            self.max_position_embeddings,
+        ];
+        for ((field, most), value) in FIELD_LIMITS.into_iter().zip(sizes) {
             if value == 0 {
                 return Err(err(field, "must be positive"));
             }
+            if value > most {
+                return Err(err(
+                    field,
+                    &format!("{value} is more than spex reads (at most {most})"),
+                ));
+            }
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(err("rms_norm_eps", "must be a positive number"));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(err("rope_theta", "must be a positive number"));
         }
         if !self
             .num_attention_heads
@@ -182,6 +219,22 @@ impl OuroConfig {
     }
 }
 
+/// The size fields of [`OuroConfig`] with the largest value spex accepts for each: far beyond
+/// any released looped model, and small enough that no product of them overflows a size.
+/// Passes bound the rows of a step and what every pass keeps (KV caches, trace rows); token
+/// ids are `u32`, so the vocabulary cannot outgrow them.
+pub const FIELD_LIMITS: [(&str, usize); 9] = [
+    ("hidden_size", 1 << 20),
+    ("num_hidden_layers", 4096),
+    ("total_ut_steps", 256),
+    ("num_attention_heads", 4096),
+    ("num_key_value_heads", 4096),
+    ("head_dim", 4096),
+    ("intermediate_size", 1 << 40),
+    ("vocab_size", 1 << 32),
+    ("max_position_embeddings", 1 << 32),
+];
+
 /// A model's shape as spex's own configs name it (training configs, random checkpoints).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -201,7 +254,45 @@ pub struct ModelShape {
     pub tied: bool,
 }
 
+/// Each [`OuroConfig`] size field with the [`ModelShape`] field that sets it, for errors that
+/// name the field a user wrote.
+const SHAPE_FIELDS: [(&str, &str); 9] = [
+    ("hidden_size", "hidden"),
+    ("num_hidden_layers", "layers"),
+    ("total_ut_steps", "passes"),
+    ("num_attention_heads", "heads"),
+    ("num_key_value_heads", "kv_heads"),
+    ("head_dim", "head_dim"),
+    ("intermediate_size", "intermediate"),
+    ("vocab_size", "vocab"),
+    ("max_position_embeddings", "context"),
+];
+
 impl ModelShape {
+    /// Checks the shape as a checkpoint's config is checked ([`OuroConfig::validate`]); errors
+    /// name the shape's own field, as `{prefix}{field}` (`model.hidden`, `--hidden`). What
+    /// its weights need in memory is `memory::check_shape_room`'s.
+    pub fn validate(&self, path: &Path, prefix: &str) -> Result<()> {
+        let config = self.ouro_config(self.vocab, "float32");
+        config.validate(path).map_err(|e| match e {
+            EngineError::Config {
+                path,
+                field,
+                message,
+            } => {
+                let name = (SHAPE_FIELDS.iter())
+                    .find(|(hf, _)| *hf == field)
+                    .map_or(field.as_str(), |(_, own)| own);
+                EngineError::Config {
+                    path,
+                    field: format!("{prefix}{name}"),
+                    message,
+                }
+            }
+            e => e,
+        })
+    }
+
     /// The Ouro config of this shape for a vocabulary of `vocab` rows, stored as `torch_dtype`.
     pub fn ouro_config(&self, vocab: usize, torch_dtype: &str) -> OuroConfig {
         OuroConfig {

@@ -44,20 +44,21 @@ pub fn check_device_room(
     dtype: DType,
     what: &std::path::Path,
 ) -> super::error::Result<()> {
-    let elements: usize = (super::format::checkpoint_tensors(config).iter())
-        .map(|t| t.shape.iter().product::<usize>())
-        .sum();
-    let bytes = elements * dtype.size_in_bytes();
+    let bytes = weight_bytes(config, dtype);
+    // A host model's first load times its steps over two KV caches of the positions they read
+    // (`model::timing::choose_prefetch`): counted here, before the weights are read.
+    let timing = 2 * kv_cache_bytes(config, TIMING_POSITIONS, 4);
     let gb = |b: usize| b as f64 / 1e9;
     if let (true, Some(available)) = (device.is_cpu(), available_memory_bytes())
-        && bytes > available
+        && bytes.saturating_add(timing) > available
     {
         return Err(super::EngineError::file(
             what,
             format!(
-                "the weights need {:.2} GB in {dtype:?} and this machine has {:.2} GB of memory \
-                 available",
+                "the weights need {:.2} GB in {dtype:?} (and {:.2} GB of KV caches to time its \
+                 steps) and this machine has {:.2} GB of memory available",
                 gb(bytes),
+                gb(timing),
                 gb(available)
             ),
         ));
@@ -79,6 +80,60 @@ pub fn check_device_room(
         }
     }
     Ok(())
+}
+
+/// The positions the load-time step timing's KV caches hold (`model::timing`).
+pub const TIMING_POSITIONS: usize = 65;
+
+/// The bytes of a checkpoint's weights in `dtype` (saturating: the sizes are bounded by
+/// `config::FIELD_LIMITS`, not their product).
+pub fn weight_bytes(config: &super::OuroConfig, dtype: DType) -> usize {
+    (super::format::checkpoint_tensors(config).iter())
+        .map(|t| t.shape.iter().fold(1usize, |n, &d| n.saturating_mul(d)))
+        .fold(0usize, usize::saturating_add)
+        .saturating_mul(dtype.size_in_bytes())
+}
+
+/// The bytes of a KV cache of `positions` per pass for every (pass, layer) of `config`, K and
+/// V, in elements of `element_bytes` (saturating).
+pub fn kv_cache_bytes(config: &super::OuroConfig, positions: usize, element_bytes: usize) -> usize {
+    [
+        config.num_hidden_layers,
+        config.total_ut_steps,
+        positions,
+        config.kv_dim(),
+        2,
+        element_bytes,
+    ]
+    .into_iter()
+    .fold(1usize, usize::saturating_mul)
+}
+
+/// Errors unless this machine has `bytes` of memory available for `what` (a buffer's name,
+/// with its shape), before the buffer is allocated: one line naming both sizes instead of an
+/// abort. A system that does not say what it has: nothing to check.
+pub fn check_host_room(what: &str, bytes: usize) -> super::error::Result<()> {
+    match available_memory_bytes() {
+        Some(available) if bytes > available => Err(super::EngineError::Invalid(format!(
+            "{what} needs {:.2} GB and this machine has {:.2} GB of memory available",
+            bytes as f64 / 1e9,
+            available as f64 / 1e9
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Errors unless the weights of `shape`, `weight_copies` times over in f32 (a trainer's
+/// parameters, gradients and two moments; a builder's draws and stored copy), fit in the
+/// memory available; `what` names the source of the shape.
+pub fn check_shape_room(
+    shape: &super::config::ModelShape,
+    weight_copies: usize,
+    what: &std::path::Path,
+) -> super::error::Result<()> {
+    let config = shape.ouro_config(shape.vocab, "float32");
+    let bytes = weight_bytes(&config, DType::F32).saturating_mul(weight_copies);
+    check_host_room(&format!("{}: the model's weights", what.display()), bytes)
 }
 
 /// The memory this process can still take: Linux's MemAvailable (free memory plus what the

@@ -11,6 +11,7 @@ pub mod decoder;
 pub mod drafter;
 pub mod error;
 pub mod events;
+pub mod files;
 pub mod format;
 pub mod kernels;
 pub mod kv_cache;

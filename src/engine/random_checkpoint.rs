@@ -125,12 +125,19 @@ fn random_tensors(config: &OuroConfig, spec: &RandomSpec) -> Result<Vec<(String,
 }
 
 /// Writes `model.safetensors`, or two shards and an index.
+/// Writes `tensors` to `path` through a temporary file, so an interrupted write never leaves
+/// a cut one under the real name.
+fn save_safetensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    super::files::write_via_temporary(path, |temp| {
+        candle_core::safetensors::save(tensors, temp).map_err(std::io::Error::other)
+    })
+}
+
 pub fn write_weights(dir: &Path, tensors: Vec<(String, Tensor)>, sharded: bool) -> Result<()> {
     if !sharded {
         let map: HashMap<String, Tensor> = tensors.into_iter().collect();
         let path = dir.join("model.safetensors");
-        return candle_core::safetensors::save(&map, &path)
-            .map_err(|e| EngineError::file(&path, e));
+        return save_safetensors(&map, &path);
     }
     let half = tensors.len() / 2;
     let mut weight_map = serde_json::Map::new();
@@ -145,7 +152,7 @@ pub fn write_weights(dir: &Path, tensors: Vec<(String, Tensor)>, sharded: bool) 
     }
     for (s, map) in shards.iter().enumerate() {
         let path = dir.join(format!("model-0000{}-of-00002.safetensors", s + 1));
-        candle_core::safetensors::save(map, &path).map_err(|e| EngineError::file(&path, e))?;
+        save_safetensors(map, &path)?;
     }
     write_json(
         &dir.join("model.safetensors.index.json"),

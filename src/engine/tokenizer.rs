@@ -25,7 +25,9 @@ pub struct TextTokenizer {
 impl TextTokenizer {
     /// Loads `tokenizer.json`; `eos` comes from the model config.
     pub fn load(path: &Path, eos: &[u32]) -> Result<Self> {
-        let inner = Tokenizer::from_file(path).map_err(|e| EngineError::file(path, e))?;
+        let bytes =
+            crate::engine::files::read_capped(path, crate::engine::files::FileKind::Tokenizer)?;
+        let inner = Tokenizer::from_bytes(bytes).map_err(|e| EngineError::file(path, e))?;
         Ok(Self {
             inner,
             eos: eos.to_vec(),

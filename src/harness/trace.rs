@@ -15,8 +15,10 @@ use sha2::{Digest, Sha256};
 
 use super::race::{Lane, RaceEvent};
 use crate::engine::checkpoint::Origin;
+use crate::engine::config::FIELD_LIMITS;
 use crate::engine::error::{EngineError, Result, one_line};
 use crate::engine::events::DecodeEvent;
+use crate::engine::files::{self, FileKind};
 use crate::engine::model::timing::StepTimes;
 use crate::engine::policy::PolicyKind;
 use crate::engine::sampling::Sampling;
@@ -108,11 +110,23 @@ pub struct TraceWriter {
 }
 
 impl TraceWriter {
-    /// Creates (or truncates) `path` and writes the header line.
+    /// Creates (or truncates) `path`, a file the user named, and writes the header line.
     pub fn create(path: &Path, header: &TraceHeader) -> Result<Self> {
         let file = File::create(path).map_err(|e| EngineError::file(path, e))?;
+        Self::start(file, path.to_path_buf(), header)
+    }
+
+    /// Creates a new file at `path`, or beside it where that name is taken
+    /// (`files::create_unique`: `NAME-2.EXT`, …), and writes the header line: for names
+    /// spex makes up, which must never replace an earlier trace.
+    pub fn create_unique(path: &Path, header: &TraceHeader) -> Result<Self> {
+        let (file, path) = files::create_unique(path)?;
+        Self::start(file, path, header)
+    }
+
+    fn start(file: File, path: PathBuf, header: &TraceHeader) -> Result<Self> {
         let mut writer = Self {
-            path: path.to_path_buf(),
+            path,
             out: BufWriter::new(file),
         };
         writer.line(header)?;
@@ -149,7 +163,7 @@ pub struct Trace {
 impl Trace {
     /// Reads the trace at `path`.
     pub fn read(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| EngineError::file(path, e))?;
+        let bytes = files::read_capped(path, FileKind::Trace)?;
         Self::parse(&bytes).map_err(|message| EngineError::file(path, message))
     }
 
@@ -218,25 +232,60 @@ fn header(line: &str) -> std::result::Result<TraceHeader, String> {
             version.spex_trace
         ));
     }
-    serde_json::from_str(line)
-        .map_err(|e| format!("line 1: not a trace header: {}", one_line(&e.to_string())))
+    if version.spex_trace == 0 {
+        return Err("line 1: trace format version 0 is not one spex wrote".into());
+    }
+    let header: TraceHeader = serde_json::from_str(line)
+        .map_err(|e| format!("line 1: not a trace header: {}", one_line(&e.to_string())))?;
+    header.check_sizes()?;
+    Ok(header)
 }
 
-/// The `n`-th file of a series recorded to `path` (from 1): `path` itself, then `NAME-2.EXT`,
-/// `NAME-3.EXT`, … beside it.
-pub fn numbered(path: &Path, n: usize) -> PathBuf {
-    if n <= 1 {
-        return path.to_path_buf();
+impl TraceHeader {
+    /// Errors unless every size the header gives is within what a checkpoint may hold
+    /// (`config::FIELD_LIMITS`), before a reader sizes anything by it: the passes and layers,
+    /// the context and token budget, and each size field its config holds.
+    fn check_sizes(&self) -> std::result::Result<(), String> {
+        let most = |field: &str| {
+            (FIELD_LIMITS.iter())
+                .find(|(name, _)| *name == field)
+                .map_or(0, |(_, most)| *most)
+        };
+        let sizes = [
+            ("model.passes", self.model.passes, most("total_ut_steps")),
+            ("model.layers", self.model.layers, most("num_hidden_layers")),
+            ("context", self.context, most("max_position_embeddings")),
+            (
+                "max_tokens",
+                self.max_tokens,
+                most("max_position_embeddings"),
+            ),
+        ];
+        for (field, value, most) in sizes {
+            if value > most {
+                return Err(format!(
+                    "line 1: `{field}` of {value} is more than a model holds (at most {most})"
+                ));
+            }
+        }
+        if self.model.passes == 0 {
+            return Err("line 1: `model.passes` must be positive".into());
+        }
+        for (field, most) in FIELD_LIMITS {
+            let Some(value) = self.model.config.get(field) else {
+                continue;
+            };
+            if !value.as_u64().is_some_and(|v| v > 0 && v <= most as u64) {
+                return Err(format!(
+                    "line 1: `model.config.{field}` of {value} is not a size a model holds (1 to {most})"
+                ));
+            }
+        }
+        Ok(())
     }
-    let stem = path
-        .file_stem()
-        .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
-    let name = match path.extension() {
-        Some(ext) => format!("{stem}-{n}.{}", ext.to_string_lossy()),
-        None => format!("{stem}-{n}"),
-    };
-    path.with_file_name(name)
 }
+
+pub use crate::engine::files::numbered;
 
 /// SHA-256 of a model's weights (every `.safetensors` file of its directory, in name order,
 /// or the embedded bytes) and of its tokenizer, as hex.
@@ -261,6 +310,6 @@ pub fn fingerprint(origin: &Origin) -> Result<(String, String)> {
         std::io::copy(&mut file, &mut weights).map_err(|e| EngineError::file(shard, e))?;
     }
     let tokenizer = dir.join("tokenizer.json");
-    let bytes = std::fs::read(&tokenizer).map_err(|e| EngineError::file(&tokenizer, e))?;
+    let bytes = files::read_capped(&tokenizer, FileKind::Tokenizer)?;
     Ok((hex(weights), hex(Sha256::new_with_prefix(bytes))))
 }

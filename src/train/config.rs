@@ -55,6 +55,45 @@ pub struct TrainSettings {
     pub checkpoint_minutes: f64,
 }
 
+/// The optimisation settings that must be finite and in range before a step runs: a NaN or
+/// negative rate, clip or pass weight would write a NaN checkpoint. The error is the field
+/// and what it must be.
+fn check_hyperparameters(
+    t: &TrainSettings,
+) -> std::result::Result<(), (&'static str, &'static str)> {
+    let at_least_zero = [
+        ("train.min_lr", t.min_lr),
+        ("train.weight_decay", t.weight_decay),
+        ("train.checkpoint_minutes", t.checkpoint_minutes),
+    ];
+    for (field, value) in at_least_zero {
+        if !(value.is_finite() && value >= 0.0) {
+            return Err((field, "must be a finite number, 0 or more"));
+        }
+    }
+    for (field, value) in [("train.lr", t.lr), ("train.grad_clip", t.grad_clip)] {
+        if !(value.is_finite() && value > 0.0) {
+            return Err((field, "must be a positive finite number"));
+        }
+    }
+    if t.min_lr > t.lr {
+        return Err(("train.min_lr", "must not exceed train.lr"));
+    }
+    if !(t.pass_weights.iter()).all(|w| w.is_finite() && *w >= 0.0) {
+        return Err(("train.pass_weights", "must be finite and 0 or more"));
+    }
+    if t.pass_weights.iter().sum::<f64>() <= 0.0 {
+        return Err(("train.pass_weights", "need at least one positive weight"));
+    }
+    if t.batch == 0 {
+        return Err(("train.batch", "must be positive"));
+    }
+    if t.steps == 0 {
+        return Err(("train.steps", "must be positive"));
+    }
+    Ok(())
+}
+
 fn unit_temperature() -> f64 {
     1.0
 }
@@ -70,7 +109,7 @@ pub struct TrainConfig {
 impl TrainConfig {
     /// Reads and validates a TOML training config.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
+        let text = crate::engine::files::read_text(path, crate::engine::files::FileKind::Settings)?;
         let config: Self = toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
         let err = |field: &str, message: &str| EngineError::Config {
             path: path.to_path_buf(),
@@ -87,7 +126,9 @@ impl TrainConfig {
         if m.heads == 0 || !m.hidden.is_multiple_of(m.heads) {
             return Err(err("model.hidden", "must be divisible by model.heads"));
         }
-        config.ouro_config(4096).validate(path)?;
+        // Parameters, gradients and AdamW's two moments: four f32 copies of the weights.
+        m.validate(path, "model.")?;
+        crate::engine::memory::check_shape_room(m, 4, path)?;
         if config.train.pass_weights.len() != m.passes {
             return Err(err(
                 "train.pass_weights",
@@ -95,6 +136,7 @@ impl TrainConfig {
             ));
         }
         let t = &config.train;
+        check_hyperparameters(t).map_err(|(field, message)| err(field, message))?;
         for (field, weight) in [
             ("train.agreement_weight", t.agreement_weight),
             (
@@ -118,8 +160,7 @@ impl TrainConfig {
                 "eval_every and eval_batches must be positive",
             ));
         }
-        if config.train.seq_len == 0 || config.train.batch == 0 || config.train.seq_len >= m.context
-        {
+        if config.train.seq_len == 0 || config.train.seq_len >= m.context {
             return Err(err(
                 "train.seq_len",
                 "must be positive and below model.context",

@@ -25,7 +25,7 @@ pub fn read_corpus(files: &[PathBuf]) -> Result<Vec<(PathBuf, String)>> {
     let texts = files
         .iter()
         .map(|f| {
-            let text = std::fs::read_to_string(f).map_err(|e| EngineError::file(f, e))?;
+            let text = crate::engine::files::read_text(f, crate::engine::files::FileKind::Corpus)?;
             if text.trim().is_empty() {
                 return Err(EngineError::file(f, "empty corpus file"));
             }

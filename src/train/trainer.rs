@@ -75,7 +75,7 @@ impl TrainState {
         }
         let state_path = out.join(STATE_JSON);
         let text =
-            std::fs::read_to_string(&state_path).map_err(|e| EngineError::file(&state_path, e))?;
+            crate::engine::files::read_text(&state_path, crate::engine::files::FileKind::Settings)?;
         let state: Self =
             serde_json::from_str(&text).map_err(|e| EngineError::file(&state_path, e))?;
         if state.config.model != config.model {
@@ -261,6 +261,16 @@ impl Trainer {
             .map(|_| (rng.next_u64() % span as u64) as usize)
             .collect();
         let (loss, per_pass) = self.loss(&self.corpus.train, &starts)?;
+        // Stop before a non-finite loss reaches the weights: the last checkpoint saved stays
+        // the last good one.
+        if let Some(pass) = per_pass.iter().position(|l| !l.is_finite()) {
+            return Err(EngineError::Invalid(format!(
+                "training stopped at step {}: pass {}'s loss is not finite (the last checkpoint \
+                 saved is kept)",
+                step + 1,
+                pass + 1
+            )));
+        }
         let grads = loss.backward()?;
         self.opt.step(&grads, lr, t.weight_decay, t.grad_clip)?;
         Ok(per_pass)

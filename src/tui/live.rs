@@ -177,6 +177,8 @@ impl<'a> Races<'a> {
             ..self.options.trace.clone()
         };
         (header.model.weights_sha256, header.model.tokenizer_sha256) = (weights, tokenizer);
+        // Names the dashboard makes up never replace a file: a taken one moves to the next
+        // free `NAME-N.jsonl`, so runs recorded within one second keep a file each.
         let path = match &self.options.record {
             Some(path) => crate::harness::trace::numbered(path, self.runs),
             None => {
@@ -184,7 +186,7 @@ impl<'a> Races<'a> {
                 format!("spex-{}.jsonl", now.map_or(0, |d| d.as_secs())).into()
             }
         };
-        let mut writer = TraceWriter::create(&path, &header)?;
+        let mut writer = TraceWriter::create_unique(&path, &header)?;
         for event in &self.history {
             writer.record(event)?;
         }

@@ -207,6 +207,17 @@ pub fn snapshot(
     step: usize,
     (w, h, present): (u16, u16, bool),
 ) -> anyhow::Result<String> {
+    let passes = trace.header.model.passes;
+    let (least_w, least_h) = match present {
+        true => super::present::min_size(passes),
+        false => super::ui::min_size(passes),
+    };
+    if w < least_w || h < least_h {
+        anyhow::bail!(
+            "--width {w} --height {h}: the dashboard of {passes} passes needs at least {least_w} \
+             × {least_h} cells"
+        );
+    }
     let mut app = App::new(model_info(&trace), None, (w, h));
     app.present = present;
     app.prompt = trace.header.prompt.clone();

@@ -302,6 +302,14 @@ impl DeviceKv {
         );
         let zeros = |_| Tensor::zeros(shape, model.dtype, &model.device);
         let layers = cfg.num_hidden_layers;
+        if model.device.is_cpu() {
+            let bytes =
+                crate::engine::memory::kv_cache_bytes(cfg, capacity, model.dtype.size_in_bytes());
+            crate::engine::memory::check_host_room(
+                &format!("a KV cache of {capacity} positions"),
+                bytes,
+            )?;
+        }
         Ok(Self {
             capacity,
             keys: (0..layers).map(zeros).collect::<candle_core::Result<_>>()?,

@@ -343,7 +343,7 @@ impl StepBackend for HostBackend {
     }
 
     fn new_store(&self, capacity: usize) -> Result<HostKv> {
-        Ok(HostKv::new(&self.model, capacity, self.options.kv_dtype))
+        HostKv::new(&self.model, capacity, self.options.kv_dtype)
     }
 
     fn enter_step(&self, _: &[RowSlot], _: &KvCache<HostKv>) -> Result<SubnormalsFlushed> {

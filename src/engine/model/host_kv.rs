@@ -48,11 +48,12 @@ macro_rules! with_buffers {
 
 impl HostKv {
     /// Empty buffers for `capacity` positions of every pass of `model`.
-    pub(super) fn new(model: &LoopedModel, capacity: usize, dtype: KvDtype) -> Self {
-        match dtype {
-            KvDtype::F32 => Self::F32(KvBuffers::new(&model.config, capacity)),
-            KvDtype::F16 => Self::F16(KvBuffers::new(&model.config, capacity)),
-        }
+    /// Errors, naming the size, where the machine lacks the memory.
+    pub(super) fn new(model: &LoopedModel, capacity: usize, dtype: KvDtype) -> Result<Self> {
+        Ok(match dtype {
+            KvDtype::F32 => Self::F32(KvBuffers::new(&model.config, capacity)?),
+            KvDtype::F16 => Self::F16(KvBuffers::new(&model.config, capacity)?),
+        })
     }
 
     /// Stores one row's K/V at (`layer`, `pass`, `pos`): in the cache, or aside for a
@@ -107,21 +108,26 @@ pub struct KvBuffers<E> {
 }
 
 impl<E: KvElement> KvBuffers<E> {
-    fn new(cfg: &OuroConfig, capacity: usize) -> Self {
+    fn new(cfg: &OuroConfig, capacity: usize) -> Result<Self> {
         let (layers, kv_dim) = (cfg.num_hidden_layers, cfg.kv_dim());
         let geometry = Geometry {
             capacity,
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         };
-        let size = cfg.total_ut_steps * geometry.pass_size();
-        Self {
+        let size = cfg.total_ut_steps.saturating_mul(geometry.pass_size());
+        let bytes = [size, layers, 2, std::mem::size_of::<E>()]
+            .into_iter()
+            .fold(1usize, usize::saturating_mul);
+        let what = format!("a KV cache of {capacity} positions");
+        crate::engine::memory::check_host_room(&what, bytes)?;
+        Ok(Self {
             geometry,
             keys: vec![vec![E::default(); size]; layers],
             values: vec![vec![E::default(); size]; layers],
             aside: HashMap::new(),
             narrowed: vec![E::default(); kv_dim],
-        }
+        })
     }
 
     fn kv_dim(&self) -> usize {
@@ -247,7 +253,8 @@ mod tests {
             tied: true,
         };
         let (capacity, filled) = (70, 67);
-        let mut kv = HostKv::F32(KvBuffers::new(&shape.ouro_config(16, "float32"), capacity));
+        let mut kv =
+            HostKv::F32(KvBuffers::new(&shape.ouro_config(16, "float32"), capacity).unwrap());
         for (layer, pass, pos) in
             (0..2).flat_map(|l| Pass::all(3).flat_map(move |p| (0..filled).map(move |s| (l, p, s))))
         {

@@ -54,6 +54,14 @@ impl RecordedRun {
             ));
         }
         let config = OuroConfig::from_json(&header.model.config, path)?;
+        // The re-simulation holds a few rows of logits over the vocabulary and a flag for
+        // every (pass, position) of the context: sized by the trace, so checked first.
+        let bytes = (config.vocab_size.saturating_mul(4 * 8))
+            .saturating_add(config.total_ut_steps.saturating_mul(header.context));
+        crate::engine::memory::check_host_room(
+            &format!("{}: what-if's state", path.display()),
+            bytes,
+        )?;
         let mut run = Self {
             path: path.to_path_buf(),
             policy: header.policy,

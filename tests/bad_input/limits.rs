@@ -1,0 +1,223 @@
+//! Sizes from a file or a flag are checked before anything is allocated, files are read only
+//! when they are regular and of a size their kind holds, and no output replaces an input or
+//! an existing checkpoint unasked. Each case runs the real binary.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::{edit_config, run_with};
+use crate::common::{Variant, assert_clean_error, random_model, spec, spex, spex_ok};
+
+/// The arguments of a bench run of one prompt that records its traces into `dir`.
+fn record_one_trace(model: &Path, dir: &Path) -> std::path::PathBuf {
+    let trace = dir.join("run.jsonl");
+    let args = [
+        "generate",
+        "--model",
+        &model.display().to_string(),
+        "--prompt",
+        "To be",
+        "--max-tokens",
+        "4",
+        "--record",
+        &trace.display().to_string(),
+    ]
+    .map(String::from);
+    spex_ok(&args.each_ref().map(String::as_str), &[], Path::new("."));
+    trace
+}
+
+/// A config's sizes beyond what spex reads are one line naming the field, whatever buffer
+/// they would have sized (the passes size the KV cache and the step timing, not the weights).
+#[test]
+fn config_sizes_past_their_bounds_name_the_field() {
+    for (field, value) in [
+        ("total_ut_steps", 1_000_000u64),
+        ("total_ut_steps", 10_000),
+        ("num_hidden_layers", 1 << 40),
+        ("vocab_size", 1_000_000_000_000),
+        ("hidden_size", 1 << 40),
+    ] {
+        let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+        edit_config(dir.path(), |c| {
+            c.insert(field.into(), value.into());
+        });
+        run_with(
+            dir.path(),
+            &format!("field `{field}`: {value} is more than spex reads"),
+        );
+    }
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    edit_config(dir.path(), |c| {
+        c.insert("rms_norm_eps".into(), (-1.0).into());
+    });
+    run_with(
+        dir.path(),
+        "field `rms_norm_eps`: must be a positive number",
+    );
+    for (field, value, needle) in [
+        ("torch_dtype", "float8_e4m3", "is not a type spex reads"),
+        ("hidden_act", "gelu", "spex runs Ouro's \"silu\""),
+    ] {
+        let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+        edit_config(dir.path(), |c| {
+            c.insert(field.into(), value.into());
+        });
+        run_with(dir.path(), &format!("field `{field}`: \"{value}\""));
+        run_with(dir.path(), needle);
+    }
+}
+
+/// A context whose KV cache outgrows the machine is one line naming the size, before the
+/// cache is allocated (the context is capped at the model's positions: here the most a
+/// config may give).
+#[test]
+fn a_kv_cache_larger_than_the_memory_is_one_line() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    edit_config(dir.path(), |c| {
+        c.insert("max_position_embeddings".into(), (1u64 << 32).into());
+    });
+    let mut args = super::generate_args(dir.path());
+    args.extend(["--context".into(), "100000000000".into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_clean_error(&args, "a KV cache of 4294967296 positions needs");
+}
+
+/// config.json or tokenizer.json that is a device or a FIFO is refused by what it is, at once:
+/// not read whole, not waited on, not called missing.
+#[test]
+fn special_files_are_refused_by_type_without_reading_or_blocking() {
+    for file in ["config.json", "tokenizer.json"] {
+        let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+        let path = dir.path().join(file);
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        run_with(
+            dir.path(),
+            &format!("{file}: a character device, not a regular file"),
+        );
+        std::fs::remove_file(&path).unwrap();
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        assert!(made.unwrap().success());
+        let started = Instant::now();
+        run_with(dir.path(), &format!("{file}: a FIFO, not a regular file"));
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "a FIFO blocked the load"
+        );
+    }
+}
+
+/// A trace header sized past any model (passes, vocabulary) is one line from `explain`,
+/// `snapshot` and `replay`, which reads the trace before it opens the terminal.
+#[test]
+fn a_trace_header_past_any_model_is_one_line() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let trace = record_one_trace(dir.path(), dir.path());
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let (first, rest) = text.split_once('\n').unwrap();
+    let header: serde_json::Value = serde_json::from_str(first).unwrap();
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit, &str); 4] = [
+        (
+            "passes",
+            |h| h["model"]["passes"] = 1_000_000_000u64.into(),
+            "`model.passes` of 1000000000",
+        ),
+        (
+            "steps",
+            |h| h["model"]["config"]["total_ut_steps"] = 1_000_000_000u64.into(),
+            "model.config.total_ut_steps",
+        ),
+        (
+            "vocab",
+            |h| h["model"]["config"]["vocab_size"] = 1_000_000_000_000u64.into(),
+            "model.config.vocab_size",
+        ),
+        (
+            "version",
+            |h| h["spex_trace"] = 0.into(),
+            "trace format version 0",
+        ),
+    ];
+    for (name, edit, needle) in cases {
+        let mut bad = header.clone();
+        edit(&mut bad);
+        let path = dir.path().join(format!("{name}.jsonl"));
+        std::fs::write(&path, format!("{bad}\n{rest}")).unwrap();
+        let p = path.display().to_string();
+        let svg = dir.path().join("out.svg").display().to_string();
+        assert_clean_error(&["explain", &p], needle);
+        assert_clean_error(&["snapshot", &p, "--step", "1", "--out", &svg], needle);
+        assert_clean_error(&["replay", &p], needle);
+    }
+}
+
+/// `snapshot --out` naming its own trace is refused and the trace kept; an SVG too small to
+/// draw the dashboard is refused rather than drawn as the "too small" screen.
+#[test]
+fn snapshot_never_replaces_its_trace_and_refuses_a_size_it_cannot_draw() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let trace = record_one_trace(dir.path(), dir.path());
+    let before = std::fs::read(&trace).unwrap();
+    let t = trace.display().to_string();
+    let same = dir.path().join(".").join("run.jsonl").display().to_string();
+    assert_clean_error(
+        &["snapshot", &t, "--step", "1", "--out", &same],
+        "--out names the input file",
+    );
+    assert_eq!(std::fs::read(&trace).unwrap(), before, "the trace is whole");
+    let svg = dir.path().join("a.svg").display().to_string();
+    assert_clean_error(
+        &["snapshot", &t, "--step", "1", "--out", &svg, "--width", "0"],
+        "--width",
+    );
+    assert!(!Path::new(&svg).exists(), "nothing written");
+}
+
+/// `random-checkpoint` refuses a shape it could not load and an --out holding a checkpoint
+/// (unless --force), and checks a shape's memory before drawing it.
+#[test]
+fn random_checkpoint_refuses_bad_shapes_and_existing_checkpoints() {
+    let out = tempfile::TempDir::new().unwrap();
+    let o = out.path().join("ckpt").display().to_string();
+    let base = ["random-checkpoint", "--out", o.as_str()];
+    for (flags, needle) in [
+        (&["--hidden", "0"][..], "field `--hidden`: must be positive"),
+        (
+            &["--hidden", "64", "--heads", "3"],
+            "--hidden 64 must be a positive multiple of --heads 3",
+        ),
+        (&["--vocab", "1000000000000"], "--vocab"),
+        (&["--hidden", "1000000000", "--heads", "1"], "--hidden"),
+        (
+            &["--layers", "100", "--intermediate", "100000000000"],
+            "the model's weights needs",
+        ),
+    ] {
+        assert_clean_error(&[&base[..], flags].concat(), needle);
+    }
+    assert!(!out.path().join("ckpt").exists(), "nothing written");
+    let small = [
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--vocab",
+        "300",
+        "--context",
+        "64",
+    ];
+    spex_ok(&[&base[..], &small].concat(), &[], Path::new("."));
+    let config = std::fs::read(out.path().join("ckpt/config.json")).unwrap();
+    assert_clean_error(
+        &[&base[..], &small].concat(),
+        "already holds a checkpoint: pass --force",
+    );
+    assert_eq!(
+        std::fs::read(out.path().join("ckpt/config.json")).unwrap(),
+        config
+    );
+    let (ok, stderr) = spex(&[&base[..], &small, &["--seed", "2", "--force"]].concat());
+    assert!(ok, "{stderr}");
+}
