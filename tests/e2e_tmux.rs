@@ -5,6 +5,9 @@
 mod common;
 #[path = "hub/loopback.rs"]
 mod loopback;
+/// Signals, control bytes, pastes and trace names.
+#[path = "e2e_tmux/terminal.rs"]
+mod terminal;
 
 use std::path::Path;
 use std::process::{Command, Output};

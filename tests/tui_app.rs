@@ -110,6 +110,24 @@ fn typing_and_editing_the_prompt() {
 
 const SAMPLE: &str = "To be, or not to be, that is the question:";
 
+/// A paste is one update at the cursor, whatever its length: it replaces a sample prompt,
+/// keeps its lines (CRLF or CR as newlines), and does nothing outside the editor.
+#[test]
+fn a_paste_is_one_edit_at_the_cursor() {
+    let mut app = App::new(info(), None, (120, 40)).with_sample_prompt(SAMPLE);
+    let long = "x".repeat(15_000);
+    assert!(app.update(Msg::Paste(long.clone())).is_empty());
+    assert_eq!((app.prompt.len(), app.cursor), (15_000, 15_000));
+    assert!(!app.prompt_is_sample);
+    app.update(key(KeyCode::Home));
+    app.update(Msg::Paste("a\r\nb\rc ".into()));
+    assert_eq!(app.prompt, format!("a\nb\nc {long}"));
+    assert_eq!(app.cursor, 6);
+    app.update(key(KeyCode::Esc));
+    app.update(Msg::Paste("ignored".into()));
+    assert!(!app.prompt.contains("ignored"));
+}
+
 #[test]
 fn the_sample_prompt_runs_on_enter() {
     let mut app = App::new(info(), None, (120, 40)).with_sample_prompt(SAMPLE);

@@ -243,6 +243,9 @@ impl SamplingArgs {
             seed: self.seed.unwrap_or(defaults.seed),
         };
         sampling.check().map_err(EngineError::Invalid)?;
+        if let Some(note) = sampling.greedy_note() {
+            eprintln!("spex: {note}");
+        }
         Ok(sampling)
     }
 }

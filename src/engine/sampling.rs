@@ -10,7 +10,8 @@ use std::fmt;
 
 use super::rng::SplitMix;
 
-/// Temperature, filters and seed of a run. `temperature == 0` is greedy decoding.
+/// Temperature, filters and seed of a run. A temperature of 0 (or below
+/// [`Sampling::MIN_TEMPERATURE`]) is greedy decoding.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
     pub temperature: f32,
@@ -45,9 +46,27 @@ impl Sampling {
         seed: 0,
     };
 
-    /// Whether this is greedy decoding.
+    /// The smallest temperature that samples: below it, l / T leaves f32's range for any
+    /// logit (1e-40 turned every score infinite and the text to `!"!"`), and long before that
+    /// the noise can no longer move the argmax but for exact ties. Such a temperature decodes
+    /// greedily ([`Sampling::is_greedy`]).
+    pub const MIN_TEMPERATURE: f32 = 1e-4;
+
+    /// Whether this is greedy decoding: temperature 0, or one below [`Self::MIN_TEMPERATURE`].
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.temperature < Self::MIN_TEMPERATURE
+    }
+
+    /// The note a user is owed when the temperature asked for is above 0 but decodes
+    /// greedily.
+    pub fn greedy_note(&self) -> Option<String> {
+        (self.temperature > 0.0 && self.is_greedy()).then(|| {
+            format!(
+                "--temperature {:e}: below {:e}, decoding greedily",
+                self.temperature,
+                Self::MIN_TEMPERATURE
+            )
+        })
     }
 
     /// A one-line complaint about the first bad setting, if any.
@@ -432,6 +451,27 @@ mod tests {
                 "{u}"
             );
         }
+    }
+
+    /// A temperature too small to sample decodes greedily, with a note, instead of scores
+    /// that overflow f32 (1e-40 made every score infinite); at the floor it still samples.
+    #[test]
+    fn a_temperature_below_the_floor_is_greedy_with_a_note() {
+        let mut rng = SplitMix(5);
+        let l: Vec<f32> = (0..500).map(|_| 30.0 * rng.uniform()).collect();
+        let greedy = Sampling::GREEDY.choose(&l, 3, true);
+        for t in [1e-40, 1e-38, 1e-20, 5e-5] {
+            let s = sampling(t, None, None);
+            assert!(s.check().is_ok() && s.is_greedy(), "{t}");
+            assert_eq!(s.choose(&l, 3, true), greedy, "{t}");
+            assert!(
+                s.greedy_note()
+                    .is_some_and(|n| n.contains("decoding greedily"))
+            );
+        }
+        assert_eq!(Sampling::GREEDY.greedy_note(), None);
+        let floor = sampling(Sampling::MIN_TEMPERATURE, None, None);
+        assert!(!floor.is_greedy() && floor.greedy_note().is_none());
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub const RATES: [Option<f64>; 9] = [
 #[derive(Debug, Clone)]
 pub enum Msg {
     Key(KeyEvent),
+    /// Text pasted into the terminal (bracketed paste): one update, however long.
+    Paste(String),
     Mouse(MouseEvent),
     Resize(u16, u16),
     /// Every engine event that arrived since the last frame.
@@ -231,6 +233,10 @@ impl App {
             }
             Msg::Resize(w, h) => {
                 self.size = (w, h);
+                Vec::new()
+            }
+            Msg::Paste(text) => {
+                self.on_paste(&text);
                 Vec::new()
             }
             Msg::Engine(events) => {
@@ -452,6 +458,23 @@ impl App {
             KeyCode::End => self.cursor = len,
             _ => {}
         }
+    }
+
+    /// Pasted text, into the prompt editor at the cursor (replacing a sample prompt); outside
+    /// the editor a paste does nothing. Carriage returns are dropped: a paste's lines end in
+    /// newlines whatever the terminal sent.
+    fn on_paste(&mut self, text: &str) {
+        if self.focus != Focus::Prompt || self.show_help {
+            return;
+        }
+        if std::mem::take(&mut self.prompt_is_sample) {
+            self.prompt.clear();
+            self.cursor = 0;
+        }
+        let text = text.replace("\r\n", "\n").replace('\r', "\n");
+        let at = self.byte_index(self.cursor);
+        self.prompt.insert_str(at, &text);
+        self.cursor += text.chars().count();
     }
 
     fn byte_index(&self, chars: usize) -> usize {

@@ -20,7 +20,10 @@ pub mod ui;
 use std::io::{IsTerminal, Stdout};
 use std::time::Duration;
 
-use crossterm::event::{DisableMouseCapture, EnableMouseCapture, Event, EventStream};
+use crossterm::event::{
+    DisableBracketedPaste, DisableMouseCapture, EnableBracketedPaste, EnableMouseCapture, Event,
+    EventStream,
+};
 use crossterm::execute;
 use crossterm::terminal::{
     EnterAlternateScreen, LeaveAlternateScreen, disable_raw_mode, enable_raw_mode,
@@ -34,6 +37,20 @@ use crate::engine::{DecodeOptions, LoadedModel};
 use crate::harness::trace::TraceHeader;
 use app::{App, Command, ModelInfo, Msg};
 use frames::FrameClock;
+
+/// `text` as the terminal may be given it: every control character but the newline (which
+/// the panels split lines at) shown as '?', one character for one, so that an escape sequence
+/// or a bell in a prompt, a model's output or a trace never reaches the terminal, and a
+/// cursor counted in characters stays where it was.
+pub(crate) fn printable(text: &str) -> String {
+    (text.chars())
+        .map(|c| match c {
+            '\n' => '\n',
+            c if c.is_control() => '?',
+            c => c,
+        })
+        .collect()
+}
 
 /// A popup of `width` × `height` cells (at most the area's) in the middle of `area`.
 pub(crate) fn centered(
@@ -98,10 +115,36 @@ fn restore_terminal() {
     let _ = disable_raw_mode();
     let _ = execute!(
         std::io::stdout(),
+        DisableBracketedPaste,
         DisableMouseCapture,
         LeaveAlternateScreen,
         crossterm::cursor::Show
     );
+}
+
+/// Restores the terminal and exits with the conventional status (128 + the signal's number)
+/// when the process is sent SIGTERM, SIGHUP or SIGINT (raw mode turns Ctrl-C into a key, so
+/// SIGINT comes only from `kill`). A thread of its own waits for them, so a UI thread busy
+/// with a long load or replay cannot delay it. Traces are flushed line by line, so what they
+/// hold stays whole.
+fn restore_on_signals() -> std::io::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    // Once a process: the loading screen and the dashboard each set the terminal up.
+    static WATCHING: std::sync::Once = std::sync::Once::new();
+    if WATCHING.is_completed() {
+        return Ok(());
+    }
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGHUP, SIGINT])?;
+    std::thread::Builder::new()
+        .name("spex-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                restore_terminal();
+                std::process::exit(128 + signal);
+            }
+        })?;
+    WATCHING.call_once(|| {});
+    Ok(())
 }
 
 /// Restores the terminal when dropped: on quit, on error and while a panic unwinds.
@@ -121,7 +164,13 @@ fn setup_terminal() -> std::io::Result<(TerminalGuard, Terminal<CrosstermBackend
     }));
     enable_raw_mode()?;
     let guard = TerminalGuard;
-    execute!(std::io::stdout(), EnterAlternateScreen, EnableMouseCapture)?;
+    restore_on_signals()?;
+    execute!(
+        std::io::stdout(),
+        EnterAlternateScreen,
+        EnableMouseCapture,
+        EnableBracketedPaste
+    )?;
     let terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))?;
     Ok((guard, terminal))
 }
@@ -174,6 +223,7 @@ fn input_msg(event: Option<std::io::Result<Event>>) -> std::io::Result<Option<Ms
         Some(Ok(Event::Key(k))) => Some(Msg::Key(k)),
         Some(Ok(Event::Mouse(m))) => Some(Msg::Mouse(m)),
         Some(Ok(Event::Resize(w, h))) => Some(Msg::Resize(w, h)),
+        Some(Ok(Event::Paste(text))) => Some(Msg::Paste(text)),
         Some(Ok(_)) | None => None,
         Some(Err(e)) => return Err(e),
     })

@@ -105,7 +105,7 @@ fn draw_text(frame: &mut Frame, area: Rect, run: &RunView) {
             if i > 0 {
                 lines.push(Line::from(std::mem::take(&mut current)));
             }
-            current.push(Span::styled(part.to_string(), style));
+            current.push(Span::styled(super::printable(part), style));
         }
     }
     lines.push(Line::from(current));

@@ -250,16 +250,19 @@ fn draw_prompt(frame: &mut Frame, area: Rect, app: &App) {
     };
     let mut b = block(title, editing);
     if let Some(err) = &app.error {
+        let err = super::printable(err);
         b = b.title_bottom(Line::from(format!(" {err} ").red().bold()));
     }
+    // One line: a pasted newline shows as '?' like the other control characters.
+    let prompt = super::printable(&app.prompt).replace('\n', "?");
     let text = match app.prompt_is_sample {
-        true => Line::from(app.prompt.as_str().dark_gray().italic()),
-        false => Line::from(app.prompt.as_str()),
+        true => Line::from(prompt.as_str().dark_gray().italic()),
+        false => Line::from(prompt.as_str()),
     };
     let p = Paragraph::new(text).block(b);
     frame.render_widget(p, area);
     if editing {
-        let before: String = app.prompt.chars().take(app.cursor).collect();
+        let before: String = prompt.chars().take(app.cursor).collect();
         let x = area.x + 1 + ratatui::text::Line::from(before).width() as u16;
         frame.set_cursor_position((x.min(area.right().saturating_sub(2)), area.y + 1));
     }
@@ -299,7 +302,7 @@ fn draw_lane(
             if i > 0 {
                 lines.push(Line::from(std::mem::take(&mut current)));
             }
-            current.push(Span::styled(part.to_string(), style));
+            current.push(Span::styled(super::printable(part), style));
         }
     }
     lines.push(Line::from(current));

@@ -221,3 +221,24 @@ fn random_checkpoint_refuses_bad_shapes_and_existing_checkpoints() {
     let (ok, stderr) = spex(&[&base[..], &small, &["--seed", "2", "--force"]].concat());
     assert!(ok, "{stderr}");
 }
+
+/// A temperature too small to sample decodes the greedy text, with one note, instead of
+/// overflowing to `!"!"`.
+#[test]
+fn a_vanishing_temperature_decodes_greedily_with_a_note() {
+    let args = ["generate", "--prompt", "To be", "--max-tokens", "12"];
+    let greedy = spex_ok(&args, &[], Path::new("."));
+    for t in ["1e-40", "1e-38"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_spex"))
+            .args([&args[..], &["--temperature", t]].concat())
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        assert_eq!(out.stdout, greedy, "--temperature {t}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            stderr.trim(),
+            format!("spex: --temperature {t}: below 1e-4, decoding greedily")
+        );
+    }
+}
