@@ -225,6 +225,7 @@ fn models_toml_errors_carry_file_and_line() {
         );
         assert!(!ok);
         one_clean_line(&err, needle);
+        assert!(!err.contains("\\n"), "a literal \\n in {err}");
     }
 }
 

@@ -101,6 +101,12 @@ fn prefetch_note(loaded: &crate::engine::LoadedModel) -> String {
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(args.prompts.as_deref())?;
+    // Checked before the model loads: a bench can run for an hour.
+    if let Some(dir) = &args.record {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            EngineError::file(dir, format!("--record: cannot make this folder: {e}"))
+        })?;
+    }
     let session = load_model(&args.model, &args.policy)?;
     let passes = session.loaded.model().passes();
     let options = DecodeOptions {

@@ -191,7 +191,12 @@ pub fn resolve(
     }
     let file = models_file_path();
     let wants_embedded = model.is_none_or(|m| m == EMBEDDED_NAME);
-    if wants_embedded && !file.is_file() {
+    if wants_embedded && !file.exists() {
+        // A models.toml the user named and spex cannot find is worth a word: the embedded
+        // model may not be the one they meant.
+        if let Ok(named) = std::env::var("SPEX_MODELS") {
+            eprintln!("spex: SPEX_MODELS: {named} does not exist; using the embedded model");
+        }
         return Ok(embedded(None));
     }
     let models = ModelsFile::load(&file)?;

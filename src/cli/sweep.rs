@@ -63,6 +63,13 @@ pub struct LengthArgs {
 }
 
 pub fn run(args: &SweepArgs) -> anyhow::Result<()> {
+    let chart = match &args.sweep {
+        Sweep::Lengths(args) => &args.chart,
+        Sweep::Sizes(args) => &args.chart,
+        Sweep::Policies(args) => &args.chart,
+    };
+    // Checked before the sweep runs, not after it.
+    crate::engine::files::check_writable(chart, "--chart")?;
     match &args.sweep {
         Sweep::Lengths(args) => lengths(args),
         Sweep::Sizes(args) => super::sweep_sizes::run(args),

@@ -61,11 +61,18 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
     let _flushed = SubnormalsFlushed::enter();
     let mut trainer = Trainer::prepare(&args.config, &args.corpus, &args.out, args.resume)?;
     let corpus = trainer.corpus();
+    let c = trainer.model_config();
     eprintln!(
-        "spex train: {} training / {} held-out tokens, model {:?}",
+        "spex train: {} training / {} held-out tokens, model hidden {} · K={} R={} · {} heads \
+         ({} kv) · vocab {}",
         corpus.train.len(),
         corpus.validation.len(),
-        trainer.model_config()
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.total_ut_steps,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size
     );
     let stop = Arc::new(AtomicBool::new(false));
     {

@@ -321,11 +321,12 @@ struct Fields<'a> {
 }
 
 impl Fields<'_> {
+    /// An error about `field`, one line whatever the file's strings hold.
     fn error(&self, field: &str, message: impl Into<String>) -> EngineError {
         EngineError::Config {
             path: self.path.to_path_buf(),
             field: field.to_string(),
-            message: message.into(),
+            message: super::error::one_line(&message.into()),
         }
     }
 

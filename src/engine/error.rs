@@ -60,7 +60,13 @@ pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> En
     let line = e
         .span()
         .map_or(0, |s| text[..s.start].matches('\n').count() + 1);
-    EngineError::file(format!("{}:{line}", path.display()), e.message())
+    // toml's messages can run over lines; one line keeps them readable, not `\n`-escaped.
+    let message = (e.message().lines())
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ");
+    EngineError::file(format!("{}:{line}", path.display()), message)
 }
 
 /// The engine's result type.

@@ -94,7 +94,7 @@ impl TensorFiles {
                 path: name.to_string(),
             });
         };
-        if DType::try_from(info.dtype).is_err() {
+        if weight_dtype(info.dtype).is_none() {
             return Ok(false); // `read` names the type.
         }
         if info.shape != shape.dims() {
@@ -124,10 +124,10 @@ impl TensorFiles {
                 .ok_or_else(|| candle_core::Error::CannotFindTensor {
                     path: name.to_string(),
                 })?;
-        let dtype = DType::try_from(info.dtype).map_err(|_| {
+        let dtype = weight_dtype(info.dtype).ok_or_else(|| {
             candle_core::Error::Msg(format!(
-                "{name} is stored as {:?}, a type spex cannot read (f32, bf16, f16 and \
-                 integer types are read)",
+                "{name} is stored as {:?}, a type spex cannot read as weights (f32, bf16 and \
+                 f16 are read)",
                 info.dtype
             ))
         })?;
@@ -270,5 +270,14 @@ impl std::fmt::Debug for TensorFiles {
         f.debug_struct("TensorFiles")
             .field("files", &paths)
             .finish()
+    }
+}
+
+/// The candle type of a weight stored as `dtype`: the float types checkpoints hold. An
+/// integer or 8-bit float tensor would be read as numbers it does not mean.
+fn weight_dtype(dtype: safetensors::Dtype) -> Option<DType> {
+    match DType::try_from(dtype).ok()? {
+        d @ (DType::F32 | DType::BF16 | DType::F16) => Some(d),
+        _ => None,
     }
 }

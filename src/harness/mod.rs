@@ -14,4 +14,5 @@ pub mod report;
 pub mod roofline;
 pub mod sweep;
 pub mod trace;
+mod trace_check;
 pub mod what_if;

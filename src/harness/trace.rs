@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::race::{Lane, RaceEvent};
+use super::trace_check::RecordCheck;
 use crate::engine::checkpoint::Origin;
 use crate::engine::config::FIELD_LIMITS;
 use crate::engine::error::{EngineError, Result, one_line};
@@ -181,9 +182,15 @@ impl Trace {
         let mut events = Vec::new();
         let mut cut_line = None;
         let last = lines.len();
+        let vocab = (header.model.config.get("vocab_size")).and_then(|v| v.as_u64());
+        let mut check = RecordCheck::new(header.model.passes, vocab, header.context);
         for (index, line) in lines.iter().enumerate().skip(1) {
             match serde_json::from_str::<Record>(line) {
-                Ok(record) => events.push(record.into()),
+                Ok(record) => {
+                    let event = RaceEvent::from(record);
+                    check.check(index + 1, &event)?;
+                    events.push(event);
+                }
                 Err(_) if index + 1 == last && !ends_whole => cut_line = Some(index + 1),
                 Err(e) => {
                     let e = one_line(&e.to_string());

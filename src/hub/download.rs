@@ -8,9 +8,12 @@
 //! 2. **Bytes.** `GET` with `Range: bytes=N-` appends to the partial file from its length, so
 //!    an interrupted download resumes where it stopped, in this pull or a later one.
 //! 3. **Retries.** A request that fails (a refused or dropped connection, a timeout, a 5xx or
-//!    429) is retried after a backoff that doubles. A request that brought bytes is resumed at
-//!    once and not counted; a pull gives up after `max_retries` requests in a row that brought
-//!    nothing. A refusal (401, 403, 404) is final.
+//!    429) is retried after a backoff that doubles. A request that took the file past the
+//!    furthest byte any earlier one reached is resumed at once and not counted; a pull gives
+//!    up after `max_retries` requests in a row that did not, so a connection that breaks at
+//!    the same byte every time ends the pull instead of looping. A server that ignores `Range`
+//!    (a 200 to a resume) restarts the file once; a second time, resuming is refused. A
+//!    refusal (401, 403, 404) is final.
 //! 4. **Check.** The bytes are hashed as they arrive (a resumed file's first part when it is
 //!    reopened). A file whose SHA-256 is not its etag is deleted, never linked.
 
@@ -180,6 +183,16 @@ impl<'a> Client<'a> {
                     }));
                 }
             }
+            200 if sink.have > 0 && sink.restarts > 0 => {
+                return Err(Failure::Fatal(HubError::Protocol {
+                    url: remote.url.clone(),
+                    message: format!(
+                        "answered a resume from byte {} with the whole file again (it ignores \
+                         Range), after its connection broke: cannot resume",
+                        sink.have
+                    ),
+                }));
+            }
             200 if sink.have > 0 => sink.restart().map_err(Failure::Fatal)?,
             200 => {}
             s @ (429 | 500..=599) => return Err(Failure::Transient(format!("HTTP {s}"))),
@@ -216,18 +229,22 @@ impl<'a> Client<'a> {
     }
 
     /// Runs `attempt` until it succeeds, a failure is final, or `max_retries` attempts in a
-    /// row fail without `progress` hearing of new bytes.
+    /// row fail without `progress` hearing of a byte past the furthest reached before.
     fn retrying<T>(
         &self,
         file: &str,
         progress: &mut dyn FnMut(PullProgress),
         attempt: &mut dyn FnMut(Report) -> Result<T, Failure>,
     ) -> Result<T, HubError> {
-        let mut idle_failures = 0u32;
+        let (mut idle_failures, mut furthest) = (0u32, 0u64);
         loop {
             let mut moved = false;
             let result = attempt(&mut |p| {
-                moved |= matches!(p, PullProgress::Downloading { .. });
+                if let PullProgress::Downloading { done_bytes, .. } = p
+                    && done_bytes > furthest
+                {
+                    (moved, furthest) = (true, done_bytes);
+                }
                 progress(p)
             });
             let reason = match result {
@@ -375,6 +392,8 @@ struct Sink {
     path: std::path::PathBuf,
     hasher: Sha256,
     have: u64,
+    /// Times the file was emptied for a server that sent it whole instead of the range.
+    restarts: u32,
 }
 
 impl Sink {
@@ -394,9 +413,11 @@ impl Sink {
             file: file.try_clone().map_err(io)?,
             path: path.to_path_buf(),
             hasher: Sha256::new(),
+            restarts: 0,
         };
         if sink.have > size_bytes {
             sink.restart()?;
+            sink.restarts = 0;
             return Ok(sink);
         }
         let mut buf = vec![0u8; CHUNK_BYTES];
@@ -417,6 +438,7 @@ impl Sink {
             .map_err(|e| HubError::io(&self.path, e))?;
         self.hasher = Sha256::new();
         self.have = 0;
+        self.restarts += 1;
         Ok(())
     }
 

@@ -242,3 +242,95 @@ fn a_vanishing_temperature_decodes_greedily_with_a_note() {
         );
     }
 }
+
+/// Records a reader cannot trust (a step twice, a pass past the model's, a token id past its
+/// vocabulary) are one line naming the line, from `explain` and `snapshot` alike.
+#[test]
+fn damaged_trace_records_are_one_line_naming_the_line() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let trace = record_one_trace(dir.path(), dir.path());
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let step_at = (lines.iter())
+        .position(|l| l.contains(r#""event":"step""#))
+        .expect("a step line");
+    let edit_row = |edit: fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value = serde_json::from_str(lines[step_at]).unwrap();
+        edit(&mut v["event"]["rows"][0]);
+        let mut edited: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+        edited[step_at] = v.to_string();
+        edited.join("\n") + "\n"
+    };
+    let mut doubled: Vec<&str> = lines.clone();
+    doubled.insert(step_at, lines[step_at]);
+    let line = step_at + 1;
+    let cases = [
+        (
+            doubled.join("\n") + "\n",
+            format!(
+                "line {}: step 1 of the Speculative lane follows its step 1",
+                line + 1
+            ),
+        ),
+        (
+            edit_row(|r| r["pass"] = 99.into()),
+            format!("line {line}: step 1: pass 99 is past the model's 2 passes"),
+        ),
+        (
+            edit_row(|r| r["token"]["id"] = 1_000_000_000u64.into()),
+            format!("line {line}: step 1: token id 1000000000 is outside the vocabulary"),
+        ),
+    ];
+    for (text, needle) in cases {
+        let path = dir.path().join("damaged.jsonl");
+        std::fs::write(&path, text).unwrap();
+        let p = path.display().to_string();
+        let svg = dir.path().join("out.svg").display().to_string();
+        assert_clean_error(&["explain", &p], &needle);
+        assert_clean_error(&["snapshot", &p, "--step", "1", "--out", &svg], &needle);
+    }
+}
+
+/// Outputs that cannot be written are refused before the run, not after it; a policy with
+/// an empty parameter list is refused, not read as the bare policy; a models.toml that
+/// SPEX_MODELS names and that does not exist is worth a note.
+#[test]
+fn outputs_are_checked_before_the_run_and_half_written_policies_refused() {
+    let started = Instant::now();
+    let chart = [
+        "sweep",
+        "lengths",
+        "--lengths",
+        "8,16",
+        "--chart",
+        "/proc/spex-x.svg",
+    ];
+    assert_clean_error(&chart, "/proc/spex-x.svg: --chart: cannot write here");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "refused only after the sweep"
+    );
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let f = file.path().display().to_string();
+    assert_clean_error(
+        &["bench", "--record", &f, "--max-tokens", "2"],
+        "--record: cannot make this folder",
+    );
+    for policy in ["speed:", "dual:", "loopspec:"] {
+        assert_clean_error(
+            &["generate", "--prompt", "a", "--policy", policy],
+            "nothing after `:`",
+        );
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_spex"))
+        .args(["generate", "--prompt", "To be", "--max-tokens", "2"])
+        .env("SPEX_MODELS", "/nonexistent/models.toml")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("SPEX_MODELS: /nonexistent/models.toml does not exist"),
+        "{stderr}"
+    );
+}

@@ -63,6 +63,8 @@ pub struct Faults {
     pub silent: bool,
     /// The next this many LFS answers send half their body, then stall without closing.
     pub stalls: u32,
+    /// LFS answers ignore `Range`: a 200 with the whole body, as some servers send.
+    pub ignores_range: bool,
 }
 
 /// What the hub has served.
@@ -281,7 +283,13 @@ fn lfs(request: &Request, state: &mut State, sha: &str) -> Answer {
         let mid = bytes.len() / 2;
         bytes[mid] ^= 0x5a;
     }
-    let mut answer = ranged(Answer::new(200), &bytes, request);
+    let mut answer = match faults.ignores_range {
+        true => Answer {
+            body: bytes,
+            ..Answer::new(200)
+        },
+        false => ranged(Answer::new(200), &bytes, request),
+    };
     if faults.drops > 0 {
         faults.drops -= 1;
         answer.cut_after = Some(faults.drop_after_bytes);

@@ -201,6 +201,39 @@ fn a_dropped_connection_resumes_and_the_file_is_byte_identical() {
     assert_eq!(hub.served().lfs_bytes, weights, "a retry sent bytes again");
 }
 
+/// A server that ignores Range and drops at the same byte every time: the file restarts
+/// once, then the pull ends in one line after a handful of requests instead of looping; a
+/// server that ignores Range but sends whole bodies still delivers after one restart.
+#[test]
+fn a_server_that_ignores_range_restarts_once_then_is_refused() {
+    let (ckpt, hub) = served(false);
+    let weights = weight_bytes(ckpt.path());
+    hub.set_faults(Faults {
+        drops: 10_000,
+        drop_after_bytes: weights / 2,
+        ignores_range: true,
+        ..Faults::default()
+    });
+    let home = TempDir::new().unwrap();
+    let before = hub.served().requests;
+    fails_in_one_line(
+        spex(&hub, home.path(), &["pull", REPO], &[]),
+        "it ignores Range",
+    );
+    let requests = hub.served().requests - before;
+    assert!(requests < 20, "{requests} requests");
+    hub.set_faults(Faults {
+        drops: 1,
+        drop_after_bytes: weights / 2,
+        ignores_range: true,
+        ..Faults::default()
+    });
+    let fresh = TempDir::new().unwrap();
+    let (ok, _, err) = spex(&hub, fresh.path(), &["pull", REPO], &[]);
+    assert!(ok, "{err}");
+    assert_snapshot_matches(ckpt.path(), fresh.path());
+}
+
 #[test]
 fn an_interrupted_pull_is_resumed_by_the_next_and_trusted_by_no_load() {
     let (ckpt, hub) = served(false);

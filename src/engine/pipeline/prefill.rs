@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use super::{Phase, Pipeline};
-use crate::engine::error::Result;
+use crate::engine::error::{EngineError, Result};
 use crate::engine::events::PrefillEvent;
 use crate::engine::model::StepModel;
 use crate::engine::pass::Pass;
@@ -20,6 +20,15 @@ impl<B: StepModel> Pipeline<B> {
         let last_logits = self.backend.read_tokens(&mut self.cache, prompt, readout)?;
         let logits =
             last_logits.expect("prefill reads out the last position at pass R: this is a bug");
+        // Non-finite weights (or a config that divides by zero) show first here: every later
+        // choice would be the argmax of NaNs, the end-of-text token at once.
+        if let Some(i) = logits.iter().position(|l| !l.is_finite()) {
+            return Err(EngineError::Invalid(format!(
+                "prefill: the logits are not finite (token {i}: {}): the checkpoint's weights \
+                 hold NaN or inf, or overflow",
+                logits[i]
+            )));
+        }
         let last = Pass::last(self.passes());
         let first = self
             .act(&logits, last, n, &[])

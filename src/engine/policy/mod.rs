@@ -240,6 +240,11 @@ impl std::str::FromStr for PolicyKind {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (name, params) = s.split_once(':').unwrap_or((s, ""));
+        if s.ends_with(':') {
+            return Err(format!(
+                "policy `{s}`: nothing after `:` (write `{name}` alone, or give its parameters)"
+            ));
+        }
         match (name, params) {
             ("speed", "") => Ok(Self::Speed),
             ("dual", "") => Ok(Self::DUAL),
