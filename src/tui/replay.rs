@@ -178,15 +178,19 @@ pub fn run(
     step: usize,
     (frame_interval, present): (Duration, bool),
 ) -> anyhow::Result<()> {
+    super::require_tty().map_err(anyhow::Error::msg)?;
+    let (info, header) = (model_info(&trace), trace.header.clone());
+    // The explorer's analysis replays the run under every policy: done before the terminal
+    // turns raw, so that Ctrl-C still interrupts it.
+    let mut replayer = Replayer::explained(trace, file, step);
     let (runtime, _guard, mut terminal, size) = open_dashboard()?;
-    let mut app = App::new(model_info(&trace), None, size);
+    let mut app = App::new(info, None, size);
     if present {
         app = app.presenting();
     }
-    app.prompt = trace.header.prompt.clone();
-    app.sampling = trace.header.sampling;
+    app.prompt = header.prompt;
+    app.sampling = header.sampling;
     app.paused = true;
-    let mut replayer = Replayer::explained(trace, file, step);
     if let Some(msg) = replayer.message() {
         app.update(msg);
     }

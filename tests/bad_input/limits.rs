@@ -334,3 +334,64 @@ fn outputs_are_checked_before_the_run_and_half_written_policies_refused() {
         "{stderr}"
     );
 }
+
+/// Every refusal of a size is made before the size is allocated: each peaks under 100 MB.
+#[cfg(target_os = "linux")]
+#[test]
+fn refusals_of_sizes_peak_under_100_mb() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let trace = record_one_trace(dir.path(), dir.path());
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let (first, rest) = text.split_once('\n').unwrap();
+    let mut header: serde_json::Value = serde_json::from_str(first).unwrap();
+    header["model"]["passes"] = 1_000_000_000u64.into();
+    let huge_trace = dir.path().join("huge.jsonl");
+    std::fs::write(&huge_trace, format!("{header}\n{rest}")).unwrap();
+    edit_config(dir.path(), |c| {
+        c.insert("total_ut_steps".into(), 1_000_000u64.into());
+    });
+    let out = tempfile::TempDir::new().unwrap();
+    let (d, t) = (
+        dir.path().display().to_string(),
+        huge_trace.display().to_string(),
+    );
+    let o = out.path().join("r").display().to_string();
+    let cases: [&[&str]; 4] = [
+        &["generate", "--model", &d, "--prompt", "a"],
+        &["explain", &t],
+        &["random-checkpoint", "--out", &o, "--vocab", "1000000000000"],
+        &[
+            "random-checkpoint",
+            "--out",
+            &o,
+            "--hidden",
+            "65536",
+            "--heads",
+            "16",
+            "--layers",
+            "4000",
+        ],
+    ];
+    for args in cases {
+        let (succeeded, peak) = super::load_memory::exit_and_peak(args);
+        assert!(!succeeded, "{args:?} should be refused");
+        assert!(
+            peak < 100 << 20,
+            "{args:?} peaked at {:.0} MB",
+            peak as f64 / 1e6
+        );
+    }
+}
+
+/// NaN weights are one line at the first step, not an instant `<|endoftext|>` and exit 0.
+#[test]
+fn nan_weights_are_one_line_at_the_first_step() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let weights = dir.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    // All ones: a NaN in every f32.
+    bytes[header..].fill(0xff);
+    std::fs::write(&weights, bytes).unwrap();
+    run_with(dir.path(), "prefill: the logits are not finite");
+}

@@ -10,11 +10,19 @@ use super::common::spex_ok;
 /// The peak resident bytes of `spex args…`, run to a successful end (`wait4`'s
 /// `ru_maxrss`: this child's own, not the test binary's other children's).
 #[cfg(target_os = "linux")]
+fn peak_resident_bytes(args: &[&str]) -> u64 {
+    let (succeeded, peak) = exit_and_peak(args);
+    assert!(succeeded, "{args:?} failed");
+    peak
+}
+
+/// Whether `spex args…` succeeded, and its peak resident bytes (as [`peak_resident_bytes`]).
+#[cfg(target_os = "linux")]
 #[expect(
     clippy::zombie_processes,
     reason = "wait4 reaps the child: std's wait would not report its peak"
 )]
-fn peak_resident_bytes(args: &[&str]) -> u64 {
+pub(super) fn exit_and_peak(args: &[&str]) -> (bool, u64) {
     let child = (Command::new(env!("CARGO_BIN_EXE_spex")).args(args))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -28,10 +36,11 @@ fn peak_resident_bytes(args: &[&str]) -> u64 {
     let waited = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
     assert_eq!(waited, pid, "wait4");
     assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "{args:?}: status {status}"
+        libc::WIFEXITED(status),
+        "{args:?}: status {status} (killed?)"
     );
-    u64::try_from(usage.ru_maxrss).expect("a peak is not negative") * 1024
+    let peak = u64::try_from(usage.ru_maxrss).expect("a peak is not negative") * 1024;
+    (libc::WEXITSTATUS(status) == 0, peak)
 }
 
 /// `spex generate` on a bf16 checkpoint of 16 layers (107 MB) with a context of 64 positions
