@@ -38,8 +38,29 @@ const GREY: RGBColor = RGBColor(90, 90, 90);
 
 type Axes<'a> = ChartContext<'a, SVGBackend<'a>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
-/// Writes `chart` to `path`; an error names the file.
+/// Writes `chart` to `path` (through a temporary file renamed into place, so an interrupted
+/// write leaves no cut chart); an error names the file.
 pub fn draw(chart: &Chart, path: &Path) -> anyhow::Result<()> {
+    through_temporary(path, |temp| draw_to(chart, path, temp))
+}
+
+/// Runs `draw` on a temporary path beside `path`, then renames it to `path`.
+fn through_temporary(
+    path: &Path,
+    draw: impl FnOnce(&Path) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let mut failed = None;
+    let written = crate::engine::files::write_via_temporary(path, |temp| {
+        draw(temp).map_err(|e| std::io::Error::other(failed.insert(e).to_string()))
+    });
+    match (written, failed) {
+        (_, Some(e)) => Err(e),
+        (result, None) => Ok(result?),
+    }
+}
+
+/// [`draw`] into the file `target`; errors name `path`.
+fn draw_to(chart: &Chart, path: &Path, target: &Path) -> anyhow::Result<()> {
     let error = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: {e}", path.display());
     let log2 = |x: f64| x.log2();
     let xs: Vec<f64> = (chart.series.iter())
@@ -52,7 +73,7 @@ pub fn draw(chart: &Chart, path: &Path) -> anyhow::Result<()> {
         .flat_map(|s| s.points.iter().map(|p| p.1))
         .fold(1.0f64, f64::max)
         * 1.1;
-    let root = SVGBackend::new(path, (1280, 720)).into_drawing_area();
+    let root = SVGBackend::new(target, (1280, 720)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| error(&e))?;
     let mut axes = ChartBuilder::on(&root)
         .caption(&chart.title, ("sans-serif", 32))
@@ -137,13 +158,18 @@ pub struct BarChart {
 /// The share of a group's unit width its bars take.
 const GROUP_FILL: f64 = 0.8;
 
-/// Writes `chart` to `path`; an error names the file.
+/// Writes the bar chart `chart` to `path`, as [`draw`] writes a line chart.
 pub fn draw_bars(chart: &BarChart, path: &Path) -> anyhow::Result<()> {
+    through_temporary(path, |temp| draw_bars_to(chart, path, temp))
+}
+
+/// [`draw_bars`] into the file `target`; errors name `path`.
+fn draw_bars_to(chart: &BarChart, path: &Path, target: &Path) -> anyhow::Result<()> {
     let error = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: {e}", path.display());
     let top =
         (chart.values.iter().flatten().chain(&chart.marks)).fold(1.0f64, |a, &b| a.max(b)) * 1.6;
     let groups = chart.groups.len();
-    let root = SVGBackend::new(path, (1280, 720)).into_drawing_area();
+    let root = SVGBackend::new(target, (1280, 720)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| error(&e))?;
     // Groups centred on the integers, so that the axis's labels fall on them.
     let mut axes = ChartBuilder::on(&root)

@@ -85,6 +85,7 @@ fn recorder(
     (policy, prompt): (crate::engine::PolicyKind, &str),
     options: DecodeOptions,
 ) -> anyhow::Result<TraceWriter> {
+    super::record::check_target(path, session)?;
     let mut header = super::record::header(session, options)?;
     (header.policy, header.prompt) = (policy, prompt.to_string());
     Ok(TraceWriter::create(path, &header)?)

@@ -441,6 +441,9 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         load_model_with(&model, policy.as_slice(), progress)
     })??;
     let policy = session.speculative_policy(args.policy);
+    if let Some(path) = &args.record {
+        record::check_target(path, &session)?;
+    }
     let info = crate::tui::app::ModelInfo {
         name: session.name.clone(),
         passes: session.loaded.model().passes(),

@@ -44,6 +44,20 @@ pub fn template(session: &Session, options: DecodeOptions) -> TraceHeader {
     }
 }
 
+/// Errors unless a trace can be written at `path` before the run starts, and `path` is none
+/// of the files of the session's checkpoint: a recording never replaces what it records.
+pub fn check_target(path: &Path, session: &Session) -> Result<(), EngineError> {
+    use crate::engine::checkpoint::Origin;
+    use crate::engine::files;
+    if let Origin::Dir(dir) = &session.loaded.origin {
+        let listing = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
+        for entry in listing.flatten() {
+            files::refuse_same_file(path, &entry.path(), "--record")?;
+        }
+    }
+    files::check_writable(path, "--record")
+}
+
 /// The file of one prompt and policy in a bench's `--record` directory.
 pub fn bench_trace(dir: &Path, prompt_index: usize, policy: PolicyKind) -> PathBuf {
     let name: String = policy

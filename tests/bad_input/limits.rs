@@ -395,3 +395,28 @@ fn nan_weights_are_one_line_at_the_first_step() {
     std::fs::write(&weights, bytes).unwrap();
     run_with(dir.path(), "prefill: the logits are not finite");
 }
+
+/// A recording never replaces a file of the checkpoint it records; a weight stored as an
+/// integer type is refused by name instead of read as numbers it does not mean.
+#[test]
+fn a_record_target_inside_the_checkpoint_and_integer_weights_are_refused() {
+    let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
+    let config = dir.path().join("config.json");
+    let before = std::fs::read(&config).unwrap();
+    let mut args = super::generate_args(dir.path());
+    args.extend(["--record".into(), config.display().to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_clean_error(&args, "--record names the input file itself");
+    assert_eq!(std::fs::read(&config).unwrap(), before, "config.json kept");
+    let weights = dir.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    // The same width (4 bytes an element), another meaning.
+    header["model.embed_tokens.weight"]["dtype"] = "I32".into();
+    let header = header.to_string().into_bytes();
+    let data = bytes.split_off(8 + len);
+    let bytes = [&(header.len() as u64).to_le_bytes()[..], &header, &data].concat();
+    std::fs::write(&weights, bytes).unwrap();
+    run_with(dir.path(), "a type spex cannot read as weights");
+}
