@@ -59,19 +59,23 @@ impl Drop for Tmux {
 /// Presses q and waits for spex to exit cleanly (exit code 0 in `exit_file`).
 fn quit(tmux: &Tmux, exit_file: &Path) {
     tmux.run(&["send-keys", "-t", "spex", "q"]);
+    assert_eq!(exit_status(exit_file), "0", "clean exit code");
+}
+
+/// Waits (up to 10 s) for spex to exit and returns the status the shell wrote to `exit_file`.
+fn exit_status(exit_file: &Path) -> String {
     let started = Instant::now();
     while !exit_file.exists() {
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "spex did not exit after q"
+            "spex did not exit"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert_eq!(
-        std::fs::read_to_string(exit_file).unwrap().trim(),
-        "0",
-        "clean exit code"
-    );
+    std::fs::read_to_string(exit_file)
+        .unwrap()
+        .trim()
+        .to_string()
 }
 
 fn start(model: &Path, exit_file: &Path) -> Tmux {

@@ -27,6 +27,13 @@ fn record_one_trace(model: &Path, dir: &Path) -> std::path::PathBuf {
     trace
 }
 
+/// A trace recorded from the model in `dir`: its header as JSON, and the lines after it.
+fn recorded_header(dir: &Path) -> (serde_json::Value, String) {
+    let text = std::fs::read_to_string(record_one_trace(dir, dir)).unwrap();
+    let (first, rest) = text.split_once('\n').unwrap();
+    (serde_json::from_str(first).unwrap(), rest.to_string())
+}
+
 /// A config's sizes beyond what spex reads are one line naming the field, whatever buffer
 /// they would have sized (the passes size the KV cache and the step timing, not the weights).
 #[test]
@@ -113,10 +120,7 @@ fn special_files_are_refused_by_type_without_reading_or_blocking() {
 #[test]
 fn a_trace_header_past_any_model_is_one_line() {
     let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
-    let trace = record_one_trace(dir.path(), dir.path());
-    let text = std::fs::read_to_string(&trace).unwrap();
-    let (first, rest) = text.split_once('\n').unwrap();
-    let header: serde_json::Value = serde_json::from_str(first).unwrap();
+    let (header, rest) = recorded_header(dir.path());
     type Edit = fn(&mut serde_json::Value);
     let cases: [(&str, Edit, &str); 4] = [
         (
@@ -340,10 +344,7 @@ fn outputs_are_checked_before_the_run_and_half_written_policies_refused() {
 #[test]
 fn refusals_of_sizes_peak_under_100_mb() {
     let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));
-    let trace = record_one_trace(dir.path(), dir.path());
-    let text = std::fs::read_to_string(&trace).unwrap();
-    let (first, rest) = text.split_once('\n').unwrap();
-    let mut header: serde_json::Value = serde_json::from_str(first).unwrap();
+    let (mut header, rest) = recorded_header(dir.path());
     header["model"]["passes"] = 1_000_000_000u64.into();
     let huge_trace = dir.path().join("huge.jsonl");
     std::fs::write(&huge_trace, format!("{header}\n{rest}")).unwrap();

@@ -2,10 +2,9 @@
 //! bytes in text never reach it, a paste is one edit, and traces recorded within one second
 //! keep a file each.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::{Tmux, quit, start_with};
+use super::{Tmux, exit_status, quit, start_with};
 use crate::common::{Variant, random_model, spec};
 
 /// tmux's format `flag` of the pane (`alternate_on`, `cursor_flag`, `mouse_any_flag`).
@@ -13,22 +12,6 @@ fn pane_flag(tmux: &Tmux, flag: &str) -> String {
     let format = format!("#{{{flag}}}");
     let out = tmux.run(&["display-message", "-p", "-t", "spex", &format]);
     String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// Waits for `exit_file` and returns the exit status it holds.
-fn exit_status(exit_file: &Path) -> String {
-    let started = Instant::now();
-    while !exit_file.exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "spex did not exit"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::fs::read_to_string(exit_file)
-        .unwrap()
-        .trim()
-        .to_string()
 }
 
 /// The pid of spex in the pane: the child of the pane's shell.
