@@ -30,8 +30,11 @@ use session::model_label;
 pub use session::{Session, load_model, load_model_with};
 
 /// spex: speculative pipelined decoding on looped language models.
+///
+/// The flags before a subcommand are the dashboard's (`spex --model M`); with a subcommand they
+/// are refused, never silently ignored: `spex --model M bench` is one line saying so.
 #[derive(Debug, Parser)]
-#[command(name = "spex", version, about)]
+#[command(name = "spex", version, about, args_conflicts_with_subcommands = true)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,

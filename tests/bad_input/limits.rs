@@ -421,3 +421,17 @@ fn a_record_target_inside_the_checkpoint_and_integer_weights_are_refused() {
     std::fs::write(&weights, bytes).unwrap();
     run_with(dir.path(), "a type spex cannot read as weights");
 }
+
+/// The dashboard's flags before a subcommand are refused in one line, not ignored (`spex
+/// --model X bench` benched the default model).
+#[test]
+fn flags_before_a_subcommand_are_refused_not_ignored() {
+    assert_clean_error(
+        &["--model", "/nonexistent/x", "bench", "--max-tokens", "2"],
+        "cannot be used with '--model <MODEL>'",
+    );
+    assert_clean_error(
+        &["--max-tokens", "3", "generate", "--prompt", "a"],
+        "cannot be used with",
+    );
+}
