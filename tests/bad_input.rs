@@ -1,5 +1,6 @@
 //! Bad input gets one clear error line naming the file, field or key, a non-zero exit and no
 //! panic. Each case runs the real binary.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 
@@ -224,7 +225,7 @@ fn bad_arguments_get_one_line() {
     }
     assert_clean_error(
         &["bench", "--policy", "fastest"],
-        "expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M] or baseline",
+        "expected speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M] or baseline",
     );
     assert_clean_error(
         &["bench", "--policy", "dual:0"],

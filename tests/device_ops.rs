@@ -4,6 +4,7 @@
 //! batch invariance, bit for bit, in the kernel and in the twin. Where no GPU is lent, this is how the kernels' own
 //! code is checked (indices, chunks, reductions, the extra column, padding rows); the GPU run
 //! (`tests/exactness_cuda.rs`) checks the same against the device.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

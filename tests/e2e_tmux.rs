@@ -1,6 +1,7 @@
 //! End-to-end: the real binary in a real terminal (tmux). Type a prompt, press Enter, wait for
 //! both lanes, check the pipeline rows, the speedup and the ✓, quit, and check that the
 //! terminal was restored. tmux comes from Debian's package (.ci/run installs it).
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 #[path = "hub/loopback.rs"]

@@ -1,5 +1,6 @@
 //! Speculative output equals baseline output token for token, on many prompts and shapes, and
 //! the batched step equals the unbatched reference forward.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Every checkpoint spex writes or ships holds exactly the Ouro format's tensor set, exit gate
 //! included (so strict loaders such as mlx-lm's accept it); and streamed text ends like the
 //! finish event's text, U+FFFD included where the output ends inside a character.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 

@@ -5,6 +5,7 @@
 //! refuses, which aborts the test), or refuse in more than one line. An abort names no
 //! case: `SPEX_FUZZ_TRACE=1 cargo test --release --test fuzz -- --nocapture` prints each
 //! case's seed first.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 

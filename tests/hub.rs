@@ -3,6 +3,7 @@
 //! resolution code; sharded against unsharded; and the errors of models.toml and devices.
 //! Online against a loopback hub on 127.0.0.1 (`hub/loopback.rs`): `spex pull` end to end,
 //! with dropped connections, corrupt bytes, refusals and a server that stops answering.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 #[path = "hub/loopback.rs"]

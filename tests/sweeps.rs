@@ -1,6 +1,7 @@
 //! The sweeps end to end (`spex sweep lengths|sizes|policies`): each point measured with
 //! identical outputs, a chart at slide size, and bad arguments as one line; and the bench's
 //! bandwidth figures at a size whose passes read DRAM.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 

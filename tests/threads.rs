@@ -2,6 +2,7 @@
 //! across two threads give the one-thread tokens for every policy, and two models loaded in
 //! one process with different instruction sets, prefetch plans and thread counts decode side
 //! by side, on threads of their own, exactly as each does alone.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 

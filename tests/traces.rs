@@ -1,5 +1,6 @@
 //! Traces: a recorded race reads back event for event; a replay shows at every step what the
 //! live dashboard showed; bad files get one-line errors and never a panic.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 

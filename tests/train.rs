@@ -1,5 +1,6 @@
 //! `spex train`: a tiny config trains deterministically and its loss falls; a saved checkpoint
 //! reloads to identical logits; bad input is a clear error that overwrites nothing.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,5 +1,6 @@
 //! Unit tests of `App::update`: every key, every engine event, and a long random sequence of
 //! keys, resizes and engine events that must never panic.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! insta snapshots of every panel and of the whole screen, drawn with ratatui's TestBackend
 //! from hand-made state: the too-small message and the help overlay included.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 use std::collections::VecDeque;
 use std::time::Duration;

@@ -2,6 +2,7 @@
 //! under another by `engine::what_if`, takes the steps a real run of that policy takes, on
 //! random checkpoints of several shapes (which flip often and start many second candidates)
 //! and on many prompts.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 mod common;
 

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::model::KvDtype;
-use crate::engine::policy::PolicyKind;
+use crate::engine::policy::{PolicyKind, table as policy_table};
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use crate::engine::{EngineError, Sampling};
 use session::model_label;
@@ -263,10 +263,8 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
-    // clap shows this text as the help, where brackets mean optional.
-    #[allow(rustdoc::broken_intra_doc_links)]
-    /// speed, dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits), loopspec[:d1=N][:d2=M] (LoopSpec, verified by rejection sampling), self-draft[:d=N][:g=M] (γ = M tokens drafted from pass N, then verified together), draft[:g=M] (γ = M tokens drafted by --draft-model) or baseline (default: the entry's policy, else speed).
-    #[arg(long)]
+    // The help comes from the policy table (`engine::policy::table`).
+    #[arg(long, help = policy_table::help("The policy", true))]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
@@ -302,15 +300,11 @@ pub struct BenchArgs {
     /// on a 2-vCPU Zen 5).
     #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
     pub turn_ms: f64,
-    // clap shows this text as the help, where brackets mean optional.
-    #[allow(rustdoc::broken_intra_doc_links)]
-    /// The policies raced against baseline, comma-separated, all in one interleaved run:
-    /// speed; dual (SPEED with a gated second proposal; dual:MARGIN sets the gate in logits);
-    /// loopspec[:d1=N][:d2=M] (LoopSpec's proposals at depth N, gated second ones at M,
-    /// verified by rejection sampling); self-draft[:d=N][:g=M] (draft then verify: γ = M
-    /// tokens drafted from pass N, then verified together); draft[:g=M] (the same with γ
-    /// tokens from --draft-model) (default: the entry's policy, else speed).
-    #[arg(long, value_delimiter = ',')]
+    // The help comes from the policy table (`engine::policy::table`).
+    #[arg(long, value_delimiter = ',', help = policy_table::help(
+        "The policies raced against baseline, comma-separated, all in one interleaved run",
+        false,
+    ))]
     pub policy: Vec<PolicyKind>,
     /// Print one JSON report instead of a table.
     #[arg(long)]
@@ -334,10 +328,8 @@ pub struct TuiArgs {
     /// Tokens to generate per run.
     #[arg(long, default_value_t = 200, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
-    // clap shows this text as the help, where brackets mean optional.
-    #[allow(rustdoc::broken_intra_doc_links)]
-    /// The policy raced against baseline: speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or draft[:g=M] (default: the entry's, else speed).
-    #[arg(long)]
+    // The help comes from the policy table (`engine::policy::table`).
+    #[arg(long, help = policy_table::help("The policy raced against baseline", false))]
     pub policy: Option<PolicyKind>,
     /// Frames per second of the dashboard.
     #[arg(long, default_value_t = 30)]

@@ -176,9 +176,10 @@ pub fn bench_prompt(
 ) -> Result<PromptResult> {
     let Turns { runs, turn } = turns;
     if policies.is_empty() || policies.contains(&PolicyKind::Baseline) {
-        return Err(EngineError::Invalid(
-            "bench races baseline against speculative policies: speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or draft[:g=M]".into(),
-        ));
+        return Err(EngineError::Invalid(format!(
+            "bench races baseline against speculative policies: {}",
+            crate::engine::policy::table::forms(|row| row.speculative)
+        )));
     }
     let lanes: Vec<PolicyKind> = std::iter::once(PolicyKind::Baseline)
         .chain(policies.iter().copied())

@@ -3,6 +3,7 @@
 //! a race of 10,000+ speculative steps on a small random checkpoint in memory, then times,
 //! at 120 × 36 cells: frames while playing forward one step a frame, a step back from the
 //! end, and a jump to the start and to the end.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 use std::time::{Duration, Instant};
 

@@ -5,6 +5,7 @@
 //! beat its bytes over the stream rate, an R-row one neither that nor its multiply-adds over
 //! the peak, so the ceiling R·t1/tR has a bound that this machine sets, whatever the kernels
 //! do (`engine::metrics`, `engine::kernels`).
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 use std::time::{Duration, Instant};
 

@@ -4,6 +4,7 @@
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
 //! real weights. Prints one table per comparison.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
 
 use std::time::{Duration, Instant};
 

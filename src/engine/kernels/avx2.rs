@@ -344,12 +344,15 @@ pub fn head_scores<const C: usize, E: KvElement>(
 ) {
     let len = scores.len();
     assert!(q.len() >= 8 * C && (len == 0 || keys.len() >= (len - 1) * stride + 8 * C));
-    // SAFETY (all loads below): the features `E::load8` needs are enabled here, and chunk c
-    // of position s lies inside `q` / `keys` by the
-    // assertion above.
-    let qv: [__m256; C] =
-        std::array::from_fn(|c| unsafe { _mm256_loadu_ps(q.as_ptr().add(8 * c)) });
-    let key = |s: usize, c: usize| unsafe { E::load8(keys.as_ptr().add(s * stride + 8 * c)) };
+    let qv: [__m256; C] = std::array::from_fn(|c| {
+        // SAFETY: chunk c lies inside `q` by the assertion above.
+        unsafe { _mm256_loadu_ps(q.as_ptr().add(8 * c)) }
+    });
+    let key = |s: usize, c: usize| {
+        // SAFETY: the features `E::load8` needs are enabled here, and chunk c of position s
+        // lies inside `keys` by the assertion above.
+        unsafe { E::load8(keys.as_ptr().add(s * stride + 8 * c)) }
+    };
     let zero = _mm256_setzero_ps();
     let mut s = 0;
     while s + SCORE_BLOCK <= len {

@@ -56,11 +56,15 @@ pub fn head_scores<const C: usize, E: KvElement>(
 ) {
     let len = scores.len();
     assert!(q.len() >= 16 * C && (len == 0 || keys.len() >= (len - 1) * stride + 16 * C));
-    // SAFETY (all loads below): chunk c of position s lies inside `q` / `keys` by the
-    // assertion above, and the features `E::load16` needs are enabled here.
-    let qv: [__m512; C] =
-        std::array::from_fn(|c| unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) });
-    let key = |s: usize, c: usize| unsafe { E::load16(keys.as_ptr().add(s * stride + 16 * c)) };
+    let qv: [__m512; C] = std::array::from_fn(|c| {
+        // SAFETY: chunk c lies inside `q` by the assertion above.
+        unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) }
+    });
+    let key = |s: usize, c: usize| {
+        // SAFETY: chunk c of position s lies inside `keys` by the assertion above, and the
+        // features `E::load16` needs are enabled here.
+        unsafe { E::load16(keys.as_ptr().add(s * stride + 16 * c)) }
+    };
     let scale4 = _mm_set1_ps(scale);
     let mut s = 0;
     while s + SCORE_BLOCK <= len {

@@ -12,6 +12,7 @@ mod draft_model;
 mod loopspec;
 mod self_draft;
 mod speed;
+pub mod table;
 
 use std::fmt;
 use std::sync::Arc;
@@ -176,12 +177,10 @@ pub trait Policy: Send + Sync + fmt::Debug {
     }
 }
 
-/// The policies the CLI, models.toml and the dashboard can name: `speed`, `baseline`, `dual`
-/// or `dual:MARGIN` (the second-proposal gate in logits; the gate's best value depends on how
-/// peaked a model's pass-1 readouts are, so it is a per-model setting), and
-/// `loopspec[:d1=N][:d2=M]` (first proposals at depth N, 1 by default; gated second
-/// proposals at depth M, none by default), `self-draft[:d=N][:g=M]` (γ = M drafts from
-/// pass N, then one verification) and `draft[:g=M]` (γ = M drafts from a draft model).
+/// The policies the CLI, models.toml and the dashboard can name, each a row of
+/// [`table::POLICIES`] (how it is written and what it does). The dual gate's best value
+/// depends on how peaked a model's pass-1 readouts are, so it is a per-model setting;
+/// LoopSpec's depths default to first proposals at pass 1 and no second ones.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum PolicyKind {
@@ -238,36 +237,9 @@ impl PolicyKind {
 impl std::str::FromStr for PolicyKind {
     type Err = String;
 
+    /// A name from [`table::POLICIES`], with its parameters.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (name, params) = s.split_once(':').unwrap_or((s, ""));
-        if s.ends_with(':') {
-            return Err(format!(
-                "policy `{s}`: nothing after `:` (write `{name}` alone, or give its parameters)"
-            ));
-        }
-        match (name, params) {
-            ("speed", "") => Ok(Self::Speed),
-            ("dual", "") => Ok(Self::DUAL),
-            ("baseline", "") => Ok(Self::Baseline),
-            ("dual", margin) => match margin.parse::<f32>() {
-                Ok(m) if m.is_finite() && m > 0.0 => Ok(Self::Dual { margin_below: m }),
-                _ => Err(format!(
-                    "policy `{s}`: the dual margin must be a positive number of logits"
-                )),
-            },
-            ("loopspec", params) => loopspec::parse_depths(params)
-                .map(|(d1, d2)| Self::LoopSpec { d1, d2 })
-                .map_err(|e| format!("policy `{s}`: {e}")),
-            ("self-draft", params) => self_draft::parse_drafting(params)
-                .map(|(depth, tokens)| Self::SelfDraft { depth, tokens })
-                .map_err(|e| format!("policy `{s}`: {e}")),
-            ("draft", params) => draft_model::parse_tokens(params)
-                .map(|tokens| Self::Draft { tokens })
-                .map_err(|e| format!("policy `{s}`: {e}")),
-            _ => Err(format!(
-                "unknown policy `{s}` (expected speed, dual, dual:MARGIN, loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M] or baseline)"
-            )),
-        }
+        table::parse(s)
     }
 }
 
