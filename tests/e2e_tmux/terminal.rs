@@ -14,24 +14,22 @@ fn pane_flag(tmux: &Tmux, flag: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-/// The pid of spex in the pane: the child of the pane's shell.
-fn spex_pid(tmux: &Tmux) -> String {
+/// The pid of spex in the pane: the child of the pane's shell (Linux's `children` list).
+fn spex_pid(tmux: &Tmux) -> i32 {
     let shell = pane_flag(tmux, "pane_pid");
-    let out = std::process::Command::new("pgrep")
-        .args(["-P", &shell])
-        .output()
-        .unwrap();
-    let pid = String::from_utf8_lossy(&out.stdout);
-    pid.lines()
+    let children = std::fs::read_to_string(format!("/proc/{shell}/task/{shell}/children"));
+    let children = children.unwrap();
+    let pid = children
+        .split_whitespace()
         .next()
-        .expect("spex runs in the pane")
-        .to_string()
+        .expect("spex runs in the pane");
+    pid.parse().unwrap()
 }
 
 #[test]
 fn sigterm_and_sighup_restore_the_terminal_and_exit_with_the_signal() {
     let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 9));
-    for (signal, status) in [("TERM", "143"), ("HUP", "129")] {
+    for (signal, number, status) in [("TERM", libc::SIGTERM, "143"), ("HUP", libc::SIGHUP, "129")] {
         let exit_file = dir.path().join(format!("exit-{signal}"));
         let args = format!("tui --model {} --max-tokens 4000", dir.path().display());
         let tmux = start_with(&args, &exit_file, &format!("sig{signal}"));
@@ -39,11 +37,9 @@ fn sigterm_and_sighup_restore_the_terminal_and_exit_with_the_signal() {
             s.contains("pipeline")
         });
         assert_eq!(pane_flag(&tmux, "alternate_on"), "1");
-        let pid = spex_pid(&tmux);
-        let killed = std::process::Command::new("kill")
-            .args([&format!("-{signal}"), &pid])
-            .status();
-        assert!(killed.unwrap().success());
+        // SAFETY: kill(2) sends a signal to the test's own grandchild; no memory is touched.
+        let sent = unsafe { libc::kill(spex_pid(&tmux), number) };
+        assert_eq!(sent, 0, "kill -{signal}");
         assert_eq!(
             exit_status(&exit_file),
             status,
