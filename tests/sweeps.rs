@@ -35,7 +35,15 @@ fn a_length_sweep_reports_every_length_and_draws_its_chart() {
     let out = spex_ok(
         &[
             &args[..],
-            &["--lengths", "4,8", "--policy", "speed,loopspec", "--json"],
+            &[
+                "--lengths",
+                "4,8",
+                "--policy",
+                "speed,loopspec",
+                "--runs",
+                "1",
+                "--json",
+            ],
         ]
         .concat(),
         &[],
@@ -126,7 +134,14 @@ fn a_policy_sweep_benches_every_policy_on_every_model() {
     let chart = first.path().join("policies.svg");
     let c = chart.display().to_string();
     let args = ["sweep", "policies", "--models", &models, "--prompts", &p];
-    let more = ["--max-tokens", "8", "--policy", "speed,self-draft:g=2"];
+    let more = [
+        "--max-tokens",
+        "8",
+        "--policy",
+        "speed,self-draft:g=2",
+        "--runs",
+        "1",
+    ];
     let out = spex_ok(
         &[&args[..], &more, &["--chart", &c, "--json"]].concat(),
         &[],

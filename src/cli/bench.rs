@@ -12,7 +12,7 @@ use super::{BenchArgs, load_model};
 use crate::engine::events::DecodeEvent;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
-use crate::harness::bench::{Comparison, PromptResult, Turns, bench_prompt};
+use crate::harness::bench::{Comparison, PromptResult, bench_prompt};
 use crate::harness::race::{Lane, RaceEvent};
 use crate::harness::report::{BenchReport, Figures, PromptReport};
 use crate::harness::trace::{TraceHeader, TraceWriter};
@@ -100,7 +100,7 @@ fn prefetch_note(loaded: &crate::engine::LoadedModel) -> String {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    let prompts = read_prompts(args.prompts.as_deref())?;
+    let prompts = args.lanes.read_prompts()?;
     // Checked before the model loads: a bench can run for an hour.
     if let Some(dir) = &args.record {
         std::fs::create_dir_all(dir).map_err(|e| {
@@ -160,8 +160,8 @@ fn print_header(
         prefetch_note(&session.loaded),
         names.join(", "),
         options.sampling,
-        args.runs,
-        args.turn_ms
+        args.lanes.runs,
+        args.lanes.turn_ms
     );
 }
 
@@ -182,10 +182,7 @@ fn bench_prompts(
         )?),
         None => None,
     };
-    let turns = Turns {
-        runs: args.runs as usize,
-        turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
-    };
+    let turns = args.lanes.turns();
     let mut results = Vec::new();
     let mut probes: Vec<f64> = probe_bandwidth(&session.loaded)?.into_iter().collect();
     for (index, prompt) in prompts.iter().enumerate() {
@@ -296,8 +293,8 @@ fn json_report(
         "prefetch": host.and_then(|h| h.prefetch.as_ref()).map(|c| c.plan().name()),
         "cpu": cpu_model(),
         "gpu": info.accelerator,
-        "runs_per_lane": args.runs,
-        "turn_ms": args.turn_ms,
+        "runs_per_lane": args.lanes.runs,
+        "turn_ms": args.lanes.turn_ms,
         "policies": report.policies.iter().map(|p| &p.policy).collect::<Vec<_>>(),
         "sampling": sampling,
         "peak_memory_bytes": peak_memory_bytes(),

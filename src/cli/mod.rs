@@ -277,6 +277,39 @@ pub struct GenerateArgs {
     pub json: bool,
 }
 
+/// How `bench` and the sweeps race their lanes: the prompts, the interleaved runs and the
+/// turn. One group, so the three commands share one meaning and one default for each flag.
+#[derive(Debug, Clone, Args)]
+pub struct LaneArgs {
+    /// A file with one prompt per line (default: the built-in prompts).
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Runs per prompt, each interleaving the lanes (see --turn-ms); the figures are the run
+    /// with the median speedup's (bench's overall line: every run's, min–median–max).
+    #[arg(long, default_value_t = 3, value_parser = parse_count::<u64>)]
+    pub runs: u64,
+    /// Compute, in milliseconds, each lane runs before the next takes its turn. Short turns
+    /// let a drifting machine slow all lanes alike; 0 alternates every step, where the lanes
+    /// share the caches as a decoder running alone does not.
+    #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
+    pub turn_ms: f64,
+}
+
+impl LaneArgs {
+    /// The runs and turn, as the harness takes them.
+    pub fn turns(&self) -> crate::harness::bench::Turns {
+        crate::harness::bench::Turns {
+            runs: self.runs as usize,
+            turn: std::time::Duration::from_secs_f64(self.turn_ms / 1e3),
+        }
+    }
+
+    /// The prompts (`--prompts`, else the built-in ones).
+    pub fn read_prompts(&self) -> Result<Vec<String>, EngineError> {
+        bench::read_prompts(self.prompts.as_deref())
+    }
+}
+
 /// `spex bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -284,22 +317,11 @@ pub struct BenchArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// A file with one prompt per line (default: the built-in prompts).
-    #[arg(long)]
-    pub prompts: Option<PathBuf>,
+    #[command(flatten)]
+    pub lanes: LaneArgs,
     /// Tokens to generate per prompt.
     #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
-    /// Runs per prompt, each interleaving the lanes (see --turn-ms); the table shows the run
-    /// with the median speedup, and the overall line every run's speedup (min–median–max).
-    #[arg(long, default_value_t = 3, value_parser = parse_count::<u64>)]
-    pub runs: u64,
-    /// Compute, in milliseconds, each lane runs before the next takes its turn. Short turns
-    /// let a drifting machine slow all lanes alike; 0 alternates every step, where the lanes
-    /// share the caches as a decoder running alone does not (speedups typically 3–5 % higher
-    /// on a 2-vCPU Zen 5).
-    #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
-    pub turn_ms: f64,
     // The help comes from the policy table (`engine::policy::table`).
     #[arg(long, value_delimiter = ',', help = policy_table::help(
         "The policies raced against baseline, comma-separated, all in one interleaved run",
@@ -354,6 +376,7 @@ pub struct RandomArgs {
     /// Output directory.
     #[arg(long)]
     pub out: PathBuf,
+    /// The hidden size (the residual stream's width); a multiple of --heads.
     #[arg(long, default_value_t = 256)]
     pub hidden: usize,
     /// K, the shared layers.
@@ -362,18 +385,23 @@ pub struct RandomArgs {
     /// R, the passes.
     #[arg(long, default_value_t = 4)]
     pub passes: usize,
+    /// Attention heads (each of --hidden / --heads dimensions).
     #[arg(long, default_value_t = 4)]
     pub heads: usize,
+    /// Key/value heads, dividing --heads (grouped-query attention; default: --heads).
     #[arg(long)]
     pub kv_heads: Option<usize>,
+    /// The MLP's inner width (default: 11/4 of --hidden, Ouro's proportion).
     #[arg(long)]
     pub intermediate: Option<usize>,
     /// Target tokenizer vocabulary (a few KB of text caps what BPE can learn; the config's
     /// vocab_size is padded up to this).
     #[arg(long, default_value_t = 4096)]
     pub vocab: usize,
+    /// The model's positions (config.json's max_position_embeddings).
     #[arg(long, default_value_t = 2048)]
     pub context: usize,
+    /// Seed of the random weights.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// A separate LM head (as Ouro's released models have) instead of tied embeddings.
@@ -540,5 +568,29 @@ pub(crate) fn parse_turn_ms(s: &str) -> Result<f64, String> {
         Ok(ms)
     } else {
         Err(format!("{ms} ms is outside 0–1000"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every flag of every command says what it does in `--help`.
+    #[test]
+    fn every_flag_has_help() {
+        fn visit(command: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in command.get_arguments() {
+                let builtin = matches!(arg.get_id().as_str(), "help" | "version");
+                if !builtin && arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} --{}", arg.get_id()));
+                }
+            }
+            for sub in command.get_subcommands() {
+                visit(sub, &format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        visit(&super::Cli::command(), "spex", &mut missing);
+        assert!(missing.is_empty(), "flags without help: {missing:?}");
     }
 }

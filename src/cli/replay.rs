@@ -101,9 +101,10 @@ pub struct SnapshotArgs {
     /// Where to write the SVG.
     #[arg(long)]
     pub out: PathBuf,
-    /// The dashboard's size in cells.
+    /// The dashboard's width in cells (at most 400).
     #[arg(long, default_value_t = 120)]
     pub width: u16,
+    /// The dashboard's height in cells (at most 200).
     #[arg(long, default_value_t = 36)]
     pub height: u16,
     /// Draw presenter mode's screen instead of the full dashboard.

@@ -7,9 +7,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use super::{ModelArgs, SamplingArgs, parse_count, parse_turn_ms};
+use super::{ModelArgs, SamplingArgs, parse_count};
 use crate::engine::{DecodeOptions, PolicyKind};
-use crate::harness::bench::Turns;
 use crate::harness::sweep::{LengthSweep, sweep_lengths};
 
 /// `spex sweep`.
@@ -39,18 +38,11 @@ pub struct LengthArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// A file with one prompt per line (default: the built-in prompts).
-    #[arg(long)]
-    pub prompts: Option<PathBuf>,
+    #[command(flatten)]
+    pub lanes: super::LaneArgs,
     /// The generation lengths, in tokens, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "8,16,32,64,128,256", value_parser = parse_count::<usize>)]
     pub lengths: Vec<usize>,
-    /// Interleaved runs per prompt and length (the median run's figures are kept).
-    #[arg(long, default_value_t = 1, value_parser = parse_count::<u64>)]
-    pub runs: u64,
-    /// Compute, in milliseconds, each lane runs before the next takes its turn.
-    #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
-    pub turn_ms: f64,
     /// The policies, comma-separated (default: the entry's policy, else speed).
     #[arg(long, value_delimiter = ',')]
     pub policy: Vec<PolicyKind>,
@@ -78,7 +70,7 @@ pub fn run(args: &SweepArgs) -> anyhow::Result<()> {
 }
 
 fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
-    let prompts = super::bench::read_prompts(args.prompts.as_deref())?;
+    let prompts = args.lanes.read_prompts()?;
     let session = super::load_model(&args.model, &args.policy)?;
     let context = args.model.context;
     if let Some(&long) = args.lengths.iter().find(|&&n| n >= context) {
@@ -90,10 +82,7 @@ fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
         sampling: args.sampling.resolve(&session)?,
     };
     let policies = session.bench_policies(&args.policy);
-    let turns = Turns {
-        runs: args.runs as usize,
-        turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
-    };
+    let turns = args.lanes.turns();
     let prompts: Vec<String> = (prompts.iter())
         .map(|p| session.prompt(p))
         .collect::<Result<_, _>>()?;

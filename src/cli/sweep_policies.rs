@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::chart::{BarChart, draw_bars};
-use super::{ModelArgs, SamplingArgs, parse_count, parse_turn_ms};
+use super::{ModelArgs, SamplingArgs, parse_count};
 use crate::engine::{DecodeOptions, PolicyKind};
 use crate::harness::bench::Turns;
 use crate::harness::sweep::{ModelPoint, policy_point};
@@ -28,18 +28,11 @@ pub struct PolicyArgs {
     pub load: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// A file with one prompt per line (default: the built-in prompts).
-    #[arg(long)]
-    pub prompts: Option<PathBuf>,
+    #[command(flatten)]
+    pub lanes: super::LaneArgs,
     /// Tokens generated per prompt.
     #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
-    /// Interleaved runs per prompt (the median run's figures are kept).
-    #[arg(long, default_value_t = 1, value_parser = parse_count::<u64>)]
-    pub runs: u64,
-    /// Compute, in milliseconds, each lane runs before the next takes its turn.
-    #[arg(long, default_value_t = 2.0, value_parser = parse_turn_ms)]
-    pub turn_ms: f64,
     /// The policies, comma-separated.
     #[arg(
         long,
@@ -63,11 +56,8 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
     if args.load.model.is_some() {
         anyhow::bail!("--model: the policy sweep names its models with --models");
     }
-    let prompts = super::bench::read_prompts(args.prompts.as_deref())?;
-    let turns = Turns {
-        runs: args.runs as usize,
-        turn: std::time::Duration::from_secs_f64(args.turn_ms / 1e3),
-    };
+    let prompts = args.lanes.read_prompts()?;
+    let turns = args.lanes.turns();
     let (points, machine) = measure_models(args, &prompts, turns)?;
     let chart = match args.tokens_per_sec {
         true => rate_chart(
