@@ -362,7 +362,7 @@ fn kv_cache_after_flushes_equals_baseline_bit_for_bit() {
             loopspec_promoted += promotions * usize::from(policy == loopspec);
             assert_eq!(base.output(), spec_run.output());
             let verified = base.prompt().len() + base.output().len() - 1;
-            for layer in 0..loaded.model().config.num_hidden_layers {
+            for layer in 0..loaded.model().config.layers {
                 for pass in spex::engine::Pass::all(4) {
                     let a = base.kv_entries(layer, pass, verified).unwrap();
                     let b = spec_run.kv_entries(layer, pass, verified).unwrap();

@@ -16,7 +16,9 @@ use spex::engine::{DecodeOptions, Decoder, OuroConfig, PolicyKind};
 
 /// The tensor names in `dir/model.safetensors` and the names the format asks for.
 fn names_in(dir: &Path) -> (BTreeSet<String>, BTreeSet<String>) {
-    let config = OuroConfig::load(&dir.join("config.json")).expect("config.json");
+    let config = OuroConfig::load(&dir.join("config.json"))
+        .expect("config.json")
+        .looped();
     let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
         .expect("model.safetensors");
     let want = format::checkpoint_tensors(&config)

@@ -287,8 +287,9 @@ fn mutated_configs_never_panic_and_refuse_in_one_line() {
         }
         match OuroConfig::from_json(&v, path) {
             Ok(c) => {
+                let c = c.looped();
                 let _ = spex::engine::memory::weight_bytes(&c, DType::BF16);
-                let _ = spex::engine::memory::kv_cache_bytes(&c, c.max_position_embeddings, 4);
+                let _ = spex::engine::memory::kv_cache_bytes(&c, c.positions, 4);
             }
             Err(e) => one_line(&format!("config case {seed}"), &e.to_string()),
         }

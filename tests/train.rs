@@ -262,7 +262,7 @@ fn a_grown_model_starts_as_the_trained_one() {
     );
     let out = dir.path().join("grown");
     let grown = Trainer::prepare(&grown_cfg, &[corpus], &out, false).unwrap();
-    assert_eq!(grown.model_config().num_hidden_layers, 3);
+    assert_eq!(grown.model_config().layers, 3);
     assert_same_logits(
         trained.model(),
         grown.model(),

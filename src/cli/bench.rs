@@ -285,7 +285,7 @@ fn json_report(
         "device": session.device,
         "dtype": session.dtype,
         "passes": session.loaded.model().passes(),
-        "layers": session.loaded.model().config.num_hidden_layers,
+        "layers": session.loaded.model().config.layers,
         "backend": info.name,
         "step_rows": info.step_rows,
         "kernel_isa": host.map(|h| format!("{:?}", h.isa)),

@@ -55,7 +55,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         writeln!(out)?;
         // Fewer tokens than asked for, and stdout holds only the text: say why on stderr.
         if let Some((FinishReason::ContextFull, tokens)) = finished {
-            let positions = loaded.model().config.max_position_embeddings;
+            let positions = loaded.model().config.positions;
             eprintln!(
                 "spex: stopped after {tokens} of {} tokens: {}",
                 args.max_tokens,

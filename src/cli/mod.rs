@@ -470,7 +470,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
     let info = crate::tui::app::ModelInfo {
         name: session.name.clone(),
         passes: session.loaded.model().passes(),
-        layers: session.loaded.model().config.num_hidden_layers,
+        layers: session.loaded.model().config.layers,
         device: session.device.clone(),
         dtype: session.dtype.clone(),
         policy,
@@ -538,10 +538,10 @@ fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
     println!(
         "wrote {}: hidden {} K={} R={} vocab {}, {}",
         args.out.display(),
-        config.hidden_size,
-        config.num_hidden_layers,
-        config.total_ut_steps,
-        config.vocab_size,
+        config.hidden,
+        config.layers,
+        config.passes,
+        config.vocab,
         device::dtype_name(args.dtype.0)
     );
     Ok(())

@@ -151,8 +151,7 @@ impl ModelSource {
         let Self::Dir(dir) = self else {
             return candle_core::DType::F32;
         };
-        crate::engine::config::OuroConfig::load(&dir.join("config.json"))
-            .map_or(candle_core::DType::F32, |config| config.stored_dtype())
+        crate::engine::checkpoint::stored_dtype(dir).unwrap_or(candle_core::DType::F32)
     }
 }
 

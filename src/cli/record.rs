@@ -29,7 +29,7 @@ pub fn template(session: &Session, options: DecodeOptions) -> TraceHeader {
             name: session.name.clone(),
             config: model.config.to_json(),
             passes: model.passes(),
-            layers: model.config.num_hidden_layers,
+            layers: model.config.layers,
             weights_sha256: String::new(),
             tokenizer_sha256: String::new(),
         },

@@ -67,12 +67,12 @@ pub fn run(args: &TrainArgs) -> anyhow::Result<()> {
          ({} kv) · vocab {}",
         corpus.train.len(),
         corpus.validation.len(),
-        c.hidden_size,
-        c.num_hidden_layers,
-        c.total_ut_steps,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.vocab_size
+        c.hidden,
+        c.layers,
+        c.passes,
+        c.heads,
+        c.kv_heads,
+        c.vocab
     );
     let stop = Arc::new(AtomicBool::new(false));
     {

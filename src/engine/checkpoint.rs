@@ -13,6 +13,7 @@ use candle_nn::VarBuilder;
 use super::chat::ChatTemplate;
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
+use super::looped::LoopedConfig;
 use super::memory::check_device_room;
 use super::model::{Backend, LoadOptions, LoopedModel, Weights, host_matrix_specs};
 use super::tensor_files::{Preloaded, TensorFiles};
@@ -34,7 +35,8 @@ pub enum LoadProgress {
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     pub dir: PathBuf,
-    pub config: OuroConfig,
+    /// The engine's shape of the checkpoint (its config.json, read once).
+    pub config: LoopedConfig,
     pub weight_files: Vec<PathBuf>,
     pub tokenizer_file: PathBuf,
 }
@@ -51,7 +53,7 @@ impl Checkpoint {
         if !config_file.exists() {
             return Err(EngineError::file(&config_file, "missing"));
         }
-        let config = OuroConfig::load(&config_file)?;
+        let config = OuroConfig::load(&config_file)?.looped();
         let tokenizer_file = dir.join("tokenizer.json");
         if !tokenizer_file.exists() {
             return Err(EngineError::file(&tokenizer_file, "missing"));
@@ -162,6 +164,14 @@ impl Checkpoint {
         let tokenizer = TextTokenizer::load(&self.tokenizer_file, &self.config.eos_token_ids)?;
         Ok(tokenizer.with_chat_template(ChatTemplate::load(&self.dir)?))
     }
+}
+
+/// The element type the checkpoint in `dir` stores its weights in, by its config; `None`
+/// where the config cannot be read (loading then names the fault).
+pub fn stored_dtype(dir: &Path) -> Option<DType> {
+    OuroConfig::load(&dir.join("config.json"))
+        .ok()
+        .map(|c| c.stored_dtype())
 }
 
 /// Whether `dir` holds a checkpoint's files (a config, weights or a shard index): what a
@@ -320,7 +330,7 @@ impl LoadedModel {
         let path = Path::new("<embedded>/config.json");
         let json: serde_json::Value =
             serde_json::from_slice(bytes.config).map_err(|e| EngineError::file(path, e))?;
-        let config = OuroConfig::from_json(&json, path)?;
+        let config = OuroConfig::from_json(&json, path)?.looped();
         check_device_room(device, &config, dtype, Path::new("<embedded>"))?;
         let inner = tokenizers::Tokenizer::from_bytes(bytes.tokenizer)
             .map_err(|e| EngineError::file("<embedded>/tokenizer.json", e))?;
@@ -345,13 +355,13 @@ impl LoadedModel {
         config_path: &Path,
     ) -> Result<Self> {
         let model = backend.model();
-        if tokenizer.vocab_size() > model.config.vocab_size {
+        if tokenizer.vocab_size() > model.config.vocab {
             return Err(EngineError::Config {
                 path: config_path.to_path_buf(),
                 field: "vocab_size".into(),
                 message: format!(
                     "{} is smaller than the tokenizer's {} tokens",
-                    model.config.vocab_size,
+                    model.config.vocab,
                     tokenizer.vocab_size()
                 ),
             });

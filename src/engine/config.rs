@@ -7,6 +7,7 @@ use candle_core::DType;
 use serde_json::{Map, Value, json};
 
 use super::error::{EngineError, Result};
+use super::looped::{Family, LoopedConfig};
 
 /// The architecture fields of an Ouro checkpoint that spex uses (`engine::format`).
 #[derive(Debug, Clone, PartialEq)]
@@ -186,9 +187,27 @@ impl OuroConfig {
         Ok(())
     }
 
-    /// Width of one K (or V) cache row: kv_heads × head_dim.
-    pub fn kv_dim(&self) -> usize {
-        self.num_key_value_heads * self.head_dim
+    /// The engine's shape of this checkpoint (`engine::looped`): the one place Ouro's names
+    /// become spex's.
+    pub fn looped(&self) -> LoopedConfig {
+        LoopedConfig {
+            family: Family::Ouro,
+            hidden: self.hidden_size,
+            layers: self.num_hidden_layers,
+            passes: self.total_ut_steps,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            intermediate: self.intermediate_size,
+            vocab: self.vocab_size,
+            positions: self.max_position_embeddings,
+            rope_theta: self.rope_theta,
+            rms_norm_eps: self.rms_norm_eps,
+            tied: self.tie_word_embeddings,
+            bos_token_id: self.bos_token_id,
+            eos_token_ids: self.eos_token_ids.clone(),
+            stored_dtype: self.stored_dtype(),
+        }
     }
 
     /// The JSON written next to spex's own checkpoints (a standard Ouro config).
@@ -219,21 +238,67 @@ impl OuroConfig {
     }
 }
 
+impl From<&LoopedConfig> for OuroConfig {
+    /// The Ouro config of a looped shape: what spex writes beside the weights it makes.
+    fn from(c: &LoopedConfig) -> Self {
+        Self {
+            hidden_size: c.hidden,
+            num_hidden_layers: c.layers,
+            total_ut_steps: c.passes,
+            num_attention_heads: c.heads,
+            num_key_value_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            intermediate_size: c.intermediate,
+            vocab_size: c.vocab,
+            max_position_embeddings: c.positions,
+            rope_theta: c.rope_theta,
+            rms_norm_eps: c.rms_norm_eps,
+            tie_word_embeddings: c.tied,
+            bos_token_id: c.bos_token_id,
+            eos_token_ids: c.eos_token_ids.clone(),
+            torch_dtype: torch_dtype_name(c.stored_dtype).to_string(),
+        }
+    }
+}
+
+impl LoopedConfig {
+    /// The `config.json` of this shape, in Ouro's format.
+    pub fn to_json(&self) -> Value {
+        OuroConfig::from(self).to_json()
+    }
+}
+
 /// The size fields of [`OuroConfig`] with the largest value spex accepts for each: far beyond
 /// any released looped model, and small enough that no product of them overflows a size.
 /// Passes bound the rows of a step and what every pass keeps (KV caches, trace rows); token
 /// ids are `u32`, so the vocabulary cannot outgrow them.
 pub const FIELD_LIMITS: [(&str, usize); 9] = [
     ("hidden_size", 1 << 20),
-    ("num_hidden_layers", 4096),
-    ("total_ut_steps", 256),
+    ("num_hidden_layers", MOST_LAYERS),
+    ("total_ut_steps", MOST_PASSES),
     ("num_attention_heads", 4096),
     ("num_key_value_heads", 4096),
     ("head_dim", 4096),
     ("intermediate_size", 1 << 40),
     ("vocab_size", 1 << 32),
-    ("max_position_embeddings", 1 << 32),
+    ("max_position_embeddings", MOST_POSITIONS),
 ];
+
+/// The most passes a model may have (`FIELD_LIMITS`): they bound a step's rows and what
+/// every pass keeps.
+pub const MOST_PASSES: usize = 256;
+/// The most shared layers a model may have.
+pub const MOST_LAYERS: usize = 4096;
+/// The most positions a model (and so a run's context) may have.
+pub const MOST_POSITIONS: usize = 1 << 32;
+
+impl LoopedConfig {
+    /// The shape of an Ouro `config.json` given as JSON (a trace keeps its model's);
+    /// `path` names it in errors.
+    pub fn from_ouro_json(value: &Value, path: &Path) -> Result<Self> {
+        OuroConfig::from_json(value, path).map(|c| c.looped())
+    }
+}
 
 /// A model's shape as spex's own configs name it (training configs, random checkpoints).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -269,6 +334,11 @@ const SHAPE_FIELDS: [(&str, &str); 9] = [
 ];
 
 impl ModelShape {
+    /// The engine's shape of this model, for a vocabulary of `vocab` rows, stored as `dtype`.
+    pub fn looped(&self, vocab: usize, dtype: DType) -> LoopedConfig {
+        self.ouro_config(vocab, torch_dtype_name(dtype)).looped()
+    }
+
     /// Checks the shape as a checkpoint's config is checked ([`OuroConfig::validate`]); errors
     /// name the shape's own field, as `{prefix}{field}` (`model.hidden`, `--hidden`). What
     /// its weights need in memory is `memory::check_shape_room`'s.

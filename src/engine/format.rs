@@ -8,8 +8,9 @@
 //! A checkpoint is a directory (or a hub repo) holding `config.json`, the weights in one
 //! `model.safetensors` or in shards named by `model.safetensors.index.json`, and
 //! `tokenizer.json`; a chat model's `tokenizer_config.json` carries its chat template. The
-//! config fields spex reads are [`OuroConfig`]'s: `num_hidden_layers` is K, the shared layers,
-//! and `total_ut_steps` is R, the passes.
+//! config fields spex reads are `config::OuroConfig`'s, turned once into the engine's
+//! [`LoopedConfig`] (`engine::looped`): `num_hidden_layers` is K, the shared layers (`layers`),
+//! and `total_ut_steps` is R, the passes (`passes`).
 //!
 //! # Tensors
 //!
@@ -49,7 +50,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::config::OuroConfig;
+use super::looped::LoopedConfig;
 
 /// The token embedding, `[vocab, hidden]`.
 pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
@@ -123,9 +124,9 @@ impl LayerTensor {
     }
 
     /// Its shape (`[out, in]` for projections) and role.
-    pub fn shape_and_role(self, c: &OuroConfig) -> (Vec<usize>, Role) {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        let (q, kv) = (c.num_attention_heads * c.head_dim, c.kv_dim());
+    pub fn shape_and_role(self, c: &LoopedConfig) -> (Vec<usize>, Role) {
+        let (h, i) = (c.hidden, c.intermediate);
+        let (q, kv) = (c.heads * c.head_dim, c.kv_dim());
         let linear = |out: usize, fan_in: usize| (vec![out, fan_in], Role::Linear { fan_in });
         match self {
             Self::QProj => linear(q, h),
@@ -169,8 +170,8 @@ pub struct TensorSpec {
 }
 
 /// Every tensor a checkpoint of `config` holds, the exit gate included, in file order.
-pub fn checkpoint_tensors(config: &OuroConfig) -> Vec<TensorSpec> {
-    let (h, v) = (config.hidden_size, config.vocab_size);
+pub fn checkpoint_tensors(config: &LoopedConfig) -> Vec<TensorSpec> {
+    let (h, v) = (config.hidden, config.vocab);
     let spec = |name: &str, shape: Vec<usize>, role| TensorSpec {
         name: name.to_string(),
         shape,
@@ -180,12 +181,12 @@ pub fn checkpoint_tensors(config: &OuroConfig) -> Vec<TensorSpec> {
         spec(EMBED_TOKENS, vec![v, h], Role::Embedding),
         spec(FINAL_NORM, vec![h], Role::Norm),
     ];
-    if !config.tie_word_embeddings {
+    if !config.tied {
         out.push(spec(LM_HEAD, vec![v, h], Role::LmHead { fan_in: h }));
     }
     out.push(spec(EXIT_GATE_WEIGHT, vec![1, h], Role::ExitGate));
     out.push(spec(EXIT_GATE_BIAS, vec![1], Role::ExitGate));
-    for layer in 0..config.num_hidden_layers {
+    for layer in 0..config.layers {
         for t in LayerTensor::ALL {
             let (shape, role) = t.shape_and_role(config);
             out.push(TensorSpec {
@@ -221,10 +222,10 @@ pub fn is_exit_gate(name: &str) -> bool {
 /// The exit gate spex writes into its checkpoints: zero weight, bias
 /// [`NEUTRAL_EXIT_GATE_BIAS`] (never exits early), in `dtype`.
 pub fn neutral_exit_gate(
-    config: &OuroConfig,
+    config: &LoopedConfig,
     dtype: DType,
 ) -> candle_core::Result<[(String, Tensor); 2]> {
-    let weight = Tensor::zeros((1, config.hidden_size), dtype, &Device::Cpu)?;
+    let weight = Tensor::zeros((1, config.hidden), dtype, &Device::Cpu)?;
     let bias = Tensor::new(&[NEUTRAL_EXIT_GATE_BIAS], &Device::Cpu)?.to_dtype(dtype)?;
     Ok([
         (EXIT_GATE_WEIGHT.to_string(), weight),

@@ -40,7 +40,7 @@ pub fn advise_huge_pages<T>(buf: &[T], collapse: bool) {
 /// the load. Metal, and a system that does not say what it has: nothing to check.
 pub fn check_device_room(
     device: &candle_core::Device,
-    config: &super::OuroConfig,
+    config: &super::looped::LoopedConfig,
     dtype: DType,
     what: &std::path::Path,
 ) -> super::error::Result<()> {
@@ -87,7 +87,7 @@ pub const TIMING_POSITIONS: usize = 65;
 
 /// The bytes of a checkpoint's weights in `dtype` (saturating: the sizes are bounded by
 /// `config::FIELD_LIMITS`, not their product).
-pub fn weight_bytes(config: &super::OuroConfig, dtype: DType) -> usize {
+pub fn weight_bytes(config: &super::looped::LoopedConfig, dtype: DType) -> usize {
     (super::format::checkpoint_tensors(config).iter())
         .map(|t| t.shape.iter().fold(1usize, |n, &d| n.saturating_mul(d)))
         .fold(0usize, usize::saturating_add)
@@ -96,10 +96,14 @@ pub fn weight_bytes(config: &super::OuroConfig, dtype: DType) -> usize {
 
 /// The bytes of a KV cache of `positions` per pass for every (pass, layer) of `config`, K and
 /// V, in elements of `element_bytes` (saturating).
-pub fn kv_cache_bytes(config: &super::OuroConfig, positions: usize, element_bytes: usize) -> usize {
+pub fn kv_cache_bytes(
+    config: &super::looped::LoopedConfig,
+    positions: usize,
+    element_bytes: usize,
+) -> usize {
     [
-        config.num_hidden_layers,
-        config.total_ut_steps,
+        config.layers,
+        config.passes,
         positions,
         config.kv_dim(),
         2,
@@ -131,7 +135,7 @@ pub fn check_shape_room(
     weight_copies: usize,
     what: &std::path::Path,
 ) -> super::error::Result<()> {
-    let config = shape.ouro_config(shape.vocab, "float32");
+    let config = shape.looped(shape.vocab, DType::F32);
     let bytes = weight_bytes(&config, DType::F32).saturating_mul(weight_copies);
     check_host_room(&format!("{}: the model's weights", what.display()), bytes)
 }

@@ -15,6 +15,7 @@ pub mod files;
 pub mod format;
 pub mod kernels;
 pub mod kv_cache;
+pub mod looped;
 pub mod memory;
 pub mod model;
 pub mod pass;

@@ -8,9 +8,10 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 
 use super::checkpoint::write_json;
-use super::config::{ModelShape, OuroConfig, torch_dtype_name};
+use super::config::ModelShape;
 use super::error::{EngineError, Result};
 use super::format::{Role, checkpoint_tensors, neutral_exit_gate};
+use super::looped::LoopedConfig;
 use super::rng::SplitMix;
 use super::tokenizer::train_bpe;
 
@@ -60,14 +61,14 @@ impl Default for RandomSpec {
 
 impl RandomSpec {
     /// The config.json this spec writes, for a tokenizer of `tokenizer_vocab` tokens.
-    pub fn config(&self, tokenizer_vocab: usize) -> OuroConfig {
+    pub fn config(&self, tokenizer_vocab: usize) -> LoopedConfig {
         let vocab = self.pad_vocab_to.unwrap_or(0).max(tokenizer_vocab);
-        self.shape.ouro_config(vocab, torch_dtype_name(self.dtype))
+        self.shape.looped(vocab, self.dtype)
     }
 }
 
 /// Writes a random checkpoint into `dir` (created if needed).
-pub fn write_random_checkpoint(dir: &Path, spec: &RandomSpec) -> Result<OuroConfig> {
+pub fn write_random_checkpoint(dir: &Path, spec: &RandomSpec) -> Result<LoopedConfig> {
     std::fs::create_dir_all(dir).map_err(|e| EngineError::file(dir, e))?;
     let tokenizer_path = dir.join("tokenizer.json");
     train_bpe(SAMPLE_TEXT.lines(), spec.shape.vocab, &tokenizer_path)?;
@@ -85,7 +86,7 @@ pub fn write_random_checkpoint(dir: &Path, spec: &RandomSpec) -> Result<OuroConf
 
 /// The name, shape and scale (0 for norm weights) of every tensor drawn at random, from
 /// `format`'s table: all but the exit gate unless the spec draws it too.
-fn tensor_shapes(config: &OuroConfig, spec: &RandomSpec) -> Vec<(String, Vec<usize>, f32)> {
+fn tensor_shapes(config: &LoopedConfig, spec: &RandomSpec) -> Vec<(String, Vec<usize>, f32)> {
     checkpoint_tensors(config)
         .into_iter()
         .filter(|t| spec.random_exit_gate || t.role != Role::ExitGate)
@@ -102,7 +103,7 @@ fn tensor_shapes(config: &OuroConfig, spec: &RandomSpec) -> Vec<(String, Vec<usi
         .collect()
 }
 
-fn random_tensors(config: &OuroConfig, spec: &RandomSpec) -> Result<Vec<(String, Tensor)>> {
+fn random_tensors(config: &LoopedConfig, spec: &RandomSpec) -> Result<Vec<(String, Tensor)>> {
     let mut rng = SplitMix(spec.seed);
     tensor_shapes(config, spec)
         .into_iter()

@@ -21,15 +21,15 @@ pub const SWEEPS: usize = 5;
 /// Weight bytes one pass reads: every layer's projections, in the model's stored type.
 pub fn layer_bytes_per_pass(model: &LoopedModel) -> u64 {
     let c = &model.config;
-    let (q, kv) = (c.num_attention_heads * c.head_dim, c.kv_dim());
-    let per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size;
-    (c.num_hidden_layers * per_layer * model.dtype.size_in_bytes()) as u64
+    let (q, kv) = (c.heads * c.head_dim, c.kv_dim());
+    let per_layer = c.hidden * (2 * q + 2 * kv) + 3 * c.hidden * c.intermediate;
+    (c.layers * per_layer * model.dtype.size_in_bytes()) as u64
 }
 
 /// Weight bytes of the LM head, which a readout reads.
 pub fn head_bytes(model: &LoopedModel) -> u64 {
     let c = &model.config;
-    (c.vocab_size * c.hidden_size * model.dtype.size_in_bytes()) as u64
+    (c.vocab * c.hidden * model.dtype.size_in_bytes()) as u64
 }
 
 /// Weight bytes a baseline token reads: every pass's layers, and the LM head once (its

@@ -157,7 +157,7 @@ pub fn policy_point(
     let config = &loaded.model().config;
     Ok(ModelPoint {
         model: model.to_string(),
-        layer_applications: config.num_hidden_layers * config.total_ut_steps,
+        layer_applications: config.layers * config.passes,
         baseline_tokens_per_sec: baseline_tokens_per_sec(&report),
         ceiling: report.ceiling,
         policies: policy_points(&report),
@@ -243,7 +243,7 @@ pub fn size_point(loaded: &LoadedModel, pos: usize, limits: MachineLimits) -> Re
     let full = super::roofline::step_bound(model, passes, (read_bytes_per_sec, full_rate));
     let r = passes as f64;
     Ok(SizePoint {
-        hidden: model.config.hidden_size,
+        hidden: model.config.hidden,
         bytes_per_pass: super::roofline::layer_bytes_per_pass(model),
         read_bytes_per_sec,
         one_row_ms: times.one_row.as_secs_f64() * 1e3,

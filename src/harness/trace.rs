@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 use super::race::{Lane, RaceEvent};
 use super::trace_check::RecordCheck;
 use crate::engine::checkpoint::Origin;
-use crate::engine::config::FIELD_LIMITS;
+use crate::engine::config::{FIELD_LIMITS, MOST_LAYERS, MOST_PASSES, MOST_POSITIONS};
 use crate::engine::error::{EngineError, Result, one_line};
 use crate::engine::events::DecodeEvent;
 use crate::engine::files::{self, FileKind};
@@ -253,20 +253,11 @@ impl TraceHeader {
     /// (`config::FIELD_LIMITS`), before a reader sizes anything by it: the passes and layers,
     /// the context and token budget, and each size field its config holds.
     fn check_sizes(&self) -> std::result::Result<(), String> {
-        let most = |field: &str| {
-            (FIELD_LIMITS.iter())
-                .find(|(name, _)| *name == field)
-                .map_or(0, |(_, most)| *most)
-        };
         let sizes = [
-            ("model.passes", self.model.passes, most("total_ut_steps")),
-            ("model.layers", self.model.layers, most("num_hidden_layers")),
-            ("context", self.context, most("max_position_embeddings")),
-            (
-                "max_tokens",
-                self.max_tokens,
-                most("max_position_embeddings"),
-            ),
+            ("model.passes", self.model.passes, MOST_PASSES),
+            ("model.layers", self.model.layers, MOST_LAYERS),
+            ("context", self.context, MOST_POSITIONS),
+            ("max_tokens", self.max_tokens, MOST_POSITIONS),
         ];
         for (field, value, most) in sizes {
             if value > most {

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use crate::engine::config::ModelShape;
-use crate::engine::config::OuroConfig;
 use crate::engine::error::{EngineError, Result, toml_error};
+use crate::engine::looped::LoopedConfig;
 
 /// Optimisation settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -169,9 +169,9 @@ impl TrainConfig {
         Ok(config)
     }
 
-    /// The Ouro config of the model, for a tokenizer of `vocab` tokens.
-    pub fn ouro_config(&self, vocab: usize) -> OuroConfig {
-        self.model.ouro_config(vocab, "float32")
+    /// The engine's shape of the model, for a tokenizer of `vocab` tokens, in f32.
+    pub fn model_config(&self, vocab: usize) -> LoopedConfig {
+        self.model.looped(vocab, candle_core::DType::F32)
     }
 
     /// Learning rate at `step`: linear warm-up, then cosine decay to `min_lr`.

@@ -17,9 +17,9 @@ use super::init::{InitSource, seeded_init};
 use super::loss::{mixed_cross_entropy, soft_target};
 use super::optimiser::AdamW;
 use crate::engine::checkpoint::write_json;
-use crate::engine::config::OuroConfig;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::format;
+use crate::engine::looped::LoopedConfig;
 use crate::engine::model::{LoopedModel, Weights};
 use crate::engine::rng::SplitMix;
 use crate::engine::tokenizer::TextTokenizer;
@@ -99,7 +99,7 @@ impl TrainState {
 /// The model over a `VarMap`, seeded fresh or, when resuming at `resume_step`, loaded with the
 /// saved weights and optimiser moments from `out`.
 fn build_model(
-    ouro: OuroConfig,
+    ouro: LoopedConfig,
     config: &TrainConfig,
     out: &Path,
     resume_step: Option<usize>,
@@ -164,7 +164,7 @@ impl Trainer {
         };
         let tokenizer = TextTokenizer::load(&tokenizer_path, &[0])?;
         let corpus = tokenize_corpus(&config, &tokenizer, &texts)?;
-        let ouro = config.ouro_config(config.model.vocab.max(tokenizer.vocab_size()));
+        let ouro = config.model_config(config.model.vocab.max(tokenizer.vocab_size()));
         let (model, varmap, opt) = build_model(ouro, &config, out, resume.then_some(state.step))?;
         if let Some(init) = &init {
             // Written only once the checkpoint has proved to fit: errors leave `out` alone.
@@ -185,7 +185,7 @@ impl Trainer {
     }
 
     /// The Ouro config of the model being trained.
-    pub fn model_config(&self) -> &OuroConfig {
+    pub fn model_config(&self) -> &LoopedConfig {
         &self.model.config
     }
 
@@ -281,7 +281,7 @@ impl Trainer {
         let t = &self.config.train;
         let (inputs, targets) = windows(tokens, starts, t.seq_len)?;
         let hidden = self.hidden_per_pass(&inputs)?;
-        let vocab = self.model.config.vocab_size;
+        let vocab = self.model.config.vocab;
         let targets = targets.flatten_all()?;
         let logits: Vec<Tensor> = self
             .model
@@ -329,7 +329,7 @@ impl Trainer {
             let (inputs, targets) = windows(tokens, &starts, t.seq_len)?;
             let hidden = self.hidden_per_pass(&inputs)?;
             let targets = targets.flatten_all()?;
-            let vocab = self.model.config.vocab_size;
+            let vocab = self.model.config.vocab;
             let logits: Vec<Tensor> = self
                 .model
                 .readouts(&hidden)?

@@ -28,21 +28,17 @@ struct RowCost {
 impl RowCost {
     fn of(loaded: &LoadedModel, kv_bytes: usize) -> Self {
         let c = &loaded.model().config;
-        let (hidden, q_dim, kv_dim) = (
-            c.hidden_size,
-            c.num_attention_heads * c.head_dim,
-            c.kv_dim(),
-        );
-        let layer = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * c.intermediate_size;
-        let head = c.vocab_size * hidden;
+        let (hidden, q_dim, kv_dim) = (c.hidden, c.heads * c.head_dim, c.kv_dim());
+        let layer = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * c.intermediate;
+        let head = c.vocab * hidden;
         // The proposal readouts go through the f16 head where the backend built one.
         let half_head = matches!(&loaded.backend, Backend::Host(b) if b.has_half_head());
         let head_bytes = if half_head { 2 } else { 4 };
         let attention = 2 * POS * q_dim;
         Self {
-            macs: (c.num_hidden_layers * (layer + attention) + head) as f64,
-            own_bytes: (c.num_hidden_layers * 2 * POS * kv_dim * kv_bytes) as f64,
-            weight_bytes: (c.num_hidden_layers * layer * 4 + head * head_bytes) as f64,
+            macs: (c.layers * (layer + attention) + head) as f64,
+            own_bytes: (c.layers * 2 * POS * kv_dim * kv_bytes) as f64,
+            weight_bytes: (c.layers * layer * 4 + head * head_bytes) as f64,
         }
     }
 }

@@ -213,7 +213,7 @@ pub fn recorded_race(
             name: "random".into(),
             config: model.config.to_json(),
             passes: model.passes(),
-            layers: model.config.num_hidden_layers,
+            layers: model.config.layers,
             weights_sha256: "0".repeat(64),
             tokenizer_sha256: "0".repeat(64),
         },

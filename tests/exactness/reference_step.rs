@@ -61,7 +61,7 @@ impl Tolerance {
 
 /// The token a second candidate at `pos` of `ids` runs, and its pass-1 reference logits.
 fn second_candidate(loaded: &LoadedModel, ids: &[u32], pos: usize) -> (u32, Vec<f32>) {
-    let vocab = loaded.model().config.vocab_size as u32;
+    let vocab = loaded.model().config.vocab as u32;
     let mut alt = ids[..=pos].to_vec();
     alt[pos] = (ids[pos] + 7) % vocab;
     (alt[pos], reference_logits(loaded, &alt)[0][pos].clone())

@@ -11,9 +11,9 @@ use super::device::DeviceBackend;
 use super::host::{HOST_DTYPES, HostBackend};
 use super::timing::{self, StepTimes};
 use super::{KvDtype, LoadOptions, LoopedModel, Weights};
-use crate::engine::config::OuroConfig;
 use crate::engine::error::Result;
 use crate::engine::kernels::{Isa, Kernels, Matrix, prefetch};
+use crate::engine::looped::LoopedConfig;
 
 /// The backend a model was loaded with: chosen once, from its device and dtype.
 #[derive(Debug, Clone)]
@@ -30,7 +30,7 @@ impl Backend {
     /// timing the model's steps); candle ops on other devices, and on the CPU where `options`
     /// ask for them (the GPU path's CPU twin).
     pub fn for_weights(
-        config: OuroConfig,
+        config: LoopedConfig,
         weights: Weights,
         device: &Device,
         dtype: DType,
@@ -53,7 +53,7 @@ impl Backend {
     /// or read straight into an arena); unless `options` fix the prefetch plan, it is chosen
     /// by timing the model's steps.
     pub fn host(
-        config: OuroConfig,
+        config: LoopedConfig,
         weights: Weights,
         dtype: DType,
         options: LoadOptions,

@@ -167,7 +167,7 @@ impl StepBackend for DeviceBackend {
         let parts = inputs
             .into_iter()
             .map(|input| match input {
-                RowInput::Token(id) if id as usize >= self.model.config.vocab_size => Err(
+                RowInput::Token(id) if id as usize >= self.model.config.vocab => Err(
                     EngineError::Invalid(format!("token id {id} is outside the vocabulary")),
                 ),
                 RowInput::Token(id) => {
@@ -295,13 +295,9 @@ pub struct DeviceKv {
 impl DeviceKv {
     fn new(model: &LoopedModel, capacity: usize) -> Result<Self> {
         let cfg = &model.config;
-        let shape = (
-            cfg.num_key_value_heads,
-            cfg.total_ut_steps * capacity,
-            cfg.head_dim,
-        );
+        let shape = (cfg.kv_heads, cfg.passes * capacity, cfg.head_dim);
         let zeros = |_| Tensor::zeros(shape, model.dtype, &model.device);
-        let layers = cfg.num_hidden_layers;
+        let layers = cfg.layers;
         if model.device.is_cpu() {
             let bytes =
                 crate::engine::memory::kv_cache_bytes(cfg, capacity, model.dtype.size_in_bytes());

@@ -138,7 +138,7 @@ impl HostBackend {
             None
         } else {
             let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;
-            HalfHead::new(&head, model.config.hidden_size, &kernels).map(Arc::new)
+            HalfHead::new(&head, model.config.hidden, &kernels).map(Arc::new)
         };
         Ok(Self {
             model,
@@ -351,7 +351,7 @@ impl StepBackend for HostBackend {
     }
 
     fn embed(&self, inputs: Vec<RowInput<Vec<f32>>>) -> Result<HostRows> {
-        let (hidden, vocab) = (self.model.config.hidden_size, self.model.config.vocab_size);
+        let (hidden, vocab) = (self.model.config.hidden, self.model.config.vocab);
         let view = HostView::new(&self.model.weights.embed_tokens)?;
         let embed = view.weight()?;
         let mut data = Vec::with_capacity(inputs.len() * hidden);
@@ -429,11 +429,7 @@ impl StepBackend for HostBackend {
         cache: &mut KvCache<HostKv>,
     ) -> Result<HostRows> {
         let cfg = &self.model.config;
-        let (q_dim, kv_dim, head_dim) = (
-            cfg.num_attention_heads * cfg.head_dim,
-            cfg.kv_dim(),
-            cfg.head_dim,
-        );
+        let (q_dim, kv_dim, head_dim) = (cfg.heads * cfg.head_dim, cfg.kv_dim(), cfg.head_dim);
         let [mut q, mut k, mut v] = self.linears(a, [&w.q_proj, &w.k_proj, &w.v_proj])?;
         // Borrowed in place: the three go back to the spares when dropped.
         let (q, k, v) = (&mut q.data, &mut k.data, &mut v.data);

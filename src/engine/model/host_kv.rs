@@ -12,10 +12,10 @@ use std::ops::Range;
 use half::f16;
 
 use super::LoopedModel;
-use crate::engine::config::OuroConfig;
 use crate::engine::error::Result;
 use crate::engine::kernels::{KvElement, KvLayout, KvStrides, KvView};
 use crate::engine::kv_cache::{AsideSlot, KvStore};
+use crate::engine::looped::LoopedConfig;
 use crate::engine::pass::Pass;
 
 /// The element type of the host KV cache.
@@ -108,14 +108,14 @@ pub struct KvBuffers<E> {
 }
 
 impl<E: KvElement> KvBuffers<E> {
-    fn new(cfg: &OuroConfig, capacity: usize) -> Result<Self> {
-        let (layers, kv_dim) = (cfg.num_hidden_layers, cfg.kv_dim());
+    fn new(cfg: &LoopedConfig, capacity: usize) -> Result<Self> {
+        let (layers, kv_dim) = (cfg.layers, cfg.kv_dim());
         let geometry = Geometry {
             capacity,
-            kv_heads: cfg.num_key_value_heads,
+            kv_heads: cfg.kv_heads,
             head_dim: cfg.head_dim,
         };
-        let size = cfg.total_ut_steps.saturating_mul(geometry.pass_size());
+        let size = cfg.passes.saturating_mul(geometry.pass_size());
         let bytes = [size, layers, 2, std::mem::size_of::<E>()]
             .into_iter()
             .fold(1usize, usize::saturating_mul);
@@ -253,8 +253,9 @@ mod tests {
             tied: true,
         };
         let (capacity, filled) = (70, 67);
-        let mut kv =
-            HostKv::F32(KvBuffers::new(&shape.ouro_config(16, "float32"), capacity).unwrap());
+        let mut kv = HostKv::F32(
+            KvBuffers::new(&shape.looped(16, candle_core::DType::F32), capacity).unwrap(),
+        );
         for (layer, pass, pos) in
             (0..2).flat_map(|l| Pass::all(3).flat_map(move |p| (0..filled).map(move |s| (l, p, s))))
         {

@@ -26,10 +26,10 @@ pub use step::{ReadoutKind, RowInput, RowSlot, StepModel, StepOutput, StepRow, s
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
-use super::config::OuroConfig;
 use super::error::Result;
 use super::format::{self, LayerTensor, Role};
 use super::kernels::AttnShape;
+use super::looped::LoopedConfig;
 use super::memory;
 
 /// How a checkpoint's weights are prepared for decoding.
@@ -101,7 +101,7 @@ impl LayerWeights {
 
     /// Reads (or creates) layer `index`'s tensors by their names in `format`'s table, in the
     /// table's order.
-    fn load(vb: &VarBuilder, config: &OuroConfig, index: usize) -> candle_core::Result<Self> {
+    fn load(vb: &VarBuilder, config: &LoopedConfig, index: usize) -> candle_core::Result<Self> {
         let get = |t: LayerTensor| {
             let (shape, role) = t.shape_and_role(config);
             vb.get_with_hints(shape, &t.name(index), init_for(role))
@@ -135,18 +135,18 @@ pub struct Weights {
 impl Weights {
     /// Reads (or, for a `VarMap`-backed builder, creates) every tensor the forward pass uses
     /// by its Ouro name (`format`); the exit gate is not read.
-    pub fn load(vb: &VarBuilder, config: &OuroConfig) -> candle_core::Result<Self> {
-        let (hidden, vocab) = (config.hidden_size, config.vocab_size);
+    pub fn load(vb: &VarBuilder, config: &LoopedConfig) -> candle_core::Result<Self> {
+        let (hidden, vocab) = (config.hidden, config.vocab);
         let embed_tokens = vb.get_with_hints(
             (vocab, hidden),
             format::EMBED_TOKENS,
             init_for(Role::Embedding),
         )?;
-        let layers = (0..config.num_hidden_layers)
+        let layers = (0..config.layers)
             .map(|i| LayerWeights::load(vb, config, i))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = vb.get_with_hints(hidden, format::FINAL_NORM, init_for(Role::Norm))?;
-        let lm_head = if config.tie_word_embeddings {
+        let lm_head = if config.tied {
             embed_tokens.clone()
         } else {
             vb.get_with_hints(
@@ -205,23 +205,20 @@ impl Weights {
 /// The names and shapes of the matrices the host kernels stream, in the order a host arena
 /// holds them: every layer's projections in the format's order, then the LM head (the
 /// embedding where the checkpoint ties them). The loaders read these straight into the arena.
-pub fn host_matrix_specs(config: &OuroConfig) -> Vec<(String, candle_core::Shape)> {
+pub fn host_matrix_specs(config: &LoopedConfig) -> Vec<(String, candle_core::Shape)> {
     let mut specs = Vec::new();
-    for layer in 0..config.num_hidden_layers {
+    for layer in 0..config.layers {
         for t in LayerTensor::ALL {
             if let (shape, Role::Linear { .. }) = t.shape_and_role(config) {
                 specs.push((t.name(layer), shape.into()));
             }
         }
     }
-    let head = match config.tie_word_embeddings {
+    let head = match config.tied {
         true => format::EMBED_TOKENS,
         false => format::LM_HEAD,
     };
-    specs.push((
-        head.to_string(),
-        (config.vocab_size, config.hidden_size).into(),
-    ));
+    specs.push((head.to_string(), (config.vocab, config.hidden).into()));
     specs
 }
 
@@ -286,7 +283,7 @@ impl Rope {
 /// [`StepBackend`] that holds it; the sequence forward (`reference`) runs on it directly.
 #[derive(Debug)]
 pub struct LoopedModel {
-    pub config: OuroConfig,
+    pub config: LoopedConfig,
     pub weights: Weights,
     pub rope: Rope,
     pub device: Device,
@@ -295,8 +292,13 @@ pub struct LoopedModel {
 
 impl LoopedModel {
     /// Wraps loaded (or, for training, created) weights.
-    pub fn new(config: OuroConfig, weights: Weights, device: Device, dtype: DType) -> Result<Self> {
-        let positions = config.max_position_embeddings.min(1 << 16);
+    pub fn new(
+        config: LoopedConfig,
+        weights: Weights,
+        device: Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        let positions = config.positions.min(1 << 16);
         let rope = Rope::new(
             config.head_dim,
             config.rope_theta,
@@ -315,14 +317,14 @@ impl LoopedModel {
 
     /// R, the passes.
     pub fn passes(&self) -> usize {
-        self.config.total_ut_steps
+        self.config.passes
     }
 
     /// The attention's heads, K/V heads and head width.
     pub fn attn_shape(&self) -> AttnShape {
         AttnShape {
-            heads: self.config.num_attention_heads,
-            kv_heads: self.config.num_key_value_heads,
+            heads: self.config.heads,
+            kv_heads: self.config.kv_heads,
             head_dim: self.config.head_dim,
         }
     }

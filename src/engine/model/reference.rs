@@ -108,7 +108,7 @@ impl LoopedModel {
             .weights
             .embed_tokens
             .index_select(&ids.flatten_all()?, 0)?
-            .reshape((batch, seq, self.config.hidden_size))?;
+            .reshape((batch, seq, self.config.hidden))?;
         let mask: Vec<f32> = (0..seq)
             .flat_map(|i| (0..seq).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
             .collect();
@@ -149,11 +149,7 @@ impl LoopedModel {
         let cfg = &self.config;
         let eps = cfg.rms_norm_eps;
         let (batch, seq, _) = h.dims3()?;
-        let (heads, kv_heads, head_dim) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        );
+        let (heads, kv_heads, head_dim) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
         let a = ops.rms_norm(h, &w.input_layernorm, eps)?;
         let split = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((batch, seq, n, head_dim))?

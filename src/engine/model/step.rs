@@ -88,7 +88,7 @@ impl<B: StepBackend> StepModel for B {
     }
 
     fn positions(&self) -> usize {
-        self.model().config.max_position_embeddings
+        self.model().config.positions
     }
 
     fn invariant_rows(&self) -> Option<usize> {
@@ -180,7 +180,7 @@ pub fn step<B: StepBackend>(
     if let Some(row) = slots.iter().find(|s| s.pos >= model.rope.positions()) {
         return Err(EngineError::CacheFull {
             position: row.pos,
-            capacity: model.config.max_position_embeddings,
+            capacity: model.config.positions,
         });
     }
     let out = sweep(backend, rows, cache)?;

@@ -141,7 +141,7 @@ fn median_times<B: StepBackend>(
 /// 3.70 GB against 3.09 GB at a context of 64 positions (2.87 GB of weights).
 pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
     let passes = backend.model().passes();
-    let positions = backend.model().config.max_position_embeddings;
+    let positions = backend.model().config.positions;
     let pos = 64.min(positions.saturating_sub(1));
     let capacity = pos + 1;
     prefetch::choose(backend.kernels().isa(), passes, |plans| {

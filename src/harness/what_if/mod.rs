@@ -126,7 +126,7 @@ fn replay(
             "what-if under {policy} did not reproduce the recorded text: this is a bug"
         )));
     }
-    let decode_rows = &pipeline.cache().store().rows_per_step[run.config.total_ut_steps..];
+    let decode_rows = &pipeline.cache().store().rows_per_step[run.config.passes..];
     let drafting_us = drafted.map_or(0.0, |(count, token_us)| count.get() as f64 * token_us);
     Ok(Simulated {
         steps,

@@ -82,7 +82,7 @@ impl Oracle {
     /// The logits of a row at `pos` after `pass`: the recorded readout's where the row is the
     /// recorded one, a fixed answer where nothing it decides can last.
     fn logits(&self, pos: usize, pass: Pass, recorded: bool) -> Result<Vec<f32>> {
-        let vocab = self.run.config.vocab_size;
+        let vocab = self.run.config.vocab;
         let next = (pos + 1).saturating_sub(self.run.prompt_tokens);
         let Some(&committed) = self.run.output.get(next).filter(|_| recorded) else {
             return Ok(one_hot(vocab, 0));
@@ -90,7 +90,7 @@ impl Oracle {
         if let Some(p) = self.run.readouts.get(&(pos, pass)) {
             return Ok(logits_of(p, vocab));
         }
-        if pass.is_last(self.run.config.total_ut_steps) {
+        if pass.is_last(self.run.config.passes) {
             return Ok(one_hot(vocab, committed));
         }
         if next + 1 >= self.run.output.len() {
@@ -108,11 +108,11 @@ impl StepModel for Oracle {
     type Kv = LineageStore;
 
     fn passes(&self) -> usize {
-        self.run.config.total_ut_steps
+        self.run.config.passes
     }
 
     fn positions(&self) -> usize {
-        self.run.config.max_position_embeddings
+        self.run.config.positions
     }
 
     fn empty_kv(&self, capacity: usize) -> Result<LineageStore> {

@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::engine::config::OuroConfig;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::events::{DecodeEvent, FinishReason, Prediction, StepEvent};
+use crate::engine::looped::LoopedConfig;
 use crate::engine::pass::Pass;
 use crate::engine::policy::PolicyKind;
 use crate::harness::race::{Lane, RaceEvent};
@@ -22,7 +22,7 @@ pub struct RecordedRun {
     pub path: PathBuf,
     /// The speculative lane's policy.
     pub policy: PolicyKind,
-    pub config: OuroConfig,
+    pub config: LoopedConfig,
     pub prompt_tokens: usize,
     /// The prompt as typed, for a draft model to read again.
     pub prompt: String,
@@ -53,11 +53,11 @@ impl RecordedRun {
                 "what-if re-simulates greedy runs only (this run sampled: its proposals and commits depend on the draws)",
             ));
         }
-        let config = OuroConfig::from_json(&header.model.config, path)?;
+        let config = LoopedConfig::from_ouro_json(&header.model.config, path)?;
         // The re-simulation holds a few rows of logits over the vocabulary and a flag for
         // every (pass, position) of the context: sized by the trace, so checked first.
-        let bytes = (config.vocab_size.saturating_mul(4 * 8))
-            .saturating_add(config.total_ut_steps.saturating_mul(header.context));
+        let bytes = (config.vocab.saturating_mul(4 * 8))
+            .saturating_add(config.passes.saturating_mul(header.context));
         crate::engine::memory::check_host_room(
             &format!("{}: what-if's state", path.display()),
             bytes,
@@ -124,7 +124,7 @@ impl RecordedRun {
 
     /// Errors if a token id is outside the vocabulary (a damaged trace).
     fn check_ids(&self, path: &Path) -> Result<()> {
-        let vocab = self.config.vocab_size;
+        let vocab = self.config.vocab;
         let readouts = self
             .readouts
             .values()
