@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use super::bench_bandwidth::{Bandwidth, print_bandwidth, probe_bandwidth};
 use super::device::cpu_model;
 use super::{BenchArgs, load_model};
 use crate::engine::events::DecodeEvent;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
+use crate::harness::bandwidth::{self, Bandwidth};
 use crate::harness::bench::{Comparison, PromptResult, bench_prompt};
 use crate::harness::race::{Lane, RaceEvent};
 use crate::harness::report::{BenchReport, Figures, PromptReport};
@@ -167,7 +167,7 @@ fn print_header(
 
 /// Every prompt's race of the baseline and `policies`, each printed as it ends (unless
 /// `--json`) and recorded where `--record` asks; with the read bandwidth probed before the
-/// first prompt and after each, where it means something ([`probe_bandwidth`]).
+/// first prompt and after each, where it means something ([`bandwidth::probe`]).
 fn bench_prompts(
     args: &BenchArgs,
     session: &super::Session,
@@ -184,7 +184,7 @@ fn bench_prompts(
     };
     let turns = args.lanes.turns();
     let mut results = Vec::new();
-    let mut probes: Vec<f64> = probe_bandwidth(&session.loaded)?.into_iter().collect();
+    let mut probes: Vec<f64> = bandwidth::probe(&session.loaded)?.into_iter().collect();
     for (index, prompt) in prompts.iter().enumerate() {
         let mut traces = match recorder.as_mut() {
             Some(r) => r.open(index, prompt, policies)?,
@@ -208,7 +208,7 @@ fn bench_prompts(
             print_prompt(&PromptReport::of(&r), results.is_empty(), passes);
         }
         results.push(r);
-        probes.extend(probe_bandwidth(&session.loaded)?);
+        probes.extend(bandwidth::probe(&session.loaded)?);
     }
     Ok((results, probes))
 }
@@ -301,10 +301,10 @@ fn json_report(
         "prompts": report.prompts,
         "overall": {
             "ceiling": report.ceiling,
-            "read_bytes_per_sec": bandwidth.map(|b| Bandwidth::median_low_high(&b.probes).0),
+            "read_bytes_per_sec": bandwidth.map(|b| b.probed.median),
             "read_bytes_per_sec_probes": bandwidth.map(|b| &b.probes),
             "weight_bytes_per_token": crate::harness::roofline::weight_bytes_per_token(session.loaded.model()),
-            "baseline_bandwidth_share": bandwidth.map(|b| Bandwidth::median_low_high(&b.shares).0),
+            "baseline_bandwidth_share": bandwidth.map(|b| b.share.median),
             "baseline_bandwidth_share_per_prompt": bandwidth.map(|b| &b.shares),
             "policies": report.policies,
         }
@@ -462,4 +462,26 @@ fn print_overall(report: &BenchReport, passes: usize) {
             );
         }
     }
+}
+
+/// The line under the table at real size: the bandwidth probed, a baseline token's weight
+/// bytes, and the share of the bandwidth the baseline read around each prompt.
+fn print_bandwidth(bandwidth: Option<&Bandwidth>) {
+    let Some(b) = bandwidth else {
+        return;
+    };
+    let gb = |bytes: f64| bytes / 1e9;
+    println!(
+        "read bandwidth over the weights {:.1}–{:.1} GB/s, probed around every prompt; a \
+         baseline token reads {:.2} GB of weights, so {:.2} tok/s reads {:.1} GB/s; around \
+         each prompt the baseline read {:.0} % of the bandwidth (median; {:.0}–{:.0} %)",
+        gb(b.probed.low),
+        gb(b.probed.high),
+        gb(b.weight_bytes_per_token as f64),
+        b.baseline_tokens_per_sec,
+        gb(b.baseline_read_bytes_per_sec),
+        100.0 * b.share.median,
+        100.0 * b.share.low,
+        100.0 * b.share.high,
+    );
 }

@@ -2,7 +2,6 @@
 //! `main` calls [`run`]; the dashboard and the trainer are reached from here too.
 
 mod bench;
-mod bench_bandwidth;
 mod chart;
 pub mod device;
 mod explain;
