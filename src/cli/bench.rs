@@ -179,7 +179,7 @@ fn bench_prompts(
         Some(dir) => Some(BenchRecorder::new(
             dir,
             super::record::header(session, options)?,
-        )?),
+        )),
         None => None,
     };
     let turns = args.lanes.turns();
@@ -221,12 +221,12 @@ struct BenchRecorder {
 }
 
 impl BenchRecorder {
-    fn new(dir: &Path, header: TraceHeader) -> Result<Self, EngineError> {
-        std::fs::create_dir_all(dir).map_err(|e| EngineError::file(dir, e))?;
-        Ok(Self {
+    /// Traces into `dir`, which `run` made before the model loaded.
+    fn new(dir: &Path, header: TraceHeader) -> Self {
+        Self {
             dir: dir.to_path_buf(),
             header,
-        })
+        }
     }
 
     /// The traces of prompt `index`, one per policy, headers written.

@@ -144,24 +144,14 @@ impl OuroConfig {
             field: field.to_string(),
             message: message.to_string(),
         };
-        let sizes = [
-            self.hidden_size,
-            self.num_hidden_layers,
-            self.total_ut_steps,
-            self.num_attention_heads,
-            self.num_key_value_heads,
-            self.head_dim,
-            self.intermediate_size,
-            self.vocab_size,
-            self.max_position_embeddings,
-        ];
-        for ((field, most), value) in FIELD_LIMITS.into_iter().zip(sizes) {
+        for field in FIELD_LIMITS {
+            let (value, most) = ((field.value)(self), field.most);
             if value == 0 {
-                return Err(err(field, "must be positive"));
+                return Err(err(field.name, "must be positive"));
             }
             if value > most {
                 return Err(err(
-                    field,
+                    field.name,
                     &format!("{value} is more than spex reads (at most {most})"),
                 ));
             }
@@ -266,23 +256,70 @@ impl LoopedConfig {
     pub fn to_json(&self) -> Value {
         OuroConfig::from(self).to_json()
     }
+
+    /// The shape of an Ouro `config.json` given as JSON (a trace keeps its model's);
+    /// `path` names it in errors.
+    pub fn from_ouro_json(value: &Value, path: &Path) -> Result<Self> {
+        OuroConfig::from_json(value, path).map(|c| c.looped())
+    }
 }
 
 /// The size fields of [`OuroConfig`] with the largest value spex accepts for each: far beyond
 /// any released looped model, and small enough that no product of them overflows a size.
 /// Passes bound the rows of a step and what every pass keeps (KV caches, trace rows); token
 /// ids are `u32`, so the vocabulary cannot outgrow them.
-pub const FIELD_LIMITS: [(&str, usize); 9] = [
-    ("hidden_size", 1 << 20),
-    ("num_hidden_layers", MOST_LAYERS),
-    ("total_ut_steps", MOST_PASSES),
-    ("num_attention_heads", 4096),
-    ("num_key_value_heads", 4096),
-    ("head_dim", 4096),
-    ("intermediate_size", 1 << 40),
-    ("vocab_size", 1 << 32),
-    ("max_position_embeddings", MOST_POSITIONS),
+pub const FIELD_LIMITS: [SizeField; 9] = [
+    SizeField::new("hidden_size", "hidden", 1 << 20, |c| c.hidden_size),
+    SizeField::new("num_hidden_layers", "layers", MOST_LAYERS, |c| {
+        c.num_hidden_layers
+    }),
+    SizeField::new("total_ut_steps", "passes", MOST_PASSES, |c| {
+        c.total_ut_steps
+    }),
+    SizeField::new("num_attention_heads", "heads", 4096, |c| {
+        c.num_attention_heads
+    }),
+    SizeField::new("num_key_value_heads", "kv_heads", 4096, |c| {
+        c.num_key_value_heads
+    }),
+    SizeField::new("head_dim", "head_dim", 4096, |c| c.head_dim),
+    SizeField::new("intermediate_size", "intermediate", 1 << 40, |c| {
+        c.intermediate_size
+    }),
+    SizeField::new("vocab_size", "vocab", 1 << 32, |c| c.vocab_size),
+    SizeField::new("max_position_embeddings", "context", MOST_POSITIONS, |c| {
+        c.max_position_embeddings
+    }),
 ];
+
+/// One size field of an Ouro config (a row of [`FIELD_LIMITS`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SizeField {
+    /// Its name in `config.json`.
+    pub name: &'static str,
+    /// The [`ModelShape`] field that sets it (spex's own configs and flags).
+    pub shape_name: &'static str,
+    /// The largest value spex accepts.
+    pub most: usize,
+    /// Where a parsed config holds it.
+    value: fn(&OuroConfig) -> usize,
+}
+
+impl SizeField {
+    const fn new(
+        name: &'static str,
+        shape_name: &'static str,
+        most: usize,
+        value: fn(&OuroConfig) -> usize,
+    ) -> Self {
+        Self {
+            name,
+            shape_name,
+            most,
+            value,
+        }
+    }
+}
 
 /// The most passes a model may have (`FIELD_LIMITS`): they bound a step's rows and what
 /// every pass keeps.
@@ -291,14 +328,6 @@ pub const MOST_PASSES: usize = 256;
 pub const MOST_LAYERS: usize = 4096;
 /// The most positions a model (and so a run's context) may have.
 pub const MOST_POSITIONS: usize = 1 << 32;
-
-impl LoopedConfig {
-    /// The shape of an Ouro `config.json` given as JSON (a trace keeps its model's);
-    /// `path` names it in errors.
-    pub fn from_ouro_json(value: &Value, path: &Path) -> Result<Self> {
-        OuroConfig::from_json(value, path).map(|c| c.looped())
-    }
-}
 
 /// A model's shape as spex's own configs name it (training configs, random checkpoints).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -319,20 +348,6 @@ pub struct ModelShape {
     pub tied: bool,
 }
 
-/// Each [`OuroConfig`] size field with the [`ModelShape`] field that sets it, for errors that
-/// name the field a user wrote.
-const SHAPE_FIELDS: [(&str, &str); 9] = [
-    ("hidden_size", "hidden"),
-    ("num_hidden_layers", "layers"),
-    ("total_ut_steps", "passes"),
-    ("num_attention_heads", "heads"),
-    ("num_key_value_heads", "kv_heads"),
-    ("head_dim", "head_dim"),
-    ("intermediate_size", "intermediate"),
-    ("vocab_size", "vocab"),
-    ("max_position_embeddings", "context"),
-];
-
 impl ModelShape {
     /// The engine's shape of this model, for a vocabulary of `vocab` rows, stored as `dtype`.
     pub fn looped(&self, vocab: usize, dtype: DType) -> LoopedConfig {
@@ -350,9 +365,9 @@ impl ModelShape {
                 field,
                 message,
             } => {
-                let name = (SHAPE_FIELDS.iter())
-                    .find(|(hf, _)| *hf == field)
-                    .map_or(field.as_str(), |(_, own)| own);
+                let name = (FIELD_LIMITS.iter())
+                    .find(|f| f.name == field)
+                    .map_or(field.as_str(), |f| f.shape_name);
                 EngineError::Config {
                     path,
                     field: format!("{prefix}{name}"),

@@ -127,6 +127,12 @@ pub fn check_host_room(what: &str, bytes: usize) -> super::error::Result<()> {
     }
 }
 
+/// [`check_host_room`] for a run's KV cache of `capacity` positions a pass, which takes `bytes`
+/// in its backend's layout.
+pub fn check_kv_cache_room(capacity: usize, bytes: usize) -> super::error::Result<()> {
+    check_host_room(&format!("a KV cache of {capacity} positions"), bytes)
+}
+
 /// Errors unless the weights of `shape`, `weight_copies` times over in f32 (a trainer's
 /// parameters, gradients and two moments; a builder's draws and stored copy), fit in the
 /// memory available; `what` names the source of the shape.

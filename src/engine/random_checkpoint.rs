@@ -125,7 +125,6 @@ fn random_tensors(config: &LoopedConfig, spec: &RandomSpec) -> Result<Vec<(Strin
         .collect()
 }
 
-/// Writes `model.safetensors`, or two shards and an index.
 /// Writes `tensors` to `path` through a temporary file, so an interrupted write never leaves
 /// a cut one under the real name.
 fn save_safetensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
@@ -134,6 +133,7 @@ fn save_safetensors(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()
     })
 }
 
+/// Writes `model.safetensors`, or two shards and an index.
 pub fn write_weights(dir: &Path, tensors: Vec<(String, Tensor)>, sharded: bool) -> Result<()> {
     if !sharded {
         let map: HashMap<String, Tensor> = tensors.into_iter().collect();

@@ -269,7 +269,8 @@ impl TraceHeader {
         if self.model.passes == 0 {
             return Err("line 1: `model.passes` must be positive".into());
         }
-        for (field, most) in FIELD_LIMITS {
+        for field in FIELD_LIMITS {
+            let (most, field) = (field.most, field.name);
             let Some(value) = self.model.config.get(field) else {
                 continue;
             };
@@ -282,8 +283,6 @@ impl TraceHeader {
         Ok(())
     }
 }
-
-pub use crate::engine::files::numbered;
 
 /// SHA-256 of a model's weights (every `.safetensors` file of its directory, in name order,
 /// or the embedded bytes) and of its tokenizer, as hex.

@@ -180,7 +180,7 @@ impl<'a> Races<'a> {
         // Names the dashboard makes up never replace a file: a taken one moves to the next
         // free `NAME-N.jsonl`, so runs recorded within one second keep a file each.
         let path = match &self.options.record {
-            Some(path) => crate::harness::trace::numbered(path, self.runs),
+            Some(path) => crate::engine::files::numbered(path, self.runs),
             None => {
                 let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
                 format!("spex-{}.jsonl", now.map_or(0, |d| d.as_secs())).into()

@@ -52,6 +52,17 @@ pub(crate) fn printable(text: &str) -> String {
         .collect()
 }
 
+/// Token text made visible in a cell: [`printable`], with spaces as '·' and newlines as '⏎'.
+pub(crate) fn visible(text: &str) -> String {
+    (printable(text).chars())
+        .map(|c| match c {
+            ' ' => '·',
+            '\n' => '⏎',
+            c => c,
+        })
+        .collect()
+}
+
 /// A popup of `width` × `height` cells (at most the area's) in the middle of `area`.
 pub(crate) fn centered(
     area: ratatui::layout::Rect,

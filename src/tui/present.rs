@@ -200,13 +200,13 @@ fn draw_pipeline(frame: &mut Frame, area: Rect, app: &App, run: &RunView, tall: 
 /// One token cell, boxed when `tall`.
 fn draw_cell(frame: &mut Frame, area: Rect, text: &str, kind: &CellKind, tall: bool) {
     let (shown, style) = match kind {
-        CellKind::Verified => (visible(text), base().fg(Color::Green)),
-        CellKind::Speculative => (visible(text), base().fg(Color::Yellow)),
+        CellKind::Verified => (super::visible(text), base().fg(Color::Green)),
+        CellKind::Speculative => (super::visible(text), base().fg(Color::Yellow)),
         CellKind::Flipped { old, new } => (
-            format!("{}→{}", visible(old), visible(new)),
+            format!("{}→{}", super::visible(old), super::visible(new)),
             Style::new().fg(Color::White).bg(Color::Red),
         ),
-        CellKind::Flushed => (visible(text), base().fg(Color::DarkGray)),
+        CellKind::Flushed => (super::visible(text), base().fg(Color::DarkGray)),
     };
     let style = style.add_modifier(Modifier::BOLD);
     let p = Paragraph::new(shown)
@@ -221,18 +221,6 @@ fn draw_cell(frame: &mut Frame, area: Rect, text: &str, kind: &CellKind, tall: b
     } else {
         frame.render_widget(p, area);
     }
-}
-
-/// Token text made visible: spaces as '·', newlines as '⏎'.
-fn visible(text: &str) -> String {
-    (text.chars())
-        .map(|c| match c {
-            ' ' => '·',
-            '\n' => '⏎',
-            c if c.is_control() => '?',
-            c => c,
-        })
-        .collect()
 }
 
 fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {

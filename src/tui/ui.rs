@@ -316,16 +316,7 @@ fn draw_lane(
 
 /// Token text made visible in a fixed-width cell: spaces as '·', newlines as '⏎'.
 fn cell_text(text: &str, width: usize) -> String {
-    let shown: String = text
-        .chars()
-        .map(|c| match c {
-            ' ' => '·',
-            '\n' => '⏎',
-            c if c.is_control() => '?',
-            c => c,
-        })
-        .collect();
-    let mut out: String = shown.chars().take(width).collect();
+    let mut out: String = super::visible(text).chars().take(width).collect();
     let used = Line::from(out.clone()).width();
     out.extend(std::iter::repeat_n(' ', width.saturating_sub(used)));
     out

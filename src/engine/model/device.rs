@@ -301,10 +301,7 @@ impl DeviceKv {
         if model.device.is_cpu() {
             let bytes =
                 crate::engine::memory::kv_cache_bytes(cfg, capacity, model.dtype.size_in_bytes());
-            crate::engine::memory::check_host_room(
-                &format!("a KV cache of {capacity} positions"),
-                bytes,
-            )?;
+            crate::engine::memory::check_kv_cache_room(capacity, bytes)?;
         }
         Ok(Self {
             capacity,

@@ -119,8 +119,7 @@ impl<E: KvElement> KvBuffers<E> {
         let bytes = [size, layers, 2, std::mem::size_of::<E>()]
             .into_iter()
             .fold(1usize, usize::saturating_mul);
-        let what = format!("a KV cache of {capacity} positions");
-        crate::engine::memory::check_host_room(&what, bytes)?;
+        crate::engine::memory::check_kv_cache_room(capacity, bytes)?;
         Ok(Self {
             geometry,
             keys: vec![vec![E::default(); size]; layers],
