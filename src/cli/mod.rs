@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::model::KvDtype;
-use crate::engine::policy::{PolicyKind, table as policy_table};
+use crate::engine::policy::{self as policy_table, PolicyKind};
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use crate::engine::{EngineError, Sampling};
 use session::model_label;
@@ -262,7 +262,7 @@ pub struct GenerateArgs {
     /// The prompt text.
     #[arg(long)]
     pub prompt: String,
-    // The help comes from the policy table (`engine::policy::table`).
+    // The help comes from the policy table (`engine::policy::POLICIES`).
     #[arg(long, help = policy_table::help("The policy", true))]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
@@ -321,7 +321,7 @@ pub struct BenchArgs {
     /// Tokens to generate per prompt.
     #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
-    // The help comes from the policy table (`engine::policy::table`).
+    // The help comes from the policy table (`engine::policy::POLICIES`).
     #[arg(long, value_delimiter = ',', help = policy_table::help(
         "The policies raced against baseline, comma-separated, all in one interleaved run",
         false,
@@ -349,7 +349,7 @@ pub struct TuiArgs {
     /// Tokens to generate per run.
     #[arg(long, default_value_t = 200, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
-    // The help comes from the policy table (`engine::policy::table`).
+    // The help comes from the policy table (`engine::policy::POLICIES`).
     #[arg(long, help = policy_table::help("The policy raced against baseline", false))]
     pub policy: Option<PolicyKind>,
     /// Frames per second of the dashboard.

@@ -178,7 +178,7 @@ pub fn bench_prompt(
     if policies.is_empty() || policies.contains(&PolicyKind::Baseline) {
         return Err(EngineError::Invalid(format!(
             "bench races baseline against speculative policies: {}",
-            crate::engine::policy::table::forms(|row| row.speculative)
+            crate::engine::policy::forms(|row| row.speculative)
         )));
     }
     let lanes: Vec<PolicyKind> = std::iter::once(PolicyKind::Baseline)

@@ -1,184 +1,40 @@
 //! Decoding policies: where a token's readouts start children, which candidates they start,
 //! and how a readout settles the candidates in flight for the next position. The scheduler
-//! in `pipeline` is the same for every policy and asks only these questions; a new policy is
-//! a new implementation, and touches neither the walk nor the dashboard.
+//! in `pipeline` is the same for every policy and asks only these questions ([`Policy`]); a
+//! new policy is a new implementation, and touches neither the walk nor the dashboard.
 //!
 //! `speed` holds the policies that commit exactly the baseline's choice (greedy or
 //! seed-coupled: `engine::sampling`); `loopspec` the one that verifies by rejection
 //! sampling; `self_draft` and `draft_model` draft-then-verify decoding, whose window the
 //! scheduler paces from the policy's [`Drafting`].
+//!
+//! This file is the one table of the policies a user can name ([`POLICIES`]): each row's
+//! name, how it is written, what it does and how its parameters parse. Parsing
+//! ([`PolicyKind`]'s `FromStr`), the list an unknown name's error gives, the CLI's help
+//! ([`help`]) and the bench's refusal of a lane that does not speculate all read it. A new
+//! policy is its own file (its [`Policy`] type and its parameters' parser) and, here, its
+//! `mod` line, its [`PolicyKind`] variant with its `build` arm, and its row.
 
+mod decide;
 mod draft_model;
 mod loopspec;
 mod self_draft;
 mod speed;
-pub mod table;
 
 use std::fmt;
-use std::sync::Arc;
 
+pub use decide::{Action, DraftSource, Drafting, Policy, Proposal, Readout, Verdict};
 pub use draft_model::DraftModel;
 pub use loopspec::LoopSpec;
 pub use self_draft::SelfDraft;
 pub use speed::{Baseline, Dual, Speed};
 
 use super::pass::Pass;
+#[cfg(test)]
 use super::sampling::Sampling;
 
-/// A candidate for the next position.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Proposal {
-    pub token: u32,
-    /// The distribution `token` was drawn from, which a verification by rejection needs
-    /// (LoopSpec); `None` for a deterministic choice (greedy or seed-coupled).
-    pub drawn_from: Option<Arc<[f32]>>,
-}
-
-impl Proposal {
-    /// A deterministic choice.
-    pub fn chosen(token: u32) -> Self {
-        Self {
-            token,
-            drawn_from: None,
-        }
-    }
-}
-
-/// How a readout settles the candidates in flight for the next position.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
-    /// The candidate at this index (0: the first) survives; any other is dropped.
-    Keep(usize),
-    /// Every candidate is wrong: they and everything younger are flushed. At pass R this
-    /// token is committed instead; before it, it is proposed anew.
-    Reject(Proposal),
-}
-
-/// What one readout does for the next position, decided while the step is timed.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Action {
-    /// Nothing at this pass.
-    Nothing,
-    /// Nothing is in flight: start children, a first candidate and perhaps a second beside it.
-    /// `gated` says whether a gate decided about the second (the gate-open rate's count).
-    Propose {
-        first: Proposal,
-        second: Option<Proposal>,
-        gated: bool,
-    },
-    /// A first candidate is in flight and the second-proposal gate was asked: what it opened
-    /// for, if anything (LoopSpec's gated second proposal).
-    Gate(Option<Proposal>),
-    /// Keep one of the candidates in flight, or reject them all.
-    Settle(Verdict),
-    /// Pass R with nothing in flight: commit this token.
-    Commit(u32),
-}
-
-impl Action {
-    /// The token this readout stands for in events: the one it commits, keeps or proposes.
-    pub fn shown(&self, candidates: &[Proposal]) -> Option<u32> {
-        match self {
-            Self::Nothing | Self::Gate(_) => None,
-            Self::Propose { first, .. } => Some(first.token),
-            Self::Settle(Verdict::Keep(i)) => candidates.get(*i).map(|c| c.token),
-            Self::Settle(Verdict::Reject(p)) => Some(p.token),
-            Self::Commit(token) => Some(*token),
-        }
-    }
-
-    /// Whether a second-proposal gate was asked, and if so whether it opened.
-    pub fn gate(&self) -> Option<bool> {
-        match self {
-            Self::Propose {
-                second,
-                gated: true,
-                ..
-            } => Some(second.is_some()),
-            Self::Gate(second) => Some(second.is_some()),
-            _ => None,
-        }
-    }
-}
-
-/// A readout as a policy sees it.
-#[derive(Debug, Clone, Copy)]
-pub struct Readout<'a> {
-    pub logits: &'a [f32],
-    /// The pass it was read out after.
-    pub pass: Pass,
-    /// R, the model's passes.
-    pub passes: usize,
-    /// The position it predicts (the row's position + 1).
-    pub pos: usize,
-    /// How logits become a token in this run.
-    pub sampling: &'a Sampling,
-}
-
-impl Readout<'_> {
-    /// Whether this is the last pass's readout, which commits.
-    pub fn is_last(&self) -> bool {
-        self.pass.is_last(self.passes)
-    }
-}
-
-/// How a draft-then-verify policy paces the window (`engine::pipeline`, "Draft then
-/// verify"): `tokens` drafts (γ) follow the verified token, drafted one after another from
-/// `source`; then the whole group runs its remaining passes together and pass R checks every
-/// draft at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Drafting {
-    pub source: DraftSource,
-    /// γ: drafts per round, 1 or more.
-    pub tokens: usize,
-}
-
-/// Where a draft-then-verify policy's drafts come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DraftSource {
-    /// The model's own first d passes (d below R): each draft runs passes 1..=d and its
-    /// pass-d readout drafts the next, while the tokens past d wait.
-    Passes(Pass),
-    /// A separate draft model with the same tokenizer (`engine::drafter`), asked for the
-    /// round's γ drafts at once before the group's first pass.
-    Model,
-}
-
-/// What a policy decides for the scheduler.
-pub trait Policy: Send + Sync + fmt::Debug {
-    /// Its name in the CLI, events and the dashboard.
-    fn name(&self) -> &'static str;
-
-    /// A one-line complaint if the policy cannot run on a model with `passes` passes.
-    fn check(&self, _passes: usize) -> Result<(), String> {
-        Ok(())
-    }
-
-    /// Whether a token whose next position has `in_flight` candidates needs a readout after
-    /// `pass` (< R). Pass R always reads out: it commits.
-    fn reads_out(&self, pass: Pass, passes: usize, in_flight: usize) -> bool;
-
-    /// What a readout does, given the candidates in flight for its next position (the
-    /// first, then any second). At pass R it returns `Commit` or `Settle`.
-    fn act(&self, r: &Readout, candidates: &[Proposal]) -> Action;
-
-    /// Whether its text under sampling is the baseline's for the same seed: true for the
-    /// policies that commit only pass-R seed-coupled choices (`engine::sampling`); a policy
-    /// that verifies by rejection keeps the distribution, not the sample.
-    fn keeps_baseline_sample(&self) -> bool {
-        true
-    }
-
-    /// `Some` for a draft-then-verify policy: the scheduler holds the tokens past the draft
-    /// depth while the next is drafted. `None` (SPEED's pipelining): every token advances a
-    /// pass in every step.
-    fn drafting(&self) -> Option<Drafting> {
-        None
-    }
-}
-
 /// The policies the CLI, models.toml and the dashboard can name, each a row of
-/// [`table::POLICIES`] (how it is written and what it does). The dual gate's best value
+/// [`POLICIES`] (how it is written and what it does). The dual gate's best value
 /// depends on how peaked a model's pass-1 readouts are, so it is a per-model setting;
 /// LoopSpec's depths default to first proposals at pass 1 and no second ones.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -237,9 +93,9 @@ impl PolicyKind {
 impl std::str::FromStr for PolicyKind {
     type Err = String;
 
-    /// A name from [`table::POLICIES`], with its parameters.
+    /// A name from [`POLICIES`], with its parameters.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        table::parse(s)
+        parse(s)
     }
 }
 
@@ -291,6 +147,153 @@ impl fmt::Display for PolicyKind {
             _ => f.write_str(self.build().name()),
         }
     }
+}
+
+/// One policy a user can name.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyRow {
+    /// The name before any `:`.
+    pub name: &'static str,
+    /// The ways it is written, parameters in brackets where they are optional.
+    pub forms: &'static [&'static str],
+    /// What it does, in a few words (the CLI's help).
+    pub summary: &'static str,
+    /// Whether it races against the baseline as a speculative lane.
+    pub speculative: bool,
+    /// The policy its parameters (what follows `name:`, or "" when written alone) make.
+    parse: fn(&str) -> Result<PolicyKind, String>,
+}
+
+/// Every policy a user can name, in the order the help lists them.
+pub const POLICIES: [PolicyRow; 6] = [
+    PolicyRow {
+        name: "speed",
+        forms: &["speed"],
+        summary: "SPEED: each token starts from the one before's pass-1 prediction",
+        speculative: true,
+        parse: parse_speed,
+    },
+    PolicyRow {
+        name: "dual",
+        forms: &["dual[:MARGIN]"],
+        summary: "SPEED with a gated second proposal; MARGIN sets the gate in logits",
+        speculative: true,
+        parse: parse_dual,
+    },
+    PolicyRow {
+        name: "loopspec",
+        forms: &["loopspec[:d1=N][:d2=M]"],
+        summary: "LoopSpec's proposals at depth N, gated second ones at M, verified by \
+                  rejection sampling",
+        speculative: true,
+        parse: parse_loopspec,
+    },
+    PolicyRow {
+        name: "self-draft",
+        forms: &["self-draft[:d=N][:g=M]"],
+        summary: "draft then verify: M tokens drafted from pass N, then verified together",
+        speculative: true,
+        parse: parse_self_draft,
+    },
+    PolicyRow {
+        name: "draft",
+        forms: &["draft[:g=M]"],
+        summary: "draft then verify with M tokens from --draft-model",
+        speculative: true,
+        parse: parse_draft,
+    },
+    PolicyRow {
+        name: "baseline",
+        forms: &["baseline"],
+        summary: "one token at a time, every pass: what the others are held to",
+        speculative: false,
+        parse: parse_baseline,
+    },
+];
+
+/// The forms of the rows `which` keeps, as a list: `a, b, c or d`.
+pub fn forms(which: impl Fn(&PolicyRow) -> bool) -> String {
+    let all: Vec<&str> = (POLICIES.iter())
+        .filter(|row| which(row))
+        .flat_map(|row| row.forms.iter().copied())
+        .collect();
+    match all.split_last() {
+        Some((last, [])) => last.to_string(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+/// The CLI's help for a policy flag: `intro`, then every policy (the speculative ones unless
+/// `baseline`) with what it does, then the default.
+pub fn help(intro: &str, baseline: bool) -> String {
+    let listed: Vec<String> = (POLICIES.iter())
+        .filter(|row| baseline || row.speculative)
+        .map(|row| format!("{} ({})", row.forms.join(", "), row.summary))
+        .collect();
+    format!(
+        "{intro}: {} (default: the entry's, else speed)",
+        listed.join("; ")
+    )
+}
+
+/// Parses `s`: a row's name alone, or `name:parameters`.
+fn parse(s: &str) -> Result<PolicyKind, String> {
+    let (name, params) = s.split_once(':').unwrap_or((s, ""));
+    if s.ends_with(':') {
+        return Err(format!(
+            "policy `{s}`: nothing after `:` (write `{name}` alone, or give its parameters)"
+        ));
+    }
+    let unknown = || format!("unknown policy `{s}` (expected {})", forms(|_| true));
+    let row = POLICIES
+        .iter()
+        .find(|row| row.name == name)
+        .ok_or_else(unknown)?;
+    (row.parse)(params).map_err(|e| match e.is_empty() {
+        true => unknown(),
+        false => format!("policy `{s}`: {e}"),
+    })
+}
+
+/// `kind` where it is written alone; given parameters it does not take, an empty error,
+/// which [`parse`] reports as an unknown policy with the list of forms.
+fn none_taken(params: &str, kind: PolicyKind) -> Result<PolicyKind, String> {
+    match params.is_empty() {
+        true => Ok(kind),
+        false => Err(String::new()),
+    }
+}
+
+fn parse_speed(params: &str) -> Result<PolicyKind, String> {
+    none_taken(params, PolicyKind::Speed)
+}
+
+fn parse_baseline(params: &str) -> Result<PolicyKind, String> {
+    none_taken(params, PolicyKind::Baseline)
+}
+
+fn parse_dual(params: &str) -> Result<PolicyKind, String> {
+    if params.is_empty() {
+        return Ok(PolicyKind::DUAL);
+    }
+    match params.parse::<f32>() {
+        Ok(m) if m.is_finite() && m > 0.0 => Ok(PolicyKind::Dual { margin_below: m }),
+        _ => Err("the dual margin must be a positive number of logits".into()),
+    }
+}
+
+fn parse_loopspec(params: &str) -> Result<PolicyKind, String> {
+    loopspec::parse_depths(params).map(|(d1, d2)| PolicyKind::LoopSpec { d1, d2 })
+}
+
+fn parse_self_draft(params: &str) -> Result<PolicyKind, String> {
+    self_draft::parse_drafting(params)
+        .map(|(depth, tokens)| PolicyKind::SelfDraft { depth, tokens })
+}
+
+fn parse_draft(params: &str) -> Result<PolicyKind, String> {
+    draft_model::parse_tokens(params).map(|tokens| PolicyKind::Draft { tokens })
 }
 
 #[cfg(test)]
@@ -422,5 +425,42 @@ mod tests {
                 .expect_err("an invalid policy name");
             assert!(err.contains(bad), "{err}");
         }
+    }
+}
+
+#[cfg(test)]
+mod table_tests {
+    use super::*;
+
+    /// Every form a row lists parses to a policy of that row, and the policy's name reads
+    /// back; the list an unknown name gives names every form.
+    #[test]
+    fn every_row_parses_its_forms_and_the_list_names_them_all() {
+        for row in POLICIES {
+            let written = row.forms[0].split('[').next().unwrap_or(row.name);
+            let kind = parse(written).unwrap();
+            assert_eq!(kind.to_string(), written, "{}", row.name);
+            assert_eq!(
+                kind != PolicyKind::Baseline,
+                row.speculative,
+                "{}",
+                row.name
+            );
+        }
+        assert_eq!(
+            forms(|_| true),
+            "speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M] \
+             or baseline"
+        );
+        assert!(
+            parse("speed:x")
+                .unwrap_err()
+                .starts_with("unknown policy `speed:x`")
+        );
+        let raced = help("Raced", false);
+        assert!(
+            raced.contains("loopspec[:d1=N][:d2=M] (LoopSpec's") && !raced.contains("baseline (")
+        );
+        assert!(help("The policy", true).contains("; baseline (one token at a time"));
     }
 }
