@@ -193,7 +193,7 @@ fn replay_steps_forward_and_back_through_a_recorded_run_and_quits_cleanly() {
     );
     let bench = ["bench", "--runs", "1", "--max-tokens", "12", "--model", &m];
     spex_ok(
-        &[&bench[..], &["--prompts", &p, "--record", &t]].concat(),
+        &[&bench[..], &["--prompts", &p, "--record-dir", &t]].concat(),
         &[],
         dir.path(),
     );

@@ -29,7 +29,7 @@ fn a_length_sweep_reports_every_length_and_draws_its_chart() {
         &d,
         "--prompts",
         &p,
-        "--chart",
+        "--svg",
         &c,
     ];
     let out = spex_ok(
@@ -89,7 +89,7 @@ fn a_size_sweep_measures_every_size_beside_its_bound() {
     let c = chart.display().to_string();
     let args = ["sweep", "sizes", "--hidden", "256,128", "--threads", "1"];
     let out = spex_ok(
-        &[&args[..], &["--chart", &c, "--json"]].concat(),
+        &[&args[..], &["--svg", &c, "--json"]].concat(),
         &[],
         Path::new("."),
     );
@@ -143,7 +143,7 @@ fn a_policy_sweep_benches_every_policy_on_every_model() {
         "1",
     ];
     let out = spex_ok(
-        &[&args[..], &more, &["--chart", &c, "--json"]].concat(),
+        &[&args[..], &more, &["--svg", &c, "--json"]].concat(),
         &[],
         Path::new("."),
     );

@@ -332,7 +332,7 @@ fn bench_records_a_trace_a_run_that_what_if_replays() {
     assert!(from_speed[2]["recorded_steps"].is_null());
 }
 
-/// `spex bench --record DIR/traces` over two prompts, two runs each, speed and dual:2 on the
+/// `spex bench --record-dir DIR/traces` over two prompts, two runs each, speed and dual:2 on the
 /// checkpoint in `dir`; checks the file names and returns the folder.
 fn record_bench_traces(dir: &Path) -> std::path::PathBuf {
     let d = dir.display().to_string();
@@ -350,7 +350,7 @@ fn record_bench_traces(dir: &Path) -> std::path::PathBuf {
         "--prompts",
         &p,
     ];
-    let args = ["--model", &d, "--max-tokens", "8", "--record", &t];
+    let args = ["--model", &d, "--max-tokens", "8", "--record-dir", &t];
     spex_ok(&[&bench[..], &args[..]].concat(), &[], Path::new("."));
     let mut names: Vec<String> = std::fs::read_dir(&traces)
         .unwrap()
@@ -434,7 +434,7 @@ fn a_snapshot_is_an_svg_of_the_dashboard_at_its_step() {
     let out = dir.path().join("frame.svg");
     let (o, p) = (out.display().to_string(), path.display().to_string());
     spex_ok(
-        &["snapshot", "--step", "5", "--out", &o, &p],
+        &["snapshot", "--step", "5", "--svg", &o, &p],
         &[],
         Path::new("."),
     );
@@ -454,7 +454,7 @@ fn a_snapshot_is_an_svg_of_the_dashboard_at_its_step() {
     std::fs::remove_file(&out).unwrap();
     let past = (steps + 1).to_string();
     let failed = std::process::Command::new(env!("CARGO_BIN_EXE_spex"))
-        .args(["snapshot", "--step", &past, "--out", &o, &p])
+        .args(["snapshot", "--step", &past, "--svg", &o, &p])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&failed.stderr);

@@ -102,9 +102,9 @@ fn prefetch_note(loaded: &crate::engine::LoadedModel) -> String {
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let prompts = args.lanes.read_prompts()?;
     // Checked before the model loads: a bench can run for an hour.
-    if let Some(dir) = &args.record {
+    if let Some(dir) = &args.record_dir {
         std::fs::create_dir_all(dir).map_err(|e| {
-            EngineError::file(dir, format!("--record: cannot make this folder: {e}"))
+            EngineError::file(dir, format!("--record-dir: cannot make this folder: {e}"))
         })?;
     }
     let session = load_model(&args.model, &args.policy)?;
@@ -166,7 +166,7 @@ fn print_header(
 }
 
 /// Every prompt's race of the baseline and `policies`, each printed as it ends (unless
-/// `--json`) and recorded where `--record` asks; with the read bandwidth probed before the
+/// `--json`) and recorded where `--record-dir` asks; with the read bandwidth probed before the
 /// first prompt and after each, where it means something ([`bandwidth::probe`]).
 fn bench_prompts(
     args: &BenchArgs,
@@ -175,7 +175,7 @@ fn bench_prompts(
     (prompts, policies): (&[String], &[PolicyKind]),
 ) -> anyhow::Result<(Vec<PromptResult>, Vec<f64>)> {
     let passes = session.loaded.model().passes();
-    let mut recorder = match &args.record {
+    let mut recorder = match &args.record_dir {
         Some(dir) => Some(BenchRecorder::new(
             dir,
             super::record::header(session, options)?,
@@ -213,7 +213,7 @@ fn bench_prompts(
     Ok((results, probes))
 }
 
-/// Where `--record` writes: one trace per prompt and policy, each with the policy's lane and
+/// Where `--record-dir` writes: one trace per prompt and policy, each with the policy's lane and
 /// the baseline's.
 struct BenchRecorder {
     dir: PathBuf,

@@ -15,7 +15,7 @@ use crate::harness::what_if::{RecordedRun, StepCosts, WhatIf, WhatIfDraft, step_
 /// `spex explain`.
 #[derive(Debug, Args)]
 pub struct ExplainArgs {
-    /// Trace files, or directories of them (every `.jsonl` inside, e.g. a `bench --record`
+    /// Trace files, or directories of them (every `.jsonl` inside, e.g. a `bench --record-dir`
     /// directory).
     #[arg(required = true)]
     pub traces: Vec<PathBuf>,

@@ -331,9 +331,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// Record the first run of every prompt and policy to a trace in this directory
-    /// (`01-dual_2.jsonl`, …; created if missing).
-    #[arg(long)]
-    pub record: Option<PathBuf>,
+    /// (`01-dual_2.jsonl`, …; created if missing). `generate` and `tui` take `--record FILE`.
+    #[arg(long, value_name = "DIR")]
+    pub record_dir: Option<PathBuf>,
 }
 
 /// `spex tui` (and `spex` alone).

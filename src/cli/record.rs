@@ -58,7 +58,7 @@ pub fn check_target(path: &Path, session: &Session) -> Result<(), EngineError> {
     files::check_writable(path, "--record")
 }
 
-/// The file of one prompt and policy in a bench's `--record` directory.
+/// The file of one prompt and policy in a bench's `--record-dir`.
 pub fn bench_trace(dir: &Path, prompt_index: usize, policy: PolicyKind) -> PathBuf {
     let name: String = policy
         .to_string()

@@ -99,8 +99,8 @@ pub struct SnapshotArgs {
     #[arg(long, default_value_t = 0)]
     pub step: usize,
     /// Where to write the SVG.
-    #[arg(long)]
-    pub out: PathBuf,
+    #[arg(long, value_name = "FILE")]
+    pub svg: PathBuf,
     /// The dashboard's width in cells (at most 400).
     #[arg(long, default_value_t = 120)]
     pub width: u16,
@@ -114,8 +114,8 @@ pub struct SnapshotArgs {
 
 pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<()> {
     use crate::engine::files;
-    files::refuse_same_file(&args.out, &args.file, "--out")?;
-    files::check_writable(&args.out, "--out")?;
+    files::refuse_same_file(&args.svg, &args.file, "--svg")?;
+    files::check_writable(&args.svg, "--svg")?;
     let trace = Trace::read(&args.file)?;
     if args.step > trace.steps() {
         anyhow::bail!(
@@ -131,6 +131,6 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<()> {
     );
     let size = (args.width.min(400), args.height.min(200), args.present);
     let svg = crate::tui::replay::snapshot(trace, name, args.step, size)?;
-    files::write_atomically(&args.out, |out| out.write_all(svg.as_bytes()))?;
+    files::write_atomically(&args.svg, |out| out.write_all(svg.as_bytes()))?;
     Ok(())
 }

@@ -46,9 +46,9 @@ pub struct LengthArgs {
     /// The policies, comma-separated (default: the entry's policy, else speed).
     #[arg(long, value_delimiter = ',')]
     pub policy: Vec<PolicyKind>,
-    /// Where the chart is written.
-    #[arg(long, default_value = "sweep-lengths.svg")]
-    pub chart: PathBuf,
+    /// Where the chart is written (an SVG).
+    #[arg(long, value_name = "FILE", default_value = "sweep-lengths.svg")]
+    pub svg: PathBuf,
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -56,12 +56,12 @@ pub struct LengthArgs {
 
 pub fn run(args: &SweepArgs) -> anyhow::Result<()> {
     let chart = match &args.sweep {
-        Sweep::Lengths(args) => &args.chart,
-        Sweep::Sizes(args) => &args.chart,
-        Sweep::Policies(args) => &args.chart,
+        Sweep::Lengths(args) => &args.svg,
+        Sweep::Sizes(args) => &args.svg,
+        Sweep::Policies(args) => &args.svg,
     };
     // Checked before the sweep runs, not after it.
-    crate::engine::files::check_writable(chart, "--chart")?;
+    crate::engine::files::check_writable(chart, "--svg")?;
     match &args.sweep {
         Sweep::Lengths(args) => lengths(args),
         Sweep::Sizes(args) => super::sweep_sizes::run(args),
@@ -108,12 +108,12 @@ fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
         session.name,
         super::device::machine_name(&session.loaded)
     );
-    super::chart::draw(&length_chart(&sweep, title), &args.chart)?;
+    super::chart::draw(&length_chart(&sweep, title), &args.svg)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&sweep)?);
     } else {
         print_lengths(&sweep);
-        println!("chart: {}", args.chart.display());
+        println!("chart: {}", args.svg.display());
     }
     let failed = sweep.failed();
     if !failed.is_empty() {

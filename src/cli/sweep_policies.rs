@@ -44,9 +44,9 @@ pub struct PolicyArgs {
     /// speedups: models of different depths side by side.
     #[arg(long)]
     pub tokens_per_sec: bool,
-    /// Where the chart is written.
-    #[arg(long, default_value = "sweep-policies.svg")]
-    pub chart: PathBuf,
+    /// Where the chart is written (an SVG).
+    #[arg(long, value_name = "FILE", default_value = "sweep-policies.svg")]
+    pub svg: PathBuf,
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -69,12 +69,12 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
             format!("speedup by policy on {machine}, {} tokens", args.max_tokens),
         ),
     };
-    draw_bars(&chart, &args.chart)?;
+    draw_bars(&chart, &args.svg)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&points)?);
     } else {
         print_policies(&points);
-        println!("chart: {}", args.chart.display());
+        println!("chart: {}", args.svg.display());
     }
     let failed: Vec<String> = (points.iter())
         .flat_map(|m| {

@@ -33,9 +33,9 @@ pub struct SizeArgs {
     /// Decode threads (default: the physical cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Where the chart is written.
-    #[arg(long, default_value = "sweep-sizes.svg")]
-    pub chart: PathBuf,
+    /// Where the chart is written (an SVG).
+    #[arg(long, value_name = "FILE", default_value = "sweep-sizes.svg")]
+    pub svg: PathBuf,
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -157,7 +157,7 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
     // The sizes load on the CPU (`model_args`), so the CPU is the machine.
     let machine = super::device::cpu_name();
     let chart = size_chart(sweep, &machine);
-    draw(&chart, &args.chart)?;
+    draw(&chart, &args.svg)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(sweep)?);
         return Ok(());
@@ -194,6 +194,6 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
             p.ceiling_serial
         );
     }
-    println!("chart: {}", args.chart.display());
+    println!("chart: {}", args.svg.display());
     Ok(())
 }

@@ -136,7 +136,7 @@ pub fn run_interleaved(
 }
 
 /// What a bench shows of each lane's events as they come: the lane's index and the event
-/// (`spex bench --record` writes them to traces).
+/// (`spex bench --record-dir` writes them to traces).
 pub type Observer<'a> = dyn FnMut(usize, &DecodeEvent) -> Result<()> + 'a;
 
 /// [`run_interleaved`], showing every event to `observe` first.

@@ -152,12 +152,12 @@ fn a_trace_header_past_any_model_is_one_line() {
         let p = path.display().to_string();
         let svg = dir.path().join("out.svg").display().to_string();
         assert_clean_error(&["explain", &p], needle);
-        assert_clean_error(&["snapshot", &p, "--step", "1", "--out", &svg], needle);
+        assert_clean_error(&["snapshot", &p, "--step", "1", "--svg", &svg], needle);
         assert_clean_error(&["replay", &p], needle);
     }
 }
 
-/// `snapshot --out` naming its own trace is refused and the trace kept; an SVG too small to
+/// `snapshot --svg` naming its own trace is refused and the trace kept; an SVG too small to
 /// draw the dashboard is refused rather than drawn as the "too small" screen.
 #[test]
 fn snapshot_never_replaces_its_trace_and_refuses_a_size_it_cannot_draw() {
@@ -167,13 +167,13 @@ fn snapshot_never_replaces_its_trace_and_refuses_a_size_it_cannot_draw() {
     let t = trace.display().to_string();
     let same = dir.path().join(".").join("run.jsonl").display().to_string();
     assert_clean_error(
-        &["snapshot", &t, "--step", "1", "--out", &same],
-        "--out names the input file",
+        &["snapshot", &t, "--step", "1", "--svg", &same],
+        "--svg names the input file",
     );
     assert_eq!(std::fs::read(&trace).unwrap(), before, "the trace is whole");
     let svg = dir.path().join("a.svg").display().to_string();
     assert_clean_error(
-        &["snapshot", &t, "--step", "1", "--out", &svg, "--width", "0"],
+        &["snapshot", &t, "--step", "1", "--svg", &svg, "--width", "0"],
         "--width",
     );
     assert!(!Path::new(&svg).exists(), "nothing written");
@@ -291,7 +291,7 @@ fn damaged_trace_records_are_one_line_naming_the_line() {
         let p = path.display().to_string();
         let svg = dir.path().join("out.svg").display().to_string();
         assert_clean_error(&["explain", &p], &needle);
-        assert_clean_error(&["snapshot", &p, "--step", "1", "--out", &svg], &needle);
+        assert_clean_error(&["snapshot", &p, "--step", "1", "--svg", &svg], &needle);
     }
 }
 
@@ -306,10 +306,10 @@ fn outputs_are_checked_before_the_run_and_half_written_policies_refused() {
         "lengths",
         "--lengths",
         "8,16",
-        "--chart",
+        "--svg",
         "/proc/spex-x.svg",
     ];
-    assert_clean_error(&chart, "/proc/spex-x.svg: --chart: cannot write here");
+    assert_clean_error(&chart, "/proc/spex-x.svg: --svg: cannot write here");
     assert!(
         started.elapsed() < Duration::from_secs(30),
         "refused only after the sweep"
@@ -317,8 +317,8 @@ fn outputs_are_checked_before_the_run_and_half_written_policies_refused() {
     let file = tempfile::NamedTempFile::new().unwrap();
     let f = file.path().display().to_string();
     assert_clean_error(
-        &["bench", "--record", &f, "--max-tokens", "2"],
-        "--record: cannot make this folder",
+        &["bench", "--record-dir", &f, "--max-tokens", "2"],
+        "--record-dir: cannot make this folder",
     );
     for policy in ["speed:", "dual:", "loopspec:"] {
         assert_clean_error(
