@@ -35,9 +35,8 @@ fn main() -> std::process::ExitCode {
 
 /// Keeps freed memory in the process. Training (candle) and decoding (spex's kernels) allocate
 /// and free buffers every step, and glibc's defaults hand the top of the heap back to the
-/// kernel, which then zeroes fresh pages on the next step. Measured: training 270 → 450
-/// tokens/s; `spex bench` baseline 433–439 → 447–451 tok/s and SPEED 842–860 → 880–900 tok/s
-/// (two interleaved runs each).
+/// kernel, which then zeroes fresh pages on the next step. Keeping them made training much
+/// faster and `spex bench`'s baseline and SPEED a little faster (two interleaved runs each).
 fn tune_malloc() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator thresholds; called before anything allocates
@@ -51,11 +50,11 @@ fn tune_malloc() {
 
 /// Asks candle once how many threads its CPU matmuls use. candle 0.11 asks on every matmul,
 /// and without `RAYON_NUM_THREADS` its answer reads `/proc/cpuinfo` (`num_cpus::get_physical`)
-/// each time: tens of microseconds a product, on every candle op path on the CPU (bf16 and f16
-/// models, training). Measured on an AMD EPYC Zen 4 (2 vCPUs, AVX-512): `spex generate
-/// --dtype bf16 --max-tokens 64 --policy baseline` 1.63–1.73 s → 0.89–0.98 s. Its answer goes
-/// into the variable, which candle reads instead; rayon's pool is then built at the size it
-/// would have chosen without the variable, so only candle's repeated question changes.
+/// each time: a file read and parse on every product, on every candle op path on the CPU
+/// (bf16 and f16 models, training), which made `spex generate --dtype bf16 --max-tokens 64
+/// --policy baseline` far slower. Its answer goes into the variable, which candle reads
+/// instead; rayon's pool is then built at the size it would have chosen without the variable,
+/// so only candle's repeated question changes.
 fn pin_candle_threads() {
     if std::env::var_os("RAYON_NUM_THREADS").is_some() {
         return;

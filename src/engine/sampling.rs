@@ -141,7 +141,7 @@ impl Sampling {
     /// (With no filter S_p is every token; `choose` does not build that list.) Most likely
     /// first, equal logits by id, so the set is a function of the logits. Only as much of the
     /// vocabulary is sorted as the set needs: top-k by selection, then the nucleus sorted in
-    /// growing chunks until it reaches P (a full sort per readout cost a step ~20 %).
+    /// growing chunks until it reaches P (a full sort per readout made a step much dearer).
     fn kept(&self, l: &[f32]) -> Vec<usize> {
         let likelier = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
         let mut order: Vec<usize> = (0..l.len()).collect();

@@ -1,8 +1,8 @@
 //! Reads the tensors of `*.safetensors` files one at a time with plain file reads, as a
 //! `VarBuilder` backend. candle's memory-mapped backend leaves every page of the file
-//! resident until the map is dropped, so loading a model on the CPU peaked at twice its size
-//! (measured: 11.5 GB for Ouro-1.4B's shape in f32); reading tensor by tensor peaks at the
-//! model plus one tensor. `checkpoint.rs` is its only user.
+//! resident until the map is dropped, so loading a model on the CPU peaked at twice its size;
+//! reading tensor by tensor peaks at the model plus one tensor. `checkpoint.rs` is its only
+//! user.
 
 use std::collections::HashMap;
 use std::fs::File;

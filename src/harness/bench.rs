@@ -2,7 +2,7 @@
 //! process, outputs compared token for token, speedups and the pipeline's ceiling measured in
 //! the same run (`engine::metrics`). The lanes of a run take turns of a few milliseconds
 //! (`engine::lanes`), so all see the same machine: on a shared machine whose speed drifts, a
-//! speedup from lanes run one after the other moved by ±15 % between identical runs.
+//! speedup from lanes run one after the other moved widely between identical runs.
 //! `spex bench` prints what this returns.
 
 use std::time::Duration;

@@ -4,11 +4,10 @@
 //! (`bench`) and the dashboard's race (`race`) both drive their lanes through this.
 //!
 //! A lane may keep its turn for a while ([`Lanes::with_turn`]): lanes that alternate every
-//! step share the caches, and a decoder running alone does not. On a 2-vCPU Zen 5, in 16
-//! interleaved pairs of benches, turns of 2–50 ms measured speedups 0–9 % (typically 3–5 %)
-//! lower than step-by-step turns: the memory-bound baseline lost more to the other lane's
-//! cache traffic than the speculative lane did. Turns of a second agreed with 2 ms but moved
-//! with the machine's drift, which short turns cancel.
+//! step share the caches, and a decoder running alone does not. In interleaved pairs of
+//! benches, turns of 2–50 ms measured lower speedups than step-by-step turns: the memory-bound
+//! baseline lost more to the other lane's cache traffic than the speculative lane did. Turns of
+//! a second agreed with 2 ms but moved with the machine's drift, which short turns cancel.
 
 use std::time::Duration;
 

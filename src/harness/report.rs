@@ -62,8 +62,8 @@ impl Figures {
 }
 
 /// The flip rate from which [`Figures::nearly_all_flipped`] calls a pass's predictions
-/// nearly all flipped. The shipped model's deeper passes flip 1–5 % of theirs (`spex bench
-/// --max-tokens 64`).
+/// nearly all flipped. The shipped model's deeper passes flip only a small share of theirs
+/// (`spex bench --max-tokens 64`).
 pub const NEARLY_ALL_FLIPS: f64 = 0.9;
 
 /// One policy on one prompt.

@@ -48,14 +48,13 @@ pub const WEIGHT_SWEEPS: usize = 3;
 /// ([`multiplied_bytes_per_sec`]), whichever reads these pages faster on this machine.
 ///
 /// Why two: neither read is the faster everywhere, and a probe slower than the decoding it is
-/// set against would have a baseline read more than "the bandwidth". On an AMD EPYC Zen 3 VM
-/// (AVX2), over Ouro-1.4B's shape, six probes of each read, one moment to the next: one
-/// thread's sum read 11.3–14.8 GB/s and its products 10.6–13.8, each the faster of the pair in
-/// some probes; two threads' sum 20.4–22.0 and products 18.2–21.1.
+/// set against would have a baseline read more than "the bandwidth". Over Ouro-1.4B's shape,
+/// probes of each read taken one moment after the next overlapped: each was the faster of the
+/// pair in some probes, on one thread and on two.
 ///
-/// On a VM whose bandwidth moves from second to second (an AMD EPYC Zen 4 VM read 35 GB/s
-/// and 60 GB/s from one buffer, seconds apart), only a probe taken beside the decoding it is
-/// compared with means anything: `spex bench` takes one around every prompt.
+/// On a VM whose bandwidth moves from second to second (one buffer can read at very different
+/// rates seconds apart), only a probe taken beside the decoding it is compared with means
+/// anything: `spex bench` takes one around every prompt.
 pub fn weights_read_bytes_per_sec(kernels: &Kernels, matrices: &[Matrix<'_>]) -> f64 {
     let summed = summed_bytes_per_sec(kernels.pool(), matrices);
     summed.max(multiplied_bytes_per_sec(kernels, matrices))
@@ -162,10 +161,9 @@ pub fn multiply_adds_per_sec(kernels: &Kernels, rows: usize) -> f64 {
 }
 
 /// Products a timed round of [`multiply_adds_per_sec`] runs: a few milliseconds, so that a
-/// round times the kernels and not a decode thread still waking. Rounds of 20 (a fifth of a
-/// millisecond on two threads) read 2.5–4× too low on an AMD EPYC Zen 4 VM's 2 vCPUs (1–4
-/// rows: the equivalent of 29–42 GB/s of weights against 88–137 GB/s in rounds of 200), and
-/// made two threads look slower than one.
+/// round times the kernels and not a decode thread still waking. Rounds of 20 read the rate
+/// several times too low against rounds of 200, at 1–4 rows alike, and made two threads look
+/// slower than one.
 pub const PRODUCTS_PER_SWEEP: usize = 200;
 
 /// The roofline's two bounds on a step's time, in seconds.

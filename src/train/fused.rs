@@ -2,10 +2,11 @@
 //! causal softmax of attention and a cross-entropy against a mix of hard and soft targets.
 //! candle's composed versions make one full-size temporary per primitive op, forward and
 //! backward; at training shapes that elementwise traffic cost more than the matmuls (issue 3:
-//! the gemm microkernel was under a third of a training step). Training's sequence forward uses them on
-//! CPU f32 ([`Fused`], a `SequenceOps`) and the composed ops on other devices; the tests check both give the same values
-//! and gradients. Rows are processed in parallel in fixed chunks, and reductions across rows
-//! are summed in chunk order, so training stays deterministic.
+//! the gemm microkernel was the lesser part of a training step). Training's sequence forward
+//! uses them on CPU f32 ([`Fused`], a `SequenceOps`) and the composed ops on other devices; the
+//! tests check both give the same values and gradients. Rows are processed in parallel in
+//! fixed chunks, and reductions across rows are summed in chunk order, so training stays
+//! deterministic.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor, bail};
 use rayon::prelude::*;

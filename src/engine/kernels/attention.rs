@@ -46,9 +46,8 @@ pub enum KvLayout {
     /// stream: the first positions of every head, whatever the capacity, lie together. With
     /// each head's positions contiguous over the whole capacity instead (a head's run of 16 KB
     /// at Ouro-1.4B's shape and position 64, then a jump of the capacity), the hardware
-    /// prefetchers restarted at every run: on an AMD EPYC Zen 4, one row's attention over one
-    /// layer's 64 / 256 positions from DRAM (16 heads of 128, f16, a capacity of 512) took
-    /// 53–54 / 154–157 µs that way against 33 / 121–122 µs in tiles.
+    /// prefetchers restarted at every run, and one row's attention over a layer's positions
+    /// from DRAM took markedly longer that way than in tiles.
     Tiles,
 }
 
@@ -230,9 +229,8 @@ pub(super) fn attend_group_on<'a, E: KvElement>(
     };
     // No prefetch of the walk's own: in `KvLayout::Tiles` its blocks are one stream the
     // hardware prefetchers follow, and the kernels prefetch a few positions ahead into L1.
-    // On an AMD EPYC Zen 4, asking for all the keys up front (and each next block of values
-    // as the walk reached a block) took one row's attention over one layer's 64 / 256
-    // positions from DRAM (16 heads of 128, f16) from 33 to 38–39 µs / 121–122 to 142–145 µs.
+    // Asking for all the keys up front (and each next block of values as the walk reached a
+    // block) made one row's attention over a layer's positions from DRAM slower, not faster.
     walk.scores(cache.keys, scores);
     for (query, &start) in queries.iter().zip(&starts) {
         let len = query.len();

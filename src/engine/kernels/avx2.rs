@@ -115,7 +115,7 @@ unsafe fn group_sums<const R: usize, const J: usize, W: WeightElement>(
 /// Horizontal sums of four rows at a time, every weight row's before any store (a group of
 /// fewer rows repeats its last and drops the copies), plus each row's tail past the last
 /// multiple of 8. Summing them all first keeps the accumulators in registers: sums and
-/// stores interleaved spilled every accumulator to the stack, and cost 5 % of a 4-row step on
+/// stores interleaved spilled every accumulator to the stack, which slowed a 4-row step on
 /// forced AVX2.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -310,7 +310,7 @@ pub(super) fn reduce4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
 
 /// How many positions ahead the attention kernels prefetch a head's cache entry: a row's
 /// cache comes from L3 (the step's weights pass through L2 between its layers), one head's few
-/// lines at the stride of a whole entry. 4–5 % off a 4-row step on an AMD EPYC Zen 5.
+/// lines at the stride of a whole entry. Prefetching them took time off a 4-row step.
 pub(super) const PREFETCH_POSITIONS: usize = 16;
 
 /// Prefetches the cache lines of one head's entry, `cache[at..at + len]` (a prefetch never

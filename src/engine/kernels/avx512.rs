@@ -59,10 +59,9 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
         // prefetched J a chunk, in order, from one pointer each. Per row, beside the loads,
         // they were the same lines from 2·J pointers, more than the registers left beside the
         // rows' and weights': the 6-row loop reloaded pointers from the stack on every chunk.
-        // On an AMD EPYC Zen 4 (`cargo bench --bench step`, binaries alternating) this took
-        // the default model's 1-row step from 0.51–0.52 to 0.45–0.48 ms and its 4-row step
-        // from 0.77–0.78 to 0.70–0.73 ms, and hot 256-wide products 8–18 % (4 rows) and
-        // 12–32 % (6 rows).
+        // One pointer per group made the default model's 1-row and 4-row steps faster, and
+        // hot 256-wide products of 4 and 6 rows (`cargo bench --bench step`, binaries
+        // alternating).
         let (near_at, far_at) = (
             group.as_ptr().wrapping_add(near),
             group.as_ptr().wrapping_add(far),
@@ -122,7 +121,7 @@ unsafe fn chunk<const R: usize, const J: usize, W: WeightElement>(
     unsafe {
         let wk: [__m512; J] = std::array::from_fn(|j| W::load16(mask, w[j].add(k)));
         // Unrolled by hand, so that every accumulator index is a constant (the rolled loop
-        // measured 5–15 % slower at 5 and 6 rows).
+        // measured slower at 5 and 6 rows).
         macro_rules! rows {
             ($($r:literal)*) => {$(
                 if $r < R {
@@ -140,13 +139,13 @@ unsafe fn chunk<const R: usize, const J: usize, W: WeightElement>(
 /// Writes every (row, weight row) sum of a group: four rows of four weight rows at once by
 /// [`reduce16`], the rows left over by [`store_sums`]. Both reduce every accumulator by the
 /// same tree, so which way a row goes changes no bit of its result. At hidden 256 a dot is
-/// only 16 chunks, so the reductions count: four rows at once took 2–3 % off hot 4-row
-/// products on an AMD EPYC Zen 4 (`cargo bench --bench step -- --only kernels`).
+/// only 16 chunks, so the reductions count: four rows at once took time off hot 4-row
+/// products (`cargo bench --bench step -- --only kernels`).
 ///
 /// `Caller` gives each kernel (each weight type's, and `avx512_bf16`'s) a copy of its own:
 /// LLVM inlines a function with one caller, and one copy shared by three kernels was not
-/// inlined, so every group's accumulators went through the stack (the default model's 4-row
-/// step took 10 % longer, its `speed` lane 9 % on an AMD EPYC Zen 4).
+/// inlined, so every group's accumulators went through the stack, and the default model's
+/// 4-row step and its `speed` lane slowed.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::extra_unused_type_parameters)] // `Caller` only names the copy (above).
@@ -207,8 +206,8 @@ fn store_first(out: SharedOut<'_>, to: OutLayout, at: usize, four: __m128, count
 
 /// The sums of 16 accumulators, `a[r][j]` in lane `4r + j`: each by `reduce4`'s tree (lanes i
 /// and i + 8, then neighbours, neighbours, and the two halves), the same pairs added in the
-/// same order, but 16 at a time in 512-bit shuffles and adds: 45 instructions where four
-/// [`store_sums`] take 76, and one vector store per row where they take four scalar ones.
+/// same order, but 16 at a time in 512-bit shuffles and adds: fewer instructions than four
+/// [`store_sums`] take, and one vector store per row where they take four scalar ones.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn reduce16(a: [[__m512; 4]; 4]) -> __m512 {
@@ -274,7 +273,7 @@ fn halves(a: __m512) -> __m256 {
 /// `avx2::reduce4`'s tree, the same sums of the same pairs, in instructions that have EVEX
 /// forms. `vhaddps` has none: it reads only registers 0–15, and LLVM then keeps every
 /// accumulator of the dot products there, spilling those beyond 16 to the stack on every
-/// chunk (a 5-row product cost 1.8× a 4-row one).
+/// chunk (a 5-row product cost far more than a 4-row one).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn reduce4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {

@@ -2,11 +2,10 @@
 //! dispatches here where the kernels' ISA has AVX-512F. 32 registers hold the query's 8
 //! chunks of 16 floats with 8 positions' accumulators beside them, where AVX2's 16 registers
 //! hold the query alone and spill the rest, and each instruction widens and multiplies 16
-//! elements instead of 8. On an AMD EPYC Zen 4, one row's attention over one layer's 64 /
-//! 256 / 1024 positions (16 heads of 128, f16, tiled cache) took 10.3 / 41 / 167 µs hot
-//! against AVX2's 12.4 / 52 / 211, and 25–28 / 96–101 / 359–412 µs cold against 30–34 /
-//! 118–125 / 460–540. Heads of 64 stay on AVX2, which holds them without spilling: this
-//! loop took their scores and values 20–25 % longer hot.
+//! elements instead of 8. One row's attention over one layer's 64, 256 or 1024 positions
+//! (16 heads of 128, f16, tiled cache) took less time than AVX2's, hot and cold. Heads of 64
+//! stay on AVX2, which holds them without spilling: this loop took their scores and values
+//! longer hot.
 //!
 //! Exactness: as in `avx2`, every position's score has one accumulator fed the head's chunks
 //! in order and reduced by one fixed tree, and every output chunk sums the positions in order,

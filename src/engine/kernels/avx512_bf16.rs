@@ -1,4 +1,4 @@
-//! AVX-512 BF16 products for bf16 weights (Zen 4 and later, Sapphire Rapids and later):
+//! AVX-512 BF16 products for bf16 weights (on CPUs with the AVX512_BF16 extension):
 //! `vdpbf16ps` multiplies 32 bf16 pairs and adds them into 16 f32 lanes, twice AVX-512F's
 //! multiply-adds an instruction and no widening of the weights, so a step's extra rows ride
 //! under the weight stream instead of adding to it. The activations are rounded to bf16 (to
@@ -165,13 +165,12 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
     // Into L1, each weight row's own line `near / G` elements ahead (the plan's near bytes
     // over 4 over G: 1 KB of each row in `l2`, 4 KB of the group), no floor of a group: at
     // Ouro-1.4B's shape a group of 4 rows is 16–45 KB, and a whole group ahead evicted lines
-    // (and the rows of `x`) from the 32 KB L1 before their use. One address running through
-    // the contiguous group 4 times as fast as the rows, as the f32 kernels prefetch, reaches
-    // rows 2–4 of a group late. One row with the far prefetch on takes no near prefetch: L1's
-    // own prefetcher keeps up with it, and the prefetches only took load slots. On an AMD
-    // EPYC Zen 4 (2 threads, products over an Ouro-1.4B-shaped stack, both variants in one
-    // process alternating, 863 rounds where memory read ~60 GB/s) the one-row sweep took
-    // 48.0 ms against 52.1 ms with the running address, the 4-row 56.1 against 60.1 ms.
+    // (and the rows of `x`) from L1 before their use. One address running through the
+    // contiguous group 4 times as fast as the rows, as the f32 kernels prefetch, reaches rows
+    // 2–4 of a group late: with both variants alternating in one process over products of an
+    // Ouro-1.4B-shaped stack, the running address made the one-row and the 4-row sweeps
+    // slower. One row with the far prefetch on takes no near prefetch: L1's own prefetcher
+    // keeps up with it, and the prefetches only took load slots.
     let (near, far) = (plan.near(size_of::<f32>(), 0), plan.far(size_of::<bf16>()));
     let near_per_row = (R > 1 || far == 0).then_some(near / G);
     for (g, group) in w.chunks_exact(G * inner).enumerate() {

@@ -169,9 +169,8 @@ mod avx512 {
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         let wp = panel.as_ptr();
         // The matmuls' distances (`kernels::prefetch`). The panels are one contiguous stream,
-        // so the prefetch runs on into the next panel. On an AMD EPYC Zen 5 the default
-        // model's 4-row step (every row read out) measured 0.559 → 0.537 ms with the near
-        // one, a 1-row one 0.344 → 0.337 ms.
+        // so the prefetch runs on into the next panel. The near one made the default model's
+        // 1-row and 4-row steps (every row read out) a little faster.
         let size = std::mem::size_of::<f16>();
         let (near, far) = (plan.near(size, 0), plan.far(size));
         for k in 0..inner {

@@ -4,11 +4,12 @@
 //! (`kv_element`), SiLU, softmax. Called by `model::host` (the host step backend) and its
 //! proposal head, and by the harness that times them; GPU devices use the device step's ops.
 //!
-//! Why a kernel of our own: candle's CPU matmul for 2–6 rows costs ~5× its 1-row time, which
-//! erases SPEED's gain, whose premise is that a step of R rows costs about one row's weight
-//! reads. Here every output element of row `m` is computed with the same arithmetic whatever M
-//! is and however the work is split between threads, so a token's hidden state does not depend
-//! on which other rows shared its step: speculative and baseline decoding agree bit for bit.
+//! Why a kernel of our own: candle's CPU matmul for 2–6 rows costs several times its 1-row
+//! time, which erases SPEED's gain, whose premise is that a step of R rows costs about one
+//! row's weight reads. Here every output element of row `m` is computed with the same
+//! arithmetic whatever M is and however the work is split between threads, so a token's hidden
+//! state does not depend on which other rows shared its step: speculative and baseline decoding
+//! agree bit for bit.
 //!
 //! Weights as stored: at real size (Ouro-1.4B reads 2.5 GB of layer weights a pass) a step is
 //! bound by memory, so bf16 weights are read as bf16, half an f32 copy's bytes. Every ISA
@@ -20,15 +21,15 @@
 //! `f16` is the same product with f16 weights, for `model::half_head`'s proposal
 //! readouts, which need a bound on their error rather than these bits.
 //!
-//! AVX-512 runs the matmul where the CPU has it (measured on this project's Xeon: baseline
-//! decoding 6–9 % faster than with AVX2, SPEED 5 % faster); everything else uses AVX2 + FMA.
+//! AVX-512 runs the matmul where the CPU has it (measured faster than AVX2 for baseline and
+//! SPEED decoding alike); everything else uses AVX2 + FMA.
 //! On aarch64 the matmul is NEON's (`neon`), the rest the portable loops.
 //!
 //! # What else makes a step fast
 //!
 //! Each was measured in interleaved runs when it went in (the git log has the numbers):
 //! - **Subnormals flushed to zero** during a step (`subnormals`): a trained model's activations
-//!   go subnormal, and every vector op on one takes a microcode assist of ~100 cycles.
+//!   go subnormal, and every vector op on one takes a microcode assist, many times its cost.
 //! - **Keys and values in f16** (`kv_element`): the attention streams its pass's whole cache,
 //!   the part of a step that grows with its rows, so half the bytes is half that time. Every
 //!   row reads the same rounded entries, so batch invariance holds; `--kv-cache f32` keeps f32.
@@ -214,7 +215,7 @@ fn silu_mul_shared(isa: Isa, gate: SharedOut<'_>, up: SharedOut<'_>, len: usize)
 
 /// Matmuls split across the decode threads by weight rows: each thread writes its own
 /// columns of every output row in place (nothing is copied or allocated per job, which cost
-/// steps of several rows ~10 % of their time on two threads).
+/// steps of several rows a measurable share of their time).
 fn matmul_t_pooled(
     pool: &pool::Pool,
     t: Tuning,
@@ -343,17 +344,16 @@ fn matmul_t_serial<W: WeightElement>(
     match (t.isa, rows) {
         // AVX-512 has 32 registers: 6 rows × 4 weight rows of accumulators plus the weight and
         // input chunks fit. Fewer rows take 4 weight rows too: 1–2 rows × 8 weight rows, in
-        // runs of groups, made the default model's 1-row step 11–23 % dearer on an AMD EPYC
-        // Zen 4 (weights streaming from DRAM); one or two rows are bound by memory, not FMAs.
+        // runs of groups, made the 1-row step measurably dearer when the weights stream from
+        // DRAM; one or two rows are bound by memory, not FMAs.
         (Isa::Avx512 | Isa::Avx512Bf16, _) => sweep::<4, W>(t, (x, x86), w, inner, out, to),
         // AVX2's 16 registers hold at most 12 accumulators: 1–4 rows × 3 weight rows, and from
         // 5 rows on blocks of up to 6 rows × 2 weight rows. One or two rows are bound by
-        // memory, and fewer weight streams were faster: on an AMD EPYC Zen 4 (forced AVX2,
-        // kernels taking runs of groups) the default model's 1-row step took 0.50–0.51 ms with
-        // 3 weight rows at a time against 0.58–0.59 ms with 4, and its 2-row step 3 % less.
-        // Splitting 5 rows as 3 + 2 rows × 3 weight rows left the 2-row block's 6 accumulators
-        // waiting on FMA latency: on an AMD EPYC Zen 4 (forced AVX2) the default model's
-        // 5-row step took 1.31–1.38 ms in one block against 1.46–1.55 ms in two.
+        // memory, and fewer weight streams were faster: with kernels taking runs of groups
+        // (forced AVX2), 3 weight rows at a time made the default model's 1-row and 2-row
+        // steps cheaper than 4. Splitting 5 rows as 3 + 2 rows × 3 weight rows left the 2-row
+        // block's 6 accumulators waiting on FMA latency: the 5-row step took longer in two
+        // blocks than in one.
         (Isa::Avx2Fma, 1..=4) => sweep::<3, W>(t, (x, x86), w, inner, out, to),
         (Isa::Avx2Fma, _) => sweep::<2, W>(t, (x, x86), w, inner, out, to),
         (_, 1..=2) => sweep::<4, W>(t, (x, other), w, inner, out, to),
@@ -365,8 +365,8 @@ fn matmul_t_serial<W: WeightElement>(
 /// weight rows left over one at a time). Each call of a kernel takes a run of weight groups,
 /// so its call, row dispatch and setup are paid once a run: one run of the whole matrix where
 /// the rows are one block, else runs of [`RUN_BYTES`], still in L1 when the next block reads
-/// them. On an AMD EPYC Zen 4, a call for each group made the default model's 3–5-row steps
-/// 10–14 % dearer than one run (AVX-512) and its 1–5-row steps 6–9 % (forced AVX2).
+/// them. A call for each group made the default model's steps dearer than one run: its
+/// 3–5-row steps under AVX-512, and its 1–5-row steps under forced AVX2.
 fn sweep<const J: usize, W: WeightElement>(
     t: Tuning,
     (x, block_rows): (&[f32], usize),
@@ -462,7 +462,7 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 /// Σ v² over `x` in one fixed order on every ISA: [`SUM_LANES`] partial sums (element i into
 /// lane i mod `SUM_LANES`), the lanes halved pairwise, then the tail in order. A single running
-/// sum is a chain of dependent adds (~1 µs for hidden 256, a norm that ran on the caller
+/// sum is a chain of dependent adds, each waiting on the last (a norm that ran on the caller
 /// thread four times per layer and row); partial sums are one vector register's adds, which
 /// the compiler emits on any ISA without changing a bit (Rust never contracts to FMA).
 fn sum_of_squares(x: &[f32]) -> f32 {
@@ -515,7 +515,7 @@ pub fn softmax_in_place(x: &mut [f32]) {
 
 /// `Σ e^(x[i] − shift)`: a softmax's denominator for display (the probabilities in events),
 /// through the vector exp where there is one (a scalar exp over a 4096-token vocabulary per
-/// read-out row was 8 % of `spex generate`'s time). Decoding never depends on it.
+/// read-out row was a visible share of `spex generate`'s time). Decoding never depends on it.
 pub fn sum_exp(x: &[f32], shift: f32) -> f32 {
     match detected_isa() {
         #[cfg(target_arch = "x86_64")]

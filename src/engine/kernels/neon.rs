@@ -1,4 +1,4 @@
-//! NEON kernels for aarch64 (Apple Silicon, Graviton): the small-M matmul's dot products,
+//! NEON kernels for aarch64 (Arm laptops and servers): the small-M matmul's dot products,
 //! the decode step's bulk. Each (row, weight row) pair has one 8-lane accumulator (two 4-lane
 //! registers) fed by fused multiply-adds in order of k, reduced in `portable::hsum8`'s tree,
 //! so a product is the same whatever rows and weight rows share its block: speculative and

@@ -1,10 +1,10 @@
 //! The decode step's threads (`--threads N`): N − 1 workers that wait for a job by spinning on
 //! a counter, so that a matmul of a few microseconds can be split without paying a thread
-//! wake-up each time (rayon's cost ~15 % of a hidden-256 step). A worker that has spun
-//! `SPIN_LIMIT` times without a job parks until the next one, so an idle dashboard does not
-//! hold the cores. One job runs at a time; a caller that finds the pool busy (another thread
-//! decoding) runs its job alone, with the same results: every job splits work by output
-//! element, and each element is computed the same way wherever it runs.
+//! wake-up each time (rayon's wake-ups were a sizeable share of a hidden-256 step). A worker
+//! that has spun `SPIN_LIMIT` times without a job parks until the next one, so an idle
+//! dashboard does not hold the cores. One job runs at a time; a caller that finds the pool busy
+//! (another thread decoding) runs its job alone, with the same results: every job splits work
+//! by output element, and each element is computed the same way wherever it runs.
 //!
 //! Each host model's `Kernels` owns one pool, sized when the model loads (`--threads`), and
 //! its matmuls, attention and f16 proposal head run on it.
@@ -20,9 +20,9 @@ const SPIN_LIMIT: u32 = 1 << 16;
 /// Spins between two yields of the core, waiting for a job or for the workers: a thread that
 /// spins without yielding holds its core for its whole time slice, so where threads outnumber
 /// the cores (other processes, or too many threads) the thread with the work waits
-/// milliseconds for every job of a few microseconds. Measured on 2 vCPUs (AMD EPYC Zen 4),
-/// `spex generate --max-tokens 64` on the shipped model with 3 threads took 17.5 s instead of
-/// 0.26 s before spinners yielded.
+/// milliseconds for every job of a few microseconds: with more threads than cores, `spex
+/// generate --max-tokens 64` on the shipped model ran many times slower before spinners
+/// yielded.
 const SPINS_PER_YIELD: u32 = 1 << 8;
 
 /// One spin of a wait loop that has spun `spins` times: a pause, and every

@@ -93,7 +93,7 @@ pub fn head_values<E: KvElement>(probs: &[f32], values: &[E], stride: usize, out
 
 /// A cache row as f32: an f32 row as it is, another element type widened into a buffer by
 /// half's slice conversion, which uses the CPU's f16 instructions where it has them (NEON's
-/// on Apple Silicon; element by element the conversion would not vectorise).
+/// on aarch64; element by element the conversion would not vectorise).
 #[derive(Default)]
 struct Widened(Vec<f32>);
 

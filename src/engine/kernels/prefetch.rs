@@ -5,13 +5,12 @@
 //! `model::timing`).
 //!
 //! Why measured and not fixed: where a step's weights come from differs between machines, and
-//! so does the best plan. On an AMD EPYC Zen 5 (32 MB L3) the default model's weights stay in
-//! L3, one prefetch into L1 16 KB ahead is best, and a second level into L2 made the 1-row
-//! step 10–20 % slower. On an AMD EPYC Zen 4 VM (2 vCPUs of a 32 MB L3 that other tenants
-//! share) the weights come mostly from DRAM: a prefetch 16 KB ahead into L1 keeps too few
-//! misses in flight, and adding one 64 KB ahead into L2 took the 1-row step from 0.85–1.26 to
-//! 0.49–0.53 ms and the 4-row step from 1.69–2.10 to 0.86–0.92 ms (`cargo bench --bench step
-//! -- --only rows`, both plans alternating; `spex bench` prints the timings it chose by).
+//! so does the best plan. Where the default model's weights stay in an L3 larger than them,
+//! one prefetch into L1 16 KB ahead is best, and a second level into L2 made the 1-row step
+//! slower. Where they come mostly from DRAM (a VM's share of an L3 that other tenants use, say),
+//! a prefetch 16 KB ahead into L1 keeps too few misses in flight, and adding one 64 KB ahead
+//! into L2 made the 1-row and the 4-row step much faster (`cargo bench --bench step -- --only
+//! rows`, both plans alternating; `spex bench` prints the timings it chose by).
 //! A plan changes no result: prefetches only move data between caches.
 
 use std::time::Duration;
@@ -26,9 +25,8 @@ pub struct Prefetch {
 
 impl Prefetch {
     /// 16 KB ahead into L1: best where the weights stay in L3. A matmul's next group of weight
-    /// rows (2–8 KB at hidden 256) was too close: on an AMD EPYC Zen 5, 16 KB took the default
-    /// model's 4-row step from 0.74–0.80 to 0.59–0.63 ms (AVX-512) and 1.20 to 0.76 ms (AVX2),
-    /// 8, 12, 20 and 24 KB in between.
+    /// rows (2–8 KB at hidden 256) was too close: 16 KB made the default model's 4-row step
+    /// faster under AVX-512 and AVX2 alike, and 8, 12, 20 and 24 KB timed in between.
     pub const L1: Self = Self {
         near_bytes: 16 << 10,
         far_bytes: 0,
@@ -116,11 +114,10 @@ pub fn choose<E>(
 }
 
 /// The plan of the cheapest trial by `Trial::cost` (the default where there are none). Plans
-/// that time within a few percent are a close call either way: on an AMD EPYC Zen 4 VM the
-/// shipped model's steps time within ~5 % under both, and in `spex bench` (`--prefetch l1|l2`,
-/// 8 rounds each, alternating) `l1` ran the speculative lane as fast (1647 against 1652
-/// tokens/s) and the baseline 5 % faster; at Ouro-1.4B's shape `l2` took 99 / 89 ms a 1-row /
-/// 4-row step against 135 / 189 ms.
+/// that time within a few percent are a close call either way: where the shipped model's
+/// steps time alike under both, `spex bench` (`--prefetch l1|l2`, 8 rounds each, alternating)
+/// ran the speculative lane as fast under `l1` and the baseline a little faster, while at
+/// Ouro-1.4B's shape `l2` took far less time for a 1-row and a 4-row step.
 fn cheapest(trials: &[Trial], passes: usize) -> Prefetch {
     let passes = u32::try_from(passes).unwrap_or(u32::MAX);
     (trials.iter())

@@ -9,11 +9,11 @@ const FTZ_DAZ: u32 = (1 << 15) | (1 << 6);
 /// While alive, this thread's float operations flush subnormals to zero (FTZ and DAZ); the
 /// previous mode comes back on drop. Decoding needs it: a trained model's activations go
 /// subnormal (attention probabilities of scores far below the row's maximum and SiLU of very
-/// negative gates can), and every vector operation that meets a subnormal takes a ~100-cycle
-/// microcode assist; random-weight benchmarks never show it. Measured on the shipped model
-/// with this guard in the host step (`spex bench`): 1.68× → 1.91×, baseline 382 → 425 tok/s,
-/// SPEED 642 → 810 tok/s, generated text unchanged. The values lost are below 1.2·10⁻³⁸, far
-/// under the rounding differences between any two Ouro implementations.
+/// negative gates can), and every vector operation that meets a subnormal takes a microcode
+/// assist, many times the operation's own cost; random-weight benchmarks never show it. On the
+/// shipped model this guard in the host step made baseline and SPEED decoding faster, SPEED
+/// the more, with the generated text unchanged (`spex bench`). The values lost are below
+/// 1.2·10⁻³⁸, far under the rounding differences between any two Ouro implementations.
 #[derive(Debug)]
 pub struct SubnormalsFlushed {
     #[cfg(target_arch = "x86_64")]

@@ -65,8 +65,7 @@ impl Backend {
             None => {
                 let choice = timing::choose_prefetch(&host)?;
                 // The timing's caches and buffers, freed, go back to the kernel: glibc's heap
-                // would keep them resident through the whole run (Ouro-1.4B's shape, a
-                // context of 64: 2.94 GB resident while decoding, 3.09 GB without the trim).
+                // would keep them resident through the whole run.
                 crate::engine::memory::release_free_memory();
                 host.with_prefetch_choice(choice)
             }

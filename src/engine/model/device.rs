@@ -46,7 +46,8 @@ impl DeviceBackend {
         padded_rows(&self.model, 0)
     }
 
-    /// The GPU's name where the model decodes on one ("NVIDIA H200"); `None` on the CPU.
+    /// The GPU's name where the model decodes on one, as its driver reports it ("NVIDIA …");
+    /// `None` on the CPU.
     pub fn accelerator(&self) -> Option<String> {
         match &self.model.device {
             #[cfg(feature = "cuda")]

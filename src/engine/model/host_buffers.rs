@@ -7,9 +7,8 @@
 //!
 //! Why: `vec![0.0; n]` zeroed every output on the caller thread, where nothing else runs in
 //! parallel, and the lines it zeroed had been pushed out of the caches by the weight stream
-//! since their last use. On an AMD EPYC Zen 4 (2 threads, `perf record` of 4-row steps of the
-//! default model) glibc's `memset` was the largest piece of the caller's serial work, about
-//! 4 % of its time, and `malloc`/`free` another 1 %.
+//! since their last use. In `perf record` of the default model's 4-row steps, glibc's `memset`
+//! was the largest piece of the caller's serial work, and `malloc`/`free` added to it.
 //!
 //! A recycled buffer's old values never reach a result: only outputs that a kernel writes in
 //! full are taken from here, and the exactness suite (`tests/exactness.rs`, `tests/threads.rs`)

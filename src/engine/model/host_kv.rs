@@ -60,8 +60,8 @@ impl HostKv {
     /// second candidate (where [`KvStore::swap_aside`] around its row would leave it). For a
     /// second candidate, leaves in `k`/`v` what the cache reads back, so that attending to its
     /// own entry outside the cache it sees what it would see in it; a first candidate's rows
-    /// are read only from the cache, so they are left as they are (widening them back cost a
-    /// two-thread step ~1.5 µs a row, on the calling thread).
+    /// are read only from the cache, so they are left as they are (widening them back cost
+    /// every step serial time for each row, on the calling thread).
     pub(super) fn store(&mut self, at: AsideSlot, second: bool, k: &mut [f32], v: &mut [f32]) {
         with_buffers!(self, b => b.store(at, second, k, v))
     }
@@ -169,8 +169,8 @@ impl<E: KvElement> KvBuffers<E> {
             return;
         }
         // Narrowed whole, then placed head by head: one conversion call per row, not one per
-        // head (on an AMD EPYC Zen 4, `perf` of 4-row steps: 0.5 % of the time in the
-        // conversion against 1.5 % with four 64-element calls).
+        // head, whose short calls (64 elements each) took more of a 4-row step's time in `perf`
+        // than one call over the row.
         let heads = self.heads(pass, pos);
         let narrowed = &mut self.narrowed;
         for (row, buffer) in [(&*k, &mut self.keys[layer]), (&*v, &mut self.values[layer])] {

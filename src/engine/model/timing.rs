@@ -129,16 +129,15 @@ fn median_times<B: StepBackend>(
 }
 
 /// The host kernels' prefetch plan for `backend` (`kernels::prefetch`), timed when the model
-/// loads: each candidate's median one-row and R-row step at position 64 (or the
-/// model's last), 25 rounds (about 0.1 s on the default model), fewer where that would take
-/// more than [`PLAN_TIMING_BUDGET`] (Ouro-1.4B's shape: 2 rounds of 0.9 s). Each round gives every
-/// candidate a turn, as a race gives its lanes: a baseline token's R one-row steps (the LM
-/// head on the last only), then one R-row step, over the candidate's own KV cache, so that
-/// its steps follow its own and find its cache where the other's turn left it, as a race's
-/// steps do. Each cache holds only the positions the steps read (the first tiles of every
-/// pass, laid out as in a run's cache of any capacity). Two caches of the default context
-/// (512 positions) would hold 0.8 GB at Ouro-1.4B's shape, and set the peak of a whole run:
-/// 3.70 GB against 3.09 GB at a context of 64 positions (2.87 GB of weights).
+/// loads: each candidate's median one-row and R-row step at position 64 (or the model's
+/// last), 25 rounds, fewer where that would take more than [`PLAN_TIMING_BUDGET`] (a model of
+/// Ouro-1.4B's shape gets only a few). Each round gives every candidate a turn, as a race
+/// gives its lanes: a baseline token's R one-row steps (the LM head on the last only), then
+/// one R-row step, over the candidate's own KV cache, so that its steps follow its own and
+/// find its cache where the other's turn left it, as a race's steps do. Each cache holds only
+/// the positions the steps read (the first tiles of every pass, laid out as in a run's cache
+/// of any capacity). Two caches of the default context (512 positions) would hold 0.8 GB at
+/// Ouro-1.4B's shape, beside 2.87 GB of weights, and set the peak of a whole run.
 pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
     let passes = backend.model().passes();
     let positions = backend.model().config.positions;
@@ -164,8 +163,8 @@ pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
 
 /// How long the prefetch plan's timing may take when a model loads: a model so large that its
 /// 25 rounds would take longer streams its weights from DRAM, where the plans differ by far
-/// more than the noise of a few rounds (Ouro-1.4B's shape on an AMD EPYC Zen 4: 4-row steps of
-/// 130 ms with `l1` against 101 ms with `l2`), and 25 rounds made its load 22 s longer.
+/// more than the noise of a few rounds, and 25 rounds at Ouro-1.4B's shape made its load many
+/// seconds longer.
 pub const PLAN_TIMING_BUDGET: Duration = Duration::from_secs(2);
 
 /// How many timed rounds: `most`, or as many as fit in `budget` (at least one) after the

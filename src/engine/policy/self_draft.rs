@@ -27,8 +27,8 @@ pub struct SelfDraft {
 }
 
 impl SelfDraft {
-    /// The draft length when a name gives none: measured fastest on the shipped model (γ of
-    /// 2, 3, 4, 6 and 8 on a 2-vCPU Zen 4: 1.62, 1.74, 1.66, 1.62 and 1.59×).
+    /// The draft length when a name gives none: measured fastest on the shipped model, among
+    /// γ of 2, 3, 4, 6 and 8.
     pub const DEFAULT_TOKENS: usize = 3;
 
     /// The proposals and checks: LoopSpec's with its first proposal at the draft depth.
