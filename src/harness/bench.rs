@@ -1,6 +1,6 @@
 //! The headless benchmark: baseline and every listed policy on the same prompts in one
 //! process, outputs compared token for token, speedups and the pipeline's ceiling measured in
-//! the same run (`engine::metrics`). The lanes of a run take turns of a few milliseconds
+//! the same run (`harness::metrics`). The lanes of a run take turns of a few milliseconds
 //! (`engine::lanes`), so all see the same machine: on a shared machine whose speed drifts, a
 //! speedup from lanes run one after the other moved widely between identical runs.
 //! `spex bench` prints what this returns.

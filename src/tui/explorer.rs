@@ -1,6 +1,6 @@
 //! The misprediction explorer in the dashboard (key `x`): `spex explain`'s view of one run.
 //! In a replay it covers the whole trace, computed once when the replay starts, with the
-//! what-if forecasts of other policies (`engine::what_if`); live, the run so far, from the
+//! what-if forecasts of other policies (`harness::what_if`); live, the run so far, from the
 //! inspector's per-position state. `{` / `}` select a pair, `g` jumps the replay to its next
 //! occurrence (`App` turns that into a seek). Drawn by [`draw`] from `App` state alone.
 

@@ -13,7 +13,7 @@ use crate::engine::pass::Pass;
 
 /// What the scheduler (`engine::pipeline`) asks of a looped model: its shape, empty K/V
 /// buffers and the batched step. Every step backend is one, through the step written once
-/// over its operations ([`step`]); the what-if oracle (`engine::what_if`) is the other, which
+/// over its operations ([`step`]); the what-if oracle (`harness::what_if`) is the other, which
 /// answers a step from a recorded run's readouts.
 pub trait StepModel: Send + Sync + fmt::Debug + 'static {
     /// A token's state between passes.

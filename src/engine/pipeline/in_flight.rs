@@ -16,7 +16,7 @@ pub(super) struct InFlight<H> {
     /// Passes completed so far (a count: the rows computed for this token).
     pub(super) passes_done: usize,
     pub(super) hidden: Option<H>,
-    /// The pass of the parent's readout that proposed this guess (γ: `engine::metrics`).
+    /// The pass of the parent's readout that proposed this guess (γ: `harness::metrics`).
     pub(super) proposed_at: Pass,
     /// Proposed as a second candidate, for acceptance by source.
     pub(super) second: bool,

@@ -42,7 +42,7 @@
 //! 4. Children enter at pass 1 in the next step.
 //!
 //! With no flips the window holds R tokens and one commits per step, so the ideal speedup is
-//! R · t(1-row step) / t(R-row step): the *ceiling* (`engine::metrics`).
+//! R · t(1-row step) / t(R-row step): the *ceiling* (`harness::metrics`).
 //!
 //! # Exactness
 //!
@@ -85,7 +85,7 @@
 //! # Callers
 //!
 //! Generic over the step model: every step backend, and the what-if oracle that answers from
-//! a recorded run (`engine::what_if`). Callers hold it as an `engine::Decoder` (or a what-if)
+//! a recorded run (`harness::what_if`). Callers hold it as an `engine::Decoder` (or a what-if)
 //! and pull events with [`Pipeline::next_event`]: a prefill event first, then one event per
 //! step, then the finish.
 

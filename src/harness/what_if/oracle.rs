@@ -3,7 +3,7 @@
 //! one: a row is, when its own token is the committed one (pass 1) or its previous pass was
 //! (later passes), and every entry it attends to in its pass was too. That is exactly when
 //! the real model would compute the committed instance's state (the step is row-invariant,
-//! `engine::metrics`), so such a row reads out the recorded readout. Any other row is on a
+//! `harness::metrics`), so such a row reads out the recorded readout. Any other row is on a
 //! branch a flush will remove; its readouts can only start or keep tokens that are flushed
 //! with it, and the oracle gives them a fixed answer. Step counts under any greedy policy are
 //! therefore those of a real run; rows on flushed branches may differ.
