@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::device::{DTypeSpec, DeviceSpec};
+use crate::engine::checkpoint::Origin;
 use crate::engine::error::toml_error;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{CheckpointBytes, EngineError};
@@ -136,30 +137,11 @@ pub const DEFAULT_SAMPLE_PROMPT: &str = "To be, or not to be, that is the questi
 /// The entry name of the embedded model.
 pub const EMBEDDED_NAME: &str = "shakespeare-r4k6-sync";
 
-/// Where a resolved model's files are.
-#[derive(Debug, Clone)]
-pub enum ModelSource {
-    Dir(PathBuf),
-    Embedded,
-}
-
-impl ModelSource {
-    /// The element type the checkpoint stores its weights in, by its config's `torch_dtype`
-    /// (f32 for the embedded model, and where the config cannot be read: loading then names
-    /// the fault).
-    pub fn stored_dtype(&self) -> candle_core::DType {
-        let Self::Dir(dir) = self else {
-            return candle_core::DType::F32;
-        };
-        crate::engine::checkpoint::stored_dtype(dir).unwrap_or(candle_core::DType::F32)
-    }
-}
-
 /// A model ready to load: where it is and the settings its entry asks for.
 #[derive(Debug, Clone)]
 pub struct ResolvedModel {
     pub name: String,
-    pub source: ModelSource,
+    pub source: Origin,
     pub entry: Option<ModelEntry>,
 }
 
@@ -180,7 +162,7 @@ pub fn resolve(
                 .map_or(m.to_string(), |n| n.to_string_lossy().into_owned());
             return Ok(ResolvedModel {
                 name,
-                source: ModelSource::Dir(p),
+                source: Origin::Dir(p),
                 entry: None,
             });
         }
@@ -205,7 +187,7 @@ pub fn resolve(
             let dir = hub_dir(&name, "main", &name, hub, progress)?;
             return Ok(ResolvedModel {
                 name,
-                source: ModelSource::Dir(dir),
+                source: Origin::Dir(dir),
                 entry: None,
             });
         }
@@ -224,7 +206,7 @@ pub fn resolve(
     }
     Ok(ResolvedModel {
         name,
-        source: ModelSource::Dir(dir),
+        source: Origin::Dir(dir),
         entry: Some(entry),
     })
 }
@@ -232,7 +214,7 @@ pub fn resolve(
 fn embedded(entry: Option<ModelEntry>) -> ResolvedModel {
     ResolvedModel {
         name: EMBEDDED_NAME.into(),
-        source: ModelSource::Embedded,
+        source: Origin::Embedded(EMBEDDED),
         entry,
     }
 }

@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 
 use super::models;
-use crate::engine::checkpoint::Origin;
 use crate::harness::trace::{Trace, fingerprint};
 
 /// `spex replay`.
@@ -57,11 +56,7 @@ fn check_model(trace: &Trace, file: &Path, model: &str) -> anyhow::Result<()> {
     let resolved = models::resolve(Some(model), &hub, &mut |p| bar.show(p));
     bar.finish();
     let resolved = resolved?;
-    let origin = match resolved.source {
-        models::ModelSource::Dir(dir) => Origin::Dir(dir),
-        models::ModelSource::Embedded => Origin::Embedded(models::EMBEDDED),
-    };
-    let (weights, tokenizer) = fingerprint(&origin)?;
+    let (weights, tokenizer) = fingerprint(&resolved.source)?;
     let recorded = &trace.header.model;
     let short = |hash: &str| hash.chars().take(12).collect::<String>();
     let mut differs = Vec::new();

@@ -3,6 +3,7 @@
 //! is named; and the [`Session`] the commands work from.
 
 use super::{ModelArgs, device, load_bar, models};
+use crate::engine::checkpoint::{LoadPlan, LoadProgress, ModelFiles};
 use crate::engine::model::LoadOptions;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{EngineError, LoadedModel, Sampling};
@@ -68,108 +69,97 @@ pub(super) fn model_label(args: &ModelArgs) -> String {
         .unwrap_or_else(|| "the default model".into())
 }
 
-/// [`load_model`], telling `progress` how far the weights are read. The draft model is
-/// loaded after the model, with the same settings, and attached to it: `--draft-model`
-/// always, the entry's `draft` only where a `draft` policy will run (`policies`, else the
-/// entry's), so that every other command starts without it.
+/// [`load_model`], telling `progress` how far the weights are read. Both names are resolved
+/// first, then one [`LoadPlan`] loads the model and its draft model on one device: the draft
+/// is `--draft-model` always, the entry's `draft` only where a `draft` policy will run
+/// (`policies`, else the entry's), so that every other command starts without it.
 pub fn load_model_with(
     args: &ModelArgs,
     policies: &[PolicyKind],
-    progress: &mut dyn FnMut(crate::engine::checkpoint::LoadProgress),
+    progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<Session, EngineError> {
-    let (mut session, entry_draft) = load_one(args, progress)?;
-    let is_draft = |p: &PolicyKind| matches!(p, PolicyKind::Draft { .. });
-    let drafts = match policies {
-        [] => session.policy.as_ref().is_some_and(is_draft),
-        asked => asked.iter().any(is_draft),
-    };
-    if let Some(draft) = (args.draft_model.clone()).or(entry_draft.filter(|_| drafts)) {
-        // The draft decodes on the model's threads (`LoadedModel::with_draft`): its own count
-        // is the default, so that a capped `--threads` is noted once.
-        let draft_args = ModelArgs {
-            model: Some(draft),
-            draft_model: None,
-            threads: None,
-            ..args.clone()
-        };
-        let (draft, _) = load_one(&draft_args, progress)?;
-        session.loaded = session.loaded.with_draft(draft.loaded)?;
-    }
-    Ok(session)
-}
-
-/// Loads the one model `args.model` names; returns it with its entry's draft model's name.
-fn load_one(
-    args: &ModelArgs,
-    progress: &mut dyn FnMut(crate::engine::checkpoint::LoadProgress),
-) -> Result<(Session, Option<String>), EngineError> {
     let kernels = crate::engine::kernels::KernelOptions {
         isa: args.isa.isa()?,
         prefetch: args.prefetch.plan(),
         threads: Some(device::decode_threads(args.threads)?),
     };
-    let resolved = resolve(args, progress)?;
+    let resolved = resolve(args.model.as_deref(), args, progress)?;
     let entry = resolved.entry.as_ref();
-    let spec = args
-        .device
+    let is_draft = |p: &PolicyKind| matches!(p, PolicyKind::Draft { .. });
+    let drafts = match policies {
+        [] => entry.and_then(|e| e.policy).as_ref().is_some_and(is_draft),
+        asked => asked.iter().any(is_draft),
+    };
+    let entry_draft = entry.and_then(|e| e.draft.clone()).filter(|_| drafts);
+    let draft = match args.draft_model.clone().or(entry_draft) {
+        Some(name) => Some(resolve(Some(&name), args, progress)?),
+        None => None,
+    };
+    let spec = (args.device)
         .or(entry.and_then(|e| e.device))
         .unwrap_or(device::DeviceSpec::Auto);
-    let dtype = match args.dtype.or(entry.and_then(|e| e.dtype)) {
-        Some(d) => d.0,
-        None => resolved.source.stored_dtype(),
-    };
     let dev = device::open(spec)?;
-    device::check_dtype(&dev, dtype)?;
-    let chat = args.chat || entry.is_some_and(|e| e.chat);
-    let options = LoadOptions {
-        f32_proposals: args.f32_proposals,
-        kv_dtype: args.kv_cache.into(),
-        candle_ops: args.candle_ops,
-        kernels,
+    let plan = LoadPlan {
+        model: model_files(args, &resolved, &dev)?,
+        draft: draft.map(|d| model_files(args, &d, &dev)).transpose()?,
+        options: LoadOptions {
+            f32_proposals: args.f32_proposals,
+            kv_dtype: args.kv_cache.into(),
+            candle_ops: args.candle_ops,
+            kernels,
+        },
     };
-    let mut loaded = match &resolved.source {
-        models::ModelSource::Dir(dir) => {
-            LoadedModel::load_reporting(dir, &dev, dtype, options, progress)?
-        }
-        models::ModelSource::Embedded => {
-            LoadedModel::from_bytes(models::EMBEDDED, &dev, dtype, options)?
-        }
-    };
-    if chat {
-        loaded.enable_chat_stop();
-    }
-    let draft = entry.and_then(|e| e.draft.clone());
-    let session = Session {
-        loaded,
+    Ok(Session {
+        loaded: LoadedModel::open(&plan, &dev, progress)?,
         name: resolved.name,
         device: device::device_name(&dev),
-        dtype: device::dtype_name(dtype).into(),
-        chat,
+        dtype: device::dtype_name(plan.model.dtype).into(),
+        chat: plan.model.chat_stop,
         policy: entry.and_then(|e| e.policy),
         sample_prompt: entry
             .and_then(|e| e.prompt.clone())
             .unwrap_or_else(|| models::DEFAULT_SAMPLE_PROMPT.into()),
         sampling: entry_sampling(entry),
-    };
-    Ok((session, draft))
+    })
 }
 
-/// Where `args.model` is: an entry, a directory or the embedded model, pulled from the hub
-/// first where it must be (its download reported to `progress`).
-fn resolve(
+/// How one resolved model loads: in `--dtype`, else its entry's, else the stored one (which
+/// `device` must support), stopping at the chat end-of-turn where `--chat` or its entry asks.
+fn model_files(
     args: &ModelArgs,
-    progress: &mut dyn FnMut(crate::engine::checkpoint::LoadProgress),
+    resolved: &models::ResolvedModel,
+    device: &candle_core::Device,
+) -> Result<ModelFiles, EngineError> {
+    let entry = resolved.entry.as_ref();
+    let dtype = match args.dtype.or(entry.and_then(|e| e.dtype)) {
+        Some(d) => d.0,
+        None => resolved.source.stored_dtype(),
+    };
+    device::check_dtype(device, dtype)?;
+    Ok(ModelFiles {
+        origin: resolved.source.clone(),
+        dtype,
+        chat_stop: args.chat || entry.is_some_and(|e| e.chat),
+    })
+}
+
+/// Where `model` is (`None`: the default entry): an entry, a directory or the embedded model,
+/// pulled from the hub first where it must be (its download reported to `progress`).
+fn resolve(
+    model: Option<&str>,
+    args: &ModelArgs,
+    progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<models::ResolvedModel, EngineError> {
     let mut hub_settings = crate::hub::HubSettings::from_env()?;
     hub_settings.offline |= args.offline;
-    models::resolve(args.model.as_deref(), &hub_settings, &mut |p| {
+    models::resolve(model, &hub_settings, &mut |p| {
         if let crate::hub::PullProgress::Downloading {
             done_bytes,
             total_bytes,
             ..
         } = p
         {
-            progress(crate::engine::checkpoint::LoadProgress::Downloading {
+            progress(LoadProgress::Downloading {
                 done_bytes,
                 total_bytes,
             });

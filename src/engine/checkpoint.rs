@@ -13,6 +13,7 @@ use candle_nn::VarBuilder;
 use super::chat::ChatTemplate;
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
+use super::kernels::KernelOptions;
 use super::looped::LoopedConfig;
 use super::memory::check_device_room;
 use super::model::{Backend, LoadOptions, LoopedModel, Weights, host_matrix_specs};
@@ -270,6 +271,42 @@ pub enum Origin {
     Embedded(CheckpointBytes),
 }
 
+impl Origin {
+    /// The element type the checkpoint stores its weights in, by its config's `torch_dtype`
+    /// (f32 for the embedded model, and where the config cannot be read: loading then names
+    /// the fault).
+    pub fn stored_dtype(&self) -> DType {
+        match self {
+            Self::Dir(dir) => stored_dtype(dir).unwrap_or(DType::F32),
+            Self::Embedded(_) => DType::F32,
+        }
+    }
+}
+
+/// One checkpoint a load reads: where its files are, the element type its weights load in,
+/// and whether generation also stops at the chat end-of-turn token.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    /// Where the checkpoint is.
+    pub origin: Origin,
+    /// The element type the weights are loaded in.
+    pub dtype: DType,
+    /// Stop at the chat template's end-of-turn token too ([`LoadedModel::enable_chat_stop`]).
+    pub chat_stop: bool,
+}
+
+/// What one load brings up on one device: a model and, for the policy that drafts with a
+/// separate model (`policy::draft_model`), its draft model beside it, both with `options`.
+#[derive(Debug, Clone)]
+pub struct LoadPlan {
+    /// The model decoded.
+    pub model: ModelFiles,
+    /// Its draft model, if a run will draft with one.
+    pub draft: Option<ModelFiles>,
+    /// The backend's settings, the same for both.
+    pub options: LoadOptions,
+}
+
 /// A checkpoint's three files held in memory (spex's own model, built into the binary).
 #[derive(Debug, Clone, Copy)]
 pub struct CheckpointBytes {
@@ -284,6 +321,48 @@ impl LoadedModel {
         let mut tokenizer = (*self.tokenizer).clone();
         tokenizer.stop_at_end_of_turn();
         self.tokenizer = Arc::new(tokenizer);
+    }
+
+    /// Loads `plan` on `device`: the model, then its draft model attached to it
+    /// ([`LoadedModel::with_draft`]), telling `progress` how far each one's weights are read.
+    pub fn open(
+        plan: &LoadPlan,
+        device: &Device,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
+        let model = Self::open_one(&plan.model, device, plan.options, progress)?;
+        let Some(draft) = &plan.draft else {
+            return Ok(model);
+        };
+        // The draft decodes on the model's threads (`with_draft`), so it is loaded with the
+        // default count rather than a second copy of the model's.
+        let kernels = KernelOptions {
+            threads: None,
+            ..plan.options.kernels
+        };
+        let options = LoadOptions {
+            kernels,
+            ..plan.options
+        };
+        let draft = Self::open_one(draft, device, options, progress)?;
+        model.with_draft(draft)
+    }
+
+    /// Loads one checkpoint of a [`LoadPlan`].
+    fn open_one(
+        files: &ModelFiles,
+        device: &Device,
+        options: LoadOptions,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
+        let mut loaded = match &files.origin {
+            Origin::Dir(dir) => Self::load_reporting(dir, device, files.dtype, options, progress)?,
+            Origin::Embedded(bytes) => Self::from_bytes(*bytes, device, files.dtype, options)?,
+        };
+        if files.chat_stop {
+            loaded.enable_chat_stop();
+        }
+        Ok(loaded)
     }
 
     /// Opens and loads the checkpoint in `dir` with the default [`LoadOptions`].
