@@ -25,9 +25,19 @@ use super::tokenizer::TextTokenizer;
 pub enum LoadProgress {
     /// Before any reading: the checkpoint's files are downloading into the local hub cache,
     /// `done_bytes` of the current file's `total_bytes` (reported by the CLI's pull).
-    Downloading { done_bytes: u64, total_bytes: u64 },
+    Downloading {
+        /// Bytes of the current file downloaded so far.
+        done_bytes: u64,
+        /// The current file's size, in bytes.
+        total_bytes: u64,
+    },
     /// The host kernels' matrices: `read_bytes` of `total_bytes` read into their arena.
-    Reading { read_bytes: u64, total_bytes: u64 },
+    Reading {
+        /// Bytes read so far.
+        read_bytes: u64,
+        /// The matrices' size, in bytes.
+        total_bytes: u64,
+    },
     /// Read; the first host model of a process times its steps to fix the prefetch plan.
     TimingSteps,
 }
@@ -35,10 +45,13 @@ pub enum LoadProgress {
 /// The files of one checkpoint directory, checked to exist.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
+    /// The checkpoint directory.
     pub dir: PathBuf,
     /// The engine's shape of the checkpoint (its config.json, read once).
     pub config: LoopedConfig,
+    /// Its `*.safetensors` files, sorted by name: one, or the shards.
     pub weight_files: Vec<PathBuf>,
+    /// Its `tokenizer.json`.
     pub tokenizer_file: PathBuf,
 }
 
@@ -243,7 +256,9 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// thread.
 #[derive(Debug, Clone)]
 pub struct LoadedModel {
+    /// The model, on the backend it decodes with (host kernels or candle ops).
     pub backend: Backend,
+    /// Its tokenizer.
     pub tokenizer: Arc<TextTokenizer>,
     /// Where it was loaded from.
     pub origin: Origin,
@@ -310,8 +325,11 @@ pub struct LoadPlan {
 /// A checkpoint's three files held in memory (spex's own model, built into the binary).
 #[derive(Debug, Clone, Copy)]
 pub struct CheckpointBytes {
+    /// The `config.json`.
     pub config: &'static [u8],
+    /// The weights, one `.safetensors` file.
     pub weights: &'static [u8],
+    /// The `tokenizer.json`.
     pub tokenizer: &'static [u8],
 }
 

@@ -12,22 +12,36 @@ use super::looped::{Family, LoopedConfig};
 /// The architecture fields of an Ouro checkpoint that spex uses (`engine::format`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct OuroConfig {
+    /// The residual stream's width.
     pub hidden_size: usize,
     /// K: the shared layers applied on every pass.
     pub num_hidden_layers: usize,
     /// R: the passes (Ouro's "UT steps").
     pub total_ut_steps: usize,
+    /// Query heads.
     pub num_attention_heads: usize,
+    /// Key/value heads (fewer than the query heads under grouped-query attention; the query
+    /// heads' number when absent).
     pub num_key_value_heads: usize,
+    /// Each head's width (`hidden_size` / heads when absent).
     pub head_dim: usize,
+    /// The MLP's inner width.
     pub intermediate_size: usize,
+    /// Rows of the embedding and the LM head.
     pub vocab_size: usize,
+    /// The positions the model supports.
     pub max_position_embeddings: usize,
+    /// RoPE's base.
     pub rope_theta: f64,
+    /// The RMSNorms' epsilon.
     pub rms_norm_eps: f64,
+    /// Whether the LM head is the embedding's transpose (false when absent).
     pub tie_word_embeddings: bool,
+    /// The token a prompt starts with, where there is one.
     pub bos_token_id: Option<u32>,
+    /// The tokens that end a generation (`eos_token_id`: one id or a list).
     pub eos_token_ids: Vec<u32>,
+    /// The element type's name, as PyTorch spells it (`bfloat16`; `float32` when absent).
     pub torch_dtype: String,
 }
 
@@ -333,18 +347,25 @@ pub const MOST_POSITIONS: usize = 1 << 32;
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelShape {
+    /// The residual stream's width.
     pub hidden: usize,
     /// K, the shared layers.
     pub layers: usize,
     /// R, the passes.
     pub passes: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads.
     pub kv_heads: usize,
+    /// Each head's width.
     pub head_dim: usize,
+    /// The MLP's inner width.
     pub intermediate: usize,
     /// Vocabulary the BPE trainer aims for (the config holds at least the tokenizer's size).
     pub vocab: usize,
+    /// The positions the model supports, in tokens.
     pub context: usize,
+    /// Whether the LM head is the embedding's transpose.
     pub tied: bool,
 }
 

@@ -6,28 +6,53 @@ use std::path::PathBuf;
 /// Errors raised by the engine: checkpoint loading, decoding, training.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// A file that is missing, unreadable or malformed.
     #[error("{path}: {message}")]
-    File { path: PathBuf, message: String },
+    File {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong with it, one line.
+        message: String,
+    },
+    /// A field of a config file with a missing, mistyped or out-of-bounds value.
     #[error("{path}: field `{field}`: {message}")]
     Config {
+        /// The config file.
         path: PathBuf,
+        /// The field's name, as the file spells it.
         field: String,
+        /// What is wrong with its value.
         message: String,
     },
+    /// A tensor of a checkpoint that is missing or has the wrong shape or type.
     #[error("{path}: tensor `{name}`: {message}")]
     Tensor {
+        /// The weight file (or the checkpoint directory, when sharded).
         path: PathBuf,
+        /// The tensor's name (`?` where candle's message names none).
         name: String,
+        /// What is wrong with it.
         message: String,
     },
+    /// A prompt that cannot be decoded: empty, or too long for the context.
     #[error("prompt: {0}")]
     Prompt(String),
+    /// A write to the KV cache past its last position.
     #[error("kv cache: position {position} is past the capacity of {capacity} (raise --context)")]
-    CacheFull { position: usize, capacity: usize },
+    CacheFull {
+        /// The position written.
+        position: usize,
+        /// The positions the cache holds.
+        capacity: usize,
+    },
+    /// The tokenizer library failed: encoding a text, or building and training a tokenizer.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// An option or a combination of options the engine cannot run with; the message says
+    /// which.
     #[error("{0}")]
     Invalid(String),
+    /// An error from candle, the tensor library (device ops, safetensors reads).
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
 }

@@ -12,14 +12,18 @@ use super::tokenizer::TextTokenizer;
 /// A token id with its text, as shown to people.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Token {
+    /// The tokenizer's id.
     pub id: u32,
+    /// Its text on its own (partial UTF-8 shows as U+FFFD).
     pub text: String,
 }
 
 /// A row's readout: the next-token prediction after its pass.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
+    /// The predicted token: the readout's decision.
     pub token: Token,
+    /// Its probability under the readout's softmax.
     pub prob: f32,
     /// Logit of the best token minus the runner-up: how near a tie the prediction was.
     pub margin: f32,
@@ -31,7 +35,9 @@ pub struct Prediction {
 /// A token with its probability under a readout.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Ranked {
+    /// The token.
     pub token: Token,
+    /// Its probability.
     pub prob: f32,
 }
 
@@ -80,8 +86,11 @@ impl Prediction {
 /// One row of a step: the token at `pos` that ran pass `pass`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RowEvent {
+    /// The token's position.
     pub pos: usize,
+    /// The pass the row ran.
     pub pass: Pass,
+    /// The token in the row.
     pub token: Token,
     /// Whether the token's id is verified (committed) or still a guess.
     pub verified: bool,
@@ -91,6 +100,7 @@ pub struct RowEvent {
     /// and the `pass` rows it ran are wasted work (no KV entries to free: the chosen one holds
     /// the slot).
     pub dropped: bool,
+    /// The row's readout, where one was read out after this pass.
     pub prediction: Option<Prediction>,
     /// Whether the readout asked a second-proposal gate, and if so whether it opened.
     pub gate: Option<bool>,
@@ -102,9 +112,13 @@ pub struct RowEvent {
 /// A deeper pass changed the prediction for position `pos` (`engine::pipeline`, "The step").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Flip {
+    /// The position whose prediction changed (the row's position + 1).
     pub pos: usize,
+    /// The pass whose readout changed it.
     pub pass: Pass,
+    /// The guess that was in flight.
     pub old: Token,
+    /// The deeper pass's prediction.
     pub new: Token,
 }
 
@@ -113,6 +127,7 @@ pub struct Flip {
 pub struct Flush {
     /// First and last flushed position (inclusive).
     pub first_pos: usize,
+    /// The last flushed position (inclusive).
     pub last_pos: usize,
     /// Rows already computed for the flushed tokens: wasted work.
     pub rows_wasted: usize,
@@ -123,7 +138,9 @@ pub struct Flush {
 /// A token that became part of the output.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Committed {
+    /// The token's position.
     pub pos: usize,
+    /// The token.
     pub token: Token,
     /// The pass whose readout proposed the guess that survived (R: no speculation survived).
     pub accepted_depth: Pass,
@@ -136,23 +153,35 @@ pub struct Committed {
 /// Everything one step did.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepEvent {
+    /// The step's number, from 1.
     pub step: u64,
+    /// The rows it ran, in the order they ran.
     pub rows: Vec<RowEvent>,
+    /// The predictions its readouts changed.
     pub flips: Vec<Flip>,
+    /// The speculative tokens the flips discarded.
     pub flushes: Vec<Flush>,
+    /// The tokens it committed, oldest first.
     pub committed: Vec<Committed>,
+    /// Each pass's cache occupancy after the step, pass 1 first.
     pub kv: Vec<PassOccupancy>,
     #[serde(rename = "compute_us", with = "super::units::micros")]
+    /// Its compute time: the model's step and any drafting (`compute_us`, in microseconds, in
+    /// JSON).
     pub compute: Duration,
 }
 
 /// The prompt's prefill: all R passes over the prompt, and the first generated token.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrefillEvent {
+    /// The prompt's length, in tokens.
     pub prompt_tokens: usize,
+    /// The first generated token, read out after pass R at the prompt's last position.
     pub first: Committed,
+    /// Each pass's cache occupancy after the prefill, pass 1 first.
     pub kv: Vec<PassOccupancy>,
     #[serde(rename = "compute_us", with = "super::units::micros")]
+    /// Its compute time (`compute_us`, in microseconds, in JSON).
     pub compute: Duration,
 }
 
@@ -160,23 +189,33 @@ pub struct PrefillEvent {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
+    /// The output reached the token budget.
     MaxTokens,
+    /// The model committed an end-of-text token.
     EndOfText,
+    /// The output filled the context.
     ContextFull,
+    /// The caller stopped the run.
     Cancelled,
 }
 
 /// The end of a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FinishEvent {
+    /// Why it stopped.
     pub reason: FinishReason,
+    /// The committed output's ids (the prompt excluded).
     pub tokens: Vec<u32>,
+    /// The output decoded as one text.
     pub text: String,
     /// Output text no committed token's `text_delta` carried: where the output ends inside a
     /// multi-byte character, its U+FFFD. A stream of deltas plus this tail ends like `text`.
     pub text_tail: String,
     #[serde(rename = "decode_compute_us", with = "super::units::micros")]
+    /// Compute time of the decode steps, prefill excluded (`decode_compute_us`, in
+    /// microseconds, in JSON).
     pub decode_compute: Duration,
+    /// The decode steps run.
     pub steps: u64,
 }
 
@@ -184,7 +223,10 @@ pub struct FinishEvent {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum DecodeEvent {
+    /// The prompt's prefill, first.
     Prefill(PrefillEvent),
+    /// One decode step.
     Step(StepEvent),
+    /// The end of the run, last.
     Finished(FinishEvent),
 }

@@ -60,6 +60,7 @@ pub const FINAL_NORM: &str = "model.norm.weight";
 pub const LM_HEAD: &str = "lm_head.weight";
 /// Ouro's early-exit gate, `[1, hidden]` weight and `[1]` bias (unused by spex's decoding).
 pub const EXIT_GATE_WEIGHT: &str = "model.early_exit_gate.weight";
+/// The exit gate's bias, `[1]`.
 pub const EXIT_GATE_BIAS: &str = "model.early_exit_gate.bias";
 const LAYER_PREFIX: &str = "model.layers.";
 
@@ -72,16 +73,27 @@ pub const NEUTRAL_EXIT_GATE_BIAS: f32 = -10.0;
 /// One of the eleven tensors of a shared layer, in file and creation order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerTensor {
+    /// The query projection, `[heads × head_dim, hidden]`.
     QProj,
+    /// The key projection, `[kv_heads × head_dim, hidden]`.
     KProj,
+    /// The value projection, `[kv_heads × head_dim, hidden]`.
     VProj,
+    /// The attention's output projection, `[hidden, heads × head_dim]`.
     OProj,
+    /// The MLP's gate projection, `[intermediate, hidden]`.
     GateProj,
+    /// The MLP's up projection, `[intermediate, hidden]`.
     UpProj,
+    /// The MLP's down projection, `[hidden, intermediate]`.
     DownProj,
+    /// The norm before attention, `[hidden]`.
     InputNorm,
+    /// The norm on attention's output, before the residual add, `[hidden]`.
     InputNorm2,
+    /// The norm before the MLP, `[hidden]`.
     PostAttentionNorm,
+    /// The norm on the MLP's output, before the residual add, `[hidden]`.
     PostAttentionNorm2,
 }
 
@@ -148,24 +160,32 @@ impl LayerTensor {
 /// What a tensor is, for initialising it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
+    /// The token embedding.
     Embedding,
     /// The untied LM head, `[vocab, fan_in]`.
     LmHead {
+        /// Its input width (hidden).
         fan_in: usize,
     },
     /// A projection stored `[out, in]`.
     Linear {
+        /// Its input width.
         fan_in: usize,
     },
+    /// A norm's gain.
     Norm,
+    /// Ouro's early-exit gate, weight or bias.
     ExitGate,
 }
 
 /// One tensor of a checkpoint: its name, shape and role.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
+    /// Its name in the safetensors file.
     pub name: String,
+    /// Its shape.
     pub shape: Vec<usize>,
+    /// What it is.
     pub role: Role,
 }
 

@@ -18,8 +18,11 @@ pub const DEFAULT_CONTEXT: usize = 512;
 /// Entries held in one pass's cache, split by whether their token is verified.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PassOccupancy {
+    /// Entries of verified tokens (prompt and committed output).
     pub committed: usize,
+    /// Entries of tokens still guessed.
     pub speculative: usize,
+    /// The positions the cache holds.
     pub capacity: usize,
 }
 

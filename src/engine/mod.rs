@@ -3,6 +3,8 @@
 //! from the harness that measures and replays it (`crate::harness`), the dashboard, the CLI or
 //! training.
 
+#![warn(missing_docs)]
+
 pub mod chat;
 pub mod checkpoint;
 pub mod config;

@@ -21,6 +21,7 @@ pub const SAMPLE_TEXT: &str = include_str!("../../assets/sample-text.txt");
 /// The shape of a random checkpoint and how to write it.
 #[derive(Debug, Clone)]
 pub struct RandomSpec {
+    /// The model's shape.
     pub shape: ModelShape,
     /// Write the weights as two shards plus `model.safetensors.index.json`.
     pub sharded: bool,
@@ -28,7 +29,9 @@ pub struct RandomSpec {
     /// weights, as the tests' checkpoints do; otherwise write the neutral gate
     /// (`format::neutral_exit_gate`), drawing nothing.
     pub random_exit_gate: bool,
+    /// The element type the weights are stored in.
     pub dtype: DType,
+    /// Seeds the generator the weights are drawn from: the same seed, the same weights.
     pub seed: u64,
     /// Pad the config's vocab_size to this (a small corpus caps the tokenizer's size; real
     /// checkpoints also have more rows than tokens).

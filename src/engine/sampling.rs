@@ -14,11 +14,13 @@ use super::rng::SplitMix;
 /// [`Sampling::MIN_TEMPERATURE`]) is greedy decoding.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
+    /// T: the logits are divided by it before sampling; 0 is greedy.
     pub temperature: f32,
     /// Keep only the `top_k` most likely tokens.
     pub top_k: Option<usize>,
     /// Keep the smallest set of most likely tokens whose probability reaches `top_p`.
     pub top_p: Option<f32>,
+    /// Keys the Gumbel noise and the rejection tests' uniforms: the same seed, the same text.
     pub seed: u64,
 }
 
@@ -31,6 +33,7 @@ impl Default for Sampling {
 /// A readout's choice, and the runner-up a second candidate may start from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Choice {
+    /// The chosen token: the highest score among the kept tokens.
     pub best: u32,
     /// The second-highest score among the kept tokens and how far below the best it is
     /// (in logits when greedy, in perturbed scores l/T + G when sampling).
@@ -204,10 +207,16 @@ impl Sampling {
 /// a stream number no token id reaches, so reruns draw the same numbers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Draw {
+    /// Drawing a first proposal from its pass's distribution.
     FirstProposal,
+    /// Drawing a gated second proposal from the residual.
     SecondProposal,
+    /// The test at pass R that accepts the first proposal.
     AcceptFirst,
+    /// The test at pass R that accepts the second proposal.
     AcceptSecond,
+    /// Drawing the token pass R commits: from the residual when every proposal is rejected,
+    /// from pass R's distribution when nothing was in flight.
     Residual,
 }
 

@@ -8,10 +8,13 @@ pub mod micros {
 
     use serde::{Deserialize, Deserializer, Serializer, de::Error};
 
+    /// Writes `d` as microseconds, with the nanoseconds as three decimals.
     pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_f64(d.as_nanos() as f64 / 1e3)
     }
 
+    /// Reads microseconds back to the nanosecond; errs on a negative, non-finite or too large
+    /// value.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         let us = f64::deserialize(d)?;
         if !(0.0..1.8e16).contains(&us) {

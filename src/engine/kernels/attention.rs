@@ -28,8 +28,11 @@ const TILE: usize = 64;
 /// Shapes for one row's attention over its pass's cache.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads (each serves heads / kv_heads query heads).
     pub kv_heads: usize,
+    /// Each head's width.
     pub head_dim: usize,
 }
 
@@ -54,8 +57,11 @@ pub enum KvLayout {
 /// One pass's keys and values (f32 or f16) as the attention reads them.
 #[derive(Debug, Clone, Copy)]
 pub struct KvView<'a, E> {
+    /// The pass's keys, laid out as `layout` says.
     pub keys: &'a [E],
+    /// Its values, laid out the same way.
     pub values: &'a [E],
+    /// How both lie in memory.
     pub layout: KvLayout,
 }
 

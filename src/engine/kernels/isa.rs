@@ -14,9 +14,11 @@ pub enum Isa {
     /// AVX-512F, BW and VL for the matmul (16 lanes, 32 registers; BW loads 16-bit weights
     /// under a mask), AVX2 + FMA for everything else.
     Avx512,
+    /// AVX2, FMA and F16C for everything (8 lanes, 16 registers).
     Avx2Fma,
     /// aarch64's NEON for the matmul (every aarch64 CPU has it), portable loops elsewhere.
     Neon,
+    /// Plain Rust loops, which the compiler vectorises as it can: any CPU.
     Portable,
 }
 

@@ -19,7 +19,9 @@ use std::time::Duration;
 /// `far_bytes` is not zero, also `far_bytes` ahead into L2.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Prefetch {
+    /// How far ahead each stream is prefetched into L1, in bytes.
     pub near_bytes: usize,
+    /// How far ahead it is also prefetched into L2, in bytes (0: not at all).
     pub far_bytes: usize,
 }
 
@@ -52,9 +54,13 @@ impl Prefetch {
 /// How a model's plan was fixed: forced, or chosen by timing, with the timings.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Choice {
+    /// Forced (`--prefetch`).
     Forced(Prefetch),
+    /// Chosen by timing every candidate (none timed where the kernels prefetch nothing).
     Measured {
+        /// The cheapest candidate.
         chosen: Prefetch,
+        /// Every candidate's timings, in the order of [`Prefetch::CANDIDATES`].
         trials: Vec<Trial>,
     },
 }
@@ -71,8 +77,11 @@ impl Choice {
 /// One candidate's median step compute when the plan was chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Trial {
+    /// The candidate timed.
     pub plan: Prefetch,
+    /// Its median one-row step compute.
     pub one_row: Duration,
+    /// Its median R-row step compute.
     pub many_rows: Duration,
 }
 

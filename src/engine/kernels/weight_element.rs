@@ -155,14 +155,18 @@ impl WeightElement for f16 {
 /// A weight matrix's elements as stored, `[outs × inner]` row-major: what the matmuls take.
 #[derive(Debug, Clone, Copy)]
 pub enum Weight<'a> {
+    /// Stored in f32.
     F32(&'a [f32]),
+    /// Stored in bf16.
     Bf16(&'a [bf16]),
+    /// Stored in f16.
     F16(&'a [f16]),
 }
 
 /// A weight matrix with its shape: `weight`'s elements, `inner` to a row.
 #[derive(Debug, Clone, Copy)]
 pub struct Matrix<'a> {
+    /// Its elements, row after row.
     pub weight: Weight<'a>,
     /// Elements a row: the products' inner dimension.
     pub inner: usize,

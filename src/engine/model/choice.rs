@@ -167,8 +167,11 @@ pub struct BackendInfo {
 /// The host kernels' settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostInfo {
+    /// The instruction set the kernels run.
     pub isa: Isa,
+    /// The decode threads.
     pub threads: usize,
+    /// The KV cache's element type.
     pub kv_dtype: KvDtype,
     /// The prefetch plan and, where it was timed, each candidate's steps.
     pub prefetch: Option<prefetch::Choice>,

@@ -32,7 +32,9 @@ pub enum KvDtype {
 /// Host K/V buffers in one element type.
 #[derive(Debug, Clone)]
 pub enum HostKv {
+    /// An f32 cache.
     F32(KvBuffers<f32>),
+    /// An f16 cache.
     F16(KvBuffers<f16>),
 }
 

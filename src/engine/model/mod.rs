@@ -64,16 +64,27 @@ fn init_for(role: Role) -> candle_nn::Init {
 /// The weights of one shared layer (all linear layers without bias, stored `[out, in]`).
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
+    /// The query projection.
     pub q_proj: Tensor,
+    /// The key projection.
     pub k_proj: Tensor,
+    /// The value projection.
     pub v_proj: Tensor,
+    /// The attention's output projection.
     pub o_proj: Tensor,
+    /// The MLP's gate projection.
     pub gate_proj: Tensor,
+    /// The MLP's up projection.
     pub up_proj: Tensor,
+    /// The MLP's down projection.
     pub down_proj: Tensor,
+    /// The norm's gain before attention.
     pub input_layernorm: Tensor,
+    /// The norm's gain on attention's output, before the residual add.
     pub input_layernorm_2: Tensor,
+    /// The norm's gain before the MLP.
     pub post_attention_layernorm: Tensor,
+    /// The norm's gain on the MLP's output, before the residual add.
     pub post_attention_layernorm_2: Tensor,
 }
 
@@ -125,8 +136,11 @@ impl LayerWeights {
 /// Every tensor of an Ouro checkpoint that the forward pass uses.
 #[derive(Debug, Clone)]
 pub struct Weights {
+    /// The token embedding, `[vocab, hidden]`.
     pub embed_tokens: Tensor,
+    /// The K shared layers, in order.
     pub layers: Vec<LayerWeights>,
+    /// The norm's gain after the last layer of every pass.
     pub norm: Tensor,
     /// The LM head; the embedding itself when the checkpoint ties them.
     pub lm_head: Tensor,
@@ -225,10 +239,15 @@ pub fn host_matrix_specs(config: &LoopedConfig) -> Vec<(String, candle_core::Sha
 /// Rotary tables for positions `0..positions`: `[positions, head_dim / 2]`, host and device.
 #[derive(Debug, Clone)]
 pub struct Rope {
+    /// Entries per position: head_dim / 2.
     pub half: usize,
+    /// Host cosines, `[positions, half]` row-major, in f32.
     pub cos: Vec<f32>,
+    /// Host sines, laid out the same way.
     pub sin: Vec<f32>,
+    /// The cosines as a tensor on the model's device, in its dtype.
     pub cos_t: Tensor,
+    /// The sines as a tensor on the model's device, in its dtype.
     pub sin_t: Tensor,
 }
 
@@ -283,10 +302,15 @@ impl Rope {
 /// [`StepBackend`] that holds it; the sequence forward (`reference`) runs on it directly.
 #[derive(Debug)]
 pub struct LoopedModel {
+    /// Its shape.
     pub config: LoopedConfig,
+    /// Its weights.
     pub weights: Weights,
+    /// Its rotary tables.
     pub rope: Rope,
+    /// The device its tensors are on.
     pub device: Device,
+    /// The element type it computes in.
     pub dtype: DType,
 }
 

@@ -120,7 +120,9 @@ pub enum RowInput<H> {
 /// Where a row runs: a token at `pos` running pass `pass`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowSlot {
+    /// The token's position.
     pub pos: usize,
+    /// The pass it runs.
     pub pass: Pass,
     /// Which readout of this row's new state the LM head makes, if any.
     pub readout: ReadoutKind,
@@ -153,13 +155,16 @@ impl ReadoutKind {
 /// One row of a batched step.
 #[derive(Debug, Clone)]
 pub struct StepRow<H> {
+    /// Where it runs.
     pub slot: RowSlot,
+    /// What it starts from.
     pub input: RowInput<H>,
 }
 
 /// What a batched step returns, one entry per row in input order.
 #[derive(Debug)]
 pub struct StepOutput<H> {
+    /// Each row's new hidden state: the next pass's input.
     pub hidden: Vec<H>,
     /// Logits over the vocabulary for rows that asked for a readout.
     pub logits: Vec<Option<Vec<f32>>>,

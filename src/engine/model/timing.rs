@@ -24,6 +24,7 @@ pub struct StepTimes {
     /// One step of R rows, every row read out.
     #[serde(rename = "full_us", with = "crate::engine::units::micros")]
     pub full: Duration,
+    /// R: the rows of the full step, and the one-row steps a baseline token takes.
     pub rows: usize,
 }
 

@@ -10,6 +10,7 @@ use super::super::sampling::Sampling;
 /// A candidate for the next position.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Proposal {
+    /// The candidate token.
     pub token: u32,
     /// The distribution `token` was drawn from, which a verification by rejection needs
     /// (LoopSpec); `None` for a deterministic choice (greedy or seed-coupled).
@@ -44,8 +45,11 @@ pub enum Action {
     /// Nothing is in flight: start children, a first candidate and perhaps a second beside it.
     /// `gated` says whether a gate decided about the second (the gate-open rate's count).
     Propose {
+        /// The first candidate.
         first: Proposal,
+        /// A second candidate beside it, where the policy proposes one.
         second: Option<Proposal>,
+        /// Whether a gate decided about the second.
         gated: bool,
     },
     /// A first candidate is in flight and the second-proposal gate was asked: what it opened
@@ -86,6 +90,7 @@ impl Action {
 /// A readout as a policy sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Readout<'a> {
+    /// Its logits over the vocabulary.
     pub logits: &'a [f32],
     /// The pass it was read out after.
     pub pass: Pass,
@@ -110,6 +115,7 @@ impl Readout<'_> {
 /// draft at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Drafting {
+    /// Where the drafts come from.
     pub source: DraftSource,
     /// γ: drafts per round, 1 or more.
     pub tokens: usize,

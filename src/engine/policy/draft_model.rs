@@ -13,6 +13,7 @@ use crate::engine::pass::Pass;
 /// Drafts `tokens` tokens (γ) with the draft model, then verifies them together.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DraftModel {
+    /// γ: drafts per round, 1 or more.
     pub tokens: usize,
 }
 

@@ -16,7 +16,9 @@ use crate::engine::sampling::{Draw, draw, residual};
 /// LoopSpec with first proposals at depth `d1` and, if set, gated second proposals at `d2`.
 #[derive(Debug, Clone, Copy)]
 pub struct LoopSpec {
+    /// The depth first proposals are drawn at (below R).
     pub d1: Pass,
+    /// The depth gated second proposals are drawn at (below R); `None`: no second proposals.
     pub d2: Option<Pass>,
 }
 

@@ -43,22 +43,33 @@ pub enum PolicyKind {
     /// The default where nothing names a policy.
     #[default]
     Speed,
+    /// SPEED with a gated second proposal ([`Dual`](struct@Dual)).
     Dual {
+        /// The gate: the runner-up starts when it is less than this below the best (in logits
+        /// when greedy).
         margin_below: f32,
     },
+    /// LoopSpec's proposals, verified by rejection sampling at pass R
+    /// ([`LoopSpec`](struct@LoopSpec)).
     LoopSpec {
+        /// The depth first proposals are drawn at.
         d1: Pass,
+        /// The depth gated second proposals are drawn at; `None`: no second proposals.
         d2: Option<Pass>,
     },
     /// Draft then verify from the model's own first passes.
     SelfDraft {
+        /// d: the pass the drafts are read out after (below R).
         depth: Pass,
+        /// γ: drafts per round.
         tokens: usize,
     },
     /// Draft then verify from a separate draft model.
     Draft {
+        /// γ: drafts per round.
         tokens: usize,
     },
+    /// One token at a time through every pass: what the others are held to.
     Baseline,
 }
 

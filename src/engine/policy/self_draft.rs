@@ -22,7 +22,9 @@ use crate::engine::pass::Pass;
 /// Drafts `tokens` tokens (γ) from pass `depth` (d), then verifies them together.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SelfDraft {
+    /// d: the pass whose readout drafts the next token (below R).
     pub depth: Pass,
+    /// γ: drafts per round, 1 or more.
     pub tokens: usize,
 }
 

@@ -51,6 +51,7 @@ impl Policy for Baseline {
 /// readout at or after `first_pass` and is re-checked after every deeper pass.
 #[derive(Debug, Clone, Copy)]
 pub struct Speed {
+    /// The first pass whose readout may start a child.
     pub first_pass: Pass,
 }
 
@@ -87,6 +88,8 @@ impl Policy for Speed {
 pub struct Dual {
     /// Where children start and are re-checked: exactly as SPEED.
     pub speed: Speed,
+    /// The gate, in the readout's scores: the runner-up starts when it is less than this below
+    /// the best.
     pub margin_below: f32,
 }
 
