@@ -14,7 +14,7 @@ use crate::engine::{DecodeOptions, EngineError};
 use crate::harness::bandwidth::{self, Bandwidth};
 use crate::harness::bench::{Comparison, PromptResult, bench_prompt};
 use crate::harness::race::{Lane, RaceEvent};
-use crate::harness::report::{BenchReport, Figures, PromptReport};
+use crate::harness::report::{BenchReport, Figures, PromptReport, Spread, peak_memory_bytes};
 use crate::harness::trace::{TraceHeader, TraceWriter};
 
 /// Prompts used when `--prompts` is not given.
@@ -311,22 +311,11 @@ fn json_report(
     })
 }
 
-/// The process's peak resident memory in bytes (Linux `VmHWM`), if known.
-pub fn peak_memory_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
-/// min–median–max of sorted values.
-fn spread(sorted: &[f64]) -> String {
-    match (sorted.first(), sorted.last()) {
-        (Some(min), Some(max)) => {
-            let median = sorted[(sorted.len() - 1) / 2];
-            format!("{min:.2}–{median:.2}–{max:.2}×")
-        }
-        _ => "—".into(),
+/// A spread as min–median–max, or a dash where there was nothing to spread.
+fn spread(s: Spread, count: usize) -> String {
+    match count {
+        0 => "—".into(),
+        _ => format!("{:.2}–{:.2}–{:.2}×", s.low, s.median, s.high),
     }
 }
 
@@ -442,7 +431,7 @@ fn print_overall(report: &BenchReport, passes: usize) {
             f.baseline_tokens_per_sec,
             f.tokens_per_sec,
             f.speedup,
-            spread(&p.run_speedups),
+            spread(p.run_speedup_spread, p.run_speedups.len()),
             f.gamma,
             acceptance(f),
             gate(f),

@@ -3,7 +3,7 @@
 //! baseline read. Every figure is computed here, once; the CLI formats them.
 
 use super::bench::PromptResult;
-use super::report::BenchReport;
+use super::report::{BenchReport, Spread};
 use super::roofline;
 use crate::engine::model::LoopedModel;
 use crate::engine::{EngineError, LoadedModel};
@@ -16,30 +16,6 @@ pub fn probe(loaded: &LoadedModel) -> Result<Option<f64>, EngineError> {
         return Ok(None);
     }
     roofline::loaded_weights_read_bytes_per_sec(loaded).transpose()
-}
-
-/// The median, lowest and highest of a set of figures.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Spread {
-    /// The lower of the middle two for an even count.
-    pub median: f64,
-    pub low: f64,
-    pub high: f64,
-}
-
-impl Spread {
-    /// The spread of `values`; zeros where there are none.
-    pub fn of(values: &[f64]) -> Self {
-        let mut sorted = values.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        let at = |i: usize| sorted.get(i).copied().unwrap_or(0.0);
-        let last = sorted.len().saturating_sub(1);
-        Self {
-            median: at(last / 2),
-            low: at(0),
-            high: at(last),
-        }
-    }
 }
 
 /// The baseline against the machine's read bandwidth. Each prompt's baseline is set against

@@ -111,6 +111,32 @@ impl PromptReport {
     }
 }
 
+/// The median, lowest and highest of a set of figures.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Spread {
+    /// The lower of the middle two for an even count.
+    pub median: f64,
+    /// The lowest.
+    pub low: f64,
+    /// The highest.
+    pub high: f64,
+}
+
+impl Spread {
+    /// The spread of `values`; zeros where there are none.
+    pub fn of(values: &[f64]) -> Self {
+        let mut sorted = values.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let at = |i: usize| sorted.get(i).copied().unwrap_or(0.0);
+        let last = sorted.len().saturating_sub(1);
+        Self {
+            median: at(last / 2),
+            low: at(0),
+            high: at(last),
+        }
+    }
+}
+
 /// One policy summed over every prompt's shown (median) run.
 #[derive(Debug, Clone, Serialize)]
 pub struct PolicyReport {
@@ -119,6 +145,8 @@ pub struct PolicyReport {
     pub figures: Figures,
     /// The overall speedup of each run (every prompt's k-th run together), sorted.
     pub run_speedups: Vec<f64>,
+    /// Their spread.
+    pub run_speedup_spread: Spread,
     /// Prompts whose text differs from the baseline's where it must not.
     pub mismatches: usize,
     /// Prompts whose text is compared (all but same-distribution ones).
@@ -151,10 +179,12 @@ impl BenchReport {
                 let compared = (lanes.iter())
                     .filter(|p| p.comparison != Comparison::SameDistribution)
                     .count();
+                let run_speedups = run_speedups(&lanes, passes);
                 PolicyReport {
                     policy: lanes[0].lane.policy.to_string(),
                     figures: Figures::of(&baseline, &stats),
-                    run_speedups: run_speedups(&lanes, passes),
+                    run_speedup_spread: Spread::of(&run_speedups),
+                    run_speedups,
                     mismatches,
                     compared,
                     identical: mismatches == 0 && compared == results.len(),
@@ -203,6 +233,14 @@ fn run_speedups(lanes: &[&PolicyResult], passes: usize) -> Vec<f64> {
         .collect();
     speedups.sort_by(f64::total_cmp);
     speedups
+}
+
+/// The process's peak resident memory in bytes (Linux `VmHWM`), if known.
+pub fn peak_memory_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 #[cfg(test)]
