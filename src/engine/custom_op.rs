@@ -26,7 +26,8 @@ pub fn contiguous_range(
 /// An operand's elements on the CPU, checked contiguous and of type `T`.
 pub fn cpu_operand<'a, T: WithDType>(
     op: &str,
-    (storage, layout): (&'a CpuStorage, &Layout),
+    storage: &'a CpuStorage,
+    layout: &Layout,
     what: &str,
 ) -> candle_core::Result<&'a [T]> {
     Ok(&storage.as_slice::<T>()?[contiguous_range(op, layout, what)?])
@@ -47,10 +48,10 @@ mod tests {
         let candle_core::Storage::Cpu(cpu) = &*storage else {
             panic!("a CPU tensor")
         };
-        let x = cpu_operand::<f32>("op", (cpu, layout), "x").unwrap();
+        let x = cpu_operand::<f32>("op", cpu, layout, "x").unwrap();
         assert_eq!(x, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
         let transposed = layout.transpose(0, 1).unwrap();
-        let err = cpu_operand::<f32>("op", (cpu, &transposed), "x").unwrap_err();
+        let err = cpu_operand::<f32>("op", cpu, &transposed, "x").unwrap_err();
         assert_eq!(err.to_string(), "op: x is not contiguous");
     }
 }

@@ -54,8 +54,12 @@ impl<B: StepModel> ModelDrafter<B> {
     /// Reads `tokens` on from the text read so far, through every pass; returns the last
     /// token's final readout (a proposal's: drafts may be approximate).
     fn read_on(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let at = (self.read.len(), tokens);
-        let last = (self.backend).read_tokens(&mut self.cache, at, ReadoutKind::Proposal)?;
+        let last = (self.backend).read_tokens(
+            &mut self.cache,
+            self.read.len(),
+            tokens,
+            ReadoutKind::Proposal,
+        )?;
         self.read.extend_from_slice(tokens);
         self.cache.set_committed(self.read.len());
         last.ok_or_else(|| EngineError::Invalid("the draft model read no token".into()))

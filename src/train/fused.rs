@@ -55,7 +55,7 @@ const ROWS_PER_TASK: usize = 64;
 
 /// An f32 operand's elements, checked contiguous (`custom_op::cpu_operand`).
 fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> CResult<&'a [f32]> {
-    cpu_operand(op, (s, l), "an operand")
+    cpu_operand(op, s, l, "an operand")
 }
 
 fn last_dim(shape: &Shape, op: &'static str) -> CResult<usize> {

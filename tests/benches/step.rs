@@ -102,7 +102,7 @@ fn shipped_models_table(pos: usize, options: LoadOptions) {
 /// and over) and cold (caches spread over 64 MB, each read once in a while, as a step finds
 /// its pass's cache after streaming the weights).
 fn attention_table(kernels: &Kernels) {
-    use spex::engine::kernels::{AttnShape, KvLayout, KvView, Query};
+    use spex::engine::kernels::{AttnShape, HeadSpan, KvLayout, KvView, Query};
     let shape = AttnShape {
         heads: 4,
         kv_heads: 4,
@@ -133,7 +133,13 @@ fn attention_table(kernels: &Kernels) {
                     layout,
                 };
                 let t = Instant::now();
-                kernels.attend_group(&[query], view, (shape, 0..4), &mut out, &mut scores);
+                kernels.attend_group(
+                    &[query],
+                    view,
+                    HeadSpan { shape, heads: 0..4 },
+                    &mut out,
+                    &mut scores,
+                );
                 times.push(t.elapsed());
             }
             times.sort_unstable();

@@ -180,7 +180,7 @@ pub fn attend_row(
         detected_isa(),
         &[query],
         (keys, values),
-        (shape, 0..shape.heads),
+        HeadSpan::all(shape),
         out,
         scores,
     );
@@ -197,11 +197,31 @@ impl Kernels {
         &self,
         queries: &[Query<'_>],
         cache: impl Into<KvView<'a, E>>,
-        heads: (AttnShape, Range<usize>),
+        heads: HeadSpan,
         out: &mut [f32],
         scores: &mut Vec<f32>,
     ) {
         attend_group_on(self.tuning.isa, queries, cache.into(), heads, out, scores);
+    }
+}
+
+/// The query heads one attention call computes (`heads`, of `shape.heads`): the decode
+/// threads split a group by heads.
+#[derive(Debug, Clone)]
+pub struct HeadSpan {
+    /// The layer's attention shape.
+    pub shape: AttnShape,
+    /// The query heads attended, a range of `0..shape.heads`.
+    pub heads: Range<usize>,
+}
+
+impl HeadSpan {
+    /// Every query head of `shape`.
+    pub fn all(shape: AttnShape) -> Self {
+        Self {
+            shape,
+            heads: 0..shape.heads,
+        }
     }
 }
 
@@ -210,10 +230,11 @@ pub(super) fn attend_group_on<'a, E: KvElement>(
     isa: Isa,
     queries: &[Query<'_>],
     cache: impl Into<KvView<'a, E>>,
-    (shape, heads): (AttnShape, Range<usize>),
+    span: HeadSpan,
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
+    let HeadSpan { shape, heads } = span;
     let cache = cache.into();
     let count = heads.len();
     let starts: Vec<usize> = (queries.iter())

@@ -31,7 +31,10 @@ fn attention_kernels_agree_closely_with_the_portable_loops() {
                     Isa::Portable,
                     &query,
                     cache,
-                    (shape, 0..heads),
+                    HeadSpan {
+                        shape,
+                        heads: 0..heads,
+                    },
                     &mut a,
                     &mut scores,
                 );
@@ -40,7 +43,10 @@ fn attention_kernels_agree_closely_with_the_portable_loops() {
                     assert!((x - y).abs() < 1e-5, "{shape:?} len {len}: {x} vs {y}");
                 }
                 for isa in supported_isas() {
-                    let all_heads = (shape, 0..heads);
+                    let all_heads = HeadSpan {
+                        shape,
+                        heads: 0..heads,
+                    };
                     attention::attend_group_on(isa, &query, cache, all_heads, &mut b, &mut scores);
                     for (x, y) in a.iter().zip(&b) {
                         assert!(
@@ -123,9 +129,9 @@ fn group_attends_as_alone<E: KvElement>(isa: Isa, shape: AttnShape, seed: &mut u
     let cache = (&keys_e[..], &values_e[..]);
     let all_heads = all_heads_of(shape);
     attention::attend_group_on(isa, &queries, cache, all_heads, &mut group, &mut Vec::new());
-    tiled_layout_gives_the_same_bits(isa, shape, &queries, cache, &group);
+    tiled_layout_gives_the_same_bits(isa, shape, &queries, &keys_e, &values_e, &group);
     heads_alone_give_the_same_bits(isa, shape, &queries, cache, &group);
-    rows_alone_give_the_same_bits::<E>(isa, shape, &queries, (&keys, &values), &group);
+    rows_alone_give_the_same_bits::<E>(isa, shape, &queries, &keys, &values, &group);
 }
 
 /// The group's cache laid out in tiles, with room for more positions, gives the same bits.
@@ -133,7 +139,8 @@ fn tiled_layout_gives_the_same_bits<E: KvElement>(
     isa: Isa,
     shape: AttnShape,
     queries: &[attention::Query],
-    (keys_e, values_e): (&[E], &[E]),
+    keys_e: &[E],
+    values_e: &[E],
     group: &[f32],
 ) {
     let (head_dim, kv_dim) = (shape.head_dim, shape.kv_heads * shape.head_dim);
@@ -175,7 +182,10 @@ fn heads_alone_give_the_same_bits<E: KvElement>(
     let q_dim = heads * head_dim;
     for h in 0..heads {
         let mut one = vec![0f32; queries.len() * head_dim];
-        let head = (shape, h..h + 1);
+        let head = HeadSpan {
+            shape,
+            heads: h..h + 1,
+        };
         attention::attend_group_on(isa, queries, cache, head, &mut one, &mut Vec::new());
         for (n, o) in one.chunks_exact(head_dim).enumerate() {
             let whole = &group[n * q_dim + h * head_dim..][..head_dim];
@@ -190,7 +200,8 @@ fn rows_alone_give_the_same_bits<E: KvElement>(
     isa: Isa,
     shape: AttnShape,
     queries: &[attention::Query],
-    (keys, values): (&[f32], &[f32]),
+    keys: &[f32],
+    values: &[f32],
     group: &[f32],
 ) {
     let (q_dim, kv_dim) = (
@@ -230,8 +241,8 @@ fn rows_alone_give_the_same_bits<E: KvElement>(
     }
 }
 
-fn all_heads_of(shape: AttnShape) -> (AttnShape, std::ops::Range<usize>) {
-    (shape, 0..shape.heads)
+fn all_heads_of(shape: AttnShape) -> HeadSpan {
+    HeadSpan::all(shape)
 }
 
 /// An f16 cache gives the bits of the same values widened to an f32 cache, on every ISA: the

@@ -25,12 +25,13 @@ pub unsafe fn dots<const J: usize, W: WeightElement>(
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
-    (to, plan): (OutLayout, Prefetch),
+    to: OutLayout,
+    plan: Prefetch,
     first: usize,
 ) {
     // SAFETY: the caller's features; that many rows of `xs` exist.
     unsafe {
-        with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, (to, plan), first))
+        with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, to, plan, first))
     }
 }
 
@@ -47,7 +48,8 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
-    (to, plan): (OutLayout, Prefetch),
+    to: OutLayout,
+    plan: Prefetch,
     first: usize,
 ) {
     let bytes = std::mem::size_of::<W>();
@@ -55,8 +57,8 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
         let ws: [&[W]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
         // SAFETY: the caller's features; `ws` rows and `xs`' R rows hold `inner` elements.
-        let acc = unsafe { group_sums::<R, J, W>(xs, ws, (near, far)) };
-        store_sums(&acc, (xs, ws), out.from(g * J * to.col), to, first);
+        let acc = unsafe { group_sums::<R, J, W>(xs, ws, near, far) };
+        store_sums(&acc, xs, ws, out.from(g * J * to.col), to, first);
     }
 }
 
@@ -71,7 +73,8 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
 unsafe fn group_sums<const R: usize, const J: usize, W: WeightElement>(
     xs: &[f32],
     ws: [&[W]; J],
-    (near, far): (usize, usize),
+    near: usize,
+    far: usize,
 ) -> [[__m256; J]; R] {
     let inner = ws[0].len();
     let main = inner - inner % 8;
@@ -121,7 +124,8 @@ unsafe fn group_sums<const R: usize, const J: usize, W: WeightElement>(
 #[target_feature(enable = "avx2,fma,f16c")]
 fn store_sums<const R: usize, const J: usize, W: WeightElement>(
     acc: &[[__m256; J]; R],
-    (xs, ws): (&[f32], [&[W]; J]),
+    xs: &[f32],
+    ws: [&[W]; J],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,

@@ -22,12 +22,13 @@ pub unsafe fn dots<const J: usize, W: WeightElement>(
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
-    (to, plan): (OutLayout, Prefetch),
+    to: OutLayout,
+    plan: Prefetch,
     first: usize,
 ) {
     // SAFETY: the caller's features; that many rows of `xs` exist.
     unsafe {
-        with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, (to, plan), first))
+        with_rows!(xs.len() / inner, R => dots_rows::<R, J, W>(xs, w, inner, out, to, plan, first))
     }
 }
 
@@ -44,7 +45,8 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
-    (to, plan): (OutLayout, Prefetch),
+    to: OutLayout,
+    plan: Prefetch,
     first: usize,
 ) {
     let full = inner - inner % 16;
@@ -70,7 +72,7 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
         let mut k = 0;
         while k < full {
             // SAFETY: k + 16 <= inner, within every row of `xs` and every weight row.
-            unsafe { chunk(&mut acc, (x, wj), k, !0) };
+            unsafe { chunk(&mut acc, x, wj, k, !0) };
             lines_ahead::<J, W, _MM_HINT_T0>(near_at.wrapping_add(J * k));
             if far > 0 {
                 lines_ahead::<J, W, _MM_HINT_T1>(far_at.wrapping_add(J * k));
@@ -82,7 +84,7 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
             // (zeros elsewhere), so every chunk runs the same FMAs.
             let mask: __mmask16 = (1u16 << (inner - k)) - 1;
             // SAFETY: the unmasked lanes lie within `inner`; masked-off lanes are not read.
-            unsafe { chunk(&mut acc, (x, wj), k, mask) };
+            unsafe { chunk(&mut acc, x, wj, k, mask) };
         }
         store_group::<R, J, W>(&acc, out.from(g * J * to.col), to, first);
     }
@@ -107,7 +109,8 @@ fn lines_ahead<const J: usize, W, const HINT: i32>(at: *const W) {
 #[inline(always)]
 unsafe fn chunk<const R: usize, const J: usize, W: WeightElement>(
     acc: &mut [[__m512; J]; R],
-    (x, w): ([*const f32; R], [*const W; J]),
+    x: [*const f32; R],
+    w: [*const W; J],
     k: usize,
     mask: __mmask16,
 ) {

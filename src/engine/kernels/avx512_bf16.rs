@@ -38,7 +38,7 @@ pub unsafe fn sweep(
 ) {
     ROUNDED.with_borrow_mut(|xs| {
         // SAFETY: this function's features and the caller's shapes.
-        unsafe { sweep_rounded(x, rounded(x, inner, xs), w, inner, out, (to, plan)) }
+        unsafe { sweep_rounded(x, rounded(x, inner, xs), w, inner, out, to, plan) }
     });
 }
 
@@ -58,7 +58,8 @@ unsafe fn sweep_rounded(
     w: &[bf16],
     inner: usize,
     out: SharedOut<'_>,
-    (to, plan): (OutLayout, Prefetch),
+    to: OutLayout,
+    plan: Prefetch,
 ) {
     let rows = x.len() / inner;
     let stride = inner.next_multiple_of(32);
@@ -74,7 +75,7 @@ unsafe fn sweep_rounded(
         for block in blocks.clone() {
             let block_x = &xs[block.start * stride..block.end * stride];
             // SAFETY: this function's features; whole groups of J rows, whole padded rows.
-            unsafe { dots::<J>(block_x, run_w, inner, run_out, (to, plan), block.start) };
+            unsafe { dots::<J>(block_x, run_w, inner, run_out, to, plan, block.start) };
         }
     }
     if grouped < w.len() {
@@ -88,7 +89,8 @@ unsafe fn sweep_rounded(
                     &w[grouped..],
                     inner,
                     rest_out,
-                    (to, plan),
+                    to,
+                    plan,
                     block.start,
                 )
             };
@@ -136,13 +138,14 @@ unsafe fn dots<const G: usize>(
     w: &[bf16],
     inner: usize,
     out: SharedOut<'_>,
-    (to, plan): (OutLayout, Prefetch),
+    to: OutLayout,
+    plan: Prefetch,
     first: usize,
 ) {
     let stride = inner.next_multiple_of(32);
     // SAFETY: the caller's features; that many rows of `xs` exist.
     unsafe {
-        with_rows!(xs.len() / stride, R => dots_rows::<R, G>(xs, w, inner, out, (to, plan), first))
+        with_rows!(xs.len() / stride, R => dots_rows::<R, G>(xs, w, inner, out, to, plan, first))
     }
 }
 
@@ -155,7 +158,8 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
     w: &[bf16],
     inner: usize,
     out: SharedOut<'_>,
-    (to, plan): (OutLayout, Prefetch),
+    to: OutLayout,
+    plan: Prefetch,
     first: usize,
 ) {
     let stride = inner.next_multiple_of(32);
@@ -184,7 +188,7 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
         let mut k = 0;
         while k < full {
             // SAFETY: k + 32 <= inner, within every weight row and every padded row.
-            unsafe { chunk(&mut acc, (x, wj), k, !0) };
+            unsafe { chunk(&mut acc, x, wj, k, !0) };
             for (line, row) in wj.iter().enumerate() {
                 // A prefetch never faults, whatever the address.
                 if let Some(ahead) = near_per_row {
@@ -200,7 +204,7 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
             // The weights' tail under a mask (zeros past `inner`); the rows are zero-padded.
             let mask: __mmask32 = (1u32 << (inner - k)) - 1;
             // SAFETY: the unmasked weight lanes lie within `inner`; padded rows hold 32 more.
-            unsafe { chunk(&mut acc, (x, wj), k, mask) };
+            unsafe { chunk(&mut acc, x, wj, k, mask) };
         }
         avx512::store_group::<R, G, Products>(&acc, out.from(g * G * to.col), to, first);
     }
@@ -217,7 +221,8 @@ enum Products {}
 #[inline(always)]
 unsafe fn chunk<const R: usize, const G: usize>(
     acc: &mut [[__m512; G]; R],
-    (x, w): ([*const bf16; R], [*const bf16; G]),
+    x: [*const bf16; R],
+    w: [*const bf16; G],
     k: usize,
     mask: __mmask32,
 ) {

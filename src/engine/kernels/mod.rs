@@ -134,7 +134,7 @@ mod weight_element;
 #[cfg(test)]
 mod weight_tests;
 
-pub use attention::{AttnShape, KvLayout, KvStrides, KvView, Query, attend_row};
+pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, attend_row};
 pub use isa::{Isa, detected_isa};
 pub use kv_element::KvElement;
 pub use prefetch::Prefetch;
@@ -175,10 +175,13 @@ fn matmul_t_typed<W: WeightElement>(
 /// [`Kernels::gated_t`].
 fn gated_t_on(
     k: &Kernels,
-    (x, rows, inner): (&[f32], usize, usize),
-    (gate_w, up_w): (Weight<'_>, Weight<'_>),
-    (gate, up): (&mut [f32], &mut [f32]),
+    input: Rows<'_>,
+    gate_w: Weight<'_>,
+    up_w: Weight<'_>,
+    gate: &mut [f32],
+    up: &mut [f32],
 ) {
+    let Rows { x, rows, inner } = input;
     let pool = k.pool();
     if pool.threads() == 1 || gate_w.len() < POOL_MIN_ELEMENTS || up_w.len() != gate_w.len() {
         k.matmul_t(x, gate_w, rows, inner, gate);
@@ -190,7 +193,7 @@ fn gated_t_on(
     pool.run(&|part| {
         let range = pool::share(width, parts, part, SHARE_ALIGN);
         for (w, out) in [(gate_w, gate), (up_w, up)] {
-            product_columns(t, (x, rows, inner), w, out, range.clone());
+            product_columns(t, input, w, out, range.clone());
         }
         for r in 0..rows {
             let at = r * width + range.start;
@@ -219,9 +222,10 @@ fn silu_mul_shared(isa: Isa, gate: SharedOut<'_>, up: SharedOut<'_>, len: usize)
 fn matmul_t_pooled(
     pool: &pool::Pool,
     t: Tuning,
-    (x, rows, inner): (&[f32], usize, usize),
+    input: Rows<'_>,
     products: &mut [(Weight<'_>, &mut [f32])],
 ) {
+    let inner = input.inner;
     let parts = pool.threads();
     let outs: Vec<(Weight<'_>, SharedOut<'_>)> = (products.iter_mut())
         .map(|(w, out)| (*w, SharedOut::new(out)))
@@ -229,7 +233,7 @@ fn matmul_t_pooled(
     pool.run(&|part| {
         for &(w, out) in &outs {
             let range = pool::share(w.len() / inner, parts, part, SHARE_ALIGN);
-            product_columns(t, (x, rows, inner), w, out, range);
+            product_columns(t, input, w, out, range);
         }
     });
 }
@@ -238,11 +242,12 @@ fn matmul_t_pooled(
 /// those columns of every row.
 fn product_columns(
     t: Tuning,
-    (x, rows, inner): (&[f32], usize, usize),
+    input: Rows<'_>,
     w: Weight<'_>,
     out: SharedOut<'_>,
     range: std::ops::Range<usize>,
 ) {
+    let Rows { x, rows, inner } = input;
     let to = OutLayout {
         col: 1,
         row: w.len() / inner,
@@ -313,6 +318,14 @@ impl<'a> SharedOut<'a> {
     }
 }
 
+/// The input of a product: `rows` rows of `inner` floats, one after another in `x`.
+#[derive(Debug, Clone, Copy)]
+struct Rows<'a> {
+    x: &'a [f32],
+    rows: usize,
+    inner: usize,
+}
+
 /// Where the kernels put the product of input row `r` and weight row `j`: `out[j·col + r·row]`
 /// (row-major `[rows × outs]` is `col` 1, `row` outs; transposed is `col` rows, `row` 1).
 #[derive(Debug, Clone, Copy)]
@@ -346,7 +359,7 @@ fn matmul_t_serial<W: WeightElement>(
         // input chunks fit. Fewer rows take 4 weight rows too: 1–2 rows × 8 weight rows, in
         // runs of groups, made the 1-row step measurably dearer when the weights stream from
         // DRAM; one or two rows are bound by memory, not FMAs.
-        (Isa::Avx512 | Isa::Avx512Bf16, _) => sweep::<4, W>(t, (x, x86), w, inner, out, to),
+        (Isa::Avx512 | Isa::Avx512Bf16, _) => sweep::<4, W>(t, x, x86, w, inner, out, to),
         // AVX2's 16 registers hold at most 12 accumulators: 1–4 rows × 3 weight rows, and from
         // 5 rows on blocks of up to 6 rows × 2 weight rows. One or two rows are bound by
         // memory, and fewer weight streams were faster: with kernels taking runs of groups
@@ -354,10 +367,10 @@ fn matmul_t_serial<W: WeightElement>(
         // steps cheaper than 4. Splitting 5 rows as 3 + 2 rows × 3 weight rows left the 2-row
         // block's 6 accumulators waiting on FMA latency: the 5-row step took longer in two
         // blocks than in one.
-        (Isa::Avx2Fma, 1..=4) => sweep::<3, W>(t, (x, x86), w, inner, out, to),
-        (Isa::Avx2Fma, _) => sweep::<2, W>(t, (x, x86), w, inner, out, to),
-        (_, 1..=2) => sweep::<4, W>(t, (x, other), w, inner, out, to),
-        _ => sweep::<2, W>(t, (x, other), w, inner, out, to),
+        (Isa::Avx2Fma, 1..=4) => sweep::<3, W>(t, x, x86, w, inner, out, to),
+        (Isa::Avx2Fma, _) => sweep::<2, W>(t, x, x86, w, inner, out, to),
+        (_, 1..=2) => sweep::<4, W>(t, x, other, w, inner, out, to),
+        _ => sweep::<2, W>(t, x, other, w, inner, out, to),
     }
 }
 
@@ -369,7 +382,8 @@ fn matmul_t_serial<W: WeightElement>(
 /// 3–5-row steps under AVX-512, and its 1–5-row steps under forced AVX2.
 fn sweep<const J: usize, W: WeightElement>(
     t: Tuning,
-    (x, block_rows): (&[f32], usize),
+    x: &[f32],
+    block_rows: usize,
     w: &[W],
     inner: usize,
     out: SharedOut<'_>,
@@ -429,13 +443,11 @@ fn dots_dispatch<const J: usize, W: WeightElement>(
         // SAFETY: a `Tuning` holds Avx512 only after `Kernels::new` checked the CPU has
         // AVX-512F, BW and VL, AVX2, FMA and F16C; `sweep` passes whole groups and whole rows.
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-            avx512::dots::<J, W>(block, w, inner, out, (to, t.prefetch), first)
+            avx512::dots::<J, W>(block, w, inner, out, to, t.prefetch, first)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2Fma => unsafe {
-            avx2::dots::<J, W>(block, w, inner, out, (to, t.prefetch), first)
-        },
+        Isa::Avx2Fma => unsafe { avx2::dots::<J, W>(block, w, inner, out, to, t.prefetch, first) },
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => neon::dots::<J, W>(block, w, inner, out, to, first),
         _ => portable::dots::<J, W>(block, w, inner, out, to, first),

@@ -67,7 +67,7 @@ fn group_dots<const J: usize, W: WeightElement>(
     for j in 0..J {
         for (r, a) in acc.iter().enumerate().take(rows) {
             // SAFETY: NEON is part of every aarch64 CPU.
-            let mut sum = unsafe { hsum8(a[j]) };
+            let mut sum = unsafe { hsum8(a[j].0, a[j].1) };
             for kk in main..inner {
                 sum += xs[r * inner + kk] * ws[j][kk].to_f32();
             }
@@ -81,7 +81,7 @@ fn group_dots<const J: usize, W: WeightElement>(
 /// # Safety
 /// Needs NEON (every aarch64 CPU has it).
 #[inline(always)]
-unsafe fn hsum8((lo, hi): (float32x4_t, float32x4_t)) -> f32 {
+unsafe fn hsum8(lo: float32x4_t, hi: float32x4_t) -> f32 {
     // SAFETY: the caller runs on aarch64, where NEON is always present.
     unsafe {
         let pairs = vpaddq_f32(lo, hi); // l0+l1, l2+l3, l4+l5, l6+l7

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::{
-    Isa, POOL_MIN_ELEMENTS, Prefetch, Weight, detected_isa, gated_t_on, matmul_t_pooled,
+    Isa, POOL_MIN_ELEMENTS, Prefetch, Rows, Weight, detected_isa, gated_t_on, matmul_t_pooled,
     matmul_t_typed, pool, silu_mul_on,
 };
 
@@ -109,7 +109,12 @@ impl Kernels {
     /// [rows × outs]`.
     pub fn matmul_t(&self, x: &[f32], w: Weight<'_>, rows: usize, inner: usize, out: &mut [f32]) {
         if self.pool.threads() > 1 && w.len() >= POOL_MIN_ELEMENTS {
-            return matmul_t_pooled(&self.pool, self.tuning, (x, rows, inner), &mut [(w, out)]);
+            return matmul_t_pooled(
+                &self.pool,
+                self.tuning,
+                Rows { x, rows, inner },
+                &mut [(w, out)],
+            );
         }
         with_weight!(w, w => matmul_t_typed(self.tuning, x, w, rows, inner, out))
     }
@@ -126,7 +131,7 @@ impl Kernels {
     ) {
         let pooled = products.iter().all(|(w, _)| w.len() >= POOL_MIN_ELEMENTS);
         if self.pool.threads() > 1 && pooled {
-            return matmul_t_pooled(&self.pool, self.tuning, (x, rows, inner), products);
+            return matmul_t_pooled(&self.pool, self.tuning, Rows { x, rows, inner }, products);
         }
         for (w, out) in products.iter_mut() {
             self.matmul_t(x, *w, rows, inner, out);
@@ -146,7 +151,14 @@ impl Kernels {
         weights: (Weight<'_>, Weight<'_>),
         outs: (&mut [f32], &mut [f32]),
     ) {
-        gated_t_on(self, (x, rows, inner), weights, outs);
+        gated_t_on(
+            self,
+            Rows { x, rows, inner },
+            weights.0,
+            weights.1,
+            outs.0,
+            outs.1,
+        );
     }
 
     /// SiLU(gate) · up, element-wise, into `gate`, with these kernels' instruction set.

@@ -202,7 +202,7 @@ fn products_split_across_threads_are_the_serial_ones_bit_for_bit() {
             matmul_t_pooled(
                 &pool,
                 Tuning::from(detected_isa()),
-                (&x, rows, inner),
+                Rows { x: &x, rows, inner },
                 &mut pairs,
             );
             for (w, got) in ws.iter().zip(&outs) {
@@ -244,9 +244,11 @@ fn the_gated_mlp_split_across_threads_is_the_serial_one_bit_for_bit() {
                 let (mut gate, mut up) = (vec![0f32; rows * outs], vec![0f32; rows * outs]);
                 gated_t_on(
                     &kernels,
-                    (&x, rows, inner),
-                    ((&gate_w).into(), (&up_w).into()),
-                    (&mut gate, &mut up),
+                    Rows { x: &x, rows, inner },
+                    (&gate_w).into(),
+                    (&up_w).into(),
+                    &mut gate,
+                    &mut up,
                 );
                 gate
             };

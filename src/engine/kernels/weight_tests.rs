@@ -42,7 +42,11 @@ fn stored_bf16_and_f16_weights_give_the_bits_of_their_f32_widening() {
         for threads in [2, 3] {
             let pool = pool::Pool::new(threads).expect("threads");
             let (mut got, mut want) = (vec![0f32; 5 * outs], vec![0f32; 5 * outs]);
-            let xs = (&x[..5 * inner], 5, inner);
+            let xs = Rows {
+                x: &x[..5 * inner],
+                rows: 5,
+                inner,
+            };
             let widening = match detected_isa() {
                 Isa::Avx512Bf16 => Isa::Avx512,
                 other => other,
@@ -113,7 +117,11 @@ fn bf16_products_are_row_invariant_and_close_to_the_rounded_product() {
         matmul_t_pooled(
             &pool,
             Tuning::from(Isa::Avx512Bf16),
-            (&x, 13, inner),
+            Rows {
+                x: &x,
+                rows: 13,
+                inner,
+            },
             &mut [((&w[..]).into(), &mut split)],
         );
         assert_eq!(split, all, "two threads, inner {inner}");

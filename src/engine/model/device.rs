@@ -226,11 +226,18 @@ impl StepBackend for DeviceBackend {
         let qkv = rope_split(&q?, &k?, &v?, &step.cos, &step.sin)?;
         let (q, k) = (qkv.narrow(0, 0, heads)?, qkv.narrow(0, heads, kv_heads)?);
         let v = qkv.narrow(0, heads + kv_heads, kv_heads)?;
-        write(step, layer, (&k, &v), cache)?;
+        write(step, layer, &k, &v, cache)?;
         let store = cache.store();
-        let layer_kv = (&store.keys[layer], &store.values[layer]);
         let scale = 1.0 / (head_dim as f32).sqrt();
-        decode_attention(&q, layer_kv, (&k, &v), &step.spans, scale)
+        decode_attention(
+            &q,
+            &store.keys[layer],
+            &store.values[layer],
+            &k,
+            &v,
+            &step.spans,
+            scale,
+        )
     }
 
     fn readouts(&self, slots: &[RowSlot], h: &Tensor) -> Result<Vec<Option<Vec<f32>>>> {
@@ -267,7 +274,8 @@ impl StepBackend for DeviceBackend {
 fn write(
     step: &DeviceStep,
     layer: usize,
-    (k, v): (&Tensor, &Tensor),
+    k: &Tensor,
+    v: &Tensor,
     cache: &mut KvCache<DeviceKv>,
 ) -> Result<()> {
     let store = cache.store();

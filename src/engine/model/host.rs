@@ -15,7 +15,9 @@ use super::host_kv::{HostKv, KvBuffers};
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::prefetch::{Choice, Prefetch};
-use crate::engine::kernels::{self, Kernels, KvElement, Matrix, SubnormalsFlushed, Weight};
+use crate::engine::kernels::{
+    self, HeadSpan, Kernels, KvElement, Matrix, SubnormalsFlushed, Weight,
+};
 use crate::engine::kv_cache::KvCache;
 
 /// A read view of a contiguous CPU tensor's elements as stored.
@@ -260,10 +262,11 @@ impl HostBackend {
         &self,
         layer: usize,
         slots: &[RowSlot],
-        (q, k, v): (&[f32], &[f32], &[f32]),
+        qkv: Projections<'_>,
         out: &mut [f32],
         store: &KvBuffers<E>,
     ) {
+        let Projections { q, k, v } = qkv;
         let (q_dim, kv_dim) = (q.len() / slots.len(), k.len() / slots.len());
         let (shape, groups) = (self.model.attn_shape(), pass_groups(slots));
         let pool = self.kernels.pool();
@@ -298,7 +301,7 @@ impl HostBackend {
                 self.kernels.attend_group(
                     &queries,
                     cache,
-                    (shape, heads),
+                    HeadSpan { shape, heads },
                     &mut item_out,
                     &mut scores,
                 );
@@ -449,7 +452,7 @@ impl StepBackend for HostBackend {
         for slot in slots.iter().filter(|s| s.second) {
             cache.note_second(slot.pass, slot.pos);
         }
-        let qkv = (&q[..], &k[..], &v[..]);
+        let qkv = Projections { q, k, v };
         match cache.store() {
             HostKv::F32(b) => self.attend_groups(layer, slots, qkv, &mut out, b),
             HostKv::F16(b) => self.attend_groups(layer, slots, qkv, &mut out, b),
@@ -506,4 +509,13 @@ impl StepBackend for HostBackend {
     fn proposal_error_bound(&self, state: &Vec<f32>) -> Option<f64> {
         self.half_head.as_ref().map(|h| h.error_bound(state))
     }
+}
+
+/// One layer's query, key and value projections of a step's rows, after RoPE (`[rows ×
+/// heads·head_dim]`, and `[rows × kv_heads·head_dim]` for the keys and values).
+#[derive(Debug, Clone, Copy)]
+struct Projections<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
 }

@@ -49,7 +49,8 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
     fn read_tokens(
         &self,
         cache: &mut KvCache<Self::Kv>,
-        (start, tokens): (usize, &[u32]),
+        start: usize,
+        tokens: &[u32],
         readout: ReadoutKind,
     ) -> Result<Option<Vec<f32>>> {
         let passes = self.passes();
@@ -207,7 +208,7 @@ fn sweep<B: StepBackend>(
     let step = backend.enter_step(&slots, cache)?;
     let mut h = backend.embed(inputs)?;
     for (index, layer) in model.weights.layers.iter().enumerate() {
-        h = layer_forward(backend, (&step, &slots), layer, index, h, cache)?;
+        h = layer_forward(backend, &step, &slots, layer, index, h, cache)?;
     }
     let h = backend.rms_norm(&h, &model.weights.norm)?;
     let logits = backend.readouts(&slots, &h)?;
@@ -220,7 +221,8 @@ fn sweep<B: StepBackend>(
 /// One shared layer with Ouro's sandwich norms (`engine::format`, "The forward pass").
 fn layer_forward<B: StepBackend>(
     b: &B,
-    (step, slots): (&B::Step, &[RowSlot]),
+    step: &B::Step,
+    slots: &[RowSlot],
     w: &LayerWeights,
     index: usize,
     h: B::Act,

@@ -126,7 +126,7 @@ fn median_times<B: StepBackend>(
     batches: &[Vec<RowSlot>],
     repeats: usize,
 ) -> Result<Vec<Duration>> {
-    median_times_on(&[backend], (pos, pos + 1), batches, repeats.into())
+    median_times_on(&[backend], pos, pos + 1, batches, repeats.into())
 }
 
 /// The host kernels' prefetch plan for `backend` (`kernels::prefetch`), timed when the model
@@ -154,7 +154,7 @@ pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
             most: 25,
             budget: Some(PLAN_TIMING_BUDGET),
         };
-        let t = median_times_on(&lanes, (pos, capacity), &batches, rounds)?;
+        let t = median_times_on(&lanes, pos, capacity, &batches, rounds)?;
         Ok(t.chunks_exact(turn.len())
             .map(|t| step_times(t, passes))
             .map(|times| (times.one_row, times.full))
@@ -203,7 +203,8 @@ impl Rounds {
 /// cache to come from memory).
 fn median_times_on<B: StepBackend>(
     lanes: &[&B],
-    (pos, capacity): (usize, usize),
+    pos: usize,
+    capacity: usize,
     batches: &[Vec<RowSlot>],
     rounds: Rounds,
 ) -> Result<Vec<Duration>> {

@@ -16,8 +16,9 @@ impl<B: StepModel> Pipeline<B> {
         let started = Instant::now();
         let n = self.prompt.len();
         let readout = self.commit_readout();
-        let prompt = (0, self.prompt.as_slice());
-        let last_logits = self.backend.read_tokens(&mut self.cache, prompt, readout)?;
+        let last_logits = self
+            .backend
+            .read_tokens(&mut self.cache, 0, &self.prompt, readout)?;
         let logits =
             last_logits.expect("prefill reads out the last position at pass R: this is a bug");
         // Non-finite weights (or a config that divides by zero) show first here: every later

@@ -71,8 +71,10 @@ pub fn spans_tensor(spans: &[RowSpan], device: &candle_core::Device) -> Result<T
 /// Returns `[rows, heads · head_dim]`. All inputs contiguous, one dtype (f32, bf16 or f16).
 pub fn decode_attention(
     q: &Tensor,
-    (keys, values): (&Tensor, &Tensor),
-    (k_step, v_step): (&Tensor, &Tensor),
+    keys: &Tensor,
+    values: &Tensor,
+    k_step: &Tensor,
+    v_step: &Tensor,
     spans: &Tensor,
     scale: f32,
 ) -> Result<Tensor> {
@@ -154,9 +156,9 @@ impl CustomOp3 for DecodeAttention {
         else {
             return Err(op_error(OP, "the step's operands are not on the CPU"));
         };
-        let spans = cpu_operand::<u32>(OP, (spans, ls), "spans")?;
+        let spans = cpu_operand::<u32>(OP, spans, ls, "spans")?;
         let out = by_dtype!(OP, q.dtype(), |T| {
-            let operand = |s, l, what| cpu_operand::<T>(OP, (s, l), what);
+            let operand = |s, l, what| cpu_operand::<T>(OP, s, l, what);
             let inputs = Inputs {
                 q: operand(q, lq, "q")?,
                 keys: operand(keys, lk, "keys")?,

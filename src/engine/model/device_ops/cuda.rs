@@ -131,7 +131,8 @@ pub(super) fn decode_attention<T: CudaDType + DeviceRepr + WithDType>(
 
 pub(super) fn rope_split<T: CudaDType + DeviceRepr + WithDType>(
     dims: SplitDims,
-    (cos, sin): (&Tensor, &Tensor),
+    cos: &Tensor,
+    sin: &Tensor,
     [q, k, v]: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<CudaStorage> {
     const OP: &str = "rope split";
@@ -165,7 +166,8 @@ pub(super) fn rope_split<T: CudaDType + DeviceRepr + WithDType>(
 pub(super) fn write_rows<T: CudaDType + DeviceRepr + WithDType>(
     dims: WriteDims,
     to: &Tensor,
-    (cache, lc): (&mut CudaStorage, &Layout),
+    cache: &mut CudaStorage,
+    lc: &Layout,
     src: (&CudaStorage, &Layout),
 ) -> candle_core::Result<()> {
     const OP: &str = "write rows";

@@ -115,7 +115,7 @@ impl CustomOp3 for RopeSplit {
             return Err(op_error(Self::OP, "cos and sin are not on the CPU"));
         };
         let out = by_dtype!(Self::OP, q.dtype(), |T| {
-            let operand = |s, l, what| cpu_operand::<T>(Self::OP, (s, l), what);
+            let operand = |s, l, what| cpu_operand::<T>(Self::OP, s, l, what);
             let sources = [
                 operand(q, lq, "q")?,
                 operand(k, lk, "k")?,
@@ -140,7 +140,7 @@ impl CustomOp3 for RopeSplit {
         let dims = self.dims(lq, lk, lv)?;
         let operands = [(q, lq), (k, lk), (v, lv)];
         let out = by_dtype!(Self::OP, q.dtype(), |T| {
-            super::cuda::rope_split::<T>(dims, (&self.cos, &self.sin), operands)
+            super::cuda::rope_split::<T>(dims, &self.cos, &self.sin, operands)
         })?;
         Ok((out, dims.out_shape()))
     }
@@ -233,10 +233,10 @@ impl InplaceOp2 for WriteRows {
                 "the rows' cache rows are not on the CPU",
             ));
         };
-        let to = cpu_operand::<u32>(Self::OP, (to, lt), "to")?;
+        let to = cpu_operand::<u32>(Self::OP, to, lt, "to")?;
         let cache_range = contiguous_range(Self::OP, lc, "cache")?;
         by_dtype!(Self::OP, src.dtype(), |T| {
-            let src = cpu_operand::<T>(Self::OP, (src, ls), "src")?;
+            let src = cpu_operand::<T>(Self::OP, src, ls, "src")?;
             let cache = T::slice_mut(cache)
                 .ok_or_else(|| op_error(Self::OP, "the cache and the rows differ in dtype"))?;
             let cache = &mut cache[cache_range];
@@ -254,7 +254,7 @@ impl InplaceOp2 for WriteRows {
     ) -> candle_core::Result<()> {
         let dims = self.dims(lc, ls)?;
         by_dtype!(Self::OP, src.dtype(), |T| {
-            super::cuda::write_rows::<T>(dims, &self.to, (cache, lc), (src, ls))
+            super::cuda::write_rows::<T>(dims, &self.to, cache, lc, (src, ls))
         })
     }
 }
@@ -314,8 +314,8 @@ impl CustomOp2 for SiluMul {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         self.elements(lg, lu)?;
         let out = by_dtype!(Self::OP, gate.dtype(), |T| {
-            let gate = cpu_operand::<T>(Self::OP, (gate, lg), "gate")?;
-            let up = cpu_operand::<T>(Self::OP, (up, lu), "up")?;
+            let gate = cpu_operand::<T>(Self::OP, gate, lg, "gate")?;
+            let up = cpu_operand::<T>(Self::OP, up, lu, "up")?;
             let out = gate.iter().zip(up).map(|(&g, &u)| {
                 let g = g.f32();
                 T::of(g / (1.0 + (-g).exp()) * u.f32())

@@ -149,8 +149,10 @@ impl AttentionCase {
         let spans = spans_tensor(&self.spans, device)?;
         decode_attention(
             &on(&self.q)?,
-            (&on(&self.keys)?, &on(&self.values)?),
-            (&on(&self.k_step)?, &on(&self.v_step)?),
+            &on(&self.keys)?,
+            &on(&self.values)?,
+            &on(&self.k_step)?,
+            &on(&self.v_step)?,
             &spans,
             self.scale(),
         )

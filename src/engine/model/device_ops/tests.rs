@@ -106,14 +106,8 @@ fn matches_softmax_attention_across_chunks_groups_and_extra_columns() {
 fn mismatched_shapes_are_an_error() {
     let c = case();
     let spans = spans_tensor(&c.spans[..2], &Device::Cpu).expect("spans");
-    let err = decode_attention(
-        &c.q,
-        (&c.keys, &c.values),
-        (&c.k_step, &c.v_step),
-        &spans,
-        1.0,
-    )
-    .expect_err("spans for 2 of 4 rows");
+    let err = decode_attention(&c.q, &c.keys, &c.values, &c.k_step, &c.v_step, &spans, 1.0)
+        .expect_err("spans for 2 of 4 rows");
     assert!(
         err.to_string().contains("decode attention: shapes"),
         "{err}"
