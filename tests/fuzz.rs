@@ -202,7 +202,8 @@ fn read_trace(case: &str, bytes: &[u8]) -> bool {
     if let Some(msg) = replayer.message() {
         app.update(msg);
     }
-    match spex::tui::replay::snapshot(trace, "fuzz.jsonl".into(), steps / 2, (120, 36, false)) {
+    let size = ratatui::layout::Size::new(120, 36);
+    match spex::tui::replay::snapshot(trace, "fuzz.jsonl".into(), steps / 2, size, false) {
         Ok(svg) => assert!(svg.starts_with("<svg"), "{case}"),
         Err(e) => one_line(case, &e.to_string()),
     }

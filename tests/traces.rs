@@ -27,7 +27,7 @@ fn race(loaded: &LoadedModel, prompt: &str, policy: PolicyKind) -> Vec<RaceEvent
         context: 128,
         sampling: Sampling::GREEDY,
     };
-    run_race(loaded, prompt, (policy, options), control_rx, |e| {
+    run_race(loaded, prompt, policy, options, control_rx, |e| {
         events.push(e);
         true
     });

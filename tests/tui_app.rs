@@ -53,14 +53,12 @@ fn race_events_sampled(
     run_race(
         &loaded,
         prompt,
-        (
-            policy,
-            DecodeOptions {
-                max_tokens: 20,
-                context: 128,
-                sampling,
-            },
-        ),
+        policy,
+        DecodeOptions {
+            max_tokens: 20,
+            context: 128,
+            sampling,
+        },
         control_rx,
         |e| {
             events.push(e);

@@ -12,7 +12,7 @@ use crate::engine::events::DecodeEvent;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
 use crate::harness::bandwidth::{self, Bandwidth};
-use crate::harness::bench::{Comparison, PromptResult, bench_prompt};
+use crate::harness::bench::{Comparison, Lineup, PromptResult, bench_prompt};
 use crate::harness::race::{Lane, RaceEvent};
 use crate::harness::report::{BenchReport, Figures, PromptReport, Spread, peak_memory_bytes};
 use crate::harness::trace::{TraceHeader, TraceWriter};
@@ -118,14 +118,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if !args.json {
         print_header(args, &session, options, &policies);
     }
-    let (results, probes) = bench_prompts(args, &session, options, (&prompts, &policies))?;
+    let (results, probes) = bench_prompts(args, &session, options, &prompts, &policies)?;
     let report = BenchReport::of(&results, passes);
-    let bandwidth = Bandwidth::of(session.loaded.model(), (&results, &report), probes);
+    let bandwidth = Bandwidth::of(session.loaded.model(), &results, &report, probes);
     if args.json {
         let json = json_report(
             &session,
-            (&report, bandwidth.as_ref()),
-            (args, options.sampling),
+            &report,
+            bandwidth.as_ref(),
+            args,
+            options.sampling,
         );
         println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
@@ -172,7 +174,8 @@ fn bench_prompts(
     args: &BenchArgs,
     session: &super::Session,
     options: DecodeOptions,
-    (prompts, policies): (&[String], &[PolicyKind]),
+    prompts: &[String],
+    policies: &[PolicyKind],
 ) -> anyhow::Result<(Vec<PromptResult>, Vec<f64>)> {
     let passes = session.loaded.model().passes();
     let mut recorder = match &args.record_dir {
@@ -191,12 +194,12 @@ fn bench_prompts(
             None => Vec::new(),
         };
         let mut observe = |lane: usize, event: &DecodeEvent| record_event(&mut traces, lane, event);
-        let lanes = (policies, turns);
+        let lineup = Lineup { policies, turns };
         let mut r = bench_prompt(
             &session.loaded,
             &session.prompt(prompt)?,
             options,
-            lanes,
+            lineup,
             &mut observe,
         )?;
         for trace in &mut traces {
@@ -275,8 +278,10 @@ fn record_event(
 /// The whole run as one JSON object (the `--json` output): the report, with what ran it.
 fn json_report(
     session: &super::Session,
-    (report, bandwidth): (&BenchReport, Option<&Bandwidth>),
-    (args, sampling): (&BenchArgs, crate::engine::Sampling),
+    report: &BenchReport,
+    bandwidth: Option<&Bandwidth>,
+    args: &BenchArgs,
+    sampling: crate::engine::Sampling,
 ) -> serde_json::Value {
     let info = session.loaded.backend.info();
     let host = info.host.as_ref();

@@ -29,7 +29,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         options,
     )?;
     let mut recorder = match &args.record {
-        Some(path) => Some(recorder(path, &session, (policy, &args.prompt), options)?),
+        Some(path) => Some(recorder(path, &session, policy, &args.prompt, options)?),
         None => None,
     };
     let lane = trace_lane(policy);
@@ -82,7 +82,8 @@ fn trace_lane(policy: crate::engine::PolicyKind) -> Lane {
 fn recorder(
     path: &std::path::Path,
     session: &super::session::Session,
-    (policy, prompt): (crate::engine::PolicyKind, &str),
+    policy: crate::engine::PolicyKind,
+    prompt: &str,
     options: DecodeOptions,
 ) -> anyhow::Result<TraceWriter> {
     super::record::check_target(path, session)?;

@@ -13,8 +13,9 @@ use crate::harness::trace::{FORMAT_VERSION, ModelRecord, TraceHeader, fingerprin
 /// and `policy` are set per trace.
 pub fn header(session: &Session, options: DecodeOptions) -> Result<TraceHeader, EngineError> {
     let mut header = template(session, options);
-    (header.model.weights_sha256, header.model.tokenizer_sha256) =
-        fingerprint(&session.loaded.origin)?;
+    header
+        .model
+        .set_fingerprint(fingerprint(&session.loaded.origin)?);
     Ok(header)
 }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 
 use super::models;
-use crate::harness::trace::{Trace, fingerprint};
+use crate::harness::trace::{ModelFingerprint, Trace, fingerprint};
 
 /// `spex replay`.
 #[derive(Debug, Args)]
@@ -45,7 +45,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<()> {
         |n| n.to_string_lossy().into_owned(),
     );
     let interval = std::time::Duration::from_secs_f64(1.0 / f64::from(args.fps.max(1)));
-    crate::tui::replay::run(trace, name, args.step, (interval, args.present))
+    crate::tui::replay::run(trace, name, args.step, interval, args.present)
 }
 
 /// Errors unless `model` has the weights and tokenizer `trace` (read from `file`) was
@@ -56,7 +56,10 @@ fn check_model(trace: &Trace, file: &Path, model: &str) -> anyhow::Result<()> {
     let resolved = models::resolve(Some(model), &hub, &mut |p| bar.show(p));
     bar.finish();
     let resolved = resolved?;
-    let (weights, tokenizer) = fingerprint(&resolved.source)?;
+    let ModelFingerprint {
+        weights_sha256: weights,
+        tokenizer_sha256: tokenizer,
+    } = fingerprint(&resolved.source)?;
     let recorded = &trace.header.model;
     let short = |hash: &str| hash.chars().take(12).collect::<String>();
     let mut differs = Vec::new();
@@ -124,8 +127,8 @@ pub fn snapshot(args: &SnapshotArgs) -> anyhow::Result<()> {
         || args.file.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let size = (args.width.min(400), args.height.min(200), args.present);
-    let svg = crate::tui::replay::snapshot(trace, name, args.step, size)?;
+    let size = ratatui::layout::Size::new(args.width.min(400), args.height.min(200));
+    let svg = crate::tui::replay::snapshot(trace, name, args.step, size, args.present)?;
     files::write_atomically(&args.svg, |out| out.write_all(svg.as_bytes()))?;
     Ok(())
 }

@@ -9,6 +9,7 @@ use clap::{Args, Subcommand};
 
 use super::{ModelArgs, SamplingArgs, parse_count};
 use crate::engine::{DecodeOptions, PolicyKind};
+use crate::harness::bench::Lineup;
 use crate::harness::sweep::{LengthSweep, sweep_lengths};
 
 /// `spex sweep`.
@@ -96,8 +97,12 @@ fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
     let sweep = sweep_lengths(
         &session.loaded,
         &prompts,
-        (options, &args.lengths),
-        (&policies, turns),
+        options,
+        &args.lengths,
+        Lineup {
+            policies: &policies,
+            turns,
+        },
         &mut progress,
     )?;
     if terminal {

@@ -10,8 +10,8 @@ use clap::Args;
 use super::chart::{BarChart, draw_bars};
 use super::{ModelArgs, SamplingArgs, parse_count};
 use crate::engine::{DecodeOptions, PolicyKind};
-use crate::harness::bench::Turns;
-use crate::harness::sweep::{ModelPoint, policy_point};
+use crate::harness::bench::{Lineup, Turns};
+use crate::harness::sweep::{ModelPoint, NamedModel, policy_point};
 
 /// `spex sweep policies`.
 #[derive(Debug, Args)]
@@ -122,13 +122,19 @@ fn measure_models(
                 );
             }
         };
-        let lanes = (args.policy.as_slice(), turns);
-        let named = (session.name.as_str(), &session.loaded);
+        let lineup = Lineup {
+            policies: &args.policy,
+            turns,
+        };
+        let model = NamedModel {
+            name: &session.name,
+            loaded: &session.loaded,
+        };
         points.push(policy_point(
-            named,
+            model,
             &prompts,
             options,
-            lanes,
+            lineup,
             &mut progress,
         )?);
     }

@@ -68,11 +68,7 @@ fn boxed<B: StepBackend>(
         _ => None,
     };
     Ok(Box::new(Pipeline::new(
-        (backend, drafter),
-        tokenizer,
-        policy,
-        prompt,
-        options,
+        backend, drafter, tokenizer, policy, prompt, options,
     )?))
 }
 

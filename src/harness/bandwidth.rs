@@ -42,10 +42,12 @@ pub struct Bandwidth {
 
 impl Bandwidth {
     /// From the probes around the prompts (none where the model's passes stay in cache, or
-    /// candle's ops decode) and the first policy's baselines.
+    /// candle's ops decode) and the first policy's baselines: each prompt's in `results`,
+    /// and over every prompt in `report`, the bench's figures of the same `results`.
     pub fn of(
         model: &LoopedModel,
-        (results, report): (&[PromptResult], &BenchReport),
+        results: &[PromptResult],
+        report: &BenchReport,
         probes: Vec<f64>,
     ) -> Option<Self> {
         if probes.len() != results.len() + 1 {

@@ -122,6 +122,16 @@ pub struct Turns {
     pub turn: Duration,
 }
 
+/// What a bench races against the baseline, and how: the speculative policies (the baseline
+/// is always lane 0 and is not listed) and how their lanes take turns on the machine.
+#[derive(Debug, Clone, Copy)]
+pub struct Lineup<'a> {
+    /// The speculative policies, in lane order after the baseline.
+    pub policies: &'a [PolicyKind],
+    /// Runs per prompt and the compute of each lane's turn.
+    pub turns: Turns,
+}
+
 /// Every policy on one prompt, interleaved by compute (`engine::lanes`): the lanes take turns
 /// of `turn` (zero: a step at a time), so machine drift slows all alike. Returns the lanes in
 /// `policies` order.
@@ -163,18 +173,21 @@ pub fn run_observed(
     Ok(results)
 }
 
-/// Benchmarks one prompt: `turns.runs` interleaved runs of the baseline and every policy; for each
-/// policy the lanes of its median run (by its speedup) and every run's statistics; then the
-/// step times at the run's mid position. The first run's events go to `observe` (lane 0 is
-/// the baseline, lane k the k-th policy).
+/// Benchmarks one prompt: `lineup.turns.runs` interleaved runs of the baseline and every
+/// policy of `lineup`; for each policy the lanes of its median run (by its speedup) and every
+/// run's statistics; then the step times at the run's mid position. The first run's events go
+/// to `observe` (lane 0 is the baseline, lane k the k-th policy).
 pub fn bench_prompt(
     loaded: &LoadedModel,
     prompt: &str,
     options: DecodeOptions,
-    (policies, turns): (&[PolicyKind], Turns),
+    lineup: Lineup<'_>,
     observe: &mut Observer,
 ) -> Result<PromptResult> {
-    let Turns { runs, turn } = turns;
+    let Lineup {
+        policies,
+        turns: Turns { runs, turn },
+    } = lineup;
     if policies.is_empty() || policies.contains(&PolicyKind::Baseline) {
         return Err(EngineError::Invalid(format!(
             "bench races baseline against speculative policies: {}",

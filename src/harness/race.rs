@@ -53,12 +53,14 @@ pub enum RaceControl {
     Stop,
 }
 
-/// Runs a race to the end on the calling thread. `sink` receives every event and returns
-/// false when nobody listens any more (the race then stops).
+/// Runs a race of `policy` against the baseline to the end on the calling thread, both
+/// decoding under `options`. `sink` receives every event and returns false when nobody
+/// listens any more (the race then stops).
 pub fn run_race(
     loaded: &LoadedModel,
     prompt: &str,
-    (policy, options): (PolicyKind, DecodeOptions),
+    policy: PolicyKind,
+    options: DecodeOptions,
     control: Receiver<RaceControl>,
     mut sink: impl FnMut(RaceEvent) -> bool,
 ) {

@@ -175,16 +175,26 @@ pub struct StepBound {
     pub serial_secs: f64,
 }
 
-/// The roofline of a step as `timing::StepTimes` measures it, at `read_bytes_per_sec` and
-/// `multiply_adds_per_sec`: each pass reads every layer's weights once and does a multiply-add
-/// per weight and row. The LM head is read once per token: a fourth of it in a one-row step
-/// (`rows` = 1, the mean of a token's R steps), all of it, for every row, in an R-row step
-/// (every row read out). Attention over the context is left out: small at short context.
-pub fn step_bound(
-    model: &LoopedModel,
-    rows: usize,
-    (read_bytes_per_sec, multiply_adds_per_sec): (f64, f64),
-) -> StepBound {
+/// The two machine rates a roofline is drawn from: a step is bound by whichever of its
+/// memory reads and its arithmetic takes longer at these rates.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Roofline {
+    /// The read bandwidth over the weights, in bytes per second.
+    pub read_bytes_per_sec: f64,
+    /// The kernels' multiply-add rate at the step's rows, per second.
+    pub multiply_adds_per_sec: f64,
+}
+
+/// The roofline of a step as `timing::StepTimes` measures it, at `roofline`'s rates: each
+/// pass reads every layer's weights once and does a multiply-add per weight and row. The LM
+/// head is read once per token: a fourth of it in a one-row step (`rows` = 1, the mean of a
+/// token's R steps), all of it, for every row, in an R-row step (every row read out).
+/// Attention over the context is left out: small at short context.
+pub fn step_bound(model: &LoopedModel, rows: usize, roofline: Roofline) -> StepBound {
+    let Roofline {
+        read_bytes_per_sec,
+        multiply_adds_per_sec,
+    } = roofline;
     let size = model.dtype.size_in_bytes() as f64;
     let layers = layer_bytes_per_pass(model) as f64;
     let head = head_bytes(model) as f64;

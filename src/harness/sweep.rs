@@ -5,12 +5,12 @@
 
 use serde::Serialize;
 
-use super::bench::{Turns, bench_prompt};
+use super::bench::{Lineup, bench_prompt};
 use super::report::BenchReport;
+use super::roofline::Roofline;
 use crate::engine::LoadedModel;
 use crate::engine::decoder::DecodeOptions;
 use crate::engine::error::{EngineError, Result};
-use crate::engine::policy::PolicyKind;
 
 /// One policy at one point of a sweep.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -53,13 +53,15 @@ impl LengthSweep {
     }
 }
 
-/// The bench of `policies` on every prompt at each of `lengths` tokens; `progress` hears
-/// each (length, prompt) pair before it runs, counted from 1.
+/// The bench of `lineup` on every prompt at each of `lengths` tokens (`options` with each
+/// length as its `max_tokens`); `progress` hears each (length, prompt) pair before it runs,
+/// counted from 1.
 pub fn sweep_lengths(
     loaded: &LoadedModel,
     prompts: &[String],
-    (options, lengths): (DecodeOptions, &[usize]),
-    (policies, turns): (&[PolicyKind], Turns),
+    options: DecodeOptions,
+    lengths: &[usize],
+    lineup: Lineup<'_>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<LengthSweep> {
     if lengths.is_empty() || prompts.is_empty() {
@@ -76,7 +78,7 @@ pub fn sweep_lengths(
         };
         let done = i * prompts.len();
         let mut progress = |j: usize| progress(done + j, total);
-        let report = bench_prompts(loaded, prompts, options, (policies, turns), &mut progress)?;
+        let report = bench_prompts(loaded, prompts, options, lineup, &mut progress)?;
         points.push(point(max_tokens, &report));
     }
     Ok(LengthSweep {
@@ -85,20 +87,20 @@ pub fn sweep_lengths(
     })
 }
 
-/// The bench of `policies` on every prompt, as one report; `progress` hears each prompt
-/// before it runs, counted from 1.
+/// The bench of `lineup` on every prompt, as one report; `progress` hears each prompt before
+/// it runs, counted from 1.
 fn bench_prompts(
     loaded: &LoadedModel,
     prompts: &[String],
     options: DecodeOptions,
-    lanes: (&[PolicyKind], Turns),
+    lineup: Lineup<'_>,
     progress: &mut dyn FnMut(usize),
 ) -> Result<BenchReport> {
     let mut results = Vec::with_capacity(prompts.len());
     for (j, prompt) in prompts.iter().enumerate() {
         progress(j + 1);
         let mut observe = |_: usize, _: &_| Ok(());
-        results.push(bench_prompt(loaded, prompt, options, lanes, &mut observe)?);
+        results.push(bench_prompt(loaded, prompt, options, lineup, &mut observe)?);
     }
     Ok(BenchReport::of(&results, loaded.model().passes()))
 }
@@ -139,24 +141,34 @@ pub struct ModelPoint {
     pub policies: Vec<PolicyPoint>,
 }
 
-/// The bench of `policies` on every prompt of `loaded`, named `model`; `progress` hears each
-/// prompt before it runs, counted from 1.
+/// A loaded model and the name its points are charted under.
+#[derive(Debug, Clone, Copy)]
+pub struct NamedModel<'a> {
+    /// The name its point carries ([`ModelPoint::model`]).
+    pub name: &'a str,
+    /// The model and tokenizer the bench runs.
+    pub loaded: &'a LoadedModel,
+}
+
+/// The bench of `lineup` on every prompt of `model`; `progress` hears each prompt before it
+/// runs, counted from 1.
 pub fn policy_point(
-    (model, loaded): (&str, &LoadedModel),
+    model: NamedModel<'_>,
     prompts: &[String],
     options: DecodeOptions,
-    lanes: (&[PolicyKind], Turns),
+    lineup: Lineup<'_>,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ModelPoint> {
+    let NamedModel { name, loaded } = model;
     if prompts.is_empty() {
         return Err(EngineError::Invalid(
             "a sweep needs at least one prompt".into(),
         ));
     }
-    let report = bench_prompts(loaded, prompts, options, lanes, progress)?;
+    let report = bench_prompts(loaded, prompts, options, lineup, progress)?;
     let config = &loaded.model().config;
     Ok(ModelPoint {
-        model: model.to_string(),
+        model: name.to_string(),
         layer_applications: config.layers * config.passes,
         baseline_tokens_per_sec: baseline_tokens_per_sec(&report),
         ceiling: report.ceiling,
@@ -239,8 +251,12 @@ pub fn size_point(loaded: &LoadedModel, pos: usize, limits: MachineLimits) -> Re
     let before = weights_bandwidth(loaded)?;
     let times = loaded.backend.step_times(pos, 20)?;
     let read_bytes_per_sec = (before + weights_bandwidth(loaded)?) / 2.0;
-    let one = super::roofline::step_bound(model, 1, (read_bytes_per_sec, one_row_rate));
-    let full = super::roofline::step_bound(model, passes, (read_bytes_per_sec, full_rate));
+    let roofline = |multiply_adds_per_sec| Roofline {
+        read_bytes_per_sec,
+        multiply_adds_per_sec,
+    };
+    let one = super::roofline::step_bound(model, 1, roofline(one_row_rate));
+    let full = super::roofline::step_bound(model, passes, roofline(full_rate));
     let r = passes as f64;
     Ok(SizePoint {
         hidden: model.config.hidden,

@@ -284,14 +284,33 @@ impl TraceHeader {
     }
 }
 
+/// What tells one checkpoint from another: the hashes a trace's [`ModelRecord`] keeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelFingerprint {
+    /// SHA-256 of the weights, as hex.
+    pub weights_sha256: String,
+    /// SHA-256 of the tokenizer, as hex.
+    pub tokenizer_sha256: String,
+}
+
+impl ModelRecord {
+    /// Sets the hashes of the model this record names.
+    pub fn set_fingerprint(&mut self, fingerprint: ModelFingerprint) {
+        self.weights_sha256 = fingerprint.weights_sha256;
+        self.tokenizer_sha256 = fingerprint.tokenizer_sha256;
+    }
+}
+
 /// SHA-256 of a model's weights (every `.safetensors` file of its directory, in name order,
 /// or the embedded bytes) and of its tokenizer, as hex.
-pub fn fingerprint(origin: &Origin) -> Result<(String, String)> {
+pub fn fingerprint(origin: &Origin) -> Result<ModelFingerprint> {
     let hex = |hasher: Sha256| format!("{:x}", hasher.finalize());
     let dir = match origin {
         Origin::Embedded(bytes) => {
-            let weights = Sha256::new_with_prefix(bytes.weights);
-            return Ok((hex(weights), hex(Sha256::new_with_prefix(bytes.tokenizer))));
+            return Ok(ModelFingerprint {
+                weights_sha256: hex(Sha256::new_with_prefix(bytes.weights)),
+                tokenizer_sha256: hex(Sha256::new_with_prefix(bytes.tokenizer)),
+            });
         }
         Origin::Dir(dir) => dir,
     };
@@ -308,5 +327,8 @@ pub fn fingerprint(origin: &Origin) -> Result<(String, String)> {
     }
     let tokenizer = dir.join("tokenizer.json");
     let bytes = files::read_capped(&tokenizer, FileKind::Tokenizer)?;
-    Ok((hex(weights), hex(Sha256::new_with_prefix(bytes))))
+    Ok(ModelFingerprint {
+        weights_sha256: hex(weights),
+        tokenizer_sha256: hex(Sha256::new_with_prefix(bytes)),
+    })
 }

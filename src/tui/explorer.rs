@@ -5,7 +5,7 @@
 //! occurrence (`App` turns that into a seek). Drawn by [`draw`] from `App` state alone.
 
 use ratatui::Frame;
-use ratatui::layout::Rect;
+use ratatui::layout::{Rect, Size};
 use ratatui::style::{Color, Style, Stylize};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, BorderType, Borders, Clear, Paragraph, Wrap};
@@ -121,7 +121,7 @@ pub fn draw(
     if let Some(a) = analysis {
         lines.extend(what_if_lines(&a.what_if));
     }
-    let popup = super::centered(area, (84, lines.len() as u16 + 2));
+    let popup = super::centered(area, Size::new(84, lines.len() as u16 + 2));
     let title = match analysis {
         Some(_) => "explorer: the whole trace · { } select · g go to it · x closes",
         None => "explorer: this run so far · { } select · x closes",

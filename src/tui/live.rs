@@ -18,7 +18,7 @@ use crate::engine::checkpoint::Origin;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, LoadedModel, Sampling};
 use crate::harness::race::{RaceControl, RaceEvent, run_race};
-use crate::harness::trace::{TraceHeader, TraceWriter};
+use crate::harness::trace::{ModelFingerprint, TraceHeader, TraceWriter};
 
 /// The race thread of the current run and its control channel.
 struct RaceHandle {
@@ -30,7 +30,8 @@ impl RaceHandle {
     fn start(
         loaded: &LoadedModel,
         prompt: String,
-        options: (PolicyKind, DecodeOptions),
+        policy: PolicyKind,
+        options: DecodeOptions,
         events: mpsc::UnboundedSender<RaceEvent>,
     ) -> Self {
         let (control, control_rx) = std_mpsc::channel();
@@ -38,7 +39,7 @@ impl RaceHandle {
         let thread = std::thread::Builder::new()
             .name("spex-race".into())
             .spawn(move || {
-                run_race(&loaded, &prompt, options, control_rx, |ev| {
+                run_race(&loaded, &prompt, policy, options, control_rx, |ev| {
                     events.send(ev).is_ok()
                 })
             })
@@ -55,13 +56,13 @@ impl RaceHandle {
 }
 
 /// The weights' and tokenizer's SHA-256, or the one-line error of reading them.
-type Hashes = Result<(String, String), String>;
+type Hashes = Result<ModelFingerprint, String>;
 
 /// The model's fingerprint for trace headers, computed once, off the UI thread.
 enum Fingerprint {
     NotStarted,
     Hashing(std_mpsc::Receiver<Hashes>),
-    Ready((String, String)),
+    Ready(ModelFingerprint),
 }
 
 impl Fingerprint {
@@ -169,14 +170,14 @@ impl<'a> Races<'a> {
     }
 
     /// Opens the current run's trace and writes what the run sent so far.
-    fn open_trace(&mut self, (weights, tokenizer): (String, String)) -> anyhow::Result<()> {
+    fn open_trace(&mut self, fingerprint: ModelFingerprint) -> anyhow::Result<()> {
         let mut header = TraceHeader {
             prompt: self.prompt.clone(),
             policy: self.options.policy,
             sampling: self.sampling,
             ..self.options.trace.clone()
         };
-        (header.model.weights_sha256, header.model.tokenizer_sha256) = (weights, tokenizer);
+        header.model.set_fingerprint(fingerprint);
         // Names the dashboard makes up never replace a file: a taken one moves to the next
         // free `NAME-N.jsonl`, so runs recorded within one second keep a file each.
         let path = match &self.options.record {
@@ -224,7 +225,8 @@ impl<'a> Races<'a> {
             ..self.options.decode
         };
         let events = self.events.clone();
-        let race = RaceHandle::start(self.loaded, prompt, (self.options.policy, options), events);
+        let policy = self.options.policy;
+        let race = RaceHandle::start(self.loaded, prompt, policy, options, events);
         self.current = Some(race);
         settled
     }

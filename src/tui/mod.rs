@@ -31,6 +31,7 @@ use crossterm::terminal::{
 use futures::StreamExt;
 use ratatui::Terminal;
 use ratatui::backend::CrosstermBackend;
+use ratatui::layout::Size;
 
 use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, LoadedModel};
@@ -63,12 +64,9 @@ pub(crate) fn visible(text: &str) -> String {
         .collect()
 }
 
-/// A popup of `width` × `height` cells (at most the area's) in the middle of `area`.
-pub(crate) fn centered(
-    area: ratatui::layout::Rect,
-    (width, height): (u16, u16),
-) -> ratatui::layout::Rect {
-    let (w, h) = (width.min(area.width), height.min(area.height));
+/// A popup of `size` cells (at most the area's) in the middle of `area`.
+pub(crate) fn centered(area: ratatui::layout::Rect, size: Size) -> ratatui::layout::Rect {
+    let (w, h) = (size.width.min(area.width), size.height.min(area.height));
     ratatui::layout::Rect {
         x: area.x + (area.width - w) / 2,
         y: area.y + (area.height - h) / 2,
@@ -220,8 +218,13 @@ pub fn run(loaded: &LoadedModel, options: DashboardOptions) -> anyhow::Result<()
     app.sampling = options.decode.sampling;
     let mut races = live::Races::new(loaded, &options);
     app.recording = races.recording;
-    let pace = (options.frame_interval, autostart);
-    let clock = runtime.block_on(event_loop(&mut terminal, &mut app, &mut races, pace))?;
+    let clock = runtime.block_on(event_loop(
+        &mut terminal,
+        &mut app,
+        &mut races,
+        options.frame_interval,
+        autostart,
+    ))?;
     drop(guard); // the terminal restored before the summary is printed
     if options.frame_stats {
         eprintln!("{}", clock.summary());
@@ -240,11 +243,14 @@ fn input_msg(event: Option<std::io::Result<Event>>) -> std::io::Result<Option<Ms
     })
 }
 
+/// Runs the dashboard over `source` until the user quits, drawing a frame every
+/// `frame_interval`; where `autostart`, the app's run starts before the first frame.
 async fn event_loop(
     terminal: &mut Terminal<CrosstermBackend<Stdout>>,
     app: &mut App,
     source: &mut impl Source,
-    (frame_interval, autostart): (Duration, bool),
+    frame_interval: Duration,
+    autostart: bool,
 ) -> anyhow::Result<FrameClock> {
     let mut input = EventStream::new();
     let mut frames = tokio::time::interval(frame_interval);

@@ -3,7 +3,7 @@
 //! white, green, yellow and red on black). Drawn from [`App`] state alone, like `ui`.
 
 use ratatui::Frame;
-use ratatui::layout::{Alignment, Constraint, Layout, Rect};
+use ratatui::layout::{Alignment, Constraint, Layout, Rect, Size};
 use ratatui::style::{Color, Modifier, Style, Stylize};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, BorderType, Borders, Paragraph};
@@ -18,8 +18,8 @@ const DIGIT_ROWS: u16 = 3;
 
 /// The smallest terminal presenter mode fits, for a model with `passes` passes (the pipeline
 /// falls back to one-row cells where three-row ones do not fit).
-pub fn min_size(passes: usize) -> (u16, u16) {
-    (60, DIGIT_ROWS + 2 + 4 + passes as u16 + 3 + 1)
+pub fn min_size(passes: usize) -> Size {
+    Size::new(60, DIGIT_ROWS + 2 + 4 + passes as u16 + 3 + 1)
 }
 
 fn base() -> Style {

@@ -6,6 +6,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ratatui::layout::Size;
+
 use super::app::{App, Command, ModelInfo, Msg, ReplayStatus, Seek};
 use super::explorer::Analysis;
 use super::{Source, event_loop, open_dashboard};
@@ -171,12 +173,14 @@ pub fn model_info(trace: &Trace) -> ModelInfo {
     }
 }
 
-/// Replays `trace` (read from `file`) in the dashboard from `step`, until the user quits.
+/// Replays `trace` (read from `file`) in the dashboard from `step`, a frame every
+/// `frame_interval`, in presenter mode where `present`, until the user quits.
 pub fn run(
     trace: Trace,
     file: String,
     step: usize,
-    (frame_interval, present): (Duration, bool),
+    frame_interval: Duration,
+    present: bool,
 ) -> anyhow::Result<()> {
     super::require_tty().map_err(anyhow::Error::msg)?;
     let (info, header) = (model_info(&trace), trace.header.clone());
@@ -199,27 +203,36 @@ pub fn run(
         &mut terminal,
         &mut app,
         &mut replayer,
-        (frame_interval, false),
+        frame_interval,
+        false,
     ))?;
     Ok(())
 }
 
-/// The dashboard of `trace` at `step`, drawn `size` cells large, as an SVG picture.
+/// The dashboard of `trace` at `step`, drawn `size` cells large (presenter mode's screen where
+/// `present`), as an SVG picture.
 pub fn snapshot(
     trace: Trace,
     file: String,
     step: usize,
-    (w, h, present): (u16, u16, bool),
+    size: Size,
+    present: bool,
 ) -> anyhow::Result<String> {
     let passes = trace.header.model.passes;
-    let (least_w, least_h) = match present {
+    let least = match present {
         true => super::present::min_size(passes),
         false => super::ui::min_size(passes),
     };
-    if w < least_w || h < least_h {
+    let Size {
+        width: w,
+        height: h,
+    } = size;
+    if w < least.width || h < least.height {
         anyhow::bail!(
-            "--width {w} --height {h}: the dashboard of {passes} passes needs at least {least_w} \
-             × {least_h} cells"
+            "--width {w} --height {h}: the dashboard of {passes} passes needs at least {} × {} \
+             cells",
+            least.width,
+            least.height
         );
     }
     let mut app = App::new(model_info(&trace), None, (w, h));

@@ -2,7 +2,7 @@
 //! flip log, KV-cache gauges, statistics and the footer; a help overlay; a too-small message.
 
 use ratatui::Frame;
-use ratatui::layout::{Alignment, Constraint, Layout, Rect};
+use ratatui::layout::{Alignment, Constraint, Layout, Rect, Size};
 use ratatui::style::{Color, Modifier, Style, Stylize};
 use ratatui::text::{Line, Span, Text};
 use ratatui::widgets::{Block, BorderType, Borders, Clear, Paragraph, Sparkline, Wrap};
@@ -17,8 +17,8 @@ const CELL_WIDTH: u16 = 9;
 const MIN_WIDTH: u16 = 80;
 
 /// The smallest terminal the layout fits, for a model with `passes` passes.
-pub fn min_size(passes: usize) -> (u16, u16) {
-    (MIN_WIDTH, 3 + 5 + (passes as u16 + 3) + 9 + 1)
+pub fn min_size(passes: usize) -> Size {
+    Size::new(MIN_WIDTH, 3 + 5 + (passes as u16 + 3) + 9 + 1)
 }
 
 /// The panels of the screen, each drawable on its own (the snapshot tests do).
@@ -72,12 +72,12 @@ pub fn draw_panel(frame: &mut Frame, area: Rect, app: &App, panel: Panel) {
 /// Draws the whole screen.
 pub fn draw(frame: &mut Frame, app: &App) {
     let area = frame.area();
-    let (min_w, min_h) = match app.present {
+    let least = match app.present {
         true => super::present::min_size(app.info.passes),
         false => min_size(app.info.passes),
     };
-    if area.width < min_w || area.height < min_h {
-        draw_too_small(frame, area, (min_w, min_h));
+    if area.width < least.width || area.height < least.height {
+        draw_too_small(frame, area, least);
         return;
     }
     if app.present {
@@ -138,7 +138,7 @@ fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
     let passes = run.kv.len().max(view.readouts.len());
     // Borders, the context and commit lines, a line per pass, the flips (or "no flips").
     let h = passes as u16 + 4 + view.flips.len().clamp(1, 3) as u16;
-    let popup = super::centered(area, (96, h));
+    let popup = super::centered(area, Size::new(96, h));
     let mut lines = vec![context_line(run, pos), commit_line(&view, passes)];
     for (i, readout) in view.readouts.iter().enumerate().take(passes) {
         let text = match readout {
@@ -228,10 +228,11 @@ fn block(title: &str, focused: bool) -> Block<'static> {
         ))
 }
 
-fn draw_too_small(frame: &mut Frame, area: Rect, (w, h): (u16, u16)) {
+/// What shows instead of the dashboard while `area` is smaller than `least`.
+fn draw_too_small(frame: &mut Frame, area: Rect, least: Size) {
     let text = format!(
-        "spex needs a terminal of at least {w}×{h}; this one is {}×{}. Enlarge it, or press q to quit.",
-        area.width, area.height
+        "spex needs a terminal of at least {}×{}; this one is {}×{}. Enlarge it, or press q to quit.",
+        least.width, least.height, area.width, area.height
     );
     let p = Paragraph::new(text)
         .wrap(Wrap { trim: true })
@@ -555,7 +556,7 @@ fn draw_footer(frame: &mut Frame, area: Rect, app: &App) {
 
 /// The keymap's lines over the dashboard, any key closing it.
 fn draw_help(frame: &mut Frame, area: Rect) {
-    let popup = super::centered(area, (66, BINDINGS.len() as u16 + 4));
+    let popup = super::centered(area, Size::new(66, BINDINGS.len() as u16 + 4));
     let lines: Vec<Line> = BINDINGS
         .iter()
         .map(|b| {

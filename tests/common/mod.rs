@@ -201,7 +201,7 @@ pub fn recorded_race(
 ) -> Trace {
     let (_control, control_rx) = std::sync::mpsc::channel();
     let mut events = Vec::new();
-    run_race(loaded, prompt, (policy, options), control_rx, |e| {
+    run_race(loaded, prompt, policy, options, control_rx, |e| {
         events.push(e);
         true
     });

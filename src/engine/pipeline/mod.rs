@@ -158,7 +158,8 @@ impl<B: StepModel> Pipeline<B> {
     /// A run of `prompt` (token ids) on `backend`, checked to fit the context; no compute yet.
     /// `drafter` is the draft model of a policy that drafts with one (`DraftSource::Model`).
     pub fn new(
-        (backend, drafter): (Arc<B>, Option<Box<dyn Drafter>>),
+        backend: Arc<B>,
+        drafter: Option<Box<dyn Drafter>>,
         tokenizer: Arc<TextTokenizer>,
         policy: Box<dyn Policy>,
         prompt: Vec<u32>,
@@ -184,8 +185,8 @@ impl<B: StepModel> Pipeline<B> {
             .check(backend.passes())
             .map_err(EngineError::Invalid)?;
         if let Some(drafting) = policy.drafting() {
-            let limits = (context, backend.invariant_rows());
-            pacing::check_drafting(policy.name(), drafting, limits, drafter.is_some())?;
+            let (name, rows) = (policy.name(), backend.invariant_rows());
+            pacing::check_drafting(name, drafting, context, rows, drafter.is_some())?;
         }
         let cache = KvCache::new(backend.empty_kv(context)?, backend.passes(), context);
         Ok(Self {

@@ -92,13 +92,14 @@ impl<B: StepModel> Pipeline<B> {
     }
 }
 
-/// Errors unless a drafting policy can run: γ inside the context, a group of γ + 1 rows
-/// within the rows the backend computes exactly (`invariant_rows`), and a draft model beside
-/// the model where the policy drafts with one.
+/// Errors unless a drafting policy can run: γ inside the `context` positions, a group of
+/// γ + 1 rows within the rows the backend computes exactly (`invariant_rows`, `None`: any),
+/// and a draft model beside the model where the policy drafts with one.
 pub(super) fn check_drafting(
     policy: &str,
     drafting: Drafting,
-    (context, invariant_rows): (usize, Option<usize>),
+    context: usize,
+    invariant_rows: Option<usize>,
     has_drafter: bool,
 ) -> Result<()> {
     if drafting.tokens >= context {

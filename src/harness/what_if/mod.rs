@@ -109,7 +109,8 @@ fn replay(
         None => (None, None),
     };
     let mut pipeline = Pipeline::new(
-        (oracle.clone(), drafter),
+        oracle.clone(),
+        drafter,
         tokenizer,
         policy.build(),
         prompt,
