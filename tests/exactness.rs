@@ -68,13 +68,14 @@ fn policies(passes: usize, suite: Suite) -> Vec<PolicyKind> {
 /// against ordinary greedy decoding with the f32 head.
 fn assert_lanes_equal(loaded: &LoadedModel, label: &str, tally: &mut Tally) {
     let prompts = exactness_prompts(PROMPTS.len());
-    assert_lanes_equal_on(loaded, (&prompts, Suite::All), label, tally);
+    assert_lanes_equal_on(loaded, &prompts, Suite::All, label, tally);
 }
 
 /// [`assert_lanes_equal`] on `prompts`, with the policies of `suite`.
 fn assert_lanes_equal_on(
     loaded: &LoadedModel,
-    (prompts, suite): (&[&str], Suite),
+    prompts: &[&str],
+    suite: Suite,
     label: &str,
     tally: &mut Tally,
 ) {
@@ -112,7 +113,7 @@ fn every_shape(variant: Variant, suite: Suite) -> Tally {
             for kv in [KvDtype::F16, KvDtype::F32] {
                 let label = format!("{variant:?} K={layers} R={passes} KV {kv:?}");
                 let loaded = with_kv_dtype(&loaded, kv);
-                assert_lanes_equal_on(&loaded, (&prompts, suite), &label, &mut tally);
+                assert_lanes_equal_on(&loaded, &prompts, suite, &label, &mut tally);
             }
         }
     }
@@ -191,7 +192,7 @@ fn every_shape_stored(dtype: DType, suite: Suite) -> Tally {
             let stored = LoadedModel::load(dir.path(), &Device::Cpu, dtype).expect("load");
             assert!(matches!(stored.backend, Backend::Host(_)), "host kernels");
             let label = format!("{dtype:?} {variant:?} K={layers} R={passes}");
-            assert_lanes_equal_on(&stored, (prompts, suite), &label, &mut tally);
+            assert_lanes_equal_on(&stored, prompts, suite, &label, &mut tally);
             let fused = dtype == DType::BF16 && kernels::detected_isa() == kernels::Isa::Avx512Bf16;
             if fused || suite == Suite::Drafting {
                 continue;
@@ -308,7 +309,8 @@ fn speed_equals_baseline_on_the_device_code_path_in_bf16() {
         let label = format!("device bf16 {variant:?}");
         assert_lanes_equal_on(
             &loaded,
-            (&exactness_prompts(8), Suite::All),
+            &exactness_prompts(8),
+            Suite::All,
             &label,
             &mut tally,
         );
