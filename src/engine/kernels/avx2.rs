@@ -55,7 +55,7 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     let bytes = std::mem::size_of::<W>();
     let (near, far) = (plan.near(bytes, J * inner), plan.far(bytes));
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
-        let ws: [&[W]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
+        let ws: [&[W]; J] = super::row_slices(group, inner);
         // SAFETY: the caller's features; `ws` rows and `xs`' R rows hold `inner` elements.
         let acc = unsafe { group_sums::<R, J, W>(xs, ws, near, far) };
         store_sums(&acc, xs, ws, out.from(g * J * to.col), to, first);

@@ -50,13 +50,11 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
     first: usize,
 ) {
     let full = inner - inner % 16;
-    // SAFETY: row r of `xs` starts at r · inner, inside `xs` for r < R.
-    let x: [*const f32; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * inner) });
+    let x: [*const f32; R] = super::row_starts(xs, inner);
     let bytes = std::mem::size_of::<W>();
     let (near, far) = (plan.near(bytes, J * inner), plan.far(bytes));
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
-        // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < J.
-        let wj: [*const W; J] = std::array::from_fn(|j| unsafe { group.as_ptr().add(j * inner) });
+        let wj: [*const W; J] = super::row_starts(group, inner);
         // The group's J rows are contiguous: the lines `near` and `far` floats past it are
         // prefetched J a chunk, in order, from one pointer each. Per row, beside the loads,
         // they were the same lines from 2·J pointers, more than the registers left beside the

@@ -164,8 +164,7 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
 ) {
     let stride = inner.next_multiple_of(32);
     let full = inner - inner % 32;
-    // SAFETY: padded row r of `xs` starts at r · stride, inside `xs` for r < R.
-    let x: [*const bf16; R] = std::array::from_fn(|r| unsafe { xs.as_ptr().add(r * stride) });
+    let x: [*const bf16; R] = super::row_starts(xs, stride);
     // Into L1, each weight row's own line `near / G` elements ahead (the plan's near bytes
     // over 4 over G: 1 KB of each row in `l2`, 4 KB of the group), no floor of a group: at
     // Ouro-1.4B's shape a group of 4 rows is 16–45 KB, and a whole group ahead evicted lines
@@ -178,9 +177,7 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
     let (near, far) = (plan.near(size_of::<f32>(), 0), plan.far(size_of::<bf16>()));
     let near_per_row = (R > 1 || far == 0).then_some(near / G);
     for (g, group) in w.chunks_exact(G * inner).enumerate() {
-        // SAFETY: weight row j of the group starts at j · inner, inside `group` for j < G.
-        let wj: [*const bf16; G] =
-            std::array::from_fn(|j| unsafe { group.as_ptr().add(j * inner) });
+        let wj: [*const bf16; G] = super::row_starts(group, inner);
         // Into L2, one line (32 bf16) a row a chunk, `far` ahead in the contiguous group (the
         // next groups), as `avx512::dots_rows` prefetches.
         let far_at = group.as_ptr().wrapping_add(far);

@@ -318,6 +318,31 @@ impl<'a> SharedOut<'a> {
     }
 }
 
+/// The first `N` rows of `stride` elements in `data`, as slices of `stride`. Written as a loop,
+/// not `array::from_fn`: a closure made inside a `#[target_feature]` kernel takes on its
+/// features, so `from_fn` (which has none) cannot inline it and is not inlined itself; the
+/// call then handed the slices back through the stack, a store-forwarding stall every group.
+#[inline(always)]
+fn row_slices<T, const N: usize>(data: &[T], stride: usize) -> [&[T]; N] {
+    let mut rows: [&[T]; N] = [&[]; N];
+    for (i, row) in rows.iter_mut().enumerate() {
+        *row = &data[i * stride..(i + 1) * stride];
+    }
+    rows
+}
+
+/// Where each of the first `N` rows of `stride` elements in `data` starts, for kernels that
+/// address rows by pointer (a loop, as [`row_slices`] says why). A start past `data` is never
+/// read: the kernels read rows their callers hold.
+#[inline(always)]
+fn row_starts<T, const N: usize>(data: &[T], stride: usize) -> [*const T; N] {
+    let mut starts = [std::ptr::null(); N];
+    for (i, start) in starts.iter_mut().enumerate() {
+        *start = data.as_ptr().wrapping_add(i * stride);
+    }
+    starts
+}
+
 /// The input of a product: `rows` rows of `inner` floats, one after another in `x`.
 #[derive(Debug, Clone, Copy)]
 struct Rows<'a> {

@@ -23,7 +23,7 @@ pub fn dots<const J: usize, W: WeightElement>(
     first: usize,
 ) {
     for (g, group) in w.chunks_exact(J * inner).enumerate() {
-        let ws: [&[W]; J] = std::array::from_fn(|j| &group[j * inner..(j + 1) * inner]);
+        let ws: [&[W]; J] = super::row_slices(group, inner);
         group_dots(xs, ws, out.from(g * J * to.col), to, first);
     }
 }
