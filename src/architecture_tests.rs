@@ -147,3 +147,40 @@ fn the_engine_threads_only_through_its_own_pool() {
         assert!(!text.contains("rayon"), "{} uses rayon", file.display());
     }
 }
+
+/// Comments say why; the commit that measured something says how much, and on what. So no
+/// comment in `src/` names a CPU or GPU model (a figure measured on one belongs in the commit
+/// body that measured it).
+#[test]
+fn no_comment_names_a_machine() {
+    const MACHINES: [&str; 10] = [
+        "EPYC",
+        "Xeon",
+        "Ryzen",
+        "Zen 2",
+        "Zen 3",
+        "Zen 4",
+        "Zen 5",
+        "Sapphire Rapids",
+        "H100",
+        "H200",
+    ];
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("a source file");
+        for (n, line) in text.lines().enumerate() {
+            let Some((_, comment)) = line.split_once("//") else {
+                continue;
+            };
+            let named = MACHINES.iter().find(|m| comment.contains(*m));
+            assert!(
+                named.is_none(),
+                "{}:{}: a comment names {named:?}",
+                file.display(),
+                n + 1
+            );
+        }
+    }
+}

@@ -252,6 +252,10 @@ impl SamplingArgs {
     }
 }
 
+/// Tokens a command that decodes generates unless `--max-tokens` says otherwise: the same
+/// for the dashboard, `generate`, `bench` and the sweeps.
+pub const DEFAULT_MAX_TOKENS: usize = 128;
+
 /// `spex generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -266,7 +270,7 @@ pub struct GenerateArgs {
     #[arg(long, help = policy_table::help("The policy", true))]
     pub policy: Option<PolicyKind>,
     /// Tokens to generate.
-    #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
+    #[arg(long, default_value_t = DEFAULT_MAX_TOKENS, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
     /// Record the run to this trace file (JSON Lines; `spex replay FILE` shows it).
     #[arg(long)]
@@ -319,7 +323,7 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub lanes: LaneArgs,
     /// Tokens to generate per prompt.
-    #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
+    #[arg(long, default_value_t = DEFAULT_MAX_TOKENS, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
     // The help comes from the policy table (`engine::policy::POLICIES`).
     #[arg(long, value_delimiter = ',', help = policy_table::help(
@@ -347,7 +351,7 @@ pub struct TuiArgs {
     #[arg(long)]
     pub prompt: Option<String>,
     /// Tokens to generate per run.
-    #[arg(long, default_value_t = 200, value_parser = parse_count::<usize>)]
+    #[arg(long, default_value_t = DEFAULT_MAX_TOKENS, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
     // The help comes from the policy table (`engine::policy::POLICIES`).
     #[arg(long, help = policy_table::help("The policy raced against baseline", false))]
@@ -397,9 +401,10 @@ pub struct RandomArgs {
     /// vocab_size is padded up to this).
     #[arg(long, default_value_t = 4096)]
     pub vocab: usize,
-    /// The model's positions (config.json's max_position_embeddings).
+    /// The model's positions (config.json's max_position_embeddings); a run's KV cache is
+    /// `--context` of the commands that decode.
     #[arg(long, default_value_t = 2048)]
-    pub context: usize,
+    pub positions: usize,
     /// Seed of the random weights.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -519,7 +524,7 @@ fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
             head_dim: args.hidden / args.heads.max(1),
             intermediate: args.intermediate.unwrap_or(args.hidden * 11 / 4),
             vocab: args.vocab,
-            context: args.context,
+            context: args.positions,
             tied: !args.untied,
         },
         random_exit_gate: false,

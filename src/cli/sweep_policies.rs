@@ -31,7 +31,7 @@ pub struct PolicyArgs {
     #[command(flatten)]
     pub lanes: super::LaneArgs,
     /// Tokens generated per prompt.
-    #[arg(long, default_value_t = 128, value_parser = parse_count::<usize>)]
+    #[arg(long, default_value_t = super::DEFAULT_MAX_TOKENS, value_parser = parse_count::<usize>)]
     pub max_tokens: usize,
     /// The policies, comma-separated.
     #[arg(

@@ -209,7 +209,7 @@ fn random_checkpoint_refuses_bad_shapes_and_existing_checkpoints() {
         "1",
         "--vocab",
         "300",
-        "--context",
+        "--positions",
         "64",
     ];
     spex_ok(&[&base[..], &small].concat(), &[], Path::new("."));
