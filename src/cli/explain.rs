@@ -25,11 +25,8 @@ pub struct ExplainArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
-    /// Replay the recorded greedy runs under these policies too (comma-separated, e.g.
-    /// `speed,dual:2,loopspec:d1=2`): the steps each takes, and its speedup predicted from
-    /// the step costs the run measured. The runs must have read out every pass (speed or
-    /// dual).
-    #[arg(long = "what-if", value_delimiter = ',', value_name = "POLICY")]
+    // The list of policies comes from the policy table (`engine::policy::POLICIES`).
+    #[arg(long = "what-if", value_delimiter = ',', value_name = "POLICY", help = what_if_help())]
     pub what_if: Vec<PolicyKind>,
     /// Time the what-if steps by the step costs fitted to this trace's steps instead of each
     /// run's own: any trace, of any model and machine (one recorded at Ouro-1.4B's shape on
@@ -140,6 +137,16 @@ fn print_what_if(w: &WhatIf) {
             recorded
         );
     }
+}
+
+/// `--what-if`'s help, listing every policy the table holds.
+fn what_if_help() -> String {
+    format!(
+        "Replay the recorded greedy runs under these policies too, comma-separated ({}): the \
+         steps each takes, and its speedup predicted from the step costs the run measured. The \
+         runs must have read out every pass (speed or dual)",
+        crate::engine::policy::forms(|_| true)
+    )
 }
 
 /// The files named, with directories replaced by their `.jsonl` files in name order.

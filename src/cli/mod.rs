@@ -401,7 +401,7 @@ pub struct RandomArgs {
     /// vocab_size is padded up to this).
     #[arg(long, default_value_t = 4096)]
     pub vocab: usize,
-    /// The model's positions (config.json's max_position_embeddings); a run's KV cache is
+    /// The model's positions (the most its config.json allows); a run's KV cache is
     /// `--context` of the commands that decode.
     #[arg(long, default_value_t = 2048)]
     pub positions: usize,

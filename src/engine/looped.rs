@@ -2,9 +2,9 @@
 //!
 //! Every module past the loader reads a [`LoopedConfig`]: the passes R, the shared layers K,
 //! the attention and MLP widths, the vocabulary and positions, and the few numbers the
-//! forward pass needs. A checkpoint format's own config (Ouro's `config.json`, with Hugging
-//! Face's names: `total_ut_steps` for R, `num_hidden_layers` for K) is parsed by its loader
-//! and turned into one here, once (`config::OuroConfig::looped`).
+//! forward pass needs. A checkpoint format's own config (Ouro's `config.json`, in Hugging
+//! Face's names, which only `engine::config` and `engine::format` spell) is parsed by its
+//! loader and turned into one here, once (`config::OuroConfig::looped`).
 //!
 //! What a new looped family must provide, in one place:
 //! 1. a [`Family`] variant;
