@@ -190,3 +190,62 @@ fn a_shard_index_names_its_shards_inside_its_folder() {
     let err = shard_names(&index).unwrap_err().to_string();
     assert!(err.contains("weight_map"), "{err}");
 }
+
+/// Ouro's exit gate is evaluated after every pass of every row: the λ a verified row reports
+/// equals σ(w · h + b) on the reference forward's normed state at that pass and position.
+/// (The checkpoints of every exactness test hold a random gate, so they also show that
+/// evaluating it changes no token.)
+#[test]
+fn every_row_reports_the_reference_exit_probability() {
+    use spex::engine::exit_gate::sigmoid;
+    use spex::engine::model::reference::ComposedF16Kv;
+    let (_dir, loaded) = common::random_model(&common::spec(2, 4, common::Variant::Untied, 11));
+    let model = loaded.model();
+    let gate = model
+        .weights
+        .exit_gate
+        .clone()
+        .expect("the checkpoint's gate");
+    let (w, b) = (
+        gate.weight.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        gate.bias.to_vec1::<f32>().unwrap()[0],
+    );
+    let options = DecodeOptions {
+        max_tokens: 12,
+        context: 128,
+        sampling: spex::engine::Sampling::GREEDY,
+    };
+    for policy in [PolicyKind::Baseline, PolicyKind::Speed] {
+        let mut decoder = Decoder::new(&loaded, policy.build(), "To be", options).unwrap();
+        let mut rows = Vec::new();
+        let tokens = loop {
+            match decoder.next_event().unwrap() {
+                Some(DecodeEvent::Step(s)) => rows.extend(s.rows),
+                Some(DecodeEvent::Finished(f)) => break f.tokens,
+                _ => {}
+            }
+        };
+        let mut ids = loaded.tokenizer.encode("To be").unwrap();
+        ids.extend(&tokens);
+        let input = candle_core::Tensor::new(ids.as_slice(), &Device::Cpu).unwrap();
+        let hidden =
+            (model.hidden_per_pass_with(&input.unsqueeze(0).unwrap(), &ComposedF16Kv)).unwrap();
+        let mut compared = 0;
+        for row in rows.iter().filter(|r| r.verified && !r.dropped) {
+            let h = hidden[row.pass.index()]
+                .squeeze(0)
+                .unwrap()
+                .get(row.pos)
+                .unwrap();
+            let h = h.to_vec1::<f32>().unwrap();
+            let want = sigmoid(h.iter().zip(&w).map(|(x, w)| x * w).sum::<f32>() + b);
+            let got = row.exit_probability.expect("a gate for every row");
+            assert!(
+                (got - want).abs() < 1e-4,
+                "{policy} {row:?}: {got} vs {want}"
+            );
+            compared += 1;
+        }
+        assert!(compared >= 12, "{policy}: {compared} rows compared");
+    }
+}

@@ -107,6 +107,10 @@ pub struct RowEvent {
     /// Whether the prediction was checked against an existing child's guess (the
     /// denominator of the flip rate).
     pub checked_child: bool,
+    /// The exit gate's λ after this pass (`engine::exit_gate`), where the model has a gate;
+    /// absent from traces recorded before spex evaluated it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_probability: Option<f32>,
 }
 
 /// A deeper pass changed the prediction for position `pos` (`engine::pipeline`, "The step").

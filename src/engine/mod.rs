@@ -13,6 +13,7 @@ pub mod decoder;
 pub mod drafter;
 pub mod error;
 pub mod events;
+pub mod exit_gate;
 pub mod files;
 pub mod format;
 pub mod kernels;

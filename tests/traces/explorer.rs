@@ -33,6 +33,7 @@ fn row(pos: usize, pass: usize, said: Token) -> RowEvent {
             top: Vec::new(),
         }),
         gate: None,
+        exit_probability: None,
         checked_child: false,
     }
 }

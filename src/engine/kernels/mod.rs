@@ -334,6 +334,7 @@ fn row_slices<T, const N: usize>(data: &[T], stride: usize) -> [&[T]; N] {
 /// Where each of the first `N` rows of `stride` elements in `data` starts, for kernels that
 /// address rows by pointer (a loop, as [`row_slices`] says why). A start past `data` is never
 /// read: the kernels read rows their callers hold.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn row_starts<T, const N: usize>(data: &[T], stride: usize) -> [*const T; N] {
     let mut starts = [std::ptr::null(); N];

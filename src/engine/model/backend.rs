@@ -12,6 +12,7 @@ use candle_core::Tensor;
 
 use super::{LayerWeights, LoopedModel, RowSlot};
 use crate::engine::error::Result;
+use crate::engine::exit_gate::ExitGate;
 use crate::engine::kv_cache::{KvCache, KvStore};
 
 /// One implementation of the batched step's operations.
@@ -72,6 +73,10 @@ pub trait StepBackend: Send + Sync + fmt::Debug + 'static {
 
     /// The LM head on the rows that ask for a readout (logits over the vocabulary, f32).
     fn readouts(&self, slots: &[RowSlot], h: &Self::Act) -> Result<Vec<Option<Vec<f32>>>>;
+
+    /// Every row's exit probability λ = σ(w · h + b) after this pass, from the normed states
+    /// `h` and the model's exit gate (`engine::exit_gate`).
+    fn exit_probabilities(&self, h: &Self::Act, gate: &ExitGate) -> Result<Vec<f32>>;
 
     /// Each of the step's rows' state, to carry into its next pass (a backend that pads its
     /// matrices drops the padding here).

@@ -20,6 +20,7 @@ use super::device_ops::{
 };
 use super::{LayerWeights, LoopedModel, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
+use crate::engine::exit_gate::ExitGate;
 use crate::engine::kernels::AttnShape;
 use crate::engine::kv_cache::{AsideSlot, KvCache, KvStore};
 use crate::engine::pass::Pass;
@@ -261,6 +262,16 @@ impl StepBackend for DeviceBackend {
             logits[i as usize] = Some(l);
         }
         Ok(logits)
+    }
+
+    /// `σ(h · wᵀ + b)` for every row in one product (the padded rows' too, then dropped).
+    fn exit_probabilities(&self, h: &Tensor, gate: &ExitGate) -> Result<Vec<f32>> {
+        let w = gate.weight.to_dtype(h.dtype())?;
+        let b = gate.bias.to_dtype(DType::F32)?;
+        let logits = h.matmul(&w.t()?)?.to_dtype(DType::F32)?.broadcast_add(&b)?;
+        Ok(candle_nn::ops::sigmoid(&logits)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
     }
 
     fn row_states(&self, slots: &[RowSlot], h: Tensor) -> Result<Vec<Tensor>> {

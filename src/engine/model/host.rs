@@ -14,6 +14,7 @@ use super::host_buffers;
 use super::host_kv::{HostKv, KvBuffers};
 use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
+use crate::engine::exit_gate::{ExitGate, sigmoid};
 use crate::engine::kernels::prefetch::{Choice, Prefetch};
 use crate::engine::kernels::{
     self, HeadSpan, Kernels, KvElement, Matrix, SubnormalsFlushed, Weight,
@@ -499,6 +500,18 @@ impl StepBackend for HostBackend {
             host_buffers::give(all);
         }
         Ok(logits)
+    }
+
+    /// Each row's `w · h + b` through the kernels' fixed-order dot product: a row's λ does not
+    /// depend on the rows beside it.
+    fn exit_probabilities(&self, h: &HostRows, gate: &ExitGate) -> Result<Vec<f32>> {
+        let (weight, bias) = (HostView::new(&gate.weight)?, HostView::new(&gate.bias)?);
+        let (w, b) = (weight.f32()?, bias.f32()?);
+        let b = b.first().copied().unwrap_or(0.0);
+        let width = h.width();
+        Ok((h.data.chunks_exact(width))
+            .map(|row| sigmoid(kernels::dot(row, w) + b))
+            .collect())
     }
 
     fn row_states(&self, _: &[RowSlot], h: HostRows) -> Result<Vec<Vec<f32>>> {

@@ -27,6 +27,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 use super::error::Result;
+use super::exit_gate::ExitGate;
 use super::format::{self, LayerTensor, Role};
 use super::kernels::AttnShape;
 use super::looped::LoopedConfig;
@@ -144,11 +145,15 @@ pub struct Weights {
     pub norm: Tensor,
     /// The LM head; the embedding itself when the checkpoint ties them.
     pub lm_head: Tensor,
+    /// Ouro's early-exit gate, where the checkpoint has one: evaluated beside decoding
+    /// (`engine::exit_gate`), never changing a committed token.
+    pub exit_gate: Option<ExitGate>,
 }
 
 impl Weights {
     /// Reads (or, for a `VarMap`-backed builder, creates) every tensor the forward pass uses
-    /// by its Ouro name (`format`); the exit gate is not read.
+    /// by its Ouro name (`format`); the exit gate where the checkpoint holds both its tensors
+    /// (a builder that creates tensors, as training's, makes none).
     pub fn load(vb: &VarBuilder, config: &LoopedConfig) -> candle_core::Result<Self> {
         let (hidden, vocab) = (config.hidden, config.vocab);
         let embed_tokens = vb.get_with_hints(
@@ -174,6 +179,7 @@ impl Weights {
             layers,
             norm,
             lm_head,
+            exit_gate: load_exit_gate(vb, hidden)?,
         })
     }
 
@@ -206,6 +212,7 @@ impl Weights {
             Ok(())
         };
         to_f32(&mut self.norm)?;
+        self.exit_gate = self.exit_gate.as_ref().map(ExitGate::to_f32).transpose()?;
         for layer in &mut self.layers {
             to_f32(&mut layer.input_layernorm)?;
             to_f32(&mut layer.input_layernorm_2)?;
@@ -214,6 +221,18 @@ impl Weights {
         }
         Ok(self)
     }
+}
+
+/// The exit gate `vb` holds, if it holds both of its tensors.
+fn load_exit_gate(vb: &VarBuilder, hidden: usize) -> candle_core::Result<Option<ExitGate>> {
+    let holds = |name| vb.contains_tensor(name);
+    if !(holds(format::EXIT_GATE_WEIGHT) && holds(format::EXIT_GATE_BIAS)) {
+        return Ok(None);
+    }
+    Ok(Some(ExitGate {
+        weight: vb.get((1, hidden), format::EXIT_GATE_WEIGHT)?,
+        bias: vb.get(1, format::EXIT_GATE_BIAS)?,
+    }))
 }
 
 /// The names and shapes of the matrices the host kernels stream, in the order a host arena

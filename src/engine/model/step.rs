@@ -169,6 +169,9 @@ pub struct StepOutput<H> {
     pub hidden: Vec<H>,
     /// Logits over the vocabulary for rows that asked for a readout.
     pub logits: Vec<Option<Vec<f32>>>,
+    /// Each row's exit probability after this pass, where the model has an exit gate
+    /// (`engine::exit_gate`).
+    pub exit_probabilities: Option<Vec<f32>>,
 }
 
 /// Runs every row through the K shared layers once. Each row writes its K/V at (its pass, its
@@ -212,9 +215,18 @@ fn sweep<B: StepBackend>(
     }
     let h = backend.rms_norm(&h, &model.weights.norm)?;
     let logits = backend.readouts(&slots, &h)?;
+    // A backend that pads its rows returns theirs too: only the slots' rows are kept.
+    let exit_probabilities = (model.weights.exit_gate.as_ref())
+        .map(|gate| backend.exit_probabilities(&h, gate))
+        .transpose()?
+        .map(|mut all| {
+            all.truncate(slots.len());
+            all
+        });
     Ok(StepOutput {
         hidden: backend.row_states(&slots, h)?,
         logits,
+        exit_probabilities,
     })
 }
 

@@ -16,6 +16,8 @@ pub(super) struct InFlight<H> {
     /// Passes completed so far (a count: the rows computed for this token).
     pub(super) passes_done: usize,
     pub(super) hidden: Option<H>,
+    /// The exit gate's λ after its last pass, where the model has a gate.
+    pub(super) exit_probability: Option<f32>,
     /// The pass of the parent's readout that proposed this guess (γ: `harness::metrics`).
     pub(super) proposed_at: Pass,
     /// Proposed as a second candidate, for acceptance by source.
@@ -35,6 +37,7 @@ impl<H> InFlight<H> {
             verified,
             passes_done: 0,
             hidden: None,
+            exit_probability: None,
             proposed_at,
             second: false,
             side: None,

@@ -387,7 +387,8 @@ impl<B: StepModel> Pipeline<B> {
             kv: Vec::new(),
             compute,
         };
-        let readouts = self.take_outputs(&running, out.hidden, out.logits, actions);
+        let gates = out.exit_probabilities;
+        let readouts = self.take_outputs(&running, out.hidden, gates, out.logits, actions);
         self.walk(readouts, &mut event)?;
         // A verification step finishes a whole draft group at pass R.
         while self
@@ -401,15 +402,18 @@ impl<B: StepModel> Pipeline<B> {
         Ok(event)
     }
 
-    /// Hands each row's new hidden state back to its token (in the order the step ran them:
-    /// the window, then the side candidates) and returns the readouts by window entry.
+    /// Hands each row's new hidden state and exit probability back to its token (in the order
+    /// the step ran them: the window, then the side candidates) and returns the readouts by
+    /// window entry.
     fn take_outputs(
         &mut self,
         running: &[bool],
         hidden: Vec<B::Hidden>,
+        gates: Option<Vec<f32>>,
         logits: Vec<Option<Vec<f32>>>,
         actions: Vec<Option<Action>>,
     ) -> Vec<Readouts> {
+        let mut gates = gates.into_iter().flatten();
         let mut outputs = hidden
             .into_iter()
             .zip(logits.into_iter().zip(actions).map(|(l, a)| l.zip(a)));
@@ -418,6 +422,7 @@ impl<B: StepModel> Pipeline<B> {
                 .next()
                 .expect("the step returns one output per row: this is a bug");
             t.hidden = Some(h);
+            t.exit_probability = gates.next();
             t.passes_done += 1;
             readout
         };

@@ -162,7 +162,11 @@ impl StepModel for Oracle {
             cache.mark_written(pass, pos);
         }
         cache.store_mut().rows_per_step.push(rows.len());
-        Ok(StepOutput { hidden, logits })
+        Ok(StepOutput {
+            hidden,
+            logits,
+            exit_probabilities: None,
+        })
     }
 }
 

@@ -1,0 +1,86 @@
+//! Ouro's early-exit gate, evaluated: after every pass a linear map of the normed state to one
+//! logit gives λ_r = σ(w · h_r + b), the probability of stopping at pass r given the token got
+//! there. Its exit distribution is p_r = λ_r · Π_{j<r} (1 − λ_j) for r < R, the rest at pass R
+//! (pass R's own λ is unused), and a threshold rule stops a token at the first pass where the
+//! cumulative probability reaches the threshold (mlx-lm's `ouro.py`, `_threshold_exit`).
+//!
+//! spex evaluates the gate beside decoding and changes no committed token by it: the gate is
+//! what a lossy early exit would follow, shown next to where SPEED's proposals settled.
+
+use candle_core::{DType, Tensor};
+
+use super::pass::Pass;
+
+/// The gate's weight `[1, hidden]` and bias `[1]`, as the checkpoint stores them (the host
+/// kernels read them as f32).
+#[derive(Debug, Clone)]
+pub struct ExitGate {
+    /// `[1, hidden]`.
+    pub weight: Tensor,
+    /// `[1]`.
+    pub bias: Tensor,
+}
+
+impl ExitGate {
+    /// The same gate in f32 (the host backend's norms and gate are read as f32).
+    pub fn to_f32(&self) -> candle_core::Result<Self> {
+        Ok(Self {
+            weight: self.weight.to_dtype(DType::F32)?,
+            bias: self.bias.to_dtype(DType::F32)?,
+        })
+    }
+}
+
+/// σ(x), the gate logit's probability.
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// The exit distribution over the R passes from each pass's λ (`lambdas[r]` after pass r + 1;
+/// the last is unused): `p_r = λ_r · Π_{j<r} (1 − λ_j)` before pass R, the rest at pass R, in
+/// the order mlx-lm's `_compute_exit_distribution` multiplies.
+pub fn exit_distribution(lambdas: &[f32]) -> Vec<f32> {
+    let mut remaining = 1.0f32;
+    let mut pdf = Vec::with_capacity(lambdas.len());
+    for &lambda in lambdas.iter().take(lambdas.len().saturating_sub(1)) {
+        pdf.push(lambda * remaining);
+        remaining *= 1.0 - lambda;
+    }
+    if !lambdas.is_empty() {
+        pdf.push(remaining);
+    }
+    pdf
+}
+
+/// The pass a threshold exit stops at: the first whose cumulative exit probability reaches
+/// `threshold`, else pass R (mlx-lm's `_threshold_exit`).
+pub fn threshold_exit(lambdas: &[f32], threshold: f32) -> Pass {
+    let mut cumulative = 0.0f32;
+    for (r, p) in exit_distribution(lambdas).into_iter().enumerate() {
+        cumulative += p;
+        if cumulative >= threshold {
+            return Pass::from_index(r);
+        }
+    }
+    Pass::from_index(lambdas.len().saturating_sub(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_distribution_sums_to_one_and_the_threshold_picks_the_first_pass_reaching_it() {
+        let lambdas = [0.5, 0.5, 0.5, 0.9];
+        let pdf = exit_distribution(&lambdas);
+        assert_eq!(pdf, vec![0.5, 0.25, 0.125, 0.125]);
+        assert_eq!(threshold_exit(&lambdas, 0.5), Pass::FIRST);
+        assert_eq!(threshold_exit(&lambdas, 0.7), Pass::from_index(1));
+        assert_eq!(threshold_exit(&lambdas, 0.875), Pass::from_index(2));
+        assert_eq!(threshold_exit(&lambdas, 1.0), Pass::from_index(3));
+        // A neutral gate (λ ≈ 4.5e-5, spex's shipped models) runs every pass.
+        let neutral = [sigmoid(-10.0); 4];
+        assert_eq!(threshold_exit(&neutral, 0.5), Pass::from_index(3));
+        assert!((exit_distribution(&neutral).iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+}
