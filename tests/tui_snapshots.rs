@@ -383,6 +383,7 @@ fn inspected_app() -> App {
             readout(23, &[(" the", 0.62), (" a", 0.11)]),
             readout(24, &[(" the", 0.7), (" a", 0.09)]),
         ],
+        exit_probabilities: vec![Some(0.05), Some(0.2), Some(0.6), Some(0.9)],
         flips: vec![(22, Pass::FIRST.next(), word(" a"), word(" the"))],
         committed: Some((24, word(" the"), Pass::FIRST.next(), false)),
     };

@@ -187,6 +187,19 @@ fn print(e: &Explanation, files: &[PathBuf]) {
         "disagreement with the committed token: {}",
         by_pass.join(" · ")
     );
+    if !e.by_exit_gate.is_empty() {
+        let buckets: Vec<String> = (e.by_exit_gate.iter())
+            .filter(|b| b.tally.readouts > 0)
+            .map(|b| {
+                let (low, high, t) = (b.low, b.high, b.tally);
+                format!("{low}–{high} {:.1}% of {}", 100.0 * t.rate(), t.readouts)
+            })
+            .collect();
+        println!(
+            "by the exit gate's λ after the pass: {}",
+            buckets.join(" · ")
+        );
+    }
     println!("by the committed token's class:");
     for (class, t) in &e.by_class {
         let name = format!("{class:?}");

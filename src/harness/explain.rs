@@ -121,6 +121,30 @@ pub struct Sighting<'a> {
     pub step: u64,
     pub said: &'a Prediction,
     pub committed: &'a Token,
+    /// The exit gate's λ after that pass, where the trace recorded one.
+    pub exit_probability: Option<f32>,
+}
+
+/// The edges of the exit-gate buckets: λ in `[EDGES[i], EDGES[i + 1])`, the last closed.
+pub const EXIT_GATE_EDGES: [f32; 7] = [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0];
+
+/// Early readouts whose exit gate's λ fell in `low..high`, and how many disagreed with the
+/// committed token: what a lossy exit at that pass, taken at that confidence, would get wrong.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct GateBucket {
+    /// λ from (inclusive).
+    pub low: f32,
+    /// λ to (exclusive, but for the last bucket).
+    pub high: f32,
+    /// Its readouts and disagreements.
+    #[serde(flatten)]
+    pub tally: Tally,
+}
+
+/// The bucket of `lambda` among [`EXIT_GATE_EDGES`].
+fn gate_bucket(lambda: f32) -> usize {
+    let inner = &EXIT_GATE_EDGES[1..EXIT_GATE_EDGES.len() - 1];
+    inner.iter().take_while(|&&edge| lambda >= edge).count()
 }
 
 /// What `spex explain` reports.
@@ -138,6 +162,10 @@ pub struct Explanation {
     pub agreeing: Confidence,
     /// The most frequent disagreements, most frequent first.
     pub pairs: Vec<Pair>,
+    /// Disagreement by the exit gate's λ after the readout's pass (Ouro's gate,
+    /// `engine::exit_gate`): whether the gate's confidence predicts a deeper pass changing the
+    /// token. Empty where no readout recorded a λ.
+    pub by_exit_gate: Vec<GateBucket>,
 }
 
 impl Explanation {
@@ -180,6 +208,18 @@ impl Explanation {
             e.by_pass[s.pass - 1].add(disagreed);
             let class = TokenClass::of(&s.committed.text);
             e.by_class.entry(class).or_default().add(disagreed);
+            if let Some(lambda) = s.exit_probability {
+                if e.by_exit_gate.is_empty() {
+                    e.by_exit_gate = (EXIT_GATE_EDGES.windows(2))
+                        .map(|w| GateBucket {
+                            low: w[0],
+                            high: w[1],
+                            tally: Tally::default(),
+                        })
+                        .collect();
+                }
+                e.by_exit_gate[gate_bucket(lambda)].tally.add(disagreed);
+            }
             if !disagreed {
                 e.agreeing.add(s.said);
                 continue;
@@ -223,27 +263,34 @@ impl Explanation {
 /// A trace's early readouts of its committed positions, as sightings.
 fn sightings<'a>(
     trace: usize,
-    readouts: &'a BTreeMap<(usize, usize), (u64, Prediction)>,
+    readouts: &'a BTreeMap<(usize, usize), EarlyReadout>,
     committed: &'a HashMap<usize, Token>,
 ) -> impl Iterator<Item = Sighting<'a>> {
-    readouts
-        .iter()
-        .filter_map(move |(&(pos, pass), (step, said))| {
-            Some(Sighting {
-                trace,
-                pos,
-                pass,
-                step: *step,
-                said,
-                committed: committed.get(&pos)?,
-            })
+    readouts.iter().filter_map(move |(&(pos, pass), r)| {
+        Some(Sighting {
+            trace,
+            pos,
+            pass,
+            step: r.step,
+            said: &r.said,
+            committed: committed.get(&pos)?,
+            exit_probability: r.exit_probability,
         })
+    })
 }
 
-/// The speculative lane's last readout at each (predicted position, pass before R) with its
-/// step, and its committed token at each position.
+/// One early readout as a trace recorded it.
+#[derive(Debug, Clone)]
+struct EarlyReadout {
+    step: u64,
+    said: Prediction,
+    exit_probability: Option<f32>,
+}
+
+/// The speculative lane's last readout at each (predicted position, pass before R), and its
+/// committed token at each position.
 type Readouts = (
-    BTreeMap<(usize, usize), (u64, Prediction)>,
+    BTreeMap<(usize, usize), EarlyReadout>,
     HashMap<usize, Token>,
 );
 
@@ -266,7 +313,12 @@ fn speculative_readouts(events: &[RaceEvent], passes: usize) -> Readouts {
                 for row in step.rows.iter().filter(|r| !r.dropped) {
                     let pass = row.pass.number();
                     if let Some(p) = row.prediction.as_ref().filter(|_| pass < passes) {
-                        readouts.insert((row.pos + 1, pass), (step.step, p.clone()));
+                        let readout = EarlyReadout {
+                            step: step.step,
+                            said: p.clone(),
+                            exit_probability: row.exit_probability,
+                        };
+                        readouts.insert((row.pos + 1, pass), readout);
                     }
                 }
                 for c in &step.committed {
@@ -282,6 +334,50 @@ fn speculative_readouts(events: &[RaceEvent], passes: usize) -> Readouts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Readouts with a λ land in its bucket (the last closed at 1), and each bucket counts its
+    /// disagreements; readouts without one are in no bucket.
+    #[test]
+    fn disagreement_is_tallied_by_the_exit_gate_bucket() {
+        let token = |id: u32| Token {
+            id,
+            text: format!("t{id}"),
+        };
+        let said = |id| Prediction {
+            token: token(id),
+            prob: 0.5,
+            margin: 1.0,
+            top: Vec::new(),
+        };
+        let (yes, no, committed) = (said(1), said(2), token(1));
+        let sighting = |said, exit_probability| Sighting {
+            trace: 0,
+            pos: 3,
+            pass: 1,
+            step: 1,
+            said,
+            committed: &committed,
+            exit_probability,
+        };
+        let e = Explanation::of_sightings(
+            4,
+            [
+                sighting(&yes, Some(0.05)),
+                sighting(&no, Some(0.05)),
+                sighting(&no, Some(0.95)),
+                sighting(&yes, Some(1.0)),
+                sighting(&no, None),
+            ],
+            5,
+        );
+        let counts: Vec<(usize, usize)> = (e.by_exit_gate.iter())
+            .map(|b| (b.tally.readouts, b.tally.disagreed))
+            .collect();
+        assert_eq!(counts, [(2, 1), (0, 0), (0, 0), (0, 0), (0, 0), (2, 1)]);
+        assert_eq!(e.by_pass[0].readouts, 5);
+        assert_eq!(gate_bucket(0.1), 1);
+        assert_eq!(gate_bucket(0.0999), 0);
+    }
 
     #[test]
     fn token_classes_follow_the_text() {

@@ -69,24 +69,33 @@ pub fn of_run(run: &RunView, passes: usize) -> Explanation {
                 step: *step,
                 said,
                 committed: committed?,
+                exit_probability: None,
             })
         })
     });
     Explanation::of_sightings(passes, sightings, PAIRS)
 }
 
+/// What the explorer explains.
+#[derive(Debug, Clone, Copy)]
+pub enum Explained<'a> {
+    /// A replay's analysis of its whole trace.
+    Replay(&'a Analysis),
+    /// The live run so far (none yet: an empty explanation), on a model of R `passes`.
+    Live {
+        /// The run, once one started.
+        run: Option<&'a RunView>,
+        /// R.
+        passes: usize,
+    },
+}
+
 /// Draws the explorer over the dashboard.
-/// A replay's `analysis` of its whole trace, else the live `run` so far (R `passes`).
-pub fn draw(
-    frame: &mut Frame,
-    area: Rect,
-    (analysis, (run, passes)): (Option<&Analysis>, (Option<&RunView>, usize)),
-    cursor: ExplorerCursor,
-) {
+pub fn draw(frame: &mut Frame, area: Rect, explained: Explained<'_>, cursor: ExplorerCursor) {
     let live;
-    let explanation = match analysis {
-        Some(a) => &a.explanation,
-        None => {
+    let explanation = match explained {
+        Explained::Replay(a) => &a.explanation,
+        Explained::Live { run, passes } => {
             let empty = RunView::default();
             live = of_run(run.unwrap_or(&empty), passes);
             &live
@@ -118,13 +127,13 @@ pub fn draw(
             .collect();
         lines.push(Line::from(format!("  at steps {}", steps.join(", "))).dark_gray());
     }
-    if let Some(a) = analysis {
+    if let Explained::Replay(a) = explained {
         lines.extend(what_if_lines(&a.what_if));
     }
     let popup = super::centered(area, Size::new(84, lines.len() as u16 + 2));
-    let title = match analysis {
-        Some(_) => "explorer: the whole trace · { } select · g go to it · x closes",
-        None => "explorer: this run so far · { } select · x closes",
+    let title = match explained {
+        Explained::Replay(_) => "explorer: the whole trace · { } select · g go to it · x closes",
+        Explained::Live { .. } => "explorer: this run so far · { } select · x closes",
     };
     let block = Block::default()
         .borders(Borders::ALL)

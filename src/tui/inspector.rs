@@ -14,11 +14,42 @@ pub struct PositionView {
     /// Per pass (pass 1 first): the step of the last readout that predicted this position,
     /// and the readout.
     pub readouts: Vec<Option<(u64, Prediction)>>,
+    /// Per pass: the exit gate's λ after it on the row that read out (Ouro's gate,
+    /// `engine::exit_gate`), where the model has one.
+    pub exit_probabilities: Vec<Option<f32>>,
     /// Every flip of the prediction for this position: step, pass, old, new.
     pub flips: Vec<(u64, Pass, Token, Token)>,
     /// The committed token, the step that committed it, the depth of the proposal that
     /// survived (R: none did) and whether that proposal was a second one.
     pub committed: Option<(u64, Token, Pass, bool)>,
+}
+
+/// The exit gate at one pass of a position (Ouro's exit distribution, `engine::exit_gate`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GateAt {
+    /// The probability of exiting at this pass: λ times the chance of getting here.
+    pub exit: f32,
+    /// The chance of having exited by this pass, `1 − Π (1 − λ_j)`: a threshold rule stops
+    /// at the first pass where it reaches the threshold.
+    pub by_now: f32,
+}
+
+impl PositionView {
+    /// The gate at each pass, pass 1 first, as far as every pass before has a λ.
+    pub fn gate_at_passes(&self) -> Vec<GateAt> {
+        let mut stayed = 1.0f32;
+        (self.exit_probabilities.iter())
+            .map_while(|lambda| {
+                let lambda = (*lambda)?;
+                let exit = stayed * lambda;
+                stayed *= 1.0 - lambda;
+                Some(GateAt {
+                    exit,
+                    by_now: 1.0 - stayed,
+                })
+            })
+            .collect()
+    }
 }
 
 /// Folds one step of the speculative lane into `positions`.
@@ -31,6 +62,14 @@ pub fn record(positions: &mut BTreeMap<usize, PositionView>, step: &StepEvent, p
             }
             view.readouts[row.pass.index()] = Some((step.step, p.clone()));
         }
+        if let Some(lambda) = row.exit_probability {
+            let view = positions.entry(row.pos + 1).or_default();
+            let len = passes.max(row.pass.number());
+            if view.exit_probabilities.len() < len {
+                view.exit_probabilities.resize(len, None);
+            }
+            view.exit_probabilities[row.pass.index()] = Some(lambda);
+        }
     }
     for f in &step.flips {
         let flip = (step.step, f.pass, f.old.clone(), f.new.clone());
@@ -39,5 +78,23 @@ pub fn record(positions: &mut BTreeMap<usize, PositionView>, step: &StepEvent, p
     for c in &step.committed {
         let view = positions.entry(c.pos).or_default();
         view.committed = Some((step.step, c.token.clone(), c.accepted_depth, c.from_second));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gate_at_each_pass_follows_the_exit_distribution_until_a_lambda_is_missing() {
+        let view = PositionView {
+            exit_probabilities: vec![Some(0.5), Some(0.5), Some(0.5), None, Some(0.9)],
+            ..PositionView::default()
+        };
+        let gates = view.gate_at_passes();
+        let exits: Vec<f32> = gates.iter().map(|g| g.exit).collect();
+        let by_now: Vec<f32> = gates.iter().map(|g| g.by_now).collect();
+        assert_eq!(exits, [0.5, 0.25, 0.125]);
+        assert_eq!(by_now, [0.5, 0.75, 0.875]);
     }
 }

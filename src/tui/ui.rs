@@ -121,9 +121,15 @@ fn draw_overlays(frame: &mut Frame, area: Rect, app: &App) {
         draw_inspector(frame, area, run, at);
     }
     if let Some(cursor) = app.explorer {
-        let analysis = app.replay.as_ref().and_then(|r| r.analysis.as_deref());
-        let run = (app.run.as_ref(), app.info.passes);
-        super::explorer::draw(frame, area, (analysis, run), cursor);
+        use super::explorer::Explained;
+        let explained = match app.replay.as_ref().and_then(|r| r.analysis.as_deref()) {
+            Some(analysis) => Explained::Replay(analysis),
+            None => Explained::Live {
+                run: app.run.as_ref(),
+                passes: app.info.passes,
+            },
+        };
+        super::explorer::draw(frame, area, explained, cursor);
     }
     if app.show_help {
         draw_help(frame, area);
@@ -138,17 +144,31 @@ fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
     let passes = run.kv.len().max(view.readouts.len());
     // Borders, the context and commit lines, a line per pass, the flips (or "no flips").
     let h = passes as u16 + 4 + view.flips.len().clamp(1, 3) as u16;
-    let popup = super::centered(area, Size::new(96, h));
+    let popup = super::centered(area, Size::new(120, h));
     let mut lines = vec![context_line(run, pos), commit_line(&view, passes)];
+    let gates = view.gate_at_passes();
     for (i, readout) in view.readouts.iter().enumerate().take(passes) {
+        // The gate's exit probability at the pass and by it, before pass R (whose λ is unused).
+        let gate = match gates.get(i).filter(|_| i + 1 < passes) {
+            Some(g) => format!(
+                " · exit {:>3.0}% (by now {:>3.0}%)",
+                100.0 * g.exit,
+                100.0 * g.by_now
+            ),
+            None => String::new(),
+        };
         let text = match readout {
             Some((step, p)) => {
                 let top: Vec<String> = (p.top.iter())
                     .map(|r| format!("{:?} {:.0}%", r.token.text, 100.0 * r.prob))
                     .collect();
-                format!("pass {} · step {step:>4} │ {}", i + 1, top.join(" · "))
+                format!(
+                    "pass {} · step {step:>4}{gate} │ {}",
+                    i + 1,
+                    top.join(" · ")
+                )
             }
-            None => format!("pass {} · no readout", i + 1),
+            None => format!("pass {}{gate} · no readout", i + 1),
         };
         lines.push(Line::from(text));
     }
