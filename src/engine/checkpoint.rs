@@ -13,7 +13,6 @@ use candle_nn::VarBuilder;
 use super::chat::ChatTemplate;
 use super::config::OuroConfig;
 use super::error::{EngineError, Result};
-use super::kernels::KernelOptions;
 use super::looped::LoopedConfig;
 use super::memory::check_device_room;
 use super::model::{Backend, LoadOptions, LoopedModel, Weights, host_matrix_specs};
@@ -352,17 +351,9 @@ impl LoadedModel {
         let Some(draft) = &plan.draft else {
             return Ok(model);
         };
-        // The draft decodes on the model's threads (`with_draft`), so it is loaded with the
-        // default count rather than a second copy of the model's.
-        let kernels = KernelOptions {
-            threads: None,
-            ..plan.options.kernels
-        };
-        let options = LoadOptions {
-            kernels,
-            ..plan.options
-        };
-        let draft = Self::open_one(draft, device, options, progress)?;
+        // Loaded with the model's options, so that its prefetch plan is timed on as many
+        // threads as it decodes with: `with_draft` then moves it onto the model's own pool.
+        let draft = Self::open_one(draft, device, plan.options, progress)?;
         model.with_draft(draft)
     }
 
