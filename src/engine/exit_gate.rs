@@ -36,19 +36,31 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// The exit distribution over the R passes from each pass's λ (`lambdas[r]` after pass r + 1;
-/// the last is unused): `p_r = λ_r · Π_{j<r} (1 − λ_j)` before pass R, the rest at pass R, in
-/// the order mlx-lm's `_compute_exit_distribution` multiplies.
-pub fn exit_distribution(lambdas: &[f32]) -> Vec<f32> {
+/// The probability of exiting at each pass whose λ is given (`lambdas[r]` after pass r + 1),
+/// `λ_r · Π_{j<r} (1 − λ_j)`, in the order mlx-lm's `_compute_exit_distribution` multiplies.
+pub fn exits_at(lambdas: &[f32]) -> Vec<f32> {
     let mut remaining = 1.0f32;
-    let mut pdf = Vec::with_capacity(lambdas.len());
-    for &lambda in lambdas.iter().take(lambdas.len().saturating_sub(1)) {
-        pdf.push(lambda * remaining);
-        remaining *= 1.0 - lambda;
-    }
-    if !lambdas.is_empty() {
-        pdf.push(remaining);
-    }
+    (lambdas.iter())
+        .map(|&lambda| {
+            let exit = lambda * remaining;
+            remaining *= 1.0 - lambda;
+            exit
+        })
+        .collect()
+}
+
+/// The exit distribution over the R passes from each pass's λ (the last is unused): [`exits_at`]
+/// before pass R, the rest, `Π_{j<R} (1 − λ_j)`, at pass R.
+pub fn exit_distribution(lambdas: &[f32]) -> Vec<f32> {
+    let Some((_, before)) = lambdas.split_last() else {
+        return Vec::new();
+    };
+    let mut pdf = exits_at(before);
+    pdf.push(
+        before
+            .iter()
+            .fold(1.0f32, |rest, lambda| rest * (1.0 - lambda)),
+    );
     pdf
 }
 

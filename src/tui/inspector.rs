@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use crate::engine::events::{Prediction, StepEvent, Token};
+use crate::engine::exit_gate::exits_at;
 use crate::engine::pass::Pass;
 
 /// What the run knows about one position.
@@ -29,24 +30,21 @@ pub struct PositionView {
 pub struct GateAt {
     /// The probability of exiting at this pass: λ times the chance of getting here.
     pub exit: f32,
-    /// The chance of having exited by this pass, `1 − Π (1 − λ_j)`: a threshold rule stops
-    /// at the first pass where it reaches the threshold.
+    /// The chance of having exited by this pass, the exits so far summed: a threshold rule
+    /// stops at the first pass where it reaches the threshold.
     pub by_now: f32,
 }
 
 impl PositionView {
-    /// The gate at each pass, pass 1 first, as far as every pass before has a λ.
+    /// The gate at each pass, pass 1 first, as far as every pass before has a λ
+    /// (`exit_gate::exits_at`).
     pub fn gate_at_passes(&self) -> Vec<GateAt> {
-        let mut stayed = 1.0f32;
-        (self.exit_probabilities.iter())
-            .map_while(|lambda| {
-                let lambda = (*lambda)?;
-                let exit = stayed * lambda;
-                stayed *= 1.0 - lambda;
-                Some(GateAt {
-                    exit,
-                    by_now: 1.0 - stayed,
-                })
+        let known: Vec<f32> = self.exit_probabilities.iter().map_while(|l| *l).collect();
+        let mut by_now = 0.0f32;
+        (exits_at(&known).into_iter())
+            .map(|exit| {
+                by_now += exit;
+                GateAt { exit, by_now }
             })
             .collect()
     }
@@ -55,20 +53,14 @@ impl PositionView {
 /// Folds one step of the speculative lane into `positions`.
 pub fn record(positions: &mut BTreeMap<usize, PositionView>, step: &StepEvent, passes: usize) {
     for row in step.rows.iter().filter(|r| !r.dropped) {
+        let len = passes.max(row.pass.number());
         if let Some(p) = &row.prediction {
             let view = positions.entry(row.pos + 1).or_default();
-            if view.readouts.len() < passes.max(row.pass.number()) {
-                view.readouts.resize(passes.max(row.pass.number()), None);
-            }
-            view.readouts[row.pass.index()] = Some((step.step, p.clone()));
+            set_pass(&mut view.readouts, len, row.pass, (step.step, p.clone()));
         }
         if let Some(lambda) = row.exit_probability {
             let view = positions.entry(row.pos + 1).or_default();
-            let len = passes.max(row.pass.number());
-            if view.exit_probabilities.len() < len {
-                view.exit_probabilities.resize(len, None);
-            }
-            view.exit_probabilities[row.pass.index()] = Some(lambda);
+            set_pass(&mut view.exit_probabilities, len, row.pass, lambda);
         }
     }
     for f in &step.flips {
@@ -79,6 +71,14 @@ pub fn record(positions: &mut BTreeMap<usize, PositionView>, step: &StepEvent, p
         let view = positions.entry(c.pos).or_default();
         view.committed = Some((step.step, c.token.clone(), c.accepted_depth, c.from_second));
     }
+}
+
+/// `per_pass[pass] = value`, the list first grown to at least `len` passes.
+fn set_pass<T: Clone>(per_pass: &mut Vec<Option<T>>, len: usize, pass: Pass, value: T) {
+    if per_pass.len() < len {
+        per_pass.resize(len, None);
+    }
+    per_pass[pass.index()] = Some(value);
 }
 
 #[cfg(test)]
