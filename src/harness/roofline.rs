@@ -83,9 +83,7 @@ pub fn summed_bytes_per_sec(pool: &pool::Pool, matrices: &[Matrix<'_>]) -> f64 {
 /// once, with a multiply-add each, which a one-row step is too little arithmetic to be held
 /// back by.
 pub fn multiplied_bytes_per_sec(kernels: &Kernels, matrices: &[Matrix<'_>]) -> f64 {
-    let bytes: usize = (matrices.iter())
-        .map(|m| m.weight.len() * m.weight.element_bytes())
-        .sum();
+    let bytes: usize = (matrices.iter()).map(|m| m.weight.bytes()).sum();
     let widest = |f: fn(&Matrix<'_>) -> usize| matrices.iter().map(f).max().unwrap_or(0);
     let x = vec![1f32; widest(|m| m.inner)];
     let mut out = vec![0f32; widest(|m| m.outs())];

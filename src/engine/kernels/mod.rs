@@ -95,14 +95,16 @@ macro_rules! with_rows {
     };
 }
 
-/// Evaluates `$call` with `$w` bound to the typed slice inside the [`Weight`] `$weight`: the
-/// one dispatch from a stored element type to the generic kernels.
+/// Evaluates `$call` with `$w` bound to the typed slice inside the [`Weight`] `$weight`, or
+/// `$qcall` with `$q` bound to its blocks where it is quantized: the one dispatch from a stored
+/// element type to the generic kernels.
 macro_rules! with_weight {
-    ($weight:expr, $w:ident => $call:expr) => {
+    ($weight:expr, $w:ident => $call:expr, $q:ident => $qcall:expr) => {
         match $weight {
             Weight::F32($w) => $call,
             Weight::Bf16($w) => $call,
             Weight::F16($w) => $call,
+            Weight::Q8_0($q) => $qcall,
         }
     };
 }
@@ -126,6 +128,9 @@ mod neon;
 pub mod pool;
 mod portable;
 pub mod prefetch;
+mod q8_0;
+#[cfg(test)]
+mod q8_tests;
 mod settings;
 mod subnormals;
 #[cfg(test)]
@@ -138,6 +143,8 @@ pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, att
 pub use isa::{Isa, detected_isa};
 pub use kv_element::KvElement;
 pub use prefetch::Prefetch;
+pub use q8_0::{BlockQ8_0, QK8_0};
+use q8_0::{Q8Isa, QuantizedRows};
 use settings::Tuning;
 pub use settings::{KernelOptions, Kernels};
 pub use subnormals::SubnormalsFlushed;
@@ -155,22 +162,6 @@ const X86_ROW_BLOCK: usize = 6;
 const POOL_MIN_ELEMENTS: usize = 1 << 14;
 /// Weight rows a thread's share of a matmul is a multiple of (whole groups of every sweep).
 const SHARE_ALIGN: usize = 16;
-
-/// [`Kernels::matmul_t`] on weights of one element type.
-fn matmul_t_typed<W: WeightElement>(
-    t: Tuning,
-    x: &[f32],
-    w: &[W],
-    rows: usize,
-    inner: usize,
-    out: &mut [f32],
-) {
-    let outs = w.len() / inner;
-    debug_assert_eq!(x.len(), rows * inner);
-    debug_assert_eq!(out.len(), rows * outs);
-    let to = OutLayout { col: 1, row: outs };
-    matmul_t_serial(t, x, w, rows, inner, SharedOut::new(out), to);
-}
 
 /// [`Kernels::gated_t`].
 fn gated_t_on(
@@ -190,10 +181,11 @@ fn gated_t_on(
     }
     let (parts, t, width) = (pool.threads(), k.tuning, gate_w.len() / inner);
     let (gate, up) = (SharedOut::new(gate), SharedOut::new(up));
+    let input = Input::new(input, &[gate_w, up_w]);
     pool.run(&|part| {
         let range = pool::share(width, parts, part, SHARE_ALIGN);
         for (w, out) in [(gate_w, gate), (up_w, up)] {
-            product_columns(t, input, w, out, range.clone());
+            product_columns(t, &input, w, out, range.clone());
         }
         for r in 0..rows {
             let at = r * width + range.start;
@@ -230,31 +222,65 @@ fn matmul_t_pooled(
     let outs: Vec<(Weight<'_>, SharedOut<'_>)> = (products.iter_mut())
         .map(|(w, out)| (*w, SharedOut::new(out)))
         .collect();
+    let weights: Vec<Weight<'_>> = outs.iter().map(|(w, _)| *w).collect();
+    let input = Input::new(input, &weights);
     pool.run(&|part| {
         for &(w, out) in &outs {
             let range = pool::share(w.len() / inner, parts, part, SHARE_ALIGN);
-            product_columns(t, input, w, out, range);
+            product_columns(t, &input, w, out, range);
         }
     });
+}
+
+/// A product's input rows and, where one of its weights is quantized, the same rows quantized
+/// once for every thread and weight (`q8_0::QuantizedRows`, a buffer of the calling thread's
+/// reused from call to call).
+struct Input<'a> {
+    rows: Rows<'a>,
+    q8: QuantizedRows,
+}
+
+thread_local! {
+    /// The calling thread's spare quantized-activation buffer.
+    static SPARE_Q8: std::cell::Cell<QuantizedRows> = std::cell::Cell::new(QuantizedRows::default());
+}
+
+impl<'a> Input<'a> {
+    fn new(rows: Rows<'a>, weights: &[Weight<'_>]) -> Self {
+        let mut q8 = SPARE_Q8.take();
+        if weights.iter().any(|w| matches!(w, Weight::Q8_0(_))) {
+            q8.quantize(&rows);
+        }
+        Self { rows, q8 }
+    }
+}
+
+impl Drop for Input<'_> {
+    fn drop(&mut self) {
+        SPARE_Q8.set(std::mem::take(&mut self.q8));
+    }
 }
 
 /// One thread's share of `out = x · wᵀ` (`out: [rows × outs]`): the weight rows `range`, into
 /// those columns of every row.
 fn product_columns(
     t: Tuning,
-    input: Rows<'_>,
+    input: &Input<'_>,
     w: Weight<'_>,
     out: SharedOut<'_>,
     range: std::ops::Range<usize>,
 ) {
-    let Rows { x, rows, inner } = input;
+    let Rows { x, rows, inner } = input.rows;
     let to = OutLayout {
         col: 1,
         row: w.len() / inner,
     };
     let w = w.slice(range.start * inner..range.end * inner);
     let out = out.from(range.start);
-    with_weight!(w, w => matmul_t_serial(t, x, w, rows, inner, out, to));
+    with_weight!(w,
+        w => matmul_t_serial(t, x, w, rows, inner, out, to),
+        q => q8_0::product(Q8Isa::for_isa(t.isa), &input.q8, q, out, to)
+    );
 }
 
 /// An output that the decode threads write at disjoint elements (each its own columns of

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use super::{
-    Isa, POOL_MIN_ELEMENTS, Prefetch, Rows, Weight, detected_isa, gated_t_on, matmul_t_pooled,
-    matmul_t_typed, pool, silu_mul_on,
+    Input, Isa, POOL_MIN_ELEMENTS, Prefetch, Rows, SharedOut, Weight, detected_isa, gated_t_on,
+    matmul_t_pooled, pool, product_columns, silu_mul_on,
 };
 
 /// How one host model's kernels run, chosen when it loads (`model::LoadOptions`): each unset
@@ -116,7 +116,9 @@ impl Kernels {
                 &mut [(w, out)],
             );
         }
-        with_weight!(w, w => matmul_t_typed(self.tuning, x, w, rows, inner, out))
+        let outs = w.len() / inner.max(1);
+        let input = Input::new(Rows { x, rows, inner }, &[w]);
+        product_columns(self.tuning, &input, w, SharedOut::new(out), 0..outs);
     }
 
     /// Products of one input `x: [rows × inner]` with several weights, `outᵢ = x · wᵢᵀ` (the

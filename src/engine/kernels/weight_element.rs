@@ -14,6 +14,8 @@
 
 use half::{bf16, f16};
 
+use super::q8_0::{BlockQ8_0, QK8_0};
+
 #[cfg(target_arch = "aarch64")]
 use std::arch::aarch64::*;
 #[cfg(target_arch = "x86_64")]
@@ -161,6 +163,9 @@ pub enum Weight<'a> {
     Bf16(&'a [bf16]),
     /// Stored in f16.
     F16(&'a [f16]),
+    /// Stored in GGUF's Q8_0 blocks, 32 weights each (`q8_0`), multiplied with integer dot
+    /// products over quantized activations.
+    Q8_0(&'a [BlockQ8_0]),
 }
 
 /// A weight matrix with its shape: `weight`'s elements, `inner` to a row.
@@ -203,6 +208,12 @@ impl<'a> From<&'a [f16]> for Weight<'a> {
     }
 }
 
+impl<'a> From<&'a [BlockQ8_0]> for Weight<'a> {
+    fn from(w: &'a [BlockQ8_0]) -> Self {
+        Self::Q8_0(w)
+    }
+}
+
 impl<'a> Weight<'a> {
     /// Its number of elements.
     pub fn len(self) -> usize {
@@ -210,6 +221,7 @@ impl<'a> Weight<'a> {
             Self::F32(w) => w.len(),
             Self::Bf16(w) => w.len(),
             Self::F16(w) => w.len(),
+            Self::Q8_0(w) => w.len() * QK8_0,
         }
     }
 
@@ -218,20 +230,23 @@ impl<'a> Weight<'a> {
         self.len() == 0
     }
 
-    /// The bytes of one element.
-    pub fn element_bytes(self) -> usize {
+    /// The bytes it is stored in: what a product streams.
+    pub fn bytes(self) -> usize {
         match self {
-            Self::F32(_) => 4,
-            Self::Bf16(_) | Self::F16(_) => 2,
+            Self::F32(w) => std::mem::size_of_val(w),
+            Self::Bf16(w) => std::mem::size_of_val(w),
+            Self::F16(w) => std::mem::size_of_val(w),
+            Self::Q8_0(w) => std::mem::size_of_val(w),
         }
     }
 
-    /// Elements `range`.
+    /// Elements `range` (whole blocks of a quantized matrix: rows of one are whole blocks).
     pub fn slice(self, range: std::ops::Range<usize>) -> Self {
         match self {
             Self::F32(w) => Self::F32(&w[range]),
             Self::Bf16(w) => Self::Bf16(&w[range]),
             Self::F16(w) => Self::F16(&w[range]),
+            Self::Q8_0(w) => Self::Q8_0(&w[range.start / QK8_0..range.end.div_ceil(QK8_0)]),
         }
     }
 
@@ -245,6 +260,7 @@ impl<'a> Weight<'a> {
                 Self::F32(w) => w.align_to::<u64>().1,
                 Self::Bf16(w) => w.align_to::<u64>().1,
                 Self::F16(w) => w.align_to::<u64>().1,
+                Self::Q8_0(w) => bytemuck::cast_slice::<_, u8>(w).align_to::<u64>().1,
             }
         }
     }
@@ -255,6 +271,16 @@ impl<'a> Weight<'a> {
             Self::F32(w) => out.extend_from_slice(&w[range]),
             Self::Bf16(w) => out.extend(w[range].iter().map(|v| v.to_f32())),
             Self::F16(w) => out.extend(w[range].iter().map(|v| WeightElement::to_f32(*v))),
+            Self::Q8_0(w) => {
+                let mut block = [0f32; QK8_0];
+                let first = range.start / QK8_0;
+                for (b, stored) in (first..).zip(&w[first..range.end.div_ceil(QK8_0)]) {
+                    stored.dequantize_into(&mut block);
+                    let lo = range.start.max(b * QK8_0) - b * QK8_0;
+                    let hi = range.end.min((b + 1) * QK8_0) - b * QK8_0;
+                    out.extend_from_slice(&block[lo..hi]);
+                }
+            }
         }
     }
 }

@@ -32,10 +32,13 @@ fn stored_bf16_and_f16_weights_give_the_bits_of_their_f32_widening() {
                     let (mut got, mut want) = (vec![0f32; rows * outs], vec![0f32; rows * outs]);
                     let (xs, to) = (&x[..rows * inner], OutLayout { col: 1, row: outs });
                     let out = SharedOut::new(&mut got);
-                    with_weight!(w, w => matmul_t_serial(Tuning::from(isa), xs, w, rows, inner, out, to));
+                    with_weight!(w,
+                        w => matmul_t_serial(Tuning::from(isa), xs, w, rows, inner, out, to),
+                        _q => unreachable!("dense weights only")
+                    );
                     let out = SharedOut::new(&mut want);
                     matmul_t_serial(Tuning::from(isa), xs, wide, rows, inner, out, to);
-                    assert_eq!(got, want, "{isa:?} {inner} {rows} {}", w.element_bytes());
+                    assert_eq!(got, want, "{isa:?} {inner} {rows} {}", w.bytes());
                 }
             }
         }

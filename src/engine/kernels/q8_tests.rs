@@ -1,0 +1,152 @@
+//! The Q8_0 kernels: one result on every ISA, independent of the other rows and of the
+//! threads' split, and within the activations' rounding of the dequantized f32 product.
+
+use super::q8_0::{BlockQ8_0, Q8Isa, QK8_0, QuantizedRows, product};
+use super::tests::{lcg, supported_isas};
+use super::*;
+
+/// `outs` rows of `inner` random weights quantized to Q8_0, and the same weights dequantized.
+fn q8_matrix(outs: usize, inner: usize, seed: &mut u64) -> (Vec<BlockQ8_0>, Vec<f32>) {
+    let dense: Vec<f32> = (0..outs * inner).map(|_| lcg(seed)).collect();
+    let blocks: Vec<BlockQ8_0> = dense.chunks_exact(QK8_0).map(BlockQ8_0::quantize).collect();
+    let mut wide = vec![0f32; outs * inner];
+    for (b, out) in blocks.iter().zip(wide.chunks_exact_mut(QK8_0)) {
+        b.dequantize_into(out);
+    }
+    (blocks, wide)
+}
+
+fn run(isa: Q8Isa, x: &[f32], rows: usize, inner: usize, w: &[BlockQ8_0]) -> Vec<f32> {
+    let outs = w.len() * QK8_0 / inner;
+    let mut q = QuantizedRows::default();
+    q.quantize(&Rows { x, rows, inner });
+    let mut out = vec![f32::NAN; rows * outs];
+    product(
+        isa,
+        &q,
+        w,
+        SharedOut::new(&mut out),
+        OutLayout { col: 1, row: outs },
+    );
+    out
+}
+
+#[test]
+fn every_isa_gives_the_portable_bits_whatever_the_rows() {
+    let mut seed = 7;
+    for (outs, inner) in [(1, 32), (5, 64), (37, 96), (64, 256), (19, 2048)] {
+        let (w, _) = q8_matrix(outs, inner, &mut seed);
+        let x: Vec<f32> = (0..7 * inner).map(|_| 3.0 * lcg(&mut seed)).collect();
+        let alone: Vec<Vec<f32>> = (0..7)
+            .map(|r| {
+                run(
+                    Q8Isa::Portable,
+                    &x[r * inner..(r + 1) * inner],
+                    1,
+                    inner,
+                    &w,
+                )
+            })
+            .collect();
+        for isa in supported_isas() {
+            for rows in 1..=7 {
+                let got = run(Q8Isa::for_isa(isa), &x[..rows * inner], rows, inner, &w);
+                for (r, want) in alone.iter().enumerate().take(rows) {
+                    let row = &got[r * outs..(r + 1) * outs];
+                    let same = row
+                        .iter()
+                        .zip(want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{isa:?} outs {outs} inner {inner} rows {rows} row {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn products_lie_within_the_activations_rounding_of_the_f32_product() {
+    let mut seed = 11;
+    let (outs, inner) = (29, 512);
+    let (w, wide) = q8_matrix(outs, inner, &mut seed);
+    let x: Vec<f32> = (0..3 * inner).map(|_| 2.0 * lcg(&mut seed)).collect();
+    let got = run(Q8Isa::for_isa(detected_isa()), &x, 3, inner, &w);
+    for r in 0..3 {
+        let xr = &x[r * inner..(r + 1) * inner];
+        for j in 0..outs {
+            let wr = &wide[j * inner..(j + 1) * inner];
+            let exact: f64 = xr
+                .iter()
+                .zip(wr)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum();
+            // Each activation is off by at most half its block's step d = max|x| / 127; the
+            // f32 sums add a relative 1e-5 of Σ|x·w| at most.
+            let bound: f64 = (xr.chunks_exact(QK8_0).zip(wr.chunks_exact(QK8_0)))
+                .map(|(xb, wb)| {
+                    let d = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                    let abs_w: f32 = wb.iter().map(|v| v.abs()).sum();
+                    f64::from(d / 2.0 * abs_w)
+                })
+                .sum::<f64>()
+                + 1e-5
+                    * xr.iter()
+                        .zip(wr)
+                        .map(|(a, b)| f64::from((a * b).abs()))
+                        .sum::<f64>();
+            let err = (f64::from(got[r * outs + j]) - exact).abs();
+            assert!(
+                err <= bound,
+                "row {r} col {j}: error {err} over bound {bound}"
+            );
+        }
+    }
+}
+
+#[test]
+fn threads_and_pooled_products_give_the_serial_bits() {
+    let mut seed = 5;
+    let (outs, inner) = (1024, 64);
+    let (w, _) = q8_matrix(outs, inner, &mut seed);
+    let (w2, _) = q8_matrix(outs, inner, &mut seed);
+    let x: Vec<f32> = (0..5 * inner).map(|_| lcg(&mut seed)).collect();
+    let serial = run(Q8Isa::for_isa(detected_isa()), &x, 5, inner, &w);
+    let serial2 = run(Q8Isa::for_isa(detected_isa()), &x, 5, inner, &w2);
+    for threads in [1, 2, 3] {
+        let k = Kernels::new(KernelOptions {
+            threads: Some(threads),
+            ..KernelOptions::default()
+        })
+        .expect("threads");
+        let mut got = vec![0f32; 5 * outs];
+        k.matmul_t(&x, Weight::from(&w[..]), 5, inner, &mut got);
+        assert_eq!(got, serial, "{threads} threads");
+        let (mut a, mut b) = (vec![0f32; 5 * outs], vec![0f32; 5 * outs]);
+        k.matmuls_t(
+            &x,
+            5,
+            inner,
+            &mut [
+                (Weight::from(&w[..]), &mut a),
+                (Weight::from(&w2[..]), &mut b),
+            ],
+        );
+        assert_eq!(
+            (a, b),
+            (serial.clone(), serial2.clone()),
+            "{threads} threads, two products"
+        );
+    }
+}
+
+#[test]
+fn blocks_quantize_as_llama_cpp_rounds() {
+    let x: Vec<f32> = (0..32).map(|i| i as f32 - 15.5).collect();
+    let b = BlockQ8_0::quantize(&x);
+    assert_eq!(b.d.to_f32(), half::f16::from_f32(15.5 / 127.0).to_f32());
+    assert_eq!((b.qs[0], b.qs[1], b.qs[31]), (-127, -119, 127)); // −14.5 · 127 / 15.5 = −118.8
+    assert_eq!(BlockQ8_0::quantize(&[0.0; 32]).qs, [0; 32]);
+}
