@@ -249,6 +249,35 @@ fn self_draft_equals_baseline_with_stored_weights() {
     }
 }
 
+/// Q8_0 weights (a GGUF of `spex quantize`) on every shape of every variant: every lane
+/// equals the baseline, token for token, with the activations quantized per row.
+#[test]
+fn speed_equals_baseline_on_every_shape_with_q8_0_weights() {
+    let mut tally = Tally::default();
+    let prompts = &exactness_prompts(6)[..];
+    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
+        for (layers, passes) in [1, 2, 4]
+            .into_iter()
+            .flat_map(|k| (1..=4).map(move |r| (k, r)))
+        {
+            let seed = (layers * 10 + passes) as u64;
+            let (_dir, _out, file) = common::quantized_pair(variant, layers, passes, seed);
+            let loaded = LoadedModel::load_gguf(
+                &file,
+                &Device::Cpu,
+                DType::F32,
+                LoadOptions::default(),
+                &mut |_| {},
+            )
+            .expect("load the GGUF");
+            assert!(matches!(loaded.backend, Backend::Host(_)), "host kernels");
+            let label = format!("Q8_0 {variant:?} K={layers} R={passes}");
+            assert_lanes_equal_on(&loaded, prompts, Suite::All, &label, &mut tally);
+        }
+    }
+    assert!(tally.flips > 17 * prompts.len(), "{} flips", tally.flips);
+}
+
 #[test]
 fn speed_equals_baseline_on_the_device_code_path() {
     let mut tally = Tally::default();

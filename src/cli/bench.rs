@@ -46,8 +46,10 @@ fn backend_note(loaded: &crate::engine::LoadedModel) -> String {
     let info = loaded.backend.info();
     match info.host {
         Some(host) => format!(
-            "kernels {:?} on {} thread(s), {dtype} weights",
-            host.isa, host.threads
+            "kernels {:?} on {} thread(s), {} weights",
+            host.isa,
+            host.threads,
+            loaded.model().weight_type()
         ),
         None => format!(
             "candle ops in {dtype}, each decode step padded to {} rows",

@@ -9,6 +9,7 @@ mod generate;
 pub mod hub;
 mod load_bar;
 pub mod models;
+mod quantize;
 mod record;
 mod replay;
 mod session;
@@ -51,6 +52,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Write a random checkpoint in the Ouro format (for tests and benchmarks).
     RandomCheckpoint(RandomArgs),
+    /// Write a checkpoint as a quantized GGUF file in llama.cpp's Ouro layout.
+    Quantize(quantize::QuantizeArgs),
     /// Train a looped model in the Ouro format.
     Train(train::TrainArgs),
     /// Open the dashboard (what `spex` with no subcommand does).
@@ -426,6 +429,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Generate(args)) => generate::run(&args),
         Some(Command::Bench(args)) => bench::run(&args),
         Some(Command::RandomCheckpoint(args)) => random_checkpoint(&args),
+        Some(Command::Quantize(args)) => quantize::run(&args),
         Some(Command::Train(args)) => train::run(&args),
         Some(Command::Tui(args)) => dashboard(&args),
         Some(Command::Replay(args)) => replay::run(&args),

@@ -156,6 +156,16 @@ pub fn resolve(
 ) -> Result<ResolvedModel, EngineError> {
     if let Some(m) = model {
         let p = PathBuf::from(m);
+        if p.is_file() && p.extension().is_some_and(|x| x == "gguf") {
+            let name = p
+                .file_stem()
+                .map_or(m.to_string(), |n| n.to_string_lossy().into_owned());
+            return Ok(ResolvedModel {
+                name,
+                source: Origin::Gguf(p),
+                entry: None,
+            });
+        }
         if p.is_dir() {
             let name = p
                 .file_name()

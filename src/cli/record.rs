@@ -50,6 +50,9 @@ pub fn template(session: &Session, options: DecodeOptions) -> TraceHeader {
 pub fn check_target(path: &Path, session: &Session) -> Result<(), EngineError> {
     use crate::engine::checkpoint::Origin;
     use crate::engine::files;
+    if let Origin::Gguf(file) = &session.loaded.origin {
+        files::refuse_same_file(path, file, "--record")?;
+    }
     if let Origin::Dir(dir) = &session.loaded.origin {
         let listing = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
         for entry in listing.flatten() {

@@ -109,11 +109,17 @@ pub fn load_model_with(
             kernels,
         },
     };
+    let loaded = LoadedModel::open(&plan, &dev, progress)?;
+    // The weights as stored (`Q8_0`, `bf16`); a model widened on a GPU shows its dtype.
+    let dtype = match &loaded.backend {
+        crate::engine::model::Backend::Host(_) => loaded.model().weight_type(),
+        _ => device::dtype_name(plan.model.dtype).into(),
+    };
     Ok(Session {
-        loaded: LoadedModel::open(&plan, &dev, progress)?,
+        loaded,
         name: resolved.name,
         device: device::device_name(&dev),
-        dtype: device::dtype_name(plan.model.dtype).into(),
+        dtype,
         chat: plan.model.chat_stop,
         policy: entry.and_then(|e| e.policy),
         sample_prompt: entry

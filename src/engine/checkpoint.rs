@@ -19,27 +19,7 @@ use super::model::{Backend, LoadOptions, LoopedModel, Weights, host_matrix_specs
 use super::tensor_files::{Preloaded, TensorFiles};
 use super::tokenizer::TextTokenizer;
 
-/// How far a load has come, for a progress bar.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LoadProgress {
-    /// Before any reading: the checkpoint's files are downloading into the local hub cache,
-    /// `done_bytes` of the current file's `total_bytes` (reported by the CLI's pull).
-    Downloading {
-        /// Bytes of the current file downloaded so far.
-        done_bytes: u64,
-        /// The current file's size, in bytes.
-        total_bytes: u64,
-    },
-    /// The host kernels' matrices: `read_bytes` of `total_bytes` read into their arena.
-    Reading {
-        /// Bytes read so far.
-        read_bytes: u64,
-        /// The matrices' size, in bytes.
-        total_bytes: u64,
-    },
-    /// Read; the first host model of a process times its steps to fix the prefetch plan.
-    TimingSteps,
-}
+pub use super::model::LoadProgress;
 
 /// The files of one checkpoint directory, checked to exist.
 #[derive(Debug, Clone)]
@@ -271,6 +251,7 @@ impl Origin {
     pub fn tokenizer_file(&self) -> std::path::PathBuf {
         match self {
             Self::Dir(dir) => dir.join("tokenizer.json"),
+            Self::Gguf(path) => gguf_tokenizer_file(path).unwrap_or_else(|| path.clone()),
             Self::Embedded(_) => Path::new("<embedded>").join("tokenizer.json"),
         }
     }
@@ -281,6 +262,8 @@ impl Origin {
 pub enum Origin {
     /// A checkpoint directory.
     Dir(std::path::PathBuf),
+    /// A GGUF file in llama.cpp's Ouro layout (`engine::gguf`).
+    Gguf(std::path::PathBuf),
     /// Built into the binary.
     Embedded(CheckpointBytes),
 }
@@ -292,7 +275,8 @@ impl Origin {
     pub fn stored_dtype(&self) -> DType {
         match self {
             Self::Dir(dir) => stored_dtype(dir).unwrap_or(DType::F32),
-            Self::Embedded(_) => DType::F32,
+            // Quantized weights compute in f32 on the host (`gguf::load`).
+            Self::Gguf(_) | Self::Embedded(_) => DType::F32,
         }
     }
 }
@@ -366,6 +350,7 @@ impl LoadedModel {
     ) -> Result<Self> {
         let mut loaded = match &files.origin {
             Origin::Dir(dir) => Self::load_reporting(dir, device, files.dtype, options, progress)?,
+            Origin::Gguf(path) => Self::load_gguf(path, device, files.dtype, options, progress)?,
             Origin::Embedded(bytes) => Self::from_bytes(*bytes, device, files.dtype, options)?,
         };
         if files.chat_stop {
@@ -406,6 +391,30 @@ impl LoadedModel {
             Origin::Dir(dir.to_path_buf()),
             &dir.join("config.json"),
         )
+    }
+
+    /// Loads the GGUF file at `path` (`engine::gguf`), with the `tokenizer.json` beside it
+    /// where there is one, else the tokenizer its metadata holds; the chat template of a
+    /// `tokenizer_config.json` beside it.
+    pub fn load_gguf(
+        path: &Path,
+        device: &Device,
+        dtype: DType,
+        options: LoadOptions,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
+        let file = super::gguf::load::GgufFile::open(path)?;
+        let config = file.config()?;
+        let tokenizer = match gguf_tokenizer_file(path) {
+            Some(beside) => TextTokenizer::load(&beside, &config.eos_token_ids)?,
+            None => {
+                TextTokenizer::new(super::gguf::vocab::tokenizer(&file)?, &config.eos_token_ids)
+            }
+        };
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let tokenizer = tokenizer.with_chat_template(ChatTemplate::load(dir)?);
+        let backend = super::gguf::load::load_model(&file, device, dtype, options, progress)?;
+        Self::assemble(backend, tokenizer, Origin::Gguf(path.to_path_buf()), path)
     }
 
     /// Loads a checkpoint held in memory (the binary's embedded model).
@@ -485,6 +494,71 @@ impl LoadedModel {
             ..self
         })
     }
+}
+
+/// The `tokenizer.json` beside GGUF file `path`, if there is one (it wins over the file's
+/// own tokenizer metadata).
+pub fn gguf_tokenizer_file(path: &Path) -> Option<PathBuf> {
+    Some(path.with_file_name("tokenizer.json")).filter(|p| p.exists())
+}
+
+/// Quantizes the spex checkpoint at `origin` (a directory or the embedded model; its weights
+/// read in f32) into a GGUF file at `out` named `name`, its matrices in `file_type`. Returns
+/// the model's shape.
+pub fn quantize_checkpoint(
+    origin: &crate::engine::checkpoint::Origin,
+    name: &str,
+    file_type: super::gguf::write::FileType,
+    out: &Path,
+) -> Result<LoopedConfig> {
+    use crate::engine::files::{FileKind, read_capped};
+    let f32 = candle_core::DType::F32;
+    let (config, vb, tokenizer_path, tokenizer_bytes) = match origin {
+        Origin::Dir(dir) => {
+            let checkpoint = Checkpoint::open(dir)?;
+            let files = TensorFiles::open(&checkpoint.weight_files)?;
+            let vb = candle_nn::VarBuilder::from_backend(Box::new(files), f32, Device::Cpu);
+            let bytes = read_capped(&checkpoint.tokenizer_file, FileKind::Tokenizer)?;
+            (checkpoint.config, vb, checkpoint.tokenizer_file, bytes)
+        }
+        Origin::Embedded(bytes) => {
+            let path = Path::new("<embedded>/config.json");
+            let json: serde_json::Value =
+                serde_json::from_slice(bytes.config).map_err(|e| EngineError::file(path, e))?;
+            let config = crate::engine::config::OuroConfig::from_json(&json, path)?.looped();
+            let vb = candle_nn::VarBuilder::from_buffered_safetensors(
+                bytes.weights.to_vec(),
+                f32,
+                &Device::Cpu,
+            )
+            .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
+            (
+                config,
+                vb,
+                "<embedded>/tokenizer.json".into(),
+                bytes.tokenizer.to_vec(),
+            )
+        }
+        Origin::Gguf(path) => {
+            return Err(EngineError::file(
+                path,
+                "already a GGUF file: quantize a spex checkpoint",
+            ));
+        }
+    };
+    let weights = Weights::load(&vb, &config).map_err(|e| EngineError::file(&tokenizer_path, e))?;
+    let tokenizer: serde_json::Value = serde_json::from_slice(&tokenizer_bytes)
+        .map_err(|e| EngineError::file(&tokenizer_path, format!("not valid JSON: {e}")))?;
+    let job = super::gguf::write::QuantizeJob {
+        config: &config,
+        weights: &weights,
+        tokenizer: &tokenizer,
+        tokenizer_path: &tokenizer_path,
+        name,
+        file_type,
+    };
+    super::gguf::write::write_gguf(&job, out)?;
+    Ok(config)
 }
 
 /// Writes pretty JSON to `path`.

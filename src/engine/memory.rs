@@ -212,11 +212,13 @@ fn into_arena_of<T: ArenaElement>(mats: &mut [&mut Tensor]) -> candle_core::Resu
 }
 
 /// An element an arena holds: a candle dtype whose every bit pattern is a value (f32, bf16,
-/// f16), so a file's bytes can be read straight into it.
+/// f16, and the bytes of quantized blocks), so a file's bytes can be read straight into it.
 pub trait ArenaElement: candle_core::WithDType + bytemuck::Pod {}
 impl ArenaElement for f32 {}
 impl ArenaElement for half::bf16 {}
 impl ArenaElement for half::f16 {}
+/// Quantized blocks, as bytes (`gguf`).
+impl ArenaElement for u8 {}
 
 /// Weight matrices in one allocation: it starts on a 2 MB boundary and is offered to the
 /// kernel as huge pages (a step's weights then need a handful of TLB entries, not thousands),

@@ -16,6 +16,7 @@ pub mod events;
 pub mod exit_gate;
 pub mod files;
 pub mod format;
+pub mod gguf;
 pub mod kernels;
 pub mod kv_cache;
 pub mod looped;
@@ -27,7 +28,7 @@ pub mod policy;
 pub mod random_checkpoint;
 pub mod rng;
 pub mod sampling;
-mod tensor_files;
+pub(crate) mod tensor_files;
 pub mod tokenizer;
 pub mod units;
 

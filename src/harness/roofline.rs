@@ -18,18 +18,23 @@ pub const MEANINGFUL_FROM_BYTES: u64 = 64 << 20;
 /// Sweeps timed; the best counts (the machine's limit, not its noise).
 pub const SWEEPS: usize = 5;
 
-/// Weight bytes one pass reads: every layer's projections, in the model's stored type.
+/// Weight bytes one pass reads: every layer's projections, as stored (quantized blocks'
+/// bytes for a quantized model).
 pub fn layer_bytes_per_pass(model: &LoopedModel) -> u64 {
-    let c = &model.config;
-    let (q, kv) = (c.heads * c.head_dim, c.kv_dim());
-    let per_layer = c.hidden * (2 * q + 2 * kv) + 3 * c.hidden * c.intermediate;
-    (c.layers * per_layer * model.dtype.size_in_bytes()) as u64
+    (model.weights.layers.iter())
+        .flat_map(|layer| layer.projections())
+        .map(stored_bytes)
+        .sum()
 }
 
 /// Weight bytes of the LM head, which a readout reads.
 pub fn head_bytes(model: &LoopedModel) -> u64 {
-    let c = &model.config;
-    (c.vocab * c.hidden * model.dtype.size_in_bytes()) as u64
+    stored_bytes(&model.weights.lm_head)
+}
+
+/// The bytes `t` holds in its stored type.
+fn stored_bytes(t: &candle_core::Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
 /// Weight bytes a baseline token reads: every pass's layers, and the LM head once (its

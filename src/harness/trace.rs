@@ -312,6 +312,7 @@ pub fn fingerprint(origin: &Origin) -> Result<ModelFingerprint> {
                 tokenizer_sha256: hex(Sha256::new_with_prefix(bytes.tokenizer)),
             });
         }
+        Origin::Gguf(path) => return gguf_fingerprint(path),
         Origin::Dir(dir) => dir,
     };
     let listing = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, e))?;
@@ -330,5 +331,26 @@ pub fn fingerprint(origin: &Origin) -> Result<ModelFingerprint> {
     Ok(ModelFingerprint {
         weights_sha256: hex(weights),
         tokenizer_sha256: hex(Sha256::new_with_prefix(bytes)),
+    })
+}
+
+/// [`fingerprint`] of a GGUF file: the whole file (its tokenizer metadata included) for the
+/// weights, and the `tokenizer.json` beside it where there is one, else the file again.
+fn gguf_fingerprint(path: &Path) -> Result<ModelFingerprint> {
+    let hex = |hasher: Sha256| format!("{:x}", hasher.finalize());
+    let hash_file = |p: &Path| -> Result<Sha256> {
+        let mut hasher = Sha256::new();
+        let mut file = File::open(p).map_err(|e| EngineError::file(p, e))?;
+        std::io::copy(&mut file, &mut hasher).map_err(|e| EngineError::file(p, e))?;
+        Ok(hasher)
+    };
+    let weights = hex(hash_file(path)?);
+    let tokenizer = match crate::engine::checkpoint::gguf_tokenizer_file(path) {
+        Some(beside) => hex(hash_file(&beside)?),
+        None => weights.clone(),
+    };
+    Ok(ModelFingerprint {
+        weights_sha256: weights,
+        tokenizer_sha256: tokenizer,
     })
 }

@@ -1,5 +1,5 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--kv-cache f16|f32] [--prefetch l1|l2] [--only shipped|kernels|rows --rows N|attention|stream|roofline]`:
+//! [--kv-cache f16|f32] [--prefetch l1|l2] [--only shipped|kernels|rows --rows N|attention|stream|quantized|roofline]`:
 //! step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
@@ -189,6 +189,82 @@ fn stream_table(kernels: &Kernels) {
     }
 }
 
+/// `--only quantized`: one layer's projections at Ouro-1.4B's shape (2048 wide, MLP 5632),
+/// eight layers of them (400 MB of bf16, more than any L3), in bf16 and in Q8_0, by rows: the
+/// cost of a step's extra rows where the weights stream from DRAM.
+fn quantized_table(kernels: &Kernels) {
+    use spex::engine::kernels::{BlockQ8_0, Q8Matrix, QK8_0, Weight, repack_q8_0};
+    let shapes = [
+        (2048, 2048),
+        (2048, 2048),
+        (2048, 2048),
+        (2048, 2048),
+        (5632, 2048),
+        (5632, 2048),
+        (2048, 5632),
+    ];
+    let mut dense = Vec::new();
+    let mut q8 = Vec::new();
+    for layer in 0..8 {
+        for (m, &(outs, inner)) in shapes.iter().enumerate() {
+            let w: Vec<f32> = (0..outs * inner)
+                .map(|i| (((i + m + layer) * 7919) % 1000) as f32 / 1000.0 - 0.5)
+                .collect();
+            let mut blocks: Vec<BlockQ8_0> =
+                w.chunks_exact(QK8_0).map(BlockQ8_0::quantize).collect();
+            repack_q8_0(bytemuck::cast_slice_mut(&mut blocks), outs, inner / QK8_0);
+            q8.push((blocks, inner));
+            dense.push((
+                w.iter()
+                    .map(|&v| half::bf16::from_f32(v))
+                    .collect::<Vec<_>>(),
+                inner,
+            ));
+        }
+    }
+    println!("| rows | bf16 | Q8_0 | Q8_0 per row over 1 row |");
+    println!("|---|---|---|---|");
+    let mut one = 0.0;
+    for rows in [1, 2, 3, 4, 5] {
+        let median = |weights: &[(Weight<'_>, usize)]| {
+            let mut times = Vec::new();
+            for _ in 0..9 {
+                let t = Instant::now();
+                for &(w, inner) in weights {
+                    let x: Vec<f32> = (0..rows * inner)
+                        .map(|i| (i % 13) as f32 / 13.0 - 0.4)
+                        .collect();
+                    let mut out = vec![0f32; rows * w.len() / inner];
+                    kernels.matmul_t(&x, w, rows, inner, &mut out);
+                }
+                times.push(t.elapsed());
+            }
+            times.sort_unstable();
+            times[4].as_secs_f64() * 1e3
+        };
+        let d: Vec<(Weight<'_>, usize)> = dense
+            .iter()
+            .map(|(w, i)| (Weight::from(&w[..]), *i))
+            .collect();
+        let q: Vec<(Weight<'_>, usize)> = (q8.iter())
+            .map(|(w, i)| {
+                let bytes: &[u8] = bytemuck::cast_slice(w);
+                let m =
+                    Q8Matrix::from_bytes(bytes, w.len() * QK8_0 / i, i / QK8_0).expect("blocks");
+                (Weight::from(m), *i)
+            })
+            .collect();
+        let (tb, tq) = (median(&d), median(&q));
+        if rows == 1 {
+            one = tq;
+        }
+        println!(
+            "| {rows} | {tb:.1} ms | {tq:.1} ms | {:.2} ms |",
+            (tq - one) / (rows - 1).max(1) as f64
+        );
+    }
+}
+
 /// `--only rows --rows N`: nothing but N-row steps of the default model (about 20 s), for a
 /// profiler (`perf record`) to see one step shape alone.
 fn profile_rows(options: LoadOptions) {
@@ -250,6 +326,7 @@ fn main() {
         Some("rows") => return profile_rows(options),
         Some("attention") => return attention_table(&kernels),
         Some("stream") => return stream_table(&kernels),
+        Some("quantized") => return quantized_table(&kernels),
         Some("roofline") => return roofline::table(options),
         _ => {}
     }

@@ -141,6 +141,33 @@ pub fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>>
         .collect()
 }
 
+/// A random checkpoint whose matrices' rows are whole Q8_0 blocks, and its GGUF (in another
+/// folder: no tokenizer.json beside it).
+pub fn quantized_pair(
+    variant: Variant,
+    layers: usize,
+    passes: usize,
+    seed: u64,
+) -> (TempDir, TempDir, std::path::PathBuf) {
+    let mut spec = spec(layers, passes, variant, seed);
+    spec.shape.hidden = 64;
+    spec.shape.head_dim = 16;
+    spec.shape.intermediate = 96;
+    let dir = TempDir::new().expect("temp dir");
+    write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
+    let out = TempDir::new().expect("temp dir");
+    let file = out.path().join("model.gguf");
+    let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
+    spex::engine::checkpoint::quantize_checkpoint(
+        &origin,
+        "test",
+        spex::engine::gguf::write::FileType::Q8_0,
+        &file,
+    )
+    .expect("quantize");
+    (dir, out, file)
+}
+
 /// A small spec with the given shape.
 pub fn spec(layers: usize, passes: usize, variant: Variant, seed: u64) -> RandomSpec {
     let (tied, kv_heads) = match variant {

@@ -143,12 +143,12 @@ pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, att
 pub use isa::{Isa, detected_isa};
 pub use kv_element::KvElement;
 pub use prefetch::Prefetch;
-pub use q8_0::{BlockQ8_0, QK8_0};
+pub use q8_0::{BlockQ8_0, BlockQ8_0x8, GROUP_ROWS, Q8Matrix, QK8_0, repack as repack_q8_0};
 use q8_0::{Q8Isa, QuantizedRows};
 use settings::Tuning;
 pub use settings::{KernelOptions, Kernels};
 pub use subnormals::SubnormalsFlushed;
-pub use weight_element::{Matrix, Weight, WeightElement};
+pub use weight_element::{Matrix, QuantKind, Weight, WeightElement};
 
 /// Rows of `x` processed together against one group of weight rows, NEON and portable.
 const ROW_BLOCK: usize = 4;
@@ -279,7 +279,7 @@ fn product_columns(
     let out = out.from(range.start);
     with_weight!(w,
         w => matmul_t_serial(t, x, w, rows, inner, out, to),
-        q => q8_0::product(Q8Isa::for_isa(t.isa), &input.q8, q, out, to)
+        q => q8_0::product(Q8Isa::for_isa(t.isa), t.prefetch, &input.q8, q, out, to)
     );
 }
 

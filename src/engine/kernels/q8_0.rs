@@ -1,38 +1,48 @@
 //! Q8_0 weights (GGUF's `block_q8_0`: 32 signed bytes and one f16 scale a block, 8.5 bits a
 //! weight) multiplied as stored, with integer dot products. Called by the matmul dispatch
-//! (`super::product_columns`, `Kernels::matmul_t`) for [`Weight::Q8_0`](super::Weight) matrices,
-//! which a quantized checkpoint's loader hands the host backend.
+//! (`super::product_columns`) for [`Weight::Q8_0`](super::Weight) matrices, which a quantized
+//! checkpoint's loader hands the host backend in [`repack`]'s layout.
 //!
 //! Why integers: at real size a bf16 step already streams its weights at the memory's pace, so
 //! the next gain is fewer bytes; but on a stream half as thick, an f32 product over widened
 //! weights no longer hides the extra rows of a speculative step under the weight reads (SPEED,
 //! arXiv 2310.12072, §3: a step of R rows must cost about one row's weight reads). So, as
 //! llama.cpp does, each activation row is quantized per block of 32 to 8 bits
-//! ([`QuantizedRows`]), and a block's 32 products are integer multiply-adds: AVX2's
-//! `vpmaddubsw` + `vpmaddwd`, AVX-512 VNNI's `vpdpbusd`, 4 to 8 times the multiply-adds of an
-//! f32 FMA.
+//! ([`QuantizedRows`]), and a block's 32 products are integer multiply-adds.
+//!
+//! # Eight weight rows interleaved
+//!
+//! [`repack`] lays each group of 8 weight rows out block by block ([`BlockQ8_0x8`]): the 8
+//! rows' scales, then their bytes 4 at a time, row after row. One 32-byte load then holds 4
+//! bytes of each of the 8 rows, and one `vpdpbusd` (AVX-512 VNNI) of it with an activation's 4
+//! bytes broadcast adds 4 products into each row's lane: 8 of them make each lane a whole
+//! block's integer sum, and one FMA a block scales 8 outputs. Without the layout every block's
+//! lanes had to be scaled apart (8 lanes of 4 products each), which left a 4-row step
+//! computing twice as long as a 1-row step read its weights. (llama.cpp's CPU backend repacks
+//! Q8_0 alike.) The layout moves bytes only: a group takes the 8 rows' bytes.
 //!
 //! # One result on every ISA
 //!
-//! The product of activation row `r` and weight row `j` is defined as: for each of 8 lanes
-//! `l`, `acc[l] = fma(isum(b, l), dw(b) · dx(b), acc[l])` over the blocks `b` in order, from 0,
-//! where `isum(b, l)` is the exact integer sum of the 4 products at `32b + 4l .. 32b + 4l + 4`
-//! and `dw`, `dx` are the weight's and the activation's block scales; then the lanes' sum in
-//! `portable::hsum8`'s tree. The integer part is exact on any ISA and the float part is the
-//! same sequence of roundings, so the portable loops, AVX2 and AVX-512 VNNI agree bit for bit
-//! (the tests hold them to it), and a row's result depends on nothing but its own inputs: not
-//! on the other rows of its step, nor on how the threads split the weight rows. Speculative
-//! output on quantized weights therefore equals the baseline's, token for token.
+//! The product of activation row `r` and weight row `j` is defined as
+//! `acc = fma(isum(b), dw(b) · dx(b), acc)` over the blocks `b` in order, from 0, where
+//! `isum(b)` is the block's exact integer sum of its 32 products and `dw`, `dx` are the
+//! weight's and the activation's block scales. The integer part is exact on any ISA and the
+//! float part is one sequence of roundings, so the portable loops, AVX2 and AVX-512 VNNI agree
+//! bit for bit (the tests hold them to it), and a row's result depends on nothing but its own
+//! inputs: not on the other rows of its step, nor on how the threads split the weight rows.
+//! Speculative output on quantized weights therefore equals the baseline's, token for token.
 
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::{OutLayout, Rows, SharedOut};
+use super::{OutLayout, Prefetch, Rows, SharedOut};
 
 /// Weights a Q8_0 block holds.
 pub const QK8_0: usize = 32;
+/// Weight rows a [`BlockQ8_0x8`] interleaves.
+pub const GROUP_ROWS: usize = 8;
 
 /// GGUF's `block_q8_0`: `qs[i] · d` is weight `i` of the block.
 #[repr(C)]
@@ -44,13 +54,30 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK8_0],
 }
 
+/// One block of each of 8 weight rows, interleaved ([`repack`]): `d[j]` is row `j`'s scale and
+/// `qs[32k + 4j + t]` its weight `4k + t`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockQ8_0x8 {
+    /// The 8 rows' scales.
+    pub d: [f16; GROUP_ROWS],
+    /// Their weights, 4 bytes of each row in turn.
+    pub qs: [i8; QK8_0 * GROUP_ROWS],
+}
+
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+const _: () = assert!(std::mem::size_of::<BlockQ8_0x8>() == 8 * 34);
 
 // SAFETY: `repr(C)` of an f16 (2 bytes, align 2) and 32 i8 at offset 2: 34 bytes, no padding,
 // and every bit pattern is a valid f16 and i8.
 unsafe impl bytemuck::Zeroable for BlockQ8_0 {}
 // SAFETY: as above; `Copy` and `'static`.
 unsafe impl bytemuck::Pod for BlockQ8_0 {}
+// SAFETY: `repr(C)` of 8 f16 (16 bytes, align 2) and 256 i8 at offset 16: 272 bytes, no
+// padding, every bit pattern valid.
+unsafe impl bytemuck::Zeroable for BlockQ8_0x8 {}
+// SAFETY: as above; `Copy` and `'static`.
+unsafe impl bytemuck::Pod for BlockQ8_0x8 {}
 
 impl BlockQ8_0 {
     /// The block nearest `x` (32 floats), as llama.cpp's `quantize_row_q8_0_ref` makes it:
@@ -79,12 +106,117 @@ impl BlockQ8_0 {
     }
 }
 
+/// A Q8_0 matrix in the kernels' layout: its rows in groups of 8 interleaved ([`repack`]),
+/// then the last `rows % 8` rows as stored.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Matrix<'a> {
+    /// Each group's blocks in order, group after group.
+    pub groups: &'a [BlockQ8_0x8],
+    /// The rows after the last whole group, row after row.
+    pub tail: &'a [BlockQ8_0],
+    /// Blocks a row.
+    pub blocks: usize,
+}
+
+impl<'a> Q8Matrix<'a> {
+    /// A matrix of `rows` rows of `blocks` blocks held in `bytes` in [`repack`]'s layout; an
+    /// error says why not (the size, or an odd address).
+    pub fn from_bytes(bytes: &'a [u8], rows: usize, blocks: usize) -> Result<Self, String> {
+        let block = std::mem::size_of::<BlockQ8_0>();
+        if bytes.len() != rows * blocks * block {
+            return Err(format!(
+                "{} bytes for {rows} rows of {blocks} Q8_0 blocks",
+                bytes.len()
+            ));
+        }
+        let (groups, tail) = bytes.split_at(rows / GROUP_ROWS * GROUP_ROWS * blocks * block);
+        let cast = |e: bytemuck::PodCastError| format!("Q8_0 blocks: {e}");
+        Ok(Self {
+            groups: bytemuck::try_cast_slice(groups).map_err(cast)?,
+            tail: bytemuck::try_cast_slice(tail).map_err(cast)?,
+            blocks,
+        })
+    }
+
+    /// Its rows.
+    pub fn rows(self) -> usize {
+        (self.groups.len() * GROUP_ROWS + self.tail.len()) / self.blocks.max(1)
+    }
+
+    /// Rows `range`, which must start at a multiple of 8 and end at one or at the last row
+    /// (the decode threads' shares do).
+    pub fn slice_rows(self, range: std::ops::Range<usize>) -> Self {
+        debug_assert!(range.start.is_multiple_of(GROUP_ROWS));
+        let grouped = self.groups.len() / self.blocks.max(1) * GROUP_ROWS;
+        let (b, g) = (self.blocks, GROUP_ROWS);
+        let group_end = range.end.min(grouped);
+        let group_start = range.start.min(group_end);
+        let tail_start = range.start.max(grouped) - grouped;
+        let tail_end = range.end.max(grouped) - grouped;
+        Self {
+            groups: &self.groups[group_start / g * b..group_end / g * b],
+            tail: &self.tail[tail_start * b..tail_end * b],
+            blocks: b,
+        }
+    }
+
+    /// Row `row`'s block `k`: its scale and its 32 weights.
+    pub fn block(self, row: usize, k: usize) -> (f16, [i8; QK8_0]) {
+        let grouped = self.groups.len() / self.blocks.max(1) * GROUP_ROWS;
+        if row >= grouped {
+            let b = &self.tail[(row - grouped) * self.blocks + k];
+            return (b.d, b.qs);
+        }
+        let (item, j) = (
+            &self.groups[row / GROUP_ROWS * self.blocks + k],
+            row % GROUP_ROWS,
+        );
+        let mut qs = [0i8; QK8_0];
+        for (k4, four) in qs.chunks_exact_mut(4).enumerate() {
+            let at = 32 * k4 + 4 * j;
+            four.copy_from_slice(&item.qs[at..at + 4]);
+        }
+        (item.d[j], qs)
+    }
+}
+
+/// Rewrites `bytes`, `rows` rows of `blocks` Q8_0 blocks as GGUF stores them, into the
+/// kernels' layout in place: each whole group of 8 rows as [`BlockQ8_0x8`]s, one per block,
+/// and the rows after the last group as they are.
+pub fn repack(bytes: &mut [u8], rows: usize, blocks: usize) {
+    let block = std::mem::size_of::<BlockQ8_0>();
+    let group_bytes = GROUP_ROWS * blocks * block;
+    for group in bytes[..rows / GROUP_ROWS * group_bytes].chunks_exact_mut(group_bytes) {
+        let stored: Vec<BlockQ8_0> = bytemuck::pod_collect_to_vec(group);
+        let mut packed = vec![
+            BlockQ8_0x8 {
+                d: [f16::ZERO; GROUP_ROWS],
+                qs: [0; QK8_0 * GROUP_ROWS],
+            };
+            blocks
+        ];
+        for (k, item) in packed.iter_mut().enumerate() {
+            for j in 0..GROUP_ROWS {
+                let b = &stored[j * blocks + k];
+                item.d[j] = b.d;
+                for k4 in 0..QK8_0 / 4 {
+                    let at = 32 * k4 + 4 * j;
+                    item.qs[at..at + 4].copy_from_slice(&b.qs[4 * k4..4 * k4 + 4]);
+                }
+            }
+        }
+        group.copy_from_slice(bytemuck::cast_slice(&packed));
+    }
+}
+
 /// Activation rows quantized per block of 32 for the integer products: `qs` (`rows × inner`
-/// bytes) and one f32 scale per block (`scales`, `rows × inner / 32`). The scale stays f32
-/// (llama.cpp rounds it to f16): it is one float a block, and an f16 would add a rounding.
+/// bytes), the same bytes offset by 128 as unsigned (`qu`, VNNI's unsigned operand) and one
+/// f32 scale per block (`scales`). The scale stays f32 (llama.cpp rounds it to f16): it is one
+/// float a block, and an f16 would add a rounding.
 #[derive(Debug, Default)]
 pub struct QuantizedRows {
     qs: Vec<i8>,
+    qu: Vec<u8>,
     scales: Vec<f32>,
     blocks: usize,
 }
@@ -105,13 +237,17 @@ impl QuantizedRows {
             self.scales.push(d);
             self.qs.extend(block.iter().map(|v| (v * id).round() as i8));
         }
+        self.qu.clear();
+        self.qu.extend(self.qs.iter().map(|&q| (q as u8) ^ 0x80));
     }
 
     /// Rows `range` of it.
     fn rows(&self, range: std::ops::Range<usize>) -> QuantRowsView<'_> {
         let b = self.blocks;
+        let bytes = range.start * b * QK8_0..range.end * b * QK8_0;
         QuantRowsView {
-            qs: &self.qs[range.start * b * QK8_0..range.end * b * QK8_0],
+            qs: &self.qs[bytes.clone()],
+            qu: &self.qu[bytes],
             scales: &self.scales[range.start * b..range.end * b],
             blocks: b,
         }
@@ -127,17 +263,30 @@ impl QuantizedRows {
 #[derive(Debug, Clone, Copy)]
 struct QuantRowsView<'a> {
     qs: &'a [i8],
+    qu: &'a [u8],
     scales: &'a [f32],
     blocks: usize,
 }
 
+impl QuantRowsView<'_> {
+    fn rows(&self) -> usize {
+        self.scales.len() / self.blocks.max(1)
+    }
+}
+
 /// Weight-row runs of about this many bytes are multiplied by every block of rows before the
 /// next run, so a run read once from memory serves the later blocks from L1 and L2.
-const RUN_BYTES: usize = 16 << 10;
-/// Rows a kernel call takes at most: their 2 weight rows' accumulators stay in registers.
-const ROW_BLOCK: usize = 4;
-/// Weight rows a kernel takes at a time.
-const J: usize = 2;
+const RUN_BYTES: usize = 32 << 10;
+/// Rows a kernel call takes at most: their accumulators and the group's 8 weight vectors stay
+/// in registers (AVX2's 16 also hold the weights' magnitudes; AVX-512's 32 take a `dual`
+/// step's 5 rows and a sixth in one block).
+fn row_block(isa: Q8Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Q8Isa::Avx512Vnni => 6,
+        _ => 4,
+    }
+}
 
 /// Which kernel runs: chosen once per product from the model's instruction set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,243 +321,278 @@ impl Q8Isa {
     }
 }
 
-/// `out[j·to.col + r·to.row]` = activation row `r` of `x` · weight row `j` of `w` (rows of
-/// `x.blocks` blocks), for every row and weight row: in runs of weight rows, each run times
-/// every block of up to [`ROW_BLOCK`] rows.
+/// `out[j·to.col + r·to.row]` = activation row `r` of `x` · weight row `j` of `w`, for every
+/// row and weight row: in runs of weight groups, each run times every block of up to
+/// [`row_block`] rows; the tail rows by the portable loops.
 pub(super) fn product(
     isa: Q8Isa,
+    plan: Prefetch,
     x: &QuantizedRows,
-    w: &[BlockQ8_0],
+    w: Q8Matrix<'_>,
     out: SharedOut<'_>,
     to: OutLayout,
 ) {
-    let blocks = x.blocks;
-    let rows = x.len();
-    let row_bytes = blocks * std::mem::size_of::<BlockQ8_0>();
-    let run_rows = (RUN_BYTES / row_bytes.max(1)).max(1).next_multiple_of(J);
-    let outs = w.len() / blocks.max(1);
-    for start in (0..outs).step_by(run_rows) {
-        let end = (start + run_rows).min(outs);
-        let run_w = &w[start * blocks..end * blocks];
-        let run_out = out.from(start * to.col);
-        for first in (0..rows).step_by(ROW_BLOCK) {
-            let xs = x.rows(first..(first + ROW_BLOCK).min(rows));
-            dots(isa, xs, run_w, run_out, to, first);
+    let (b, rows) = (w.blocks, x.len());
+    let group_bytes = b * std::mem::size_of::<BlockQ8_0x8>();
+    let run_groups = (RUN_BYTES / group_bytes.max(1)).max(1);
+    let groups = w.groups.len() / b.max(1);
+    for start in (0..groups).step_by(run_groups) {
+        let end = (start + run_groups).min(groups);
+        let run = &w.groups[start * b..end * b];
+        let most = row_block(isa);
+        for first in (0..rows).step_by(most) {
+            let xs = x.rows(first..(first + most).min(rows));
+            let at = out.from(start * GROUP_ROWS * to.col);
+            groups_dispatch(isa, plan, xs, run, at, to, first);
         }
     }
+    let tail_out = out.from(groups * GROUP_ROWS * to.col);
+    portable_rows(x.rows(0..rows), w.tail, tail_out, to);
 }
 
-/// One block of rows times every weight row of `w`: whole groups of [`J`], then the rest one
-/// at a time.
-fn dots(
+/// One block of rows times every group of `groups`.
+fn groups_dispatch(
     isa: Q8Isa,
+    plan: Prefetch,
     xs: QuantRowsView<'_>,
-    w: &[BlockQ8_0],
+    groups: &[BlockQ8_0x8],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
-    let group = J * xs.blocks;
-    let grouped = w.len() / group * group;
-    let rest_out = out.from(grouped / xs.blocks * to.col);
-    let rest = &w[grouped..];
-    let rows = xs.scales.len() / xs.blocks;
+    let _ = plan; // The portable loops leave prefetching to the hardware.
     match isa {
-        Q8Isa::Portable => {
-            portable_dots::<J>(xs, &w[..grouped], out, to, first);
-            portable_dots::<1>(xs, rest, rest_out, to, first);
-        }
+        Q8Isa::Portable => portable_groups(xs, groups, out, to, first),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Q8Isa::Avx2` is made only where the model's instruction set has AVX2, FMA
-        // and F16C (`Kernels::new` checked the CPU); `xs` holds `rows` rows of whole blocks.
+        // and F16C (`Kernels::new` checked the CPU); `xs` holds whole rows of blocks and
+        // `groups` whole groups of as many.
         Q8Isa::Avx2 => unsafe {
-            with_rows!(rows, R => {
-                avx2_dots::<R, J>(xs, &w[..grouped], out, to, first);
-                avx2_dots::<R, 1>(xs, rest, rest_out, to, first);
-            })
+            with_rows!(xs.rows(), R => avx2_groups::<R>(plan, xs, groups, out, to, first))
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Q8Isa::Avx512Vnni` is made only where AVX-512 (F, BW, VL) was checked and
         // VNNI detected; as above otherwise.
         Q8Isa::Avx512Vnni => unsafe {
-            with_rows!(rows, R => {
-                vnni_dots::<R, J>(xs, &w[..grouped], out, to, first);
-                vnni_dots::<R, 1>(xs, rest, rest_out, to, first);
-            })
+            with_rows!(xs.rows(), R => vnni_groups::<R>(plan, xs, groups, out, to, first))
         },
     }
 }
 
-/// The portable loops of the one definition (module docs): 8 lanes of 4-product integer sums,
-/// each fused into its lane, the lanes summed in `hsum8`'s tree.
-fn portable_dots<const G: usize>(
+/// The one definition (module docs) for activation row `x` (`xs`' row `r`) and one weight
+/// row's blocks, each given by `block(k)`.
+#[inline(always)]
+fn portable_dot(
     xs: QuantRowsView<'_>,
-    w: &[BlockQ8_0],
+    r: usize,
+    block: impl Fn(usize) -> (f16, [i8; QK8_0]),
+) -> f32 {
+    let b = xs.blocks;
+    let mut acc = 0f32;
+    for k in 0..b {
+        let (d, qs) = block(k);
+        let xq = &xs.qs[(r * b + k) * QK8_0..(r * b + k + 1) * QK8_0];
+        let isum: i32 = qs
+            .iter()
+            .zip(xq)
+            .map(|(&w, &x)| i32::from(w) * i32::from(x))
+            .sum();
+        acc = (isum as f32).mul_add(d.to_f32() * xs.scales[r * b + k], acc);
+    }
+    acc
+}
+
+/// The portable loops over whole groups.
+fn portable_groups(
+    xs: QuantRowsView<'_>,
+    groups: &[BlockQ8_0x8],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
-    let b = xs.blocks;
-    let rows = xs.scales.len() / b.max(1);
-    for (j, w_row) in w.chunks_exact(b.max(1)).enumerate() {
-        for r in 0..rows {
-            let x_qs = &xs.qs[r * b * QK8_0..(r + 1) * b * QK8_0];
-            let x_d = &xs.scales[r * b..(r + 1) * b];
-            let mut acc = [0f32; 8];
-            for ((wb, xq), dx) in w_row.iter().zip(x_qs.chunks_exact(QK8_0)).zip(x_d) {
-                let scale = wb.d.to_f32() * dx;
-                for (l, a) in acc.iter_mut().enumerate() {
-                    let isum: i32 = (0..4)
-                        .map(|k| i32::from(wb.qs[4 * l + k]) * i32::from(xq[4 * l + k]))
-                        .sum();
-                    *a = (isum as f32).mul_add(scale, *a);
-                }
-            }
-            out.set(
-                j * to.col + (first + r) * to.row,
-                super::portable::hsum8(&acc),
-            );
+    let b = xs.blocks.max(1);
+    let m = Q8Matrix {
+        groups,
+        tail: &[],
+        blocks: b,
+    };
+    for row in 0..m.rows() {
+        for r in 0..xs.rows() {
+            let sum = portable_dot(xs, r, |k| m.block(row, k));
+            out.set(row * to.col + (first + r) * to.row, sum);
         }
     }
 }
 
-/// A weight block's scale, widened and broadcast.
+/// The portable loops over rows as stored (a matrix's tail).
+fn portable_rows(xs: QuantRowsView<'_>, rows: &[BlockQ8_0], out: SharedOut<'_>, to: OutLayout) {
+    let b = xs.blocks.max(1);
+    for (j, w_row) in rows.chunks_exact(b).enumerate() {
+        for r in 0..xs.rows() {
+            let sum = portable_dot(xs, r, |k| (w_row[k].d, w_row[k].qs));
+            out.set(j * to.col + r * to.row, sum);
+        }
+    }
+}
+
+/// Prefetches the weight stream at `item` `plan`'s distances ahead, into L1 and L2, every line
+/// of a group's block (a prefetch never faults, even past the end).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(plan: Prefetch, item: &BlockQ8_0x8) {
+    let at = (item as *const BlockQ8_0x8).cast::<i8>();
+    for line in (0..std::mem::size_of::<BlockQ8_0x8>()).step_by(64) {
+        // SAFETY: a prefetch never faults, whatever the address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(plan.near_bytes + line));
+            if plan.far_bytes > 0 {
+                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(plan.far_bytes + line));
+            }
+        }
+    }
+}
+
+/// The 8 rows' scales of a group's block, widened.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn scale8(d: f16) -> __m256 {
-    // SAFETY: the caller's features.
-    unsafe {
-        let wide = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(d.to_bits())));
-        _mm256_broadcastss_ps(wide)
-    }
+unsafe fn scales8(item: &BlockQ8_0x8) -> __m256 {
+    // SAFETY: the caller's features; `d` is 16 bytes.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) }
 }
 
-/// Stores the lane sums of `acc` (R rows × G weight rows) where `to` says, in `hsum8`'s tree.
+/// Four activation bytes at `p`, broadcast to every 32-bit lane.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA.
+/// Four bytes must be readable at `p`; the CPU must have AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn store<const R: usize, const G: usize>(
-    acc: &[[__m256; G]; R],
-    out: SharedOut<'_>,
-    to: OutLayout,
-    first: usize,
-) {
-    let mut four = [0f32; 4];
-    #[allow(clippy::needless_range_loop)] // `j` picks a column of every row's accumulators.
-    for r0 in (0..R).step_by(4) {
-        for j in 0..G {
-            let a = |r: usize| acc[(r0 + r).min(R - 1)][j];
-            // SAFETY: the caller's features; `four` holds exactly 4 floats.
-            unsafe {
-                let sums = super::avx2::reduce4(a(0), a(1), a(2), a(3));
-                _mm_storeu_ps(four.as_mut_ptr(), sums);
-            }
-            for (r, &sum) in four.iter().enumerate().take(R - r0) {
-                out.set(j * to.col + (first + r0 + r) * to.row, sum);
-            }
-        }
+unsafe fn broadcast4<T>(p: *const T) -> __m256i {
+    // SAFETY: the caller's bounds.
+    unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) }
+}
+
+/// Stores 8 outputs (a group's rows) of activation row `row`.
+///
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn store8(acc: __m256, out: SharedOut<'_>, to: OutLayout, row: usize) {
+    let mut sums = [0f32; GROUP_ROWS];
+    // SAFETY: the caller's features; `sums` holds 8 floats.
+    unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), acc) };
+    for (j, s) in sums.into_iter().enumerate() {
+        out.set(j * to.col + row * to.row, s);
     }
 }
 
-/// AVX2's products of the one definition: `|w| · sign(x, w)` with `vpmaddubsw` (no pair
-/// overflows: 128 · 127 · 2 < 2¹⁵), then `vpmaddwd` by ones into the 8 lanes' 4-product sums.
+/// AVX2's products of the one definition: per group block and row, 8 × (`|w| · sign(x, w)`
+/// with `vpmaddubsw`, no pair overflowing as 128 · 127 · 2 < 2¹⁵, then `vpmaddwd` by ones)
+/// summed into each weight row's lane.
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C; `xs` holds `R` rows of `xs.blocks` blocks and `w`
-/// whole rows of them.
+/// The CPU must have AVX2, FMA and F16C; `xs` holds `R` rows of `xs.blocks` blocks and
+/// `groups` whole groups of as many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn avx2_dots<const R: usize, const G: usize>(
+unsafe fn avx2_groups<const R: usize>(
+    plan: Prefetch,
     xs: QuantRowsView<'_>,
-    w: &[BlockQ8_0],
+    groups: &[BlockQ8_0x8],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     let b = xs.blocks;
     let ones = _mm256_set1_epi16(1);
-    for (g, group) in w.chunks_exact(G * b).enumerate() {
-        let mut acc = [[_mm256_setzero_ps(); G]; R];
-        for k in 0..b {
-            let mut wq = [_mm256_setzero_si256(); G];
-            let mut aw = [_mm256_setzero_si256(); G];
-            let mut dw = [_mm256_setzero_ps(); G];
-            for j in 0..G {
-                let block = &group[j * b + k];
-                // SAFETY: the features; a block's 32 bytes are readable.
-                unsafe {
-                    wq[j] = _mm256_loadu_si256(block.qs.as_ptr().cast());
-                    dw[j] = scale8(block.d);
-                }
-                aw[j] = _mm256_sign_epi8(wq[j], wq[j]);
+    for (g, group) in groups.chunks_exact(b).enumerate() {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (k, item) in group.iter().enumerate() {
+            prefetch(plan, item);
+            let mut wq = [_mm256_setzero_si256(); 8];
+            let mut aw = [_mm256_setzero_si256(); 8];
+            for (k4, (w, a)) in wq.iter_mut().zip(&mut aw).enumerate() {
+                // SAFETY: the features; the block's 256 bytes are readable.
+                *w = unsafe { _mm256_loadu_si256(item.qs.as_ptr().add(32 * k4).cast()) };
+                *a = _mm256_sign_epi8(*w, *w);
             }
+            // SAFETY: the features.
+            let dw = unsafe { scales8(item) };
             for (r, acc_r) in acc.iter_mut().enumerate() {
-                // SAFETY: row `r` of `xs` holds block `k`'s 32 bytes.
-                let xq = unsafe { _mm256_loadu_si256(xs.qs.as_ptr().add((r * b + k) * 32).cast()) };
-                let dx = _mm256_set1_ps(xs.scales[r * b + k]);
-                for j in 0..G {
-                    let pairs = _mm256_maddubs_epi16(aw[j], _mm256_sign_epi8(xq, wq[j]));
-                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                    acc_r[j] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw[j], dx), acc_r[j]);
+                let xp = xs.qs[(r * b + k) * QK8_0..].as_ptr();
+                let mut isum = _mm256_setzero_si256();
+                for k4 in 0..8 {
+                    // SAFETY: row `r` holds block `k`'s 32 bytes at `xp`.
+                    let x4 = unsafe { broadcast4(xp.add(4 * k4)) };
+                    let pairs = _mm256_maddubs_epi16(aw[k4], _mm256_sign_epi8(x4, wq[k4]));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
                 }
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs.scales[r * b + k]));
+                *acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc_r);
             }
         }
-        // SAFETY: the features.
-        unsafe { store::<R, G>(&acc, out.from(g * G * to.col), to, first) };
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for (r, a) in acc.into_iter().enumerate() {
+            // SAFETY: the features.
+            unsafe { store8(a, at, to, first + r) };
+        }
     }
 }
 
-/// AVX-512 VNNI's products of the one definition: `vpdpbusd` of the activations offset by 128
-/// (unsigned) and the weights, less 128 · Σw (the weights' own `vpdpbusd` with ones, once a
-/// block for every row): the same 8 lanes' 4-product sums as AVX2's.
+/// AVX-512 VNNI's products of the one definition: per group block and row, 8 `vpdpbusd` of the
+/// activations offset by 128 (unsigned) and the weights, less 128 · Σw (the weights' own
+/// `vpdpbusd` with ones, once a block for every row): each lane a weight row's integer sum.
 ///
 /// # Safety
-/// The CPU must have AVX-512F, VL and VNNI, AVX2, FMA and F16C; as [`avx2_dots`] otherwise.
+/// The CPU must have AVX-512F, VL and VNNI, AVX2, FMA and F16C; as [`avx2_groups`] otherwise.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn vnni_dots<const R: usize, const G: usize>(
+unsafe fn vnni_groups<const R: usize>(
+    plan: Prefetch,
     xs: QuantRowsView<'_>,
-    w: &[BlockQ8_0],
+    groups: &[BlockQ8_0x8],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     let b = xs.blocks;
-    let (ones, flip) = (_mm256_set1_epi8(1), _mm256_set1_epi8(i8::MIN));
-    for (g, group) in w.chunks_exact(G * b).enumerate() {
-        let mut acc = [[_mm256_setzero_ps(); G]; R];
-        for k in 0..b {
-            let mut wq = [_mm256_setzero_si256(); G];
-            let mut offset = [_mm256_setzero_si256(); G];
-            let mut dw = [_mm256_setzero_ps(); G];
-            for j in 0..G {
-                let block = &group[j * b + k];
-                // SAFETY: the features; a block's 32 bytes are readable.
-                unsafe {
-                    wq[j] = _mm256_loadu_si256(block.qs.as_ptr().cast());
-                    dw[j] = scale8(block.d);
-                }
-                let sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, wq[j]);
-                offset[j] = _mm256_slli_epi32::<7>(sum);
+    let ones = _mm256_set1_epi8(1);
+    for (g, group) in groups.chunks_exact(b).enumerate() {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (k, item) in group.iter().enumerate() {
+            prefetch(plan, item);
+            let mut wq = [_mm256_setzero_si256(); 8];
+            let mut sum = _mm256_setzero_si256();
+            for (k4, w) in wq.iter_mut().enumerate() {
+                // SAFETY: the features; the block's 256 bytes are readable.
+                *w = unsafe { _mm256_loadu_si256(item.qs.as_ptr().add(32 * k4).cast()) };
+                sum = _mm256_dpbusd_epi32(sum, ones, *w);
             }
+            let offset = _mm256_slli_epi32::<7>(sum);
+            // SAFETY: the features.
+            let dw = unsafe { scales8(item) };
             for (r, acc_r) in acc.iter_mut().enumerate() {
-                // SAFETY: row `r` of `xs` holds block `k`'s 32 bytes.
-                let xq = unsafe { _mm256_loadu_si256(xs.qs.as_ptr().add((r * b + k) * 32).cast()) };
-                let xu = _mm256_xor_si256(xq, flip);
-                let dx = _mm256_set1_ps(xs.scales[r * b + k]);
-                for j in 0..G {
-                    let raw = _mm256_dpbusd_epi32(_mm256_setzero_si256(), xu, wq[j]);
-                    let isum = _mm256_cvtepi32_ps(_mm256_sub_epi32(raw, offset[j]));
-                    acc_r[j] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw[j], dx), acc_r[j]);
+                let xp = xs.qu[(r * b + k) * QK8_0..].as_ptr();
+                let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for k4 in (0..8).step_by(2) {
+                    // SAFETY: row `r` holds block `k`'s 32 bytes at `xp`.
+                    let (x0, x1) =
+                        unsafe { (broadcast4(xp.add(4 * k4)), broadcast4(xp.add(4 * k4 + 4))) };
+                    even = _mm256_dpbusd_epi32(even, x0, wq[k4]);
+                    odd = _mm256_dpbusd_epi32(odd, x1, wq[k4 + 1]);
                 }
+                let isum = _mm256_sub_epi32(_mm256_add_epi32(even, odd), offset);
+                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs.scales[r * b + k]));
+                *acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc_r);
             }
         }
-        // SAFETY: the features.
-        unsafe { store::<R, G>(&acc, out.from(g * G * to.col), to, first) };
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for (r, a) in acc.into_iter().enumerate() {
+            // SAFETY: the features.
+            unsafe { store8(a, at, to, first + r) };
+        }
     }
 }

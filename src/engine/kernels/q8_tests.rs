@@ -1,28 +1,38 @@
 //! The Q8_0 kernels: one result on every ISA, independent of the other rows and of the
 //! threads' split, and within the activations' rounding of the dequantized f32 product.
 
-use super::q8_0::{BlockQ8_0, Q8Isa, QK8_0, QuantizedRows, product};
+use super::q8_0::{BlockQ8_0, Q8Isa, Q8Matrix, QK8_0, QuantizedRows, product, repack};
 use super::tests::{lcg, supported_isas};
 use super::*;
 
-/// `outs` rows of `inner` random weights quantized to Q8_0, and the same weights dequantized.
+/// `outs` rows of `inner` random weights quantized to Q8_0 in the kernels' layout, and the
+/// same weights dequantized.
 fn q8_matrix(outs: usize, inner: usize, seed: &mut u64) -> (Vec<BlockQ8_0>, Vec<f32>) {
     let dense: Vec<f32> = (0..outs * inner).map(|_| lcg(seed)).collect();
-    let blocks: Vec<BlockQ8_0> = dense.chunks_exact(QK8_0).map(BlockQ8_0::quantize).collect();
+    let mut blocks: Vec<BlockQ8_0> = dense.chunks_exact(QK8_0).map(BlockQ8_0::quantize).collect();
     let mut wide = vec![0f32; outs * inner];
     for (b, out) in blocks.iter().zip(wide.chunks_exact_mut(QK8_0)) {
         b.dequantize_into(out);
     }
+    repack(bytemuck::cast_slice_mut(&mut blocks), outs, inner / QK8_0);
     (blocks, wide)
+}
+
+/// The blocks of [`q8_matrix`] as the kernels take them.
+fn view(w: &[BlockQ8_0], inner: usize) -> Q8Matrix<'_> {
+    let blocks = inner / QK8_0;
+    Q8Matrix::from_bytes(bytemuck::cast_slice(w), w.len() / blocks, blocks).unwrap()
 }
 
 fn run(isa: Q8Isa, x: &[f32], rows: usize, inner: usize, w: &[BlockQ8_0]) -> Vec<f32> {
     let outs = w.len() * QK8_0 / inner;
+    let w = view(w, inner);
     let mut q = QuantizedRows::default();
     q.quantize(&Rows { x, rows, inner });
     let mut out = vec![f32::NAN; rows * outs];
     product(
         isa,
+        Prefetch::L2,
         &q,
         w,
         SharedOut::new(&mut out),
@@ -122,7 +132,7 @@ fn threads_and_pooled_products_give_the_serial_bits() {
         })
         .expect("threads");
         let mut got = vec![0f32; 5 * outs];
-        k.matmul_t(&x, Weight::from(&w[..]), 5, inner, &mut got);
+        k.matmul_t(&x, Weight::from(view(&w, inner)), 5, inner, &mut got);
         assert_eq!(got, serial, "{threads} threads");
         let (mut a, mut b) = (vec![0f32; 5 * outs], vec![0f32; 5 * outs]);
         k.matmuls_t(
@@ -130,8 +140,8 @@ fn threads_and_pooled_products_give_the_serial_bits() {
             5,
             inner,
             &mut [
-                (Weight::from(&w[..]), &mut a),
-                (Weight::from(&w2[..]), &mut b),
+                (Weight::from(view(&w, inner)), &mut a),
+                (Weight::from(view(&w2, inner)), &mut b),
             ],
         );
         assert_eq!(
@@ -139,6 +149,31 @@ fn threads_and_pooled_products_give_the_serial_bits() {
             (serial.clone(), serial2.clone()),
             "{threads} threads, two products"
         );
+    }
+}
+
+#[test]
+fn the_layout_keeps_every_weight_and_widens_like_the_blocks() {
+    let mut seed = 3;
+    for outs in [3, 8, 13, 24] {
+        let inner = 64;
+        let (w, wide) = q8_matrix(outs, inner, &mut seed);
+        let mut got = Vec::new();
+        Weight::from(view(&w, inner)).widen_into(0..outs * inner, &mut got);
+        assert_eq!(got, wide, "{outs} rows");
+        let mut row = Vec::new();
+        Weight::from(view(&w, inner)).widen_into(inner + 5..2 * inner - 3, &mut row);
+        assert_eq!(
+            row,
+            wide[inner + 5..2 * inner - 3],
+            "{outs} rows, part of row 1"
+        );
+        if outs > 8 {
+            let half = Weight::from(view(&w, inner)).slice(8 * inner..outs * inner);
+            let mut rest = Vec::new();
+            half.widen_into(0..half.len(), &mut rest);
+            assert_eq!(rest, wide[8 * inner..], "{outs} rows from 8");
+        }
     }
 }
 

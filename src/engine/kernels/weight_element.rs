@@ -14,7 +14,7 @@
 
 use half::{bf16, f16};
 
-use super::q8_0::{BlockQ8_0, QK8_0};
+use super::q8_0::{Q8Matrix, QK8_0};
 
 #[cfg(target_arch = "aarch64")]
 use std::arch::aarch64::*;
@@ -163,9 +163,42 @@ pub enum Weight<'a> {
     Bf16(&'a [bf16]),
     /// Stored in f16.
     F16(&'a [f16]),
-    /// Stored in GGUF's Q8_0 blocks, 32 weights each (`q8_0`), multiplied with integer dot
-    /// products over quantized activations.
-    Q8_0(&'a [BlockQ8_0]),
+    /// Stored in GGUF's Q8_0 blocks, 32 weights each, in the kernels' layout (`q8_0`),
+    /// multiplied with integer dot products over quantized activations.
+    Q8_0(Q8Matrix<'a>),
+}
+
+/// A quantized block type the kernels read as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantKind {
+    /// 32 weights: an f16 scale and 32 bytes ([`super::BlockQ8_0`]).
+    Q8_0,
+}
+
+impl QuantKind {
+    /// Every kind.
+    pub const ALL: [Self; 1] = [Self::Q8_0];
+
+    /// Its name as llama.cpp prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q8_0 => "Q8_0",
+        }
+    }
+
+    /// Weights a block holds.
+    pub fn block_weights(self) -> usize {
+        match self {
+            Self::Q8_0 => QK8_0,
+        }
+    }
+
+    /// Bytes a block takes.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::Q8_0 => std::mem::size_of::<super::BlockQ8_0>(),
+        }
+    }
 }
 
 /// A weight matrix with its shape: `weight`'s elements, `inner` to a row.
@@ -208,8 +241,8 @@ impl<'a> From<&'a [f16]> for Weight<'a> {
     }
 }
 
-impl<'a> From<&'a [BlockQ8_0]> for Weight<'a> {
-    fn from(w: &'a [BlockQ8_0]) -> Self {
+impl<'a> From<Q8Matrix<'a>> for Weight<'a> {
+    fn from(w: Q8Matrix<'a>) -> Self {
         Self::Q8_0(w)
     }
 }
@@ -221,7 +254,7 @@ impl<'a> Weight<'a> {
             Self::F32(w) => w.len(),
             Self::Bf16(w) => w.len(),
             Self::F16(w) => w.len(),
-            Self::Q8_0(w) => w.len() * QK8_0,
+            Self::Q8_0(w) => w.rows() * w.blocks * QK8_0,
         }
     }
 
@@ -236,22 +269,27 @@ impl<'a> Weight<'a> {
             Self::F32(w) => std::mem::size_of_val(w),
             Self::Bf16(w) => std::mem::size_of_val(w),
             Self::F16(w) => std::mem::size_of_val(w),
-            Self::Q8_0(w) => std::mem::size_of_val(w),
+            Self::Q8_0(w) => std::mem::size_of_val(w.groups) + std::mem::size_of_val(w.tail),
         }
     }
 
-    /// Elements `range` (whole blocks of a quantized matrix: rows of one are whole blocks).
+    /// Elements `range` (whole rows of a quantized matrix, from a multiple of 8: the decode
+    /// threads' shares are).
     pub fn slice(self, range: std::ops::Range<usize>) -> Self {
         match self {
             Self::F32(w) => Self::F32(&w[range]),
             Self::Bf16(w) => Self::Bf16(&w[range]),
             Self::F16(w) => Self::F16(&w[range]),
-            Self::Q8_0(w) => Self::Q8_0(&w[range.start / QK8_0..range.end.div_ceil(QK8_0)]),
+            Self::Q8_0(w) => {
+                let inner = w.blocks * QK8_0;
+                Self::Q8_0(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
+            }
         }
     }
 
     /// The stored bits as 64-bit words, the few bytes at either end outside 8-byte alignment
-    /// left out: what a read-bandwidth probe sums (`harness::roofline`).
+    /// left out (and a quantized matrix's few tail rows): what a read-bandwidth probe sums
+    /// (`harness::roofline`).
     pub fn words(self) -> &'a [u64] {
         // SAFETY: f32, bf16 and f16 are plain bits, and every bit pattern is a valid u64;
         // `align_to` puts only whole, aligned words in the middle slice.
@@ -260,7 +298,7 @@ impl<'a> Weight<'a> {
                 Self::F32(w) => w.align_to::<u64>().1,
                 Self::Bf16(w) => w.align_to::<u64>().1,
                 Self::F16(w) => w.align_to::<u64>().1,
-                Self::Q8_0(w) => bytemuck::cast_slice::<_, u8>(w).align_to::<u64>().1,
+                Self::Q8_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
             }
         }
     }
@@ -272,13 +310,19 @@ impl<'a> Weight<'a> {
             Self::Bf16(w) => out.extend(w[range].iter().map(|v| v.to_f32())),
             Self::F16(w) => out.extend(w[range].iter().map(|v| WeightElement::to_f32(*v))),
             Self::Q8_0(w) => {
-                let mut block = [0f32; QK8_0];
-                let first = range.start / QK8_0;
-                for (b, stored) in (first..).zip(&w[first..range.end.div_ceil(QK8_0)]) {
-                    stored.dequantize_into(&mut block);
-                    let lo = range.start.max(b * QK8_0) - b * QK8_0;
-                    let hi = range.end.min((b + 1) * QK8_0) - b * QK8_0;
-                    out.extend_from_slice(&block[lo..hi]);
+                let inner = w.blocks * QK8_0;
+                for row in range.start / inner..range.end.div_ceil(inner) {
+                    for k in 0..w.blocks {
+                        let (d, qs) = w.block(row, k);
+                        let at = row * inner + k * QK8_0;
+                        let (lo, hi) = (range.start.max(at), range.end.min(at + QK8_0));
+                        let d = d.to_f32();
+                        out.extend(
+                            qs[lo.saturating_sub(at)..hi.saturating_sub(at)]
+                                .iter()
+                                .map(|&q| f32::from(q) * d),
+                        );
+                    }
                 }
             }
         }

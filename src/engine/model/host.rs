@@ -17,7 +17,7 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::exit_gate::{ExitGate, sigmoid};
 use crate::engine::kernels::prefetch::{Choice, Prefetch};
 use crate::engine::kernels::{
-    self, HeadSpan, Kernels, KvElement, Matrix, SubnormalsFlushed, Weight,
+    self, HeadSpan, Kernels, KvElement, Matrix, Q8Matrix, QuantKind, SubnormalsFlushed, Weight,
 };
 use crate::engine::kv_cache::KvCache;
 
@@ -38,23 +38,37 @@ impl<'a> HostView<'a> {
                 "host kernels need contiguous CPU weights".to_string(),
             ));
         }
+        // A quantized matrix is `[rows, blocks, block bytes]` (`gguf`): its rows hold the
+        // blocks' weights.
+        let inner = match super::quant_kind_of(t) {
+            Some(kind) => layout.dims()[1] * kind.block_weights(),
+            None => layout.dims().last().copied().unwrap_or(1),
+        };
         Ok(Self {
             guard,
             start: layout.start_offset(),
             len: layout.shape().elem_count(),
-            inner: layout.dims().last().copied().unwrap_or(1),
+            inner,
         })
     }
 
-    /// The elements as the matmuls take them: f32, bf16 or f16.
+    /// The elements as the matmuls take them: f32, bf16 or f16, or Q8_0 blocks.
     fn weight(&self) -> Result<Weight<'_>> {
         let range = self.start..self.start + self.len;
         match &*self.guard {
             Storage::Cpu(CpuStorage::F32(v)) => Ok(Weight::F32(&v[range])),
             Storage::Cpu(CpuStorage::BF16(v)) => Ok(Weight::Bf16(&v[range])),
             Storage::Cpu(CpuStorage::F16(v)) => Ok(Weight::F16(&v[range])),
+            Storage::Cpu(CpuStorage::U8(v)) => {
+                let kind = QuantKind::Q8_0;
+                let blocks = self.inner / kind.block_weights();
+                let rows = self.len / (blocks * kind.block_bytes()).max(1);
+                Q8Matrix::from_bytes(&v[range], rows, blocks)
+                    .map(Weight::Q8_0)
+                    .map_err(EngineError::Invalid)
+            }
             other => Err(EngineError::Invalid(format!(
-                "host kernels read f32, bf16 or f16 weights, not {:?}",
+                "host kernels read f32, bf16 or f16 weights or Q8_0 blocks, not {:?}",
                 other.dtype()
             ))),
         }
@@ -137,7 +151,8 @@ impl HostBackend {
             )));
         }
         let kernels = Kernels::new(options.kernels).map_err(EngineError::Invalid)?;
-        let half_head = if options.f32_proposals || model.dtype != DType::F32 {
+        // Only an f32 head gains from an f16 copy (bf16, f16 and quantized heads are as thin).
+        let half_head = if options.f32_proposals || model.weights.lm_head.dtype() != DType::F32 {
             None
         } else {
             let head = model.weights.lm_head.flatten_all()?.to_vec1::<f32>()?;

@@ -111,6 +111,23 @@ impl LayerWeights {
         projections!(self)
     }
 
+    /// Its tensor `t`.
+    pub fn tensor(&self, t: LayerTensor) -> &Tensor {
+        match t {
+            LayerTensor::QProj => &self.q_proj,
+            LayerTensor::KProj => &self.k_proj,
+            LayerTensor::VProj => &self.v_proj,
+            LayerTensor::OProj => &self.o_proj,
+            LayerTensor::GateProj => &self.gate_proj,
+            LayerTensor::UpProj => &self.up_proj,
+            LayerTensor::DownProj => &self.down_proj,
+            LayerTensor::InputNorm => &self.input_layernorm,
+            LayerTensor::InputNorm2 => &self.input_layernorm_2,
+            LayerTensor::PostAttentionNorm => &self.post_attention_layernorm,
+            LayerTensor::PostAttentionNorm2 => &self.post_attention_layernorm_2,
+        }
+    }
+
     /// Reads (or creates) layer `index`'s tensors by their names in `format`'s table, in the
     /// table's order.
     fn load(vb: &VarBuilder, config: &LoopedConfig, index: usize) -> candle_core::Result<Self> {
@@ -255,6 +272,39 @@ pub fn host_matrix_specs(config: &LoopedConfig) -> Vec<(String, candle_core::Sha
     specs
 }
 
+/// How far a load has come, for a progress bar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadProgress {
+    /// Before any reading: the checkpoint's files are downloading into the local hub cache,
+    /// `done_bytes` of the current file's `total_bytes` (reported by the CLI's pull).
+    Downloading {
+        /// Bytes of the current file downloaded so far.
+        done_bytes: u64,
+        /// The current file's size, in bytes.
+        total_bytes: u64,
+    },
+    /// The host kernels' matrices: `read_bytes` of `total_bytes` read into their arena.
+    Reading {
+        /// Bytes read so far.
+        read_bytes: u64,
+        /// The matrices' size, in bytes.
+        total_bytes: u64,
+    },
+    /// Read; the first host model of a process times its steps to fix the prefetch plan.
+    TimingSteps,
+}
+
+/// The block kind of a host tensor of quantized blocks, `[rows, blocks, block bytes]` of
+/// `U8` (`gguf`), if `t` is one: the block bytes differ for every kind.
+pub fn quant_kind_of(t: &Tensor) -> Option<crate::engine::kernels::QuantKind> {
+    match (t.dtype(), t.dims()) {
+        (DType::U8, &[_, _, bytes]) => {
+            (crate::engine::kernels::QuantKind::ALL.into_iter()).find(|k| k.block_bytes() == bytes)
+        }
+        _ => None,
+    }
+}
+
 /// Rotary tables for positions `0..positions`: `[positions, head_dim / 2]`, host and device.
 #[derive(Debug, Clone)]
 pub struct Rope {
@@ -361,6 +411,16 @@ impl LoopedModel {
     /// R, the passes.
     pub fn passes(&self) -> usize {
         self.config.passes
+    }
+
+    /// The type its layers' matrices are stored in, as the headers name it: `Q8_0` for
+    /// quantized blocks (`gguf`), else the element type (`bf16`).
+    pub fn weight_type(&self) -> String {
+        let first = self.weights.layers.first().map(|l| &l.q_proj);
+        match first.and_then(quant_kind_of) {
+            Some(kind) => kind.name().to_string(),
+            None => format!("{:?}", first.map_or(self.dtype, |t| t.dtype())).to_lowercase(),
+        }
     }
 
     /// The attention's heads, K/V heads and head width.
