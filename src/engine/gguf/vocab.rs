@@ -133,6 +133,12 @@ pub fn tokenizer(file: &GgufFile) -> Result<tokenizers::Tokenizer> {
             )),
         }
     };
+    if !file.metadata().contains_key("tokenizer.ggml.model") {
+        return Err(file.key_error(
+            "tokenizer.ggml.model",
+            "missing, and there is no tokenizer.json beside the file",
+        ));
+    }
     let model = file.string("tokenizer.ggml.model")?;
     if model != "gpt2" {
         return Err(file.key_error(

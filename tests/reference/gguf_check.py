@@ -1,0 +1,89 @@
+"""What `spex quantize` writes, read by an independent reader: llama.cpp's own `gguf` package
+(gguf-py, from PyPI). Checks that the file is GGUF v3 with architecture `ouro` and the shape
+keys of the source config.json, that every tensor of the source checkpoint (the exit gate
+aside) is in it under llama.cpp's Ouro name, and that each Q8_0 tensor's bytes equal
+gguf-py's own Q8_0 quantization of the source tensor (its `attn_q`/`attn_k` rows permuted as
+llama.cpp's converter does), and its dequantization lies within the block's rounding of the
+source. Vectors are F32 and equal.
+
+usage: python3 gguf_check.py CHECKPOINT_DIR FILE.gguf   (needs gguf, numpy, safetensors)
+"""
+import json
+import sys
+
+import numpy as np
+from gguf import GGUFReader, GGMLQuantizationType, dequantize, quantize
+from safetensors.numpy import load_file
+
+NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "input_layernorm_2": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
+    "post_attention_layernorm_2": "post_ffw_norm",
+}
+
+
+def gguf_name(name):
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    if name.startswith("model.early_exit_gate"):
+        return None
+    _, _, layer, rest = name.split(".", 3)
+    return f"blk.{layer}.{NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def permute(w, heads):
+    """llama.cpp's `LlamaModel.permute`: rotate-half rows to interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def field(reader, key):
+    f = reader.fields[key]
+    value = f.parts[f.data[0]]
+    return bytes(value).decode() if f.types[0].name == "STRING" else value[0]
+
+
+def main(checkpoint, path):
+    config = json.load(open(f"{checkpoint}/config.json"))
+    source = load_file(f"{checkpoint}/model.safetensors")
+    reader = GGUFReader(path)
+    assert field(reader, "GGUF.version") == 3, "GGUF version"
+    assert field(reader, "general.architecture") == "ouro"
+    for key, want in [("ouro.embedding_length", "hidden_size"), ("ouro.block_count", "num_hidden_layers"),
+                      ("ouro.num_loops", "total_ut_steps"), ("ouro.feed_forward_length", "intermediate_size"),
+                      ("ouro.attention.head_count", "num_attention_heads")]:
+        assert field(reader, key) == config[want], key
+    tensors = {t.name: t for t in reader.tensors}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    checked = 0
+    for name, value in source.items():
+        target = gguf_name(name)
+        if target is None:
+            continue
+        t = tensors.pop(target)
+        value = value.astype(np.float32)
+        if ".attn_q." in target or ".attn_k." in target:
+            value = permute(value, value.shape[0] // head_dim)
+        if t.tensor_type == GGMLQuantizationType.F32:
+            got = np.asarray(t.data).reshape(value.shape)
+            assert np.array_equal(got, value), target
+        else:
+            assert t.tensor_type == GGMLQuantizationType.Q8_0, (target, t.tensor_type)
+            want = quantize(value, GGMLQuantizationType.Q8_0)
+            assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), f"{target}: bytes differ from gguf-py's"
+            got = dequantize(t.data, t.tensor_type).reshape(value.shape)
+            step = np.abs(value.reshape(-1, 32)).max(1, keepdims=True) / 127
+            err = np.abs(got - value).reshape(-1, 32)
+            assert (err <= 0.56 * step + 1e-30).all(), f"{target}: off by more than the block's rounding"
+        checked += 1
+    assert not tensors, f"tensors the checkpoint lacks: {sorted(tensors)}"
+    print(f"{path}: {checked} tensors equal gguf-py's Q8_0 of {checkpoint}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
