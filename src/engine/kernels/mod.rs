@@ -129,6 +129,8 @@ pub mod pool;
 mod portable;
 pub mod prefetch;
 mod q8_0;
+#[cfg(target_arch = "aarch64")]
+mod q8_neon;
 #[cfg(test)]
 mod q8_tests;
 mod settings;

@@ -216,6 +216,7 @@ pub fn repack(bytes: &mut [u8], rows: usize, blocks: usize) {
 #[derive(Debug, Default)]
 pub struct QuantizedRows {
     qs: Vec<i8>,
+    #[cfg(target_arch = "x86_64")]
     qu: Vec<u8>,
     scales: Vec<f32>,
     blocks: usize,
@@ -237,8 +238,11 @@ impl QuantizedRows {
             self.scales.push(d);
             self.qs.extend(block.iter().map(|v| (v * id).round() as i8));
         }
-        self.qu.clear();
-        self.qu.extend(self.qs.iter().map(|&q| (q as u8) ^ 0x80));
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.qu.clear();
+            self.qu.extend(self.qs.iter().map(|&q| (q as u8) ^ 0x80));
+        }
     }
 
     /// Rows `range` of it.
@@ -246,8 +250,9 @@ impl QuantizedRows {
         let b = self.blocks;
         let bytes = range.start * b * QK8_0..range.end * b * QK8_0;
         QuantRowsView {
-            qs: &self.qs[bytes.clone()],
-            qu: &self.qu[bytes],
+            #[cfg(target_arch = "x86_64")]
+            qu: &self.qu[bytes.clone()],
+            qs: &self.qs[bytes],
             scales: &self.scales[range.start * b..range.end * b],
             blocks: b,
         }
@@ -261,15 +266,20 @@ impl QuantizedRows {
 
 /// Some rows of a [`QuantizedRows`].
 #[derive(Debug, Clone, Copy)]
-struct QuantRowsView<'a> {
-    qs: &'a [i8],
+pub(super) struct QuantRowsView<'a> {
+    /// The rows' quantized values, row after row.
+    pub(super) qs: &'a [i8],
+    /// The same offset by 128, unsigned.
+    #[cfg(target_arch = "x86_64")]
     qu: &'a [u8],
-    scales: &'a [f32],
-    blocks: usize,
+    /// Each row's block scales, row after row.
+    pub(super) scales: &'a [f32],
+    /// Blocks a row.
+    pub(super) blocks: usize,
 }
 
 impl QuantRowsView<'_> {
-    fn rows(&self) -> usize {
+    pub(super) fn rows(&self) -> usize {
         self.scales.len() / self.blocks.max(1)
     }
 }
@@ -299,6 +309,9 @@ pub(super) enum Q8Isa {
     /// AVX-512 VNNI on 256-bit registers (with AVX-512VL), AVX2 + FMA + F16C besides.
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// NEON with the dot-product extension (`sdot`, `q8_neon`).
+    #[cfg(target_arch = "aarch64")]
+    NeonDot,
 }
 
 impl Q8Isa {
@@ -315,6 +328,10 @@ impl Q8Isa {
             if isa.has_avx2() {
                 return Self::Avx2;
             }
+        }
+        #[cfg(target_arch = "aarch64")]
+        if isa == super::Isa::Neon && std::arch::is_aarch64_feature_detected!("dotprod") {
+            return Self::NeonDot;
         }
         let _ = isa;
         Self::Portable
@@ -376,6 +393,10 @@ fn groups_dispatch(
         Q8Isa::Avx512Vnni => unsafe {
             with_rows!(xs.rows(), R => vnni_groups::<R>(plan, xs, groups, out, to, first))
         },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: `Q8Isa::NeonDot` is made only where the dot-product extension was detected;
+        // `xs` holds whole rows of blocks and `groups` whole groups of as many.
+        Q8Isa::NeonDot => unsafe { super::q8_neon::sdot_groups(xs, groups, out, to, first) },
     }
 }
 

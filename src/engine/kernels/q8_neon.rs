@@ -1,0 +1,88 @@
+//! The Q8_0 products of `q8_0`'s one definition on aarch64 with the dot-product extension:
+//! `sdot` multiplies 4 bytes of each of 4 interleaved weight rows by an activation's 4 bytes
+//! broadcast and adds each row's 4 products into its lane, so two registers carry a group's 8
+//! rows, as `vpdpbusd` does on x86 (both operands signed here: no offset). The integer sums are
+//! exact and the float part is the definition's one fused multiply-add a block, so the results
+//! have the portable loops' bits (the kernels' tests hold them to it under qemu).
+
+use std::arch::aarch64::*;
+
+use half::f16;
+
+use super::q8_0::{BlockQ8_0x8, GROUP_ROWS, QuantRowsView};
+use super::{OutLayout, SharedOut};
+
+/// `acc` plus, in each 32-bit lane, the 4 products of `a`'s and `b`'s bytes in that lane: the
+/// `sdot` instruction, written out because its intrinsic (`vdotq_s32`) is not stable Rust.
+///
+/// # Safety
+/// The CPU must have the dot-product extension.
+#[inline(always)]
+unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut acc = acc;
+    // SAFETY: the caller's feature; the instruction reads and writes registers only.
+    unsafe {
+        std::arch::asm!(
+            ".arch_extension dotprod",
+            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
+            acc = inout(vreg) acc,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
+/// Every group of `groups` times each row of `xs`, into `out` as `q8_0::product` lays it.
+///
+/// # Safety
+/// The CPU must have the dot-product extension; `xs` holds whole rows of `xs.blocks` blocks
+/// and `groups` whole groups of as many.
+#[target_feature(enable = "neon,dotprod")]
+pub(super) unsafe fn sdot_groups(
+    xs: QuantRowsView<'_>,
+    groups: &[BlockQ8_0x8],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let b = xs.blocks;
+    for (g, group) in groups.chunks_exact(b).enumerate() {
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for r in 0..xs.rows() {
+            let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+            for (k, item) in group.iter().enumerate() {
+                let d: [f32; GROUP_ROWS] = item.d.map(f16::to_f32);
+                let xp = xs.qs[(r * b + k) * 32..].as_ptr();
+                let (mut ilo, mut ihi) = (vdupq_n_s32(0), vdupq_n_s32(0));
+                for k4 in 0..8 {
+                    // SAFETY: the block's 256 bytes and the row's 32 at `xp` are readable;
+                    // the caller's features.
+                    unsafe {
+                        let x4 = vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(
+                            xp.add(4 * k4).cast::<i32>(),
+                        )));
+                        let w = item.qs.as_ptr().add(32 * k4);
+                        ilo = sdot(ilo, vld1q_s8(w), x4);
+                        ihi = sdot(ihi, vld1q_s8(w.add(16)), x4);
+                    }
+                }
+                let dx = vdupq_n_f32(xs.scales[r * b + k]);
+                // SAFETY: `d` holds 8 floats.
+                let (dlo, dhi) = unsafe { (vld1q_f32(d.as_ptr()), vld1q_f32(d.as_ptr().add(4))) };
+                lo = vfmaq_f32(lo, vcvtq_f32_s32(ilo), vmulq_f32(dlo, dx));
+                hi = vfmaq_f32(hi, vcvtq_f32_s32(ihi), vmulq_f32(dhi, dx));
+            }
+            let mut sums = [0f32; GROUP_ROWS];
+            // SAFETY: `sums` holds 8 floats.
+            unsafe {
+                vst1q_f32(sums.as_mut_ptr(), lo);
+                vst1q_f32(sums.as_mut_ptr().add(4), hi);
+            }
+            for (j, s) in sums.into_iter().enumerate() {
+                at.set(j * to.col + (first + r) * to.row, s);
+            }
+        }
+    }
+}
