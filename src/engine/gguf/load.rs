@@ -272,8 +272,8 @@ fn stored_bytes(info: &TensorInfo) -> usize {
     info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()
 }
 
-/// Reads the host kernels' quantized matrices (every matrix `names` lists that the file
-/// stores in a [`QuantKind`]) into one arena of blocks, `[rows, blocks, block bytes]`, each
+/// Reads the host kernels' quantized matrices (every matrix `specs` lists that the file
+/// stores in a `kernels::QuantKind`) into one arena of blocks, `[rows, blocks, block bytes]`, each
 /// named by spex's name, telling `read` the bytes of each. A matrix in a type neither these
 /// kernels nor the dense ones read is an error naming it and its type.
 pub fn read_blocks_into_arena(
