@@ -249,10 +249,9 @@ fn self_draft_equals_baseline_with_stored_weights() {
     }
 }
 
-/// Q8_0 weights (a GGUF of `spex quantize`) on every shape of every variant: every lane
-/// equals the baseline, token for token, with the activations quantized per row.
-#[test]
-fn speed_equals_baseline_on_every_shape_with_q8_0_weights() {
+/// Every lane of `suite` on Q8_0 weights (a GGUF of `spex quantize`) on every shape of every
+/// variant, with the activations quantized per row.
+fn every_shape_q8_0(suite: Suite) -> Tally {
     let mut tally = Tally::default();
     let prompts = &exactness_prompts(6)[..];
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
@@ -272,10 +271,26 @@ fn speed_equals_baseline_on_every_shape_with_q8_0_weights() {
             .expect("load the GGUF");
             assert!(matches!(loaded.backend, Backend::Host(_)), "host kernels");
             let label = format!("Q8_0 {variant:?} K={layers} R={passes}");
-            assert_lanes_equal_on(&loaded, prompts, Suite::All, &label, &mut tally);
+            assert_lanes_equal_on(&loaded, prompts, suite, &label, &mut tally);
         }
     }
-    assert!(tally.flips > 17 * prompts.len(), "{} flips", tally.flips);
+    tally
+}
+
+/// The pipelined policies on Q8_0 weights: every lane equals the baseline, token for token.
+#[test]
+fn speed_equals_baseline_on_every_shape_with_q8_0_weights() {
+    let tally = every_shape_q8_0(Suite::Pipelined);
+    let prompts = exactness_prompts(6).len();
+    assert!(tally.flips > 17 * prompts, "{} flips", tally.flips);
+}
+
+/// Self-draft on Q8_0 weights (natively only, as every drafting suite: `.ci/aarch64-check`).
+#[test]
+fn self_draft_equals_baseline_with_q8_0_weights() {
+    let tally = every_shape_q8_0(Suite::Drafting);
+    let prompts = exactness_prompts(6).len();
+    assert_eq!(tally.self_draft_runs, prompts * 3 * (9 + 6));
 }
 
 #[test]
