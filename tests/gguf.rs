@@ -41,6 +41,31 @@ fn a_quantized_checkpoint_keeps_its_shape_and_its_tokenizer() {
                 "{text:?}"
             );
         }
+        // Dequantized, every matrix lies within a block's step of the checkpoint's, in spex's
+        // row order (a Q/K row left in llama.cpp's order would be off by whole values).
+        let candle = LoadOptions {
+            candle_ops: true,
+            ..LoadOptions::default()
+        };
+        let deq = LoadedModel::load_gguf(&file, &Device::Cpu, DType::F32, candle, &mut |_| {});
+        let deq = deq.unwrap();
+        let (w, d) = (&original.model().weights, &deq.model().weights);
+        let mut pairs = vec![(&w.embed_tokens, &d.embed_tokens), (&w.lm_head, &d.lm_head)];
+        for (lw, ld) in w.layers.iter().zip(&d.layers) {
+            pairs.extend(lw.projections().into_iter().zip(ld.projections()));
+        }
+        for (a, b) in pairs {
+            let (a, b) = (a.flatten_all().unwrap(), b.flatten_all().unwrap());
+            let (a, b) = (a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
+            for (xa, xb) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
+                let step = xa.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                let off = xa
+                    .iter()
+                    .zip(xb)
+                    .fold(0f32, |m, (u, v)| m.max((u - v).abs()));
+                assert!(off <= step, "{variant:?}: off by {off}, step {step}");
+            }
+        }
     }
 }
 
@@ -53,9 +78,8 @@ fn a_quantized_checkpoint_keeps_its_shape_and_its_tokenizer() {
 /// seen (the commit that set them has the figures).
 #[test]
 fn quantized_logits_lie_near_the_dequantized_models() {
-    use spex::engine::events::DecodeEvent;
     use spex::engine::model::KvDtype;
-    use spex::engine::{DecodeOptions, Decoder, PolicyKind, Sampling};
+    use spex::engine::{DecodeOptions, PolicyKind, Sampling};
     const BEHIND: f32 = 0.02;
     const PROBABILITY: f32 = 0.15;
     let (mut compared, mut worst, mut worst_behind) = (0, 0f32, 0f32);
@@ -83,16 +107,7 @@ fn quantized_logits_lie_near_the_dequantized_models() {
                 context: 128,
                 sampling: Sampling::GREEDY,
             };
-            let mut decoder =
-                Decoder::new(&host, PolicyKind::Baseline.build(), prompt, decode).unwrap();
-            let mut rows = Vec::new();
-            let tokens = loop {
-                match decoder.next_event().unwrap() {
-                    Some(DecodeEvent::Step(s)) => rows.extend(s.rows),
-                    Some(DecodeEvent::Finished(f)) => break f.tokens,
-                    _ => {}
-                }
-            };
+            let (rows, tokens) = common::decoded_rows(&host, PolicyKind::Baseline, prompt, decode);
             let mut ids = host.tokenizer.encode(prompt).unwrap();
             ids.extend(&tokens);
             let reference = common::reference_logits(&deq, &ids);
