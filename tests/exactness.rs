@@ -173,6 +173,18 @@ fn self_draft_equals_baseline_on_every_shape() {
     }
 }
 
+/// The shapes of the suites over stored weights: every variant with K = 1, 2, 4 layers and
+/// R = 1–4 passes.
+fn stored_shapes() -> impl Iterator<Item = (Variant, usize, usize)> {
+    [Variant::Tied, Variant::Untied, Variant::Gqa]
+        .into_iter()
+        .flat_map(|v| {
+            [1, 2, 4]
+                .into_iter()
+                .flat_map(move |k| (1..=4).map(move |r| (v, k, r)))
+        })
+}
+
 /// Weights the host kernels read as stored, in bf16 or f16, on every shape of every variant:
 /// every lane equals the baseline, and where the kernels widen the weights (every ISA but
 /// AVX-512 BF16's bf16 products, which round the activations to bf16) the baseline equals,
@@ -180,33 +192,28 @@ fn self_draft_equals_baseline_on_every_shape() {
 fn every_shape_stored(dtype: DType, suite: Suite) -> Tally {
     let mut tally = Tally::default();
     let prompts = &exactness_prompts(6)[..];
-    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
-        for (layers, passes) in [1, 2, 4]
-            .into_iter()
-            .flat_map(|k| (1..=4).map(move |r| (k, r)))
-        {
-            let mut spec = spec(layers, passes, variant, (layers * 10 + passes) as u64);
-            spec.dtype = dtype;
-            let dir = tempfile::TempDir::new().expect("temp dir");
-            write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
-            let stored = LoadedModel::load(dir.path(), &Device::Cpu, dtype).expect("load");
-            assert!(matches!(stored.backend, Backend::Host(_)), "host kernels");
-            let label = format!("{dtype:?} {variant:?} K={layers} R={passes}");
-            assert_lanes_equal_on(&stored, prompts, suite, &label, &mut tally);
-            let fused = dtype == DType::BF16 && kernels::detected_isa() == kernels::Isa::Avx512Bf16;
-            if fused || suite == Suite::Drafting {
-                continue;
-            }
-            let widened = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
-            let widened = with_f32_readouts(&widened);
-            for &prompt in prompts {
-                let a = run_lane(&stored, PolicyKind::Baseline, prompt, OPTIONS).expect("lane");
-                let b = run_lane(&widened, PolicyKind::Baseline, prompt, OPTIONS).expect("lane");
-                assert_eq!(
-                    a.tokens, b.tokens,
-                    "{label}: stored and widened, {prompt:?}"
-                );
-            }
+    for (variant, layers, passes) in stored_shapes() {
+        let mut spec = spec(layers, passes, variant, (layers * 10 + passes) as u64);
+        spec.dtype = dtype;
+        let dir = tempfile::TempDir::new().expect("temp dir");
+        write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
+        let stored = LoadedModel::load(dir.path(), &Device::Cpu, dtype).expect("load");
+        assert!(matches!(stored.backend, Backend::Host(_)), "host kernels");
+        let label = format!("{dtype:?} {variant:?} K={layers} R={passes}");
+        assert_lanes_equal_on(&stored, prompts, suite, &label, &mut tally);
+        let fused = dtype == DType::BF16 && kernels::detected_isa() == kernels::Isa::Avx512Bf16;
+        if fused || suite == Suite::Drafting {
+            continue;
+        }
+        let widened = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).expect("load");
+        let widened = with_f32_readouts(&widened);
+        for &prompt in prompts {
+            let a = run_lane(&stored, PolicyKind::Baseline, prompt, OPTIONS).expect("lane");
+            let b = run_lane(&widened, PolicyKind::Baseline, prompt, OPTIONS).expect("lane");
+            assert_eq!(
+                a.tokens, b.tokens,
+                "{label}: stored and widened, {prompt:?}"
+            );
         }
     }
     tally
@@ -254,25 +261,20 @@ fn self_draft_equals_baseline_with_stored_weights() {
 fn every_shape_q8_0(suite: Suite) -> Tally {
     let mut tally = Tally::default();
     let prompts = &exactness_prompts(6)[..];
-    for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
-        for (layers, passes) in [1, 2, 4]
-            .into_iter()
-            .flat_map(|k| (1..=4).map(move |r| (k, r)))
-        {
-            let seed = (layers * 10 + passes) as u64;
-            let (_dir, _out, file) = common::quantized_pair(variant, layers, passes, seed);
-            let loaded = LoadedModel::load_gguf(
-                &file,
-                &Device::Cpu,
-                DType::F32,
-                LoadOptions::default(),
-                &mut |_| {},
-            )
-            .expect("load the GGUF");
-            assert!(matches!(loaded.backend, Backend::Host(_)), "host kernels");
-            let label = format!("Q8_0 {variant:?} K={layers} R={passes}");
-            assert_lanes_equal_on(&loaded, prompts, suite, &label, &mut tally);
-        }
+    for (variant, layers, passes) in stored_shapes() {
+        let seed = (layers * 10 + passes) as u64;
+        let (_dir, _out, file) = common::quantized_pair(variant, layers, passes, seed);
+        let loaded = LoadedModel::load_gguf(
+            &file,
+            &Device::Cpu,
+            DType::F32,
+            LoadOptions::default(),
+            &mut |_| {},
+        )
+        .expect("load the GGUF");
+        assert!(matches!(loaded.backend, Backend::Host(_)), "host kernels");
+        let label = format!("Q8_0 {variant:?} K={layers} R={passes}");
+        assert_lanes_equal_on(&loaded, prompts, suite, &label, &mut tally);
     }
     tally
 }

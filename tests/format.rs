@@ -216,15 +216,7 @@ fn every_row_reports_the_reference_exit_probability() {
         sampling: spex::engine::Sampling::GREEDY,
     };
     for policy in [PolicyKind::Baseline, PolicyKind::Speed] {
-        let mut decoder = Decoder::new(&loaded, policy.build(), "To be", options).unwrap();
-        let mut rows = Vec::new();
-        let tokens = loop {
-            match decoder.next_event().unwrap() {
-                Some(DecodeEvent::Step(s)) => rows.extend(s.rows),
-                Some(DecodeEvent::Finished(f)) => break f.tokens,
-                _ => {}
-            }
-        };
+        let (rows, tokens) = common::decoded_rows(&loaded, policy, "To be", options);
         let mut ids = loaded.tokenizer.encode("To be").unwrap();
         ids.extend(&tokens);
         let input = candle_core::Tensor::new(ids.as_slice(), &Device::Cpu).unwrap();

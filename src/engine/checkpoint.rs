@@ -316,6 +316,19 @@ pub struct CheckpointBytes {
     pub tokenizer: &'static [u8],
 }
 
+/// The embedded checkpoint's config file, as messages name it.
+const EMBEDDED_CONFIG: &str = "<embedded>/config.json";
+
+impl CheckpointBytes {
+    /// The engine's shape of the checkpoint: its config.json parsed and checked.
+    fn looped_config(&self) -> Result<LoopedConfig> {
+        let path = Path::new(EMBEDDED_CONFIG);
+        let json: serde_json::Value =
+            serde_json::from_slice(self.config).map_err(|e| EngineError::file(path, e))?;
+        Ok(OuroConfig::from_json(&json, path)?.looped())
+    }
+}
+
 impl LoadedModel {
     /// Makes generation stop at the chat end-of-turn token too.
     pub fn enable_chat_stop(&mut self) {
@@ -413,7 +426,8 @@ impl LoadedModel {
         };
         let dir = path.parent().unwrap_or(Path::new("."));
         let tokenizer = tokenizer.with_chat_template(ChatTemplate::load(dir)?);
-        let backend = super::gguf::load::load_model(&file, device, dtype, options, progress)?;
+        let backend =
+            super::gguf::load::load_model(&file, &config, device, dtype, options, progress)?;
         Self::assemble(backend, tokenizer, Origin::Gguf(path.to_path_buf()), path)
     }
 
@@ -424,10 +438,8 @@ impl LoadedModel {
         dtype: DType,
         options: LoadOptions,
     ) -> Result<Self> {
-        let path = Path::new("<embedded>/config.json");
-        let json: serde_json::Value =
-            serde_json::from_slice(bytes.config).map_err(|e| EngineError::file(path, e))?;
-        let config = OuroConfig::from_json(&json, path)?.looped();
+        let path = Path::new(EMBEDDED_CONFIG);
+        let config = bytes.looped_config()?;
         check_device_room(device, &config, dtype, Path::new("<embedded>"))?;
         let inner = tokenizers::Tokenizer::from_bytes(bytes.tokenizer)
             .map_err(|e| EngineError::file("<embedded>/tokenizer.json", e))?;
@@ -522,10 +534,7 @@ pub fn quantize_checkpoint(
             (checkpoint.config, vb, checkpoint.tokenizer_file, bytes)
         }
         Origin::Embedded(bytes) => {
-            let path = Path::new("<embedded>/config.json");
-            let json: serde_json::Value =
-                serde_json::from_slice(bytes.config).map_err(|e| EngineError::file(path, e))?;
-            let config = crate::engine::config::OuroConfig::from_json(&json, path)?.looped();
+            let config = bytes.looped_config()?;
             let vb = candle_nn::VarBuilder::from_buffered_safetensors(
                 bytes.weights.to_vec(),
                 f32,

@@ -190,6 +190,23 @@ fn open_shard(path: &Path) -> Result<Shard> {
     })
 }
 
+/// `tensor` if it has `shape`, else candle's shape error naming tensor `name` (what every
+/// `VarBuilder` backend here answers for a wrong shape).
+pub(crate) fn expect_shape(
+    tensor: Tensor,
+    shape: Shape,
+    name: &str,
+) -> candle_core::Result<Tensor> {
+    if tensor.shape() != &shape {
+        return Err(candle_core::Error::UnexpectedShape {
+            msg: format!("shape mismatch for {name}"),
+            expected: shape,
+            got: tensor.shape().clone(),
+        });
+    }
+    Ok(tensor)
+}
+
 impl SimpleBackend for TensorFiles {
     fn get(
         &self,
@@ -199,15 +216,7 @@ impl SimpleBackend for TensorFiles {
         dtype: DType,
         device: &Device,
     ) -> candle_core::Result<Tensor> {
-        let tensor = self.read(name, device)?;
-        if tensor.shape() != &shape {
-            return Err(candle_core::Error::UnexpectedShape {
-                msg: format!("shape mismatch for {name}"),
-                expected: shape,
-                got: tensor.shape().clone(),
-            });
-        }
-        tensor.to_dtype(dtype)
+        expect_shape(self.read(name, device)?, shape, name)?.to_dtype(dtype)
     }
 
     fn get_unchecked(

@@ -168,6 +168,26 @@ pub fn quantized_pair(
     (dir, out, file)
 }
 
+/// Decodes `prompt` on `loaded` with `policy`: every step's rows, and the tokens committed.
+pub fn decoded_rows(
+    loaded: &LoadedModel,
+    policy: PolicyKind,
+    prompt: &str,
+    options: DecodeOptions,
+) -> (Vec<spex::engine::events::RowEvent>, Vec<u32>) {
+    use spex::engine::events::DecodeEvent;
+    let mut decoder =
+        spex::engine::Decoder::new(loaded, policy.build(), prompt, options).expect("decoder");
+    let mut rows = Vec::new();
+    loop {
+        match decoder.next_event().expect("a step") {
+            Some(DecodeEvent::Step(s)) => rows.extend(s.rows),
+            Some(DecodeEvent::Finished(f)) => return (rows, f.tokens),
+            _ => {}
+        }
+    }
+}
+
 /// A small spec with the given shape.
 pub fn spec(layers: usize, passes: usize, variant: Variant, seed: u64) -> RandomSpec {
     let (tied, kv_heads) = match variant {

@@ -210,8 +210,8 @@ impl GgufFile {
     }
 
     /// Spex's tensor `name` (`engine::format`), dequantized to f32 on the CPU, its rows in
-    /// spex's order.
-    fn read_dense(&self, name: &str) -> Result<Tensor> {
+    /// spex's order (heads of `head_dim` rows).
+    fn read_dense(&self, name: &str, head_dim: usize) -> Result<Tensor> {
         let gguf =
             gguf_name(name).ok_or_else(|| self.tensor_error(name, "not in the GGUF layout"))?;
         let info = self.info(&gguf)?;
@@ -225,8 +225,8 @@ impl GgufFile {
         .and_then(|s| candle_core::quantized::QTensor::new(s, info.shape.clone()))
         .and_then(|q| q.dequantize(&Device::Cpu))
         .map_err(|e| self.tensor_error(&gguf, e))?;
-        match permuted_head_dim(name, self) {
-            Some(head_dim) => {
+        match format::layer_tensor_of(name).is_some_and(super::is_permuted) {
+            true => {
                 let rows = info.shape.dims()[0];
                 let order: Vec<u32> = (0..rows).map(|r| gguf_row(r, head_dim) as u32).collect();
                 let order = Tensor::new(order.as_slice(), &Device::Cpu)
@@ -235,19 +235,9 @@ impl GgufFile {
                     .index_select(&order, 0)
                     .map_err(|e| self.tensor_error(&gguf, e))
             }
-            None => Ok(storage),
+            false => Ok(storage),
         }
     }
-}
-
-/// The head width of spex's tensor `name` if its rows are permuted in the GGUF.
-fn permuted_head_dim(name: &str, file: &GgufFile) -> Option<usize> {
-    let t = format::layer_tensor_of(name)?;
-    if !super::is_permuted(t) {
-        return None;
-    }
-    let config = file.config().ok()?;
-    Some(config.head_dim)
 }
 
 /// A metadata number as JSON.
@@ -279,6 +269,7 @@ fn stored_bytes(info: &TensorInfo) -> usize {
 pub fn read_blocks_into_arena(
     file: &GgufFile,
     specs: &[(String, Shape)],
+    head_dim: usize,
     read: &mut dyn FnMut(u64),
 ) -> Result<HashMap<String, Tensor>> {
     let mut picked = Vec::new();
@@ -313,7 +304,6 @@ pub fn read_blocks_into_arena(
     let shapes: Vec<Shape> = picked.iter().map(|p| p.3.clone()).collect();
     let mut arena = crate::engine::memory::Arena::<u8>::new(&shapes)
         .map_err(|e| EngineError::file(file.path(), e))?;
-    let head_dim = file.config()?.head_dim;
     for (i, (name, gguf, info, blocks)) in picked.iter().enumerate() {
         let slot = arena.slot_mut(i);
         file.read_stored(gguf, info, slot)?;
@@ -342,6 +332,8 @@ pub struct GgufSource<'a> {
     pub file: &'a GgufFile,
     /// Quantized matrices read as blocks, by spex's name.
     pub blocks: HashMap<String, Tensor>,
+    /// The model's head width (`attn_q`/`attn_k` rows are permuted by head).
+    pub head_dim: usize,
 }
 
 impl SimpleBackend for GgufSource<'_> {
@@ -358,16 +350,11 @@ impl SimpleBackend for GgufSource<'_> {
         }
         let tensor = self
             .file
-            .read_dense(name)
+            .read_dense(name, self.head_dim)
             .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
-        if tensor.shape() != &shape {
-            return Err(candle_core::Error::UnexpectedShape {
-                msg: format!("shape mismatch for {name}"),
-                expected: shape,
-                got: tensor.shape().clone(),
-            });
-        }
-        tensor.to_dtype(dtype)?.to_device(device)
+        crate::engine::tensor_files::expect_shape(tensor, shape, name)?
+            .to_dtype(dtype)?
+            .to_device(device)
     }
 
     fn get_unchecked(
@@ -378,7 +365,7 @@ impl SimpleBackend for GgufSource<'_> {
     ) -> candle_core::Result<Tensor> {
         let tensor = self
             .file
-            .read_dense(name)
+            .read_dense(name, self.head_dim)
             .map_err(|e| candle_core::Error::Msg(format!("{name}: {e}")))?;
         tensor.to_dtype(dtype)?.to_device(device)
     }
@@ -389,24 +376,27 @@ impl SimpleBackend for GgufSource<'_> {
     }
 }
 
-/// Loads the model in GGUF file `file` on `device`: on the host kernels (a CPU and a host
+/// Loads the model in GGUF file `file`, of shape `config` (its [`GgufFile::config`]), on
+/// `device`: on the host kernels (a CPU and a host
 /// `dtype`) with its quantized matrices as stored and f32 activations; elsewhere with every
 /// tensor dequantized to `dtype`. `progress` hears how far the weights are read.
 pub fn load_model(
     file: &GgufFile,
+    config: &LoopedConfig,
     device: &Device,
     dtype: DType,
     options: crate::engine::model::LoadOptions,
     progress: &mut dyn FnMut(crate::engine::model::LoadProgress),
 ) -> Result<crate::engine::model::Backend> {
     use crate::engine::model::{Backend, LoadProgress, Weights, host_matrix_specs};
-    let config = file.config()?;
+    let (config, head_dim) = (config.clone(), config.head_dim);
     let tensor_error = |e: candle_core::Error| EngineError::file(file.path(), e);
     if !Backend::runs_on_host(device, dtype, options) {
         crate::engine::memory::check_device_room(device, &config, dtype, file.path())?;
         let source = GgufSource {
             file,
             blocks: HashMap::new(),
+            head_dim,
         };
         let vb = candle_nn::VarBuilder::from_backend(Box::new(source), dtype, device.clone());
         let weights = Weights::load(&vb, &config).map_err(tensor_error)?;
@@ -434,9 +424,13 @@ pub fn load_model(
             total_bytes,
         });
     };
-    let blocks = read_blocks_into_arena(file, &specs, &mut read)?;
+    let blocks = read_blocks_into_arena(file, &specs, head_dim, &mut read)?;
     let vb = candle_nn::VarBuilder::from_backend(
-        Box::new(GgufSource { file, blocks }),
+        Box::new(GgufSource {
+            file,
+            blocks,
+            head_dim,
+        }),
         dtype,
         Device::Cpu,
     );

@@ -175,13 +175,12 @@ fn encode(
     let head_dim = job.config.head_dim;
     let permuted = t.is_some_and(super::is_permuted);
     let mut bytes = Vec::with_capacity(rows * inner / QK8_0 * std::mem::size_of::<BlockQ8_0>());
-    let mut stored = vec![0usize; rows];
-    for (r, at) in stored.iter_mut().enumerate() {
-        *at = if permuted { gguf_row(r, head_dim) } else { r };
-    }
-    let mut order = vec![0usize; rows];
-    for (r, &at) in stored.iter().enumerate() {
-        order[at] = r;
+    // Stored row `gguf_row(r)` holds spex's row `r`.
+    let mut order: Vec<usize> = (0..rows).collect();
+    if permuted {
+        for r in 0..rows {
+            order[gguf_row(r, head_dim)] = r;
+        }
     }
     for &source in &order {
         for block in values[source * inner..(source + 1) * inner].chunks_exact(QK8_0) {

@@ -84,9 +84,7 @@ impl BlockQ8_0 {
     /// `d = max|x| / 127` in f32, stored in f16, and each weight `round(x / d)` (half away
     /// from zero) with the unrounded f32 reciprocal.
     pub fn quantize(x: &[f32]) -> Self {
-        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let (d, id) = block_scale(x);
         let mut qs = [0i8; QK8_0];
         for (q, v) in qs.iter_mut().zip(x) {
             *q = (v * id).round() as i8;
@@ -104,6 +102,15 @@ impl BlockQ8_0 {
             *o = f32::from(q) * d;
         }
     }
+}
+
+/// The scale of a block of values quantized to Q8_0 and its reciprocal: `d = max|x| / 127` in
+/// f32, and `1 / d` (0 for an all-zero block), the rule of llama.cpp's `quantize_row_q8_0_ref`
+/// that weights and activations share.
+fn block_scale(x: &[f32]) -> (f32, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    (d, if d != 0.0 { 1.0 / d } else { 0.0 })
 }
 
 /// A Q8_0 matrix in the kernels' layout: its rows in groups of 8 interleaved ([`repack`]),
@@ -232,9 +239,7 @@ impl QuantizedRows {
         self.scales.clear();
         let used = input.rows * input.inner;
         for block in input.x[..used].chunks_exact(QK8_0) {
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let (d, id) = block_scale(block);
             self.scales.push(d);
             self.qs.extend(block.iter().map(|v| (v * id).round() as i8));
         }

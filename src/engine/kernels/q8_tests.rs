@@ -2,7 +2,7 @@
 //! threads' split, and within the activations' rounding of the dequantized f32 product.
 
 use super::q8_0::{BlockQ8_0, Q8Isa, Q8Matrix, QK8_0, QuantizedRows, product, repack};
-use super::tests::{lcg, supported_isas};
+use super::tests::{lcg, supported_isas, with_threads};
 use super::*;
 
 /// `outs` rows of `inner` random weights quantized to Q8_0 in the kernels' layout, and the
@@ -126,11 +126,7 @@ fn threads_and_pooled_products_give_the_serial_bits() {
     let serial = run(Q8Isa::for_isa(detected_isa()), &x, 5, inner, &w);
     let serial2 = run(Q8Isa::for_isa(detected_isa()), &x, 5, inner, &w2);
     for threads in [1, 2, 3] {
-        let k = Kernels::new(KernelOptions {
-            threads: Some(threads),
-            ..KernelOptions::default()
-        })
-        .expect("threads");
+        let k = with_threads(threads);
         let mut got = vec![0f32; 5 * outs];
         k.matmul_t(&x, Weight::from(view(&w, inner)), 5, inner, &mut got);
         assert_eq!(got, serial, "{threads} threads");

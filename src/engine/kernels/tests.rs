@@ -11,7 +11,7 @@ pub(super) fn lcg(seed: &mut u64) -> f32 {
 }
 
 /// The CPU's best kernels on `threads` threads.
-fn with_threads(threads: usize) -> Kernels {
+pub(super) fn with_threads(threads: usize) -> Kernels {
     Kernels::new(KernelOptions {
         threads: Some(threads),
         ..KernelOptions::default()

@@ -28,6 +28,8 @@ struct HostView<'a> {
     len: usize,
     /// The last dimension: a matrix's row length.
     inner: usize,
+    /// The block kind of a matrix of quantized blocks.
+    quant: Option<QuantKind>,
 }
 
 impl<'a> HostView<'a> {
@@ -40,7 +42,8 @@ impl<'a> HostView<'a> {
         }
         // A quantized matrix is `[rows, blocks, block bytes]` (`gguf`): its rows hold the
         // blocks' weights.
-        let inner = match super::quant_kind_of(t) {
+        let quant = super::quant_kind_of(t);
+        let inner = match quant {
             Some(kind) => layout.dims()[1] * kind.block_weights(),
             None => layout.dims().last().copied().unwrap_or(1),
         };
@@ -49,25 +52,25 @@ impl<'a> HostView<'a> {
             start: layout.start_offset(),
             len: layout.shape().elem_count(),
             inner,
+            quant,
         })
     }
 
     /// The elements as the matmuls take them: f32, bf16 or f16, or Q8_0 blocks.
     fn weight(&self) -> Result<Weight<'_>> {
         let range = self.start..self.start + self.len;
-        match &*self.guard {
-            Storage::Cpu(CpuStorage::F32(v)) => Ok(Weight::F32(&v[range])),
-            Storage::Cpu(CpuStorage::BF16(v)) => Ok(Weight::Bf16(&v[range])),
-            Storage::Cpu(CpuStorage::F16(v)) => Ok(Weight::F16(&v[range])),
-            Storage::Cpu(CpuStorage::U8(v)) => {
-                let kind = QuantKind::Q8_0;
+        match (&*self.guard, self.quant) {
+            (Storage::Cpu(CpuStorage::F32(v)), _) => Ok(Weight::F32(&v[range])),
+            (Storage::Cpu(CpuStorage::BF16(v)), _) => Ok(Weight::Bf16(&v[range])),
+            (Storage::Cpu(CpuStorage::F16(v)), _) => Ok(Weight::F16(&v[range])),
+            (Storage::Cpu(CpuStorage::U8(v)), Some(kind @ QuantKind::Q8_0)) => {
                 let blocks = self.inner / kind.block_weights();
                 let rows = self.len / (blocks * kind.block_bytes()).max(1);
                 Q8Matrix::from_bytes(&v[range], rows, blocks)
                     .map(Weight::Q8_0)
                     .map_err(EngineError::Invalid)
             }
-            other => Err(EngineError::Invalid(format!(
+            (other, _) => Err(EngineError::Invalid(format!(
                 "host kernels read f32, bf16 or f16 weights or Q8_0 blocks, not {:?}",
                 other.dtype()
             ))),
