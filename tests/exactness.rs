@@ -10,6 +10,7 @@ use common::{
     with_f32_readouts, with_kv_dtype,
 };
 use spex::engine::LoadedModel;
+use spex::engine::gguf::write::FileType;
 use spex::engine::kernels;
 use spex::engine::model::{Backend, KvDtype, LoadOptions};
 use spex::engine::policy::PolicyKind;
@@ -256,14 +257,14 @@ fn self_draft_equals_baseline_with_stored_weights() {
     }
 }
 
-/// Every lane of `suite` on Q8_0 weights (a GGUF of `spex quantize`) on every shape of every
-/// variant, with the activations quantized per row.
-fn every_shape_q8_0(suite: Suite) -> Tally {
+/// Every lane of `suite` on quantized weights (a GGUF of `spex quantize` in `file_type`) on
+/// every shape of every variant, with the activations quantized per row.
+fn every_shape_quantized(suite: Suite, file_type: FileType) -> Tally {
     let mut tally = Tally::default();
     let prompts = &exactness_prompts(6)[..];
     for (variant, layers, passes) in stored_shapes() {
         let seed = (layers * 10 + passes) as u64;
-        let (_dir, _out, file) = common::quantized_pair(variant, layers, passes, seed);
+        let (_dir, _out, file) = common::quantized_pair(variant, layers, passes, seed, file_type);
         let loaded = LoadedModel::load_gguf(
             &file,
             &Device::Cpu,
@@ -273,7 +274,13 @@ fn every_shape_q8_0(suite: Suite) -> Tally {
         )
         .expect("load the GGUF");
         assert!(matches!(loaded.backend, Backend::Host(_)), "host kernels");
-        let label = format!("Q8_0 {variant:?} K={layers} R={passes}");
+        let stored = loaded.model().weight_type();
+        let want = match file_type {
+            FileType::Q8_0 => "Q8_0",
+            FileType::Q4KM => "Q4_K+Q6_K",
+        };
+        assert_eq!(stored, want, "{file_type:?} K={layers}");
+        let label = format!("{stored} {variant:?} K={layers} R={passes}");
         assert_lanes_equal_on(&loaded, prompts, suite, &label, &mut tally);
     }
     tally
@@ -282,7 +289,15 @@ fn every_shape_q8_0(suite: Suite) -> Tally {
 /// The pipelined policies on Q8_0 weights: every lane equals the baseline, token for token.
 #[test]
 fn speed_equals_baseline_on_every_shape_with_q8_0_weights() {
-    let tally = every_shape_q8_0(Suite::Pipelined);
+    let tally = every_shape_quantized(Suite::Pipelined, FileType::Q8_0);
+    let prompts = exactness_prompts(6).len();
+    assert!(tally.flips > 17 * prompts, "{} flips", tally.flips);
+}
+
+/// The pipelined policies on Q4_K_M weights (Q4_K and Q6_K matrices).
+#[test]
+fn speed_equals_baseline_on_every_shape_with_q4_k_m_weights() {
+    let tally = every_shape_quantized(Suite::Pipelined, FileType::Q4KM);
     let prompts = exactness_prompts(6).len();
     assert!(tally.flips > 17 * prompts, "{} flips", tally.flips);
 }
@@ -290,7 +305,15 @@ fn speed_equals_baseline_on_every_shape_with_q8_0_weights() {
 /// Self-draft on Q8_0 weights (natively only, as every drafting suite: `.ci/aarch64-check`).
 #[test]
 fn self_draft_equals_baseline_with_q8_0_weights() {
-    let tally = every_shape_q8_0(Suite::Drafting);
+    let tally = every_shape_quantized(Suite::Drafting, FileType::Q8_0);
+    let prompts = exactness_prompts(6).len();
+    assert_eq!(tally.self_draft_runs, prompts * 3 * (9 + 6));
+}
+
+/// Self-draft on Q4_K_M weights (natively only).
+#[test]
+fn self_draft_equals_baseline_with_q4_k_m_weights() {
+    let tally = every_shape_quantized(Suite::Drafting, FileType::Q4KM);
     let prompts = exactness_prompts(6).len();
     assert_eq!(tally.self_draft_runs, prompts * 3 * (9 + 6));
 }

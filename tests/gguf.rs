@@ -10,12 +10,13 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device};
 use common::{Variant, quantized_pair};
 use spex::engine::LoadedModel;
+use spex::engine::gguf::write::FileType;
 use spex::engine::model::LoadOptions;
 
 #[test]
 fn a_quantized_checkpoint_keeps_its_shape_and_its_tokenizer() {
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
-        let (dir, _out, file) = quantized_pair(variant, 2, 3, 4);
+        let (dir, _out, file) = quantized_pair(variant, 2, 3, 4, FileType::Q8_0);
         let original = LoadedModel::load(dir.path(), &Device::Cpu, DType::F32).unwrap();
         let quantized = LoadedModel::load_gguf(
             &file,
@@ -78,17 +79,30 @@ fn a_quantized_checkpoint_keeps_its_shape_and_its_tokenizer() {
 /// seen (the commit that set them has the figures).
 #[test]
 fn quantized_logits_lie_near_the_dequantized_models() {
+    quantized_logits_near(FileType::Q8_0, 0.02, 0.15);
+}
+
+/// The same for Q4_K_M, whose activations round per 256 values (`block_q8_K`).
+#[test]
+fn q4_k_m_logits_lie_near_the_dequantized_models() {
+    quantized_logits_near(FileType::Q4KM, BEHIND_Q4_K_M, PROBABILITY_Q4_K_M);
+}
+
+/// Twice the worst seen, as for Q8_0.
+const BEHIND_Q4_K_M: f32 = 0.004;
+/// Twice the worst seen.
+const PROBABILITY_Q4_K_M: f32 = 0.21;
+
+fn quantized_logits_near(file_type: FileType, behind_bound: f32, probability_bound: f32) {
     use spex::engine::model::KvDtype;
     use spex::engine::{DecodeOptions, PolicyKind, Sampling};
-    const BEHIND: f32 = 0.02;
-    const PROBABILITY: f32 = 0.15;
     let (mut compared, mut worst, mut worst_behind) = (0, 0f32, 0f32);
     for (variant, seed) in [
         (Variant::Tied, 9),
         (Variant::Untied, 10),
         (Variant::Gqa, 11),
     ] {
-        let (_dir, _out, file) = quantized_pair(variant, 2, 3, seed);
+        let (_dir, _out, file) = quantized_pair(variant, 2, 3, seed, file_type);
         let options = LoadOptions {
             kv_dtype: KvDtype::F32,
             ..LoadOptions::default()
@@ -126,9 +140,9 @@ fn quantized_logits_lie_near_the_dequantized_models() {
             }
         }
     }
-    assert!(worst <= PROBABILITY, "probabilities off by {worst}");
+    assert!(worst <= probability_bound, "probabilities off by {worst}");
     assert!(
-        worst_behind <= BEHIND,
+        worst_behind <= behind_bound,
         "a choice {worst_behind} of the largest logit behind the best"
     );
     assert!(compared >= 100, "{compared} readouts compared");
@@ -181,7 +195,7 @@ fn assert_generate_fails(model: &std::path::Path, needle: &str) {
 
 #[test]
 fn a_quantized_file_generates_and_bad_ones_are_one_line() {
-    let (_dir, out, file) = quantized_pair(Variant::Tied, 1, 2, 3);
+    let (_dir, out, file) = quantized_pair(Variant::Tied, 1, 2, 3, FileType::Q8_0);
     let args = generate(&file);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (ok, stderr) = common::spex(&args);
@@ -233,7 +247,7 @@ fn a_quantized_file_generates_and_bad_ones_are_one_line() {
     let f = file.display().to_string();
     common::assert_clean_error(
         &["quantize", "--type", "q5_k", "--out", "x.gguf"],
-        "is not a type spex writes (q8_0)",
+        "is not a type spex writes (q8_0, q4_k_m)",
     );
     common::assert_clean_error(
         &["quantize", "--model", &f, "--out", "/tmp/never.gguf"],

@@ -15,7 +15,7 @@ pub struct QuantizeArgs {
     /// hub repo (default: models.toml's default entry).
     #[arg(long)]
     pub model: Option<String>,
-    /// The matrices' type: q8_0.
+    /// The matrices' type: q8_0, or q4_k_m (llama.cpp's Q4_K/Q6_K mix).
     #[arg(long = "type", value_parser = parse_file_type, default_value = "q8_0")]
     pub file_type: FileType,
     /// The GGUF file to write.

@@ -193,7 +193,7 @@ fn stream_table(kernels: &Kernels) {
 /// eight layers of them (400 MB of bf16, more than any L3), in bf16 and in Q8_0, by rows: the
 /// cost of a step's extra rows where the weights stream from DRAM.
 fn quantized_table(kernels: &Kernels) {
-    use spex::engine::kernels::{BlockQ8_0, Q8Matrix, QK8_0, Weight, repack_q8_0};
+    use spex::engine::kernels::{BlockQ8_0, Q8Matrix, QK8_0, Weight, repack};
     let shapes = [
         (2048, 2048),
         (2048, 2048),
@@ -212,7 +212,12 @@ fn quantized_table(kernels: &Kernels) {
                 .collect();
             let mut blocks: Vec<BlockQ8_0> =
                 w.chunks_exact(QK8_0).map(BlockQ8_0::quantize).collect();
-            repack_q8_0(bytemuck::cast_slice_mut(&mut blocks), outs, inner / QK8_0);
+            repack(
+                spex::engine::kernels::QuantKind::Q8_0,
+                bytemuck::cast_slice_mut(&mut blocks),
+                outs,
+                inner / QK8_0,
+            );
             q8.push((blocks, inner));
             dense.push((
                 w.iter()

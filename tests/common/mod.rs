@@ -148,23 +148,26 @@ pub fn quantized_pair(
     layers: usize,
     passes: usize,
     seed: u64,
+    file_type: spex::engine::gguf::write::FileType,
 ) -> (TempDir, TempDir, std::path::PathBuf) {
     let mut spec = spec(layers, passes, variant, seed);
-    spec.shape.hidden = 64;
-    spec.shape.head_dim = 16;
-    spec.shape.intermediate = 96;
+    // Rows of whole blocks: 32 weights for Q8_0, 256 for the K-quants.
+    let wide = file_type != spex::engine::gguf::write::FileType::Q8_0;
+    (
+        spec.shape.hidden,
+        spec.shape.head_dim,
+        spec.shape.intermediate,
+    ) = match wide {
+        true => (256, 64, 512),
+        false => (64, 16, 96),
+    };
     let dir = TempDir::new().expect("temp dir");
     write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
     let out = TempDir::new().expect("temp dir");
     let file = out.path().join("model.gguf");
     let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
-    spex::engine::checkpoint::quantize_checkpoint(
-        &origin,
-        "test",
-        spex::engine::gguf::write::FileType::Q8_0,
-        &file,
-    )
-    .expect("quantize");
+    spex::engine::checkpoint::quantize_checkpoint(&origin, "test", file_type, &file)
+        .expect("quantize");
     (dir, out, file)
 }
 

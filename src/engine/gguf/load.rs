@@ -1,6 +1,6 @@
 //! Reading a GGUF checkpoint (`super`'s layout) through candle's GGUF reader: the header and
 //! metadata checked and turned into the engine's config, then the weights. For the host
-//! kernels, every Q8_0 matrix is read straight from the file into the weight arena as its
+//! kernels, every quantized matrix is read straight from the file into the weight arena as its
 //! blocks, the rows of `attn_q` and `attn_k` moved back to spex's order as they land; dense
 //! tensors (the norms, any F32/F16/BF16 matrix) are read as tensors. For another device every
 //! tensor is dequantized. Every failure is one line naming the file and, where there is one,
@@ -21,6 +21,7 @@ use super::{ARCHITECTURE, CONFIG_KEYS, config_key, ggml_name, gguf_name, gguf_ro
 use crate::engine::config::OuroConfig;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::format::{self, LayerTensor};
+use crate::engine::kernels::QuantKind;
 use crate::engine::looped::LoopedConfig;
 
 /// An open GGUF file: its metadata and tensor table, and the file for reading tensors.
@@ -294,8 +295,9 @@ pub fn read_blocks_into_arena(
                 return Err(file.tensor_error(
                     &gguf,
                     format!(
-                        "{} is a type spex cannot read yet (it reads F32, F16, BF16 and Q8_0)",
-                        ggml_name(other)
+                        "{} is a type spex cannot read yet (it reads F32, F16, BF16, {})",
+                        ggml_name(other),
+                        QuantKind::ALL.map(QuantKind::name).join(", ")
                     ),
                 ));
             }
@@ -316,7 +318,9 @@ pub fn read_blocks_into_arena(
                 row.copy_from_slice(&stored[at..at + row_bytes]);
             }
         }
-        crate::engine::kernels::repack_q8_0(slot, rows, row_blocks);
+        if let Some(kind) = quant_kind(info.ggml_dtype) {
+            crate::engine::kernels::repack(kind, slot, rows, row_blocks);
+        }
         read(slot.len() as u64);
     }
     let views = arena

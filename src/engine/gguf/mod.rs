@@ -12,11 +12,11 @@
 //!   converter permutes each head's rows of `attn_q` and `attn_k` ([`gguf_row`]); a reader that
 //!   rotates halves, as spex does, undoes it. Whole rows move, so quantized rows move as
 //!   stored.
-//! - Matrices may be quantized: spex's host kernels read Q8_0 as stored
-//!   (`kernels::Weight::Q8_0`); F32, F16 and BF16 are read as dense weights.
+//! - Matrices may be quantized: spex's host kernels read Q8_0, Q4_K and Q6_K as stored
+//!   (`kernels::Weight`); F32, F16 and BF16 are read as dense weights.
 //!
 //! A host model keeps each quantized matrix as a `U8` tensor of shape `[rows, blocks, block
-//! bytes]` in the kernels' layout (`kernels::repack_q8_0`), in the weight arena
+//! bytes]` in the kernels' layout (`kernels::repack`), in the weight arena
 //! (`model::quant_kind_of` tells its kind from the block bytes, which differ for every GGUF
 //! block type); a GPU model gets the matrices dequantized.
 
@@ -102,6 +102,8 @@ pub fn is_permuted(t: LayerTensor) -> bool {
 pub fn ggml_type(kind: QuantKind) -> GgmlDType {
     match kind {
         QuantKind::Q8_0 => GgmlDType::Q8_0,
+        QuantKind::Q4K => GgmlDType::Q4K,
+        QuantKind::Q6K => GgmlDType::Q6K,
     }
 }
 

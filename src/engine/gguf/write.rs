@@ -23,25 +23,62 @@ use crate::engine::model::Weights;
 pub enum FileType {
     /// Every matrix in Q8_0.
     Q8_0,
+    /// llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the LM head and for `attn_v` and
+    /// `ffn_down` in the first and last eighth of the layers and every third between.
+    Q4KM,
 }
 
 impl FileType {
     /// Every file type, with its name as the CLI takes it.
-    pub const ALL: [(Self, &'static str); 1] = [(Self::Q8_0, "q8_0")];
+    pub const ALL: [(Self, &'static str); 2] = [(Self::Q8_0, "q8_0"), (Self::Q4KM, "q4_k_m")];
 
-    /// Its llama.cpp `general.file_type` (`LLAMA_FTYPE_MOSTLY_Q8_0` is 7).
+    /// Its llama.cpp `general.file_type` (`LLAMA_FTYPE_MOSTLY_Q8_0` is 7, `_Q4_K_M` 15).
     fn code(self) -> u32 {
         match self {
             Self::Q8_0 => 7,
+            Self::Q4KM => 15,
         }
     }
 
-    /// The block type of its matrices.
-    fn kind(self) -> QuantKind {
-        match self {
-            Self::Q8_0 => QuantKind::Q8_0,
+    /// The block type of matrix `role` of a model of `layers` layers, as llama.cpp's
+    /// `llama_tensor_get_type` picks it, where rows of `inner` weights take it. A row that
+    /// does not hold whole super-blocks takes Q8_0 (llama.cpp takes Q5_0 for Q4_K, which spex
+    /// does not read) and one that holds no whole Q8_0 block is F32 (`None`).
+    fn kind(self, role: MatrixRole, layers: usize, inner: usize) -> Option<QuantKind> {
+        let more_bits = |i: usize| {
+            i < layers / 8 || i >= 7 * layers / 8 || {
+                i >= layers / 8 && (i - layers / 8) % 3 == 2
+            }
+        };
+        let kind = match (self, role) {
+            (Self::Q8_0, _) => QuantKind::Q8_0,
+            (Self::Q4KM, MatrixRole::Head) => QuantKind::Q6K,
+            (Self::Q4KM, MatrixRole::Layer(layer, LayerTensor::VProj | LayerTensor::DownProj))
+                if more_bits(layer) =>
+            {
+                QuantKind::Q6K
+            }
+            (Self::Q4KM, _) => QuantKind::Q4K,
+        };
+        if inner.is_multiple_of(kind.block_weights()) {
+            Some(kind)
+        } else if inner.is_multiple_of(QK8_0) {
+            Some(QuantKind::Q8_0)
+        } else {
+            None
         }
     }
+}
+
+/// Which matrix of the model a tensor is, for [`FileType::kind`].
+#[derive(Debug, Clone, Copy)]
+enum MatrixRole {
+    /// The LM head (the embedding where the two are tied).
+    Head,
+    /// The token embedding, untied.
+    Embedding,
+    /// A layer's matrix: the layer and which.
+    Layer(usize, LayerTensor),
 }
 
 /// What to write: the model's shape, weights (f32 on the CPU) and tokenizer (`tokenizer.json`,
@@ -128,53 +165,51 @@ fn config_metadata(job: &QuantizeJob<'_>) -> Vec<(String, Value)> {
 /// Every tensor of `job` in the GGUF's names and order, quantized where it is a matrix.
 fn tensors(job: &QuantizeJob<'_>) -> candle_core::Result<Vec<(String, QTensor)>> {
     let w = job.weights;
-    let mut named: Vec<(&str, &Tensor, Option<LayerTensor>)> = vec![
-        (format::EMBED_TOKENS, &w.embed_tokens, None),
-        (format::FINAL_NORM, &w.norm, None),
+    let embedding = match job.config.tied {
+        true => MatrixRole::Head,
+        false => MatrixRole::Embedding,
+    };
+    let mut named: Vec<(String, &Tensor, MatrixRole)> = vec![
+        (format::EMBED_TOKENS.to_string(), &w.embed_tokens, embedding),
+        (format::FINAL_NORM.to_string(), &w.norm, MatrixRole::Head),
     ];
     if !job.config.tied {
-        named.push((format::LM_HEAD, &w.lm_head, None));
+        named.push((format::LM_HEAD.to_string(), &w.lm_head, MatrixRole::Head));
     }
-    let mut layer_names = Vec::new();
     for layer in 0..job.config.layers {
         for t in LayerTensor::ALL {
-            layer_names.push((t.name(layer), layer, t));
+            let tensor = w.layers[layer].tensor(t);
+            named.push((t.name(layer), tensor, MatrixRole::Layer(layer, t)));
         }
     }
-    let mut out = Vec::new();
-    for (name, tensor, _) in named {
-        out.push((gguf_or(name)?, encode(tensor, None, job)?));
-    }
-    for (name, layer, t) in &layer_names {
-        let tensor = w.layers[*layer].tensor(*t);
-        out.push((gguf_or(name)?, encode(tensor, Some(*t), job)?));
-    }
-    Ok(out)
+    let named = named.into_iter();
+    named
+        .map(|(name, tensor, role)| Ok((gguf_or(&name)?, encode(tensor, role, job)?)))
+        .collect()
 }
 
 fn gguf_or(name: &str) -> candle_core::Result<String> {
     gguf_name(name).ok_or_else(|| candle_core::Error::Msg(format!("{name} has no GGUF name")))
 }
 
-/// One tensor as the file stores it: a matrix quantized (rows permuted where `t` says), a
-/// vector in F32.
+/// One tensor as the file stores it: a matrix quantized (rows permuted where it is `attn_q`
+/// or `attn_k`), a vector in F32. Q8_0 is spex's own rounding (which gguf-py's equals); the
+/// K-quants are candle's port of llama.cpp's `quantize_row_q4_K_ref` and `_q6_K_ref`.
 fn encode(
     tensor: &Tensor,
-    t: Option<LayerTensor>,
+    role: MatrixRole,
     job: &QuantizeJob<'_>,
 ) -> candle_core::Result<QTensor> {
     let tensor = tensor.to_dtype(candle_core::DType::F32)?;
     let &[rows, inner] = tensor.dims() else {
         return QTensor::quantize(&tensor, GgmlDType::F32);
     };
-    let kind = job.file_type.kind();
-    if !inner.is_multiple_of(kind.block_weights()) {
+    let Some(kind) = job.file_type.kind(role, job.config.layers, inner) else {
         return QTensor::quantize(&tensor, GgmlDType::F32);
-    }
+    };
     let values = tensor.flatten_all()?.to_vec1::<f32>()?;
     let head_dim = job.config.head_dim;
-    let permuted = t.is_some_and(super::is_permuted);
-    let mut bytes = Vec::with_capacity(rows * inner / QK8_0 * std::mem::size_of::<BlockQ8_0>());
+    let permuted = matches!(role, MatrixRole::Layer(_, t) if super::is_permuted(t));
     // Stored row `gguf_row(r)` holds spex's row `r`.
     let mut order: Vec<usize> = (0..rows).collect();
     if permuted {
@@ -182,10 +217,16 @@ fn encode(
             order[gguf_row(r, head_dim)] = r;
         }
     }
-    for &source in &order {
-        for block in values[source * inner..(source + 1) * inner].chunks_exact(QK8_0) {
-            bytes.extend_from_slice(bytemuck::bytes_of(&BlockQ8_0::quantize(block)));
-        }
+    let stored: Vec<f32> = (order.iter())
+        .flat_map(|&source| values[source * inner..(source + 1) * inner].iter().copied())
+        .collect();
+    if kind != QuantKind::Q8_0 {
+        let stored = Tensor::from_vec(stored, (rows, inner), &Device::Cpu)?;
+        return QTensor::quantize(&stored, ggml_type(kind));
+    }
+    let mut bytes = Vec::with_capacity(rows * inner / QK8_0 * std::mem::size_of::<BlockQ8_0>());
+    for block in stored.chunks_exact(QK8_0) {
+        bytes.extend_from_slice(bytemuck::bytes_of(&BlockQ8_0::quantize(block)));
     }
     let storage = QStorage::from_data(bytes.into(), &Device::Cpu, ggml_type(kind))?;
     QTensor::new(storage, (rows, inner))

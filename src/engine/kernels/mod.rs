@@ -105,6 +105,8 @@ macro_rules! with_weight {
             Weight::Bf16($w) => $call,
             Weight::F16($w) => $call,
             Weight::Q8_0($q) => $qcall,
+            Weight::Q4K($q) => $qcall,
+            Weight::Q6K($q) => $qcall,
         }
     };
 }
@@ -122,9 +124,14 @@ mod avx512_attention;
 mod avx512_bf16;
 pub mod f16;
 mod isa;
+mod k_quants;
+mod k_quants_simd;
+#[cfg(test)]
+mod k_quants_tests;
 mod kv_element;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+mod packed;
 pub mod pool;
 mod portable;
 pub mod prefetch;
@@ -143,9 +150,12 @@ mod weight_tests;
 
 pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, attend_row};
 pub use isa::{Isa, detected_isa};
+use k_quants::KRows;
+pub use k_quants::{BlockQ4K, BlockQ6K, GroupQ4K, GroupQ6K, KMatrix, KQuant, Q4K, Q6K, QK_K};
 pub use kv_element::KvElement;
+pub use packed::{GROUP_ROWS, Interleave, Packed};
 pub use prefetch::Prefetch;
-pub use q8_0::{BlockQ8_0, BlockQ8_0x8, GROUP_ROWS, Q8Matrix, QK8_0, repack as repack_q8_0};
+pub use q8_0::{BlockQ8_0, BlockQ8_0x8, KindQ8_0, Q8Matrix, QK8_0};
 use q8_0::{Q8Isa, QuantizedRows};
 use settings::Tuning;
 pub use settings::{KernelOptions, Kernels};
@@ -240,26 +250,33 @@ fn matmul_t_pooled(
 struct Input<'a> {
     rows: Rows<'a>,
     q8: QuantizedRows,
+    qk: KRows,
 }
 
 thread_local! {
-    /// The calling thread's spare quantized-activation buffer.
-    static SPARE_Q8: std::cell::Cell<QuantizedRows> = std::cell::Cell::new(QuantizedRows::default());
+    /// The calling thread's spare quantized-activation buffers.
+    static SPARE_Q8: std::cell::Cell<(QuantizedRows, KRows)> = std::cell::Cell::default();
 }
 
 impl<'a> Input<'a> {
     fn new(rows: Rows<'a>, weights: &[Weight<'_>]) -> Self {
-        let mut q8 = SPARE_Q8.take();
+        let (mut q8, mut qk) = SPARE_Q8.take();
         if weights.iter().any(|w| matches!(w, Weight::Q8_0(_))) {
             q8.quantize(&rows);
         }
-        Self { rows, q8 }
+        if weights
+            .iter()
+            .any(|w| matches!(w, Weight::Q4K(_) | Weight::Q6K(_)))
+        {
+            qk.quantize(&rows);
+        }
+        Self { rows, q8, qk }
     }
 }
 
 impl Drop for Input<'_> {
     fn drop(&mut self) {
-        SPARE_Q8.set(std::mem::take(&mut self.q8));
+        SPARE_Q8.set((std::mem::take(&mut self.q8), std::mem::take(&mut self.qk)));
     }
 }
 
@@ -281,8 +298,36 @@ fn product_columns(
     let out = out.from(range.start);
     with_weight!(w,
         w => matmul_t_serial(t, x, w, rows, inner, out, to),
-        q => q8_0::product(Q8Isa::for_isa(t.isa), t.prefetch, &input.q8, q, out, to)
+        q => q.product(t, input, out, to)
     );
+}
+
+/// A quantized matrix's product (`product_columns`): its block type's integer kernels over the
+/// input's rows quantized for them.
+trait QuantizedProduct {
+    fn product(self, t: Tuning, input: &Input<'_>, out: SharedOut<'_>, to: OutLayout);
+}
+
+impl QuantizedProduct for Q8Matrix<'_> {
+    fn product(self, t: Tuning, input: &Input<'_>, out: SharedOut<'_>, to: OutLayout) {
+        q8_0::product(Q8Isa::for_isa(t.isa), t.prefetch, &input.q8, self, out, to);
+    }
+}
+
+impl<K: k_quants_simd::Groups> QuantizedProduct for KMatrix<'_, K> {
+    fn product(self, t: Tuning, input: &Input<'_>, out: SharedOut<'_>, to: OutLayout) {
+        k_quants::product(Q8Isa::for_isa(t.isa), t.prefetch, &input.qk, self, out, to);
+    }
+}
+
+/// Rewrites `bytes`, `rows` rows of `blocks` blocks of `kind` as GGUF stores them, into the
+/// kernels' layout in place (`packed`).
+pub fn repack(kind: QuantKind, bytes: &mut [u8], rows: usize, blocks: usize) {
+    match kind {
+        QuantKind::Q8_0 => packed::repack::<KindQ8_0>(bytes, rows, blocks),
+        QuantKind::Q4K => packed::repack::<Q4K>(bytes, rows, blocks),
+        QuantKind::Q6K => packed::repack::<Q6K>(bytes, rows, blocks),
+    }
 }
 
 /// An output that the decode threads write at disjoint elements (each its own columns of

@@ -1,7 +1,7 @@
 //! Q8_0 weights (GGUF's `block_q8_0`: 32 signed bytes and one f16 scale a block, 8.5 bits a
 //! weight) multiplied as stored, with integer dot products. Called by the matmul dispatch
 //! (`super::product_columns`) for [`Weight::Q8_0`](super::Weight) matrices, which a quantized
-//! checkpoint's loader hands the host backend in [`repack`]'s layout.
+//! checkpoint's loader hands the host backend in `packed`'s layout.
 //!
 //! Why integers: at real size a bf16 step already streams its weights at the memory's pace, so
 //! the next gain is fewer bytes; but on a stream half as thick, an f32 product over widened
@@ -12,8 +12,8 @@
 //!
 //! # Eight weight rows interleaved
 //!
-//! [`repack`] lays each group of 8 weight rows out block by block ([`BlockQ8_0x8`]): the 8
-//! rows' scales, then their bytes 4 at a time, row after row. One 32-byte load then holds 4
+//! `packed::repack` lays each group of 8 weight rows out block by block ([`BlockQ8_0x8`]): the
+//! 8 rows' scales, then their bytes 4 at a time, row after row. One 32-byte load then holds 4
 //! bytes of each of the 8 rows, and one `vpdpbusd` (AVX-512 VNNI) of it with an activation's 4
 //! bytes broadcast adds 4 products into each row's lane: 8 of them make each lane a whole
 //! block's integer sum, and one FMA a block scales 8 outputs. Without the layout every block's
@@ -37,12 +37,11 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use super::packed::{GROUP_ROWS, Interleave, Located, Packed};
 use super::{OutLayout, Prefetch, Rows, SharedOut};
 
 /// Weights a Q8_0 block holds.
 pub const QK8_0: usize = 32;
-/// Weight rows a [`BlockQ8_0x8`] interleaves.
-pub const GROUP_ROWS: usize = 8;
 
 /// GGUF's `block_q8_0`: `qs[i] · d` is weight `i` of the block.
 #[repr(C)]
@@ -54,7 +53,7 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK8_0],
 }
 
-/// One block of each of 8 weight rows, interleaved ([`repack`]): `d[j]` is row `j`'s scale and
+/// One block of each of 8 weight rows, interleaved ([`KindQ8_0::pack`]): `d[j]` is row `j`'s scale and
 /// `qs[32k + 4j + t]` its weight `4k + t`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -107,112 +106,53 @@ impl BlockQ8_0 {
 /// The scale of a block of values quantized to Q8_0 and its reciprocal: `d = max|x| / 127` in
 /// f32, and `1 / d` (0 for an all-zero block), the rule of llama.cpp's `quantize_row_q8_0_ref`
 /// that weights and activations share.
-fn block_scale(x: &[f32]) -> (f32, f32) {
+pub(super) fn block_scale(x: &[f32]) -> (f32, f32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     (d, if d != 0.0 { 1.0 / d } else { 0.0 })
 }
 
-/// A Q8_0 matrix in the kernels' layout: its rows in groups of 8 interleaved ([`repack`]),
-/// then the last `rows % 8` rows as stored.
+/// GGUF's Q8_0 as [`Interleave`]s it: [`BlockQ8_0`]s in [`BlockQ8_0x8`] groups.
 #[derive(Debug, Clone, Copy)]
-pub struct Q8Matrix<'a> {
-    /// Each group's blocks in order, group after group.
-    pub groups: &'a [BlockQ8_0x8],
-    /// The rows after the last whole group, row after row.
-    pub tail: &'a [BlockQ8_0],
-    /// Blocks a row.
-    pub blocks: usize,
-}
+pub struct KindQ8_0;
 
-impl<'a> Q8Matrix<'a> {
-    /// A matrix of `rows` rows of `blocks` blocks held in `bytes` in [`repack`]'s layout; an
-    /// error says why not (the size, or an odd address).
-    pub fn from_bytes(bytes: &'a [u8], rows: usize, blocks: usize) -> Result<Self, String> {
-        let block = std::mem::size_of::<BlockQ8_0>();
-        if bytes.len() != rows * blocks * block {
-            return Err(format!(
-                "{} bytes for {rows} rows of {blocks} Q8_0 blocks",
-                bytes.len()
-            ));
-        }
-        let (groups, tail) = bytes.split_at(rows / GROUP_ROWS * GROUP_ROWS * blocks * block);
-        let cast = |e: bytemuck::PodCastError| format!("Q8_0 blocks: {e}");
-        Ok(Self {
-            groups: bytemuck::try_cast_slice(groups).map_err(cast)?,
-            tail: bytemuck::try_cast_slice(tail).map_err(cast)?,
-            blocks,
-        })
-    }
+impl Interleave for KindQ8_0 {
+    type Block = BlockQ8_0;
+    type Group = BlockQ8_0x8;
 
-    /// Its rows.
-    pub fn rows(self) -> usize {
-        (self.groups.len() * GROUP_ROWS + self.tail.len()) / self.blocks.max(1)
-    }
-
-    /// Rows `range`, which must start at a multiple of 8 and end at one or at the last row
-    /// (the decode threads' shares do).
-    pub fn slice_rows(self, range: std::ops::Range<usize>) -> Self {
-        debug_assert!(range.start.is_multiple_of(GROUP_ROWS));
-        let grouped = self.groups.len() / self.blocks.max(1) * GROUP_ROWS;
-        let (b, g) = (self.blocks, GROUP_ROWS);
-        let group_end = range.end.min(grouped);
-        let group_start = range.start.min(group_end);
-        let tail_start = range.start.max(grouped) - grouped;
-        let tail_end = range.end.max(grouped) - grouped;
-        Self {
-            groups: &self.groups[group_start / g * b..group_end / g * b],
-            tail: &self.tail[tail_start * b..tail_end * b],
-            blocks: b,
-        }
-    }
-
-    /// Row `row`'s block `k`: its scale and its 32 weights.
-    pub fn block(self, row: usize, k: usize) -> (f16, [i8; QK8_0]) {
-        let grouped = self.groups.len() / self.blocks.max(1) * GROUP_ROWS;
-        if row >= grouped {
-            let b = &self.tail[(row - grouped) * self.blocks + k];
-            return (b.d, b.qs);
-        }
-        let (item, j) = (
-            &self.groups[row / GROUP_ROWS * self.blocks + k],
-            row % GROUP_ROWS,
-        );
-        let mut qs = [0i8; QK8_0];
-        for (k4, four) in qs.chunks_exact_mut(4).enumerate() {
-            let at = 32 * k4 + 4 * j;
-            four.copy_from_slice(&item.qs[at..at + 4]);
-        }
-        (item.d[j], qs)
-    }
-}
-
-/// Rewrites `bytes`, `rows` rows of `blocks` Q8_0 blocks as GGUF stores them, into the
-/// kernels' layout in place: each whole group of 8 rows as [`BlockQ8_0x8`]s, one per block,
-/// and the rows after the last group as they are.
-pub fn repack(bytes: &mut [u8], rows: usize, blocks: usize) {
-    let block = std::mem::size_of::<BlockQ8_0>();
-    let group_bytes = GROUP_ROWS * blocks * block;
-    for group in bytes[..rows / GROUP_ROWS * group_bytes].chunks_exact_mut(group_bytes) {
-        let stored: Vec<BlockQ8_0> = bytemuck::pod_collect_to_vec(group);
-        let mut packed = vec![
-            BlockQ8_0x8 {
-                d: [f16::ZERO; GROUP_ROWS],
-                qs: [0; QK8_0 * GROUP_ROWS],
-            };
-            blocks
-        ];
-        for (k, item) in packed.iter_mut().enumerate() {
-            for j in 0..GROUP_ROWS {
-                let b = &stored[j * blocks + k];
-                item.d[j] = b.d;
-                for k4 in 0..QK8_0 / 4 {
-                    let at = 32 * k4 + 4 * j;
-                    item.qs[at..at + 4].copy_from_slice(&b.qs[4 * k4..4 * k4 + 4]);
-                }
+    fn pack(rows: &[BlockQ8_0; GROUP_ROWS]) -> BlockQ8_0x8 {
+        let mut item = BlockQ8_0x8 {
+            d: [f16::ZERO; GROUP_ROWS],
+            qs: [0; QK8_0 * GROUP_ROWS],
+        };
+        for (j, b) in rows.iter().enumerate() {
+            item.d[j] = b.d;
+            for k4 in 0..QK8_0 / 4 {
+                let at = 32 * k4 + 4 * j;
+                item.qs[at..at + 4].copy_from_slice(&b.qs[4 * k4..4 * k4 + 4]);
             }
         }
-        group.copy_from_slice(bytemuck::cast_slice(&packed));
+        item
+    }
+}
+
+/// A Q8_0 matrix in the kernels' layout (`packed`).
+pub type Q8Matrix<'a> = Packed<'a, KindQ8_0>;
+
+impl Q8Matrix<'_> {
+    /// Row `row`'s block `k`: its scale and its 32 weights.
+    pub fn block(self, row: usize, k: usize) -> (f16, [i8; QK8_0]) {
+        match self.locate(row, k) {
+            Located::Tail(b) => (b.d, b.qs),
+            Located::Group(item, j) => {
+                let mut qs = [0i8; QK8_0];
+                for (k4, four) in qs.chunks_exact_mut(4).enumerate() {
+                    let at = 32 * k4 + 4 * j;
+                    four.copy_from_slice(&item.qs[at..at + 4]);
+                }
+                (item.d[j], qs)
+            }
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! The Q8_0 kernels: one result on every ISA, independent of the other rows and of the
 //! threads' split, and within the activations' rounding of the dequantized f32 product.
 
-use super::q8_0::{BlockQ8_0, Q8Isa, Q8Matrix, QK8_0, QuantizedRows, product, repack};
+use super::q8_0::{BlockQ8_0, KindQ8_0, Q8Isa, Q8Matrix, QK8_0, QuantizedRows, product};
 use super::tests::{lcg, supported_isas, with_threads};
 use super::*;
 
@@ -14,7 +14,7 @@ fn q8_matrix(outs: usize, inner: usize, seed: &mut u64) -> (Vec<BlockQ8_0>, Vec<
     for (b, out) in blocks.iter().zip(wide.chunks_exact_mut(QK8_0)) {
         b.dequantize_into(out);
     }
-    repack(bytemuck::cast_slice_mut(&mut blocks), outs, inner / QK8_0);
+    packed::repack::<KindQ8_0>(bytemuck::cast_slice_mut(&mut blocks), outs, inner / QK8_0);
     (blocks, wide)
 }
 

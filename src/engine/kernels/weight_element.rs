@@ -14,6 +14,7 @@
 
 use half::{bf16, f16};
 
+use super::k_quants::{self, KMatrix, KQuant, Q4K, Q6K, QK_K};
 use super::q8_0::{Q8Matrix, QK8_0};
 
 #[cfg(target_arch = "aarch64")]
@@ -166,6 +167,10 @@ pub enum Weight<'a> {
     /// Stored in GGUF's Q8_0 blocks, 32 weights each, in the kernels' layout (`q8_0`),
     /// multiplied with integer dot products over quantized activations.
     Q8_0(Q8Matrix<'a>),
+    /// Stored in GGUF's Q4_K super-blocks, 256 weights each (`k_quants`).
+    Q4K(KMatrix<'a, Q4K>),
+    /// Stored in GGUF's Q6_K super-blocks, 256 weights each (`k_quants`).
+    Q6K(KMatrix<'a, Q6K>),
 }
 
 /// A quantized block type the kernels read as stored.
@@ -173,16 +178,22 @@ pub enum Weight<'a> {
 pub enum QuantKind {
     /// 32 weights: an f16 scale and 32 bytes ([`super::BlockQ8_0`]).
     Q8_0,
+    /// 256 weights in 8 sub-blocks with 6-bit scales and mins ([`super::BlockQ4K`]).
+    Q4K,
+    /// 256 weights in 16 sub-blocks with 8-bit scales ([`super::BlockQ6K`]).
+    Q6K,
 }
 
 impl QuantKind {
     /// Every kind.
-    pub const ALL: [Self; 1] = [Self::Q8_0];
+    pub const ALL: [Self; 3] = [Self::Q8_0, Self::Q4K, Self::Q6K];
 
     /// Its name as llama.cpp prints it.
     pub fn name(self) -> &'static str {
         match self {
             Self::Q8_0 => "Q8_0",
+            Self::Q4K => "Q4_K",
+            Self::Q6K => "Q6_K",
         }
     }
 
@@ -190,6 +201,7 @@ impl QuantKind {
     pub fn block_weights(self) -> usize {
         match self {
             Self::Q8_0 => QK8_0,
+            Self::Q4K | Self::Q6K => QK_K,
         }
     }
 
@@ -197,6 +209,8 @@ impl QuantKind {
     pub fn block_bytes(self) -> usize {
         match self {
             Self::Q8_0 => std::mem::size_of::<super::BlockQ8_0>(),
+            Self::Q4K => std::mem::size_of::<super::BlockQ4K>(),
+            Self::Q6K => std::mem::size_of::<super::BlockQ6K>(),
         }
     }
 }
@@ -247,6 +261,30 @@ impl<'a> From<Q8Matrix<'a>> for Weight<'a> {
     }
 }
 
+impl<'a> From<KMatrix<'a, Q4K>> for Weight<'a> {
+    fn from(w: KMatrix<'a, Q4K>) -> Self {
+        Self::Q4K(w)
+    }
+}
+
+impl<'a> From<KMatrix<'a, Q6K>> for Weight<'a> {
+    fn from(w: KMatrix<'a, Q6K>) -> Self {
+        Self::Q6K(w)
+    }
+}
+
+/// Elements `range` of K-quant matrix `w`, dequantized (whole super-blocks decoded).
+fn widen_k<K: KQuant>(w: KMatrix<'_, K>, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+    let inner = w.blocks * QK_K;
+    let mut block = [0f32; QK_K];
+    for at in (range.start / QK_K * QK_K..range.end).step_by(QK_K) {
+        let (row, k) = (at / inner, at % inner / QK_K);
+        K::dequantize(&k_quants::decoded(w, row, k), &mut block);
+        let (lo, hi) = (range.start.max(at), range.end.min(at + QK_K));
+        out.extend_from_slice(&block[lo - at..hi - at]);
+    }
+}
+
 impl<'a> Weight<'a> {
     /// Its number of elements.
     pub fn len(self) -> usize {
@@ -255,6 +293,8 @@ impl<'a> Weight<'a> {
             Self::Bf16(w) => w.len(),
             Self::F16(w) => w.len(),
             Self::Q8_0(w) => w.rows() * w.blocks * QK8_0,
+            Self::Q4K(w) => w.rows() * w.blocks * QK_K,
+            Self::Q6K(w) => w.rows() * w.blocks * QK_K,
         }
     }
 
@@ -269,7 +309,9 @@ impl<'a> Weight<'a> {
             Self::F32(w) => std::mem::size_of_val(w),
             Self::Bf16(w) => std::mem::size_of_val(w),
             Self::F16(w) => std::mem::size_of_val(w),
-            Self::Q8_0(w) => std::mem::size_of_val(w.groups) + std::mem::size_of_val(w.tail),
+            Self::Q8_0(w) => w.bytes(),
+            Self::Q4K(w) => w.bytes(),
+            Self::Q6K(w) => w.bytes(),
         }
     }
 
@@ -283,6 +325,14 @@ impl<'a> Weight<'a> {
             Self::Q8_0(w) => {
                 let inner = w.blocks * QK8_0;
                 Self::Q8_0(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
+            }
+            Self::Q4K(w) => {
+                let inner = w.blocks * QK_K;
+                Self::Q4K(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
+            }
+            Self::Q6K(w) => {
+                let inner = w.blocks * QK_K;
+                Self::Q6K(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
             }
         }
     }
@@ -299,6 +349,8 @@ impl<'a> Weight<'a> {
                 Self::Bf16(w) => w.align_to::<u64>().1,
                 Self::F16(w) => w.align_to::<u64>().1,
                 Self::Q8_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
+                Self::Q4K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
+                Self::Q6K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
             }
         }
     }
@@ -325,6 +377,8 @@ impl<'a> Weight<'a> {
                     }
                 }
             }
+            Self::Q4K(w) => widen_k(w, range, out),
+            Self::Q6K(w) => widen_k(w, range, out),
         }
     }
 }

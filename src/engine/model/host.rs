@@ -17,7 +17,7 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::exit_gate::{ExitGate, sigmoid};
 use crate::engine::kernels::prefetch::{Choice, Prefetch};
 use crate::engine::kernels::{
-    self, HeadSpan, Kernels, KvElement, Matrix, Q8Matrix, QuantKind, SubnormalsFlushed, Weight,
+    self, HeadSpan, Kernels, KvElement, Matrix, Packed, QuantKind, SubnormalsFlushed, Weight,
 };
 use crate::engine::kv_cache::KvCache;
 
@@ -63,15 +63,19 @@ impl<'a> HostView<'a> {
             (Storage::Cpu(CpuStorage::F32(v)), _) => Ok(Weight::F32(&v[range])),
             (Storage::Cpu(CpuStorage::BF16(v)), _) => Ok(Weight::Bf16(&v[range])),
             (Storage::Cpu(CpuStorage::F16(v)), _) => Ok(Weight::F16(&v[range])),
-            (Storage::Cpu(CpuStorage::U8(v)), Some(kind @ QuantKind::Q8_0)) => {
+            (Storage::Cpu(CpuStorage::U8(v)), Some(kind)) => {
                 let blocks = self.inner / kind.block_weights();
                 let rows = self.len / (blocks * kind.block_bytes()).max(1);
-                Q8Matrix::from_bytes(&v[range], rows, blocks)
-                    .map(Weight::Q8_0)
-                    .map_err(EngineError::Invalid)
+                let bytes = &v[range];
+                match kind {
+                    QuantKind::Q8_0 => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q8_0),
+                    QuantKind::Q4K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q4K),
+                    QuantKind::Q6K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q6K),
+                }
+                .map_err(EngineError::Invalid)
             }
             (other, _) => Err(EngineError::Invalid(format!(
-                "host kernels read f32, bf16 or f16 weights or Q8_0 blocks, not {:?}",
+                "host kernels read f32, bf16 or f16 weights or quantized blocks, not {:?}",
                 other.dtype()
             ))),
         }

@@ -413,14 +413,25 @@ impl LoopedModel {
         self.config.passes
     }
 
-    /// The type its layers' matrices are stored in, as the headers name it: `Q8_0` for
-    /// quantized blocks (`gguf`), else the element type (`bf16`).
+    /// The type its layers' matrices are stored in, as the headers name it: the block types
+    /// of quantized matrices (`gguf`), joined by `+` where a file mixes them (`Q4_K+Q6_K`, a
+    /// Q4_K_M file), else the element type (`bf16`).
     pub fn weight_type(&self) -> String {
-        let first = self.weights.layers.first().map(|l| &l.q_proj);
-        match first.and_then(quant_kind_of) {
-            Some(kind) => kind.name().to_string(),
-            None => format!("{:?}", first.map_or(self.dtype, |t| t.dtype())).to_lowercase(),
+        let stored: Vec<_> = (self.weights.layers.iter())
+            .flat_map(|l| {
+                crate::engine::format::LayerTensor::ALL.map(|t| quant_kind_of(l.tensor(t)))
+            })
+            .flatten()
+            .collect();
+        let kinds: Vec<&str> = (crate::engine::kernels::QuantKind::ALL.into_iter())
+            .filter(|k| stored.contains(k))
+            .map(|k| k.name())
+            .collect();
+        if !kinds.is_empty() {
+            return kinds.join("+");
         }
+        let first = self.weights.layers.first().map(|l| &l.q_proj);
+        format!("{:?}", first.map_or(self.dtype, |t| t.dtype())).to_lowercase()
     }
 
     /// The attention's heads, K/V heads and head width.

@@ -1,0 +1,514 @@
+//! K-quant weights (GGUF's `block_q4_K` and `block_q6_K`, the two types a Q4_K_M file holds:
+//! super-blocks of 256 weights with 6- or 8-bit sub-block scales, 4.5 and 6.56 bits a weight)
+//! multiplied as stored, with integer dot products. Called by the matmul dispatch
+//! (`super::product_columns`) for [`Weight::Q4K`](super::Weight) and
+//! [`Weight::Q6K`](super::Weight) matrices, in `packed`'s layout ([`GroupQ4K`], [`GroupQ6K`]).
+//!
+//! Why integers: as for Q8_0 (`q8_0`), a stream 3× thinner than bf16 leaves no room for f32
+//! arithmetic over R rows under the weight reads (SPEED, arXiv 2310.12072, §3). Each
+//! activation row is quantized per super-block of 256 to 8 bits with the sums of its 16-value
+//! runs ([`KRows`], llama.cpp's `block_q8_K`), so a super-block's products and its sub-block
+//! scales are all integer arithmetic and only one or two FMAs a super-block are float.
+//!
+//! # One result on every ISA
+//!
+//! For activation row `r` (scale `dx`, values `x`, 16-value sums `bsum`) and one weight row,
+//! over the super-blocks in order from `acc = 0`:
+//! - **Q4_K** (weights `d·sc[s]·q − dmin·m[s]`, `q` in 0..16, 8 sub-blocks of 32):
+//!   `isum = Σₛ sc[s]·Σᵢ q·x`, `msum = Σₛ m[s]·(bsum[2s] + bsum[2s+1])`, then
+//!   `acc = fma(isum, d·dx, acc)` and `acc = fma(msum, dmin·(−dx), acc)`.
+//! - **Q6_K** (weights `d·sc[s]·(q − 32)`, `q` in 0..64, 16 sub-blocks of 16):
+//!   `isum = Σₛ sc[s]·(Σᵢ q·x − 32·bsum[s])`, then `acc = fma(isum, d·dx, acc)`.
+//!
+//! The sums are exact integers on any ISA (the bounds are under 2³¹: 8·63·32·15·127 for Q4_K,
+//! 16·128·16·32·127 for Q6_K) and the float part is one sequence of roundings, so the portable
+//! loops and every vector kernel agree bit for bit, and a row's result depends on nothing but
+//! its own inputs: speculative output on these weights equals the baseline's.
+
+use half::f16;
+
+use super::packed::{GROUP_ROWS, Interleave, Located, Packed};
+use super::q8_0::{Q8Isa, block_scale};
+use super::weight_element::QuantKind;
+use super::{OutLayout, Prefetch, Rows, SharedOut};
+
+/// Weights a K-quant super-block holds.
+pub const QK_K: usize = 256;
+
+/// GGUF's `block_q4_K`: 8 sub-blocks of 32 weights `d·sc·q − dmin·m`, their 6-bit scales and
+/// mins packed in `scales` (llama.cpp's `get_scale_min_k4`), `q` 4 bits in `qs`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockQ4K {
+    /// The scales' scale.
+    pub d: f16,
+    /// The mins' scale.
+    pub dmin: f16,
+    /// 8 scales and 8 mins, 6 bits each.
+    pub scales: [u8; 12],
+    /// Weight `64c + l` is `qs[32c + l]`'s low nibble for `l < 32`, else `qs[32c + l − 32]`'s
+    /// high one.
+    pub qs: [u8; QK_K / 2],
+}
+
+/// GGUF's `block_q6_K`: 16 sub-blocks of 16 weights `d·sc·(q − 32)`, `q`'s low 4 bits in `ql`
+/// and high 2 in `qh` (llama.cpp's `dequantize_row_q6_K` order).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockQ6K {
+    /// The weights' low 4 bits.
+    pub ql: [u8; QK_K / 2],
+    /// Their high 2 bits.
+    pub qh: [u8; QK_K / 4],
+    /// The sub-blocks' scales.
+    pub scales: [i8; QK_K / 16],
+    /// The scales' scale.
+    pub d: f16,
+}
+
+/// One Q4_K super-block of each of 8 rows, interleaved. Sub-block `s`, row `j`:
+/// `scales[s][j]` holds the scale's and the min's low 4 bits (scale low), and bits `4j..4j+4`
+/// of the little-endian word `scales[s][8..12]` their high 2 bits (scale first); byte
+/// `128s + 32p + 4j + t` of `qs` holds weight `32s + 4p + t` (low nibble) and `32s + 16 + 4p
+/// + t` (high), for `p, t < 4`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupQ4K {
+    /// The rows' `d`.
+    pub d: [f16; GROUP_ROWS],
+    /// The rows' `dmin`.
+    pub dmin: [f16; GROUP_ROWS],
+    /// Scales and mins, by sub-block.
+    pub scales: [[u8; 12]; 8],
+    /// The weights.
+    pub qs: [u8; QK_K / 2 * GROUP_ROWS],
+}
+
+/// One Q6_K super-block of each of 8 rows, interleaved. Sub-block `s`, row `j`:
+/// `scales[s][j]`; in `qs[s]`, byte `4j + t` holds weights `16s + t` and `16s + 4 + t` (their
+/// low 4 bits, low nibble first), byte `32 + 4j + t` weights `16s + 8 + t` and `16s + 12 + t`,
+/// and byte `64 + 4j + t` the high 2 bits of weights `16s + 4c + t` at bits `2c`, `c < 4`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupQ6K {
+    /// The rows' `d`.
+    pub d: [f16; GROUP_ROWS],
+    /// The scales, by sub-block.
+    pub scales: [[i8; GROUP_ROWS]; 16],
+    /// The weights, by sub-block.
+    pub qs: [[u8; 96]; 16],
+}
+
+const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
+const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
+const _: () = assert!(std::mem::size_of::<GroupQ4K>() == 8 * 144);
+const _: () = assert!(std::mem::size_of::<GroupQ6K>() == 8 * 210);
+
+// Each block and group is a `repr(C)` struct of f16s (align 2) and byte arrays, whose sizes
+// the asserts above show add up with no padding; every bit pattern is a valid f16, u8 and i8;
+// all are `Copy` and `'static`.
+// SAFETY: above.
+unsafe impl bytemuck::Zeroable for BlockQ4K {}
+// SAFETY: above.
+unsafe impl bytemuck::Pod for BlockQ4K {}
+// SAFETY: above.
+unsafe impl bytemuck::Zeroable for BlockQ6K {}
+// SAFETY: above.
+unsafe impl bytemuck::Pod for BlockQ6K {}
+// SAFETY: above.
+unsafe impl bytemuck::Zeroable for GroupQ4K {}
+// SAFETY: above.
+unsafe impl bytemuck::Pod for GroupQ4K {}
+// SAFETY: above.
+unsafe impl bytemuck::Zeroable for GroupQ6K {}
+// SAFETY: above.
+unsafe impl bytemuck::Pod for GroupQ6K {}
+
+/// A super-block's integers, unpacked: what the one definition and dequantization read.
+#[derive(Debug, Clone, Copy)]
+pub struct Decoded {
+    /// The scales' scale.
+    pub d: f16,
+    /// The mins' scale (Q4_K; zero for Q6_K).
+    pub dmin: f16,
+    /// Each 16-weight run's scale (a Q4_K sub-block's twice).
+    pub sc: [i32; 16],
+    /// Each Q4_K sub-block's min (zero for Q6_K).
+    pub m: [i32; 8],
+    /// The weights' integers, unsigned.
+    pub q: [u8; QK_K],
+}
+
+/// A K-quant type: its blocks, their group and the one definition's integers.
+pub trait KQuant: Interleave {
+    /// Its kind.
+    const KIND: QuantKind;
+
+    /// A stored block's integers.
+    fn decode(b: &Self::Block) -> Decoded;
+    /// Row `j`'s integers of a group.
+    fn decode_row(g: &Self::Group, j: usize) -> Decoded;
+
+    /// The block's weights in f32, as llama.cpp's `dequantize_row_*` computes them.
+    fn dequantize(b: &Decoded, out: &mut [f32]);
+
+    /// One super-block's step of the one definition (module docs): `acc` after it.
+    fn step(b: &Decoded, x: &[i8], bsum: &[i32], dx: f32, acc: f32) -> f32;
+}
+
+/// Q4_K's marker.
+#[derive(Debug, Clone, Copy)]
+pub struct Q4K;
+/// Q6_K's marker.
+#[derive(Debug, Clone, Copy)]
+pub struct Q6K;
+
+/// llama.cpp's `get_scale_min_k4`: sub-block `j`'s 6-bit scale and min.
+fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The exact integer dot product of `q` and `x`.
+#[inline(always)]
+fn idot(q: &[u8], x: &[i8]) -> i32 {
+    q.iter()
+        .zip(x)
+        .map(|(&q, &x)| i32::from(q) * i32::from(x))
+        .sum()
+}
+
+impl Interleave for Q4K {
+    type Block = BlockQ4K;
+    type Group = GroupQ4K;
+
+    fn pack(rows: &[BlockQ4K; GROUP_ROWS]) -> GroupQ4K {
+        let mut g: GroupQ4K = bytemuck::Zeroable::zeroed();
+        for (j, b) in rows.iter().enumerate() {
+            let u = Self::decode(b);
+            (g.d[j], g.dmin[j]) = (b.d, b.dmin);
+            for s in 0..8 {
+                let (sc, m) = (u.sc[2 * s] as u32, u.m[s] as u32);
+                g.scales[s][j] = ((sc & 15) | (m & 15) << 4) as u8;
+                let mut word = u32::from_le_bytes(g.scales[s][8..12].try_into().unwrap_or([0; 4]));
+                word |= ((sc >> 4) | (m >> 4) << 2) << (4 * j);
+                g.scales[s][8..12].copy_from_slice(&word.to_le_bytes());
+                for p in 0..4 {
+                    for t in 0..4 {
+                        let w = 32 * s + 4 * p + t;
+                        g.qs[128 * s + 32 * p + 4 * j + t] = u.q[w] | u.q[w + 16] << 4;
+                    }
+                }
+            }
+        }
+        g
+    }
+}
+
+impl KQuant for Q4K {
+    const KIND: QuantKind = QuantKind::Q4K;
+
+    fn decode(b: &BlockQ4K) -> Decoded {
+        let mut u = Decoded {
+            d: b.d,
+            dmin: b.dmin,
+            sc: [0; 16],
+            m: [0; 8],
+            q: [0; QK_K],
+        };
+        for s in 0..8 {
+            let (sc, m) = scale_min_k4(s, &b.scales);
+            (u.sc[2 * s], u.sc[2 * s + 1], u.m[s]) = (sc.into(), sc.into(), m.into());
+        }
+        for (i, q) in u.q.iter_mut().enumerate() {
+            let byte = b.qs[32 * (i / 64) + i % 32];
+            *q = if i % 64 < 32 { byte & 0xF } else { byte >> 4 };
+        }
+        u
+    }
+
+    fn decode_row(g: &GroupQ4K, j: usize) -> Decoded {
+        let mut u = Decoded {
+            d: g.d[j],
+            dmin: g.dmin[j],
+            sc: [0; 16],
+            m: [0; 8],
+            q: [0; QK_K],
+        };
+        for s in 0..8 {
+            let word = u32::from_le_bytes(g.scales[s][8..12].try_into().unwrap_or([0; 4]));
+            let (lo, hi) = (g.scales[s][j], (word >> (4 * j)) as u8);
+            let sc = i32::from((lo & 15) | (hi & 3) << 4);
+            (u.sc[2 * s], u.sc[2 * s + 1]) = (sc, sc);
+            u.m[s] = i32::from((lo >> 4) | ((hi >> 2) & 3) << 4);
+            for p in 0..4 {
+                for t in 0..4 {
+                    let byte = g.qs[128 * s + 32 * p + 4 * j + t];
+                    let w = 32 * s + 4 * p + t;
+                    (u.q[w], u.q[w + 16]) = (byte & 0xF, byte >> 4);
+                }
+            }
+        }
+        u
+    }
+
+    fn dequantize(b: &Decoded, out: &mut [f32]) {
+        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+        for (i, o) in out.iter_mut().enumerate().take(QK_K) {
+            let s = i / 32;
+            *o = d * b.sc[2 * s] as f32 * f32::from(b.q[i]) - dmin * b.m[s] as f32;
+        }
+    }
+
+    #[inline(always)]
+    fn step(b: &Decoded, x: &[i8], bsum: &[i32], dx: f32, acc: f32) -> f32 {
+        let (mut isum, mut msum) = (0i32, 0i32);
+        for s in 0..8 {
+            let run = 32 * s..32 * s + 32;
+            isum += b.sc[2 * s] * idot(&b.q[run.clone()], &x[run]);
+            msum += b.m[s] * (bsum[2 * s] + bsum[2 * s + 1]);
+        }
+        let acc = (isum as f32).mul_add(b.d.to_f32() * dx, acc);
+        (msum as f32).mul_add(b.dmin.to_f32() * -dx, acc)
+    }
+}
+
+impl Interleave for Q6K {
+    type Block = BlockQ6K;
+    type Group = GroupQ6K;
+
+    fn pack(rows: &[BlockQ6K; GROUP_ROWS]) -> GroupQ6K {
+        let mut g: GroupQ6K = bytemuck::Zeroable::zeroed();
+        for (j, b) in rows.iter().enumerate() {
+            let u = Self::decode(b);
+            g.d[j] = b.d;
+            for s in 0..16 {
+                g.scales[s][j] = b.scales[s];
+                let q = |c: usize, t: usize| u.q[16 * s + 4 * c + t];
+                for t in 0..4 {
+                    g.qs[s][4 * j + t] = (q(0, t) & 15) | (q(1, t) & 15) << 4;
+                    g.qs[s][32 + 4 * j + t] = (q(2, t) & 15) | (q(3, t) & 15) << 4;
+                    g.qs[s][64 + 4 * j + t] = (0..4).map(|c| (q(c, t) >> 4) << (2 * c)).sum();
+                }
+            }
+        }
+        g
+    }
+}
+
+impl KQuant for Q6K {
+    const KIND: QuantKind = QuantKind::Q6K;
+
+    fn decode(b: &BlockQ6K) -> Decoded {
+        let mut u = Decoded {
+            d: b.d,
+            dmin: f16::ZERO,
+            sc: b.scales.map(i32::from),
+            m: [0; 8],
+            q: [0; QK_K],
+        };
+        for (i, q) in u.q.iter_mut().enumerate() {
+            let (n, k, l) = (i / 128, i % 128 / 32, i % 32);
+            let low = b.ql[64 * n + l + 32 * (k & 1)];
+            let low = if k < 2 { low & 0xF } else { low >> 4 };
+            *q = low | ((b.qh[32 * n + l] >> (2 * k)) & 3) << 4;
+        }
+        u
+    }
+
+    fn decode_row(g: &GroupQ6K, j: usize) -> Decoded {
+        let mut u = Decoded {
+            d: g.d[j],
+            dmin: f16::ZERO,
+            sc: [0; 16],
+            m: [0; 8],
+            q: [0; QK_K],
+        };
+        for s in 0..16 {
+            u.sc[s] = g.scales[s][j].into();
+            for t in 0..4 {
+                let (a, b, h) = (
+                    g.qs[s][4 * j + t],
+                    g.qs[s][32 + 4 * j + t],
+                    g.qs[s][64 + 4 * j + t],
+                );
+                let low = [a & 15, a >> 4, b & 15, b >> 4];
+                for (c, l) in low.into_iter().enumerate() {
+                    u.q[16 * s + 4 * c + t] = l | ((h >> (2 * c)) & 3) << 4;
+                }
+            }
+        }
+        u
+    }
+
+    fn dequantize(b: &Decoded, out: &mut [f32]) {
+        let d = b.d.to_f32();
+        for (i, o) in out.iter_mut().enumerate().take(QK_K) {
+            *o = d * b.sc[i / 16] as f32 * (i32::from(b.q[i]) - 32) as f32;
+        }
+    }
+
+    #[inline(always)]
+    fn step(b: &Decoded, x: &[i8], bsum: &[i32], dx: f32, acc: f32) -> f32 {
+        let mut isum = 0i32;
+        for (s, (&sc, &bsum)) in b.sc.iter().zip(bsum).enumerate() {
+            let run = 16 * s..16 * s + 16;
+            isum += sc * (idot(&b.q[run.clone()], &x[run]) - 32 * bsum);
+        }
+        (isum as f32).mul_add(b.d.to_f32() * dx, acc)
+    }
+}
+
+/// A K-quant matrix in the kernels' layout.
+pub type KMatrix<'a, K> = Packed<'a, K>;
+
+/// Row `row`'s super-block `k` of `w`, unpacked.
+pub fn decoded<K: KQuant>(w: KMatrix<'_, K>, row: usize, k: usize) -> Decoded {
+    match w.locate(row, k) {
+        Located::Group(g, j) => K::decode_row(g, j),
+        Located::Tail(b) => K::decode(b),
+    }
+}
+
+/// Activation rows quantized per super-block of 256 (llama.cpp's `block_q8_K`, with an f32
+/// scale `d = max|x| / 127` as `q8_0` rounds, values in −127..=127): `qs` (`rows × inner`
+/// bytes), one scale a super-block and the sum of every 16 values (`bsums`).
+#[derive(Debug, Default)]
+pub struct KRows {
+    qs: Vec<i8>,
+    scales: Vec<f32>,
+    bsums: Vec<i32>,
+    blocks: usize,
+}
+
+impl KRows {
+    /// Quantizes `input`'s rows, reusing this value's buffers.
+    pub fn quantize(&mut self, input: &Rows<'_>) {
+        debug_assert_eq!(input.inner % QK_K, 0);
+        self.blocks = input.inner / QK_K;
+        self.qs.clear();
+        self.scales.clear();
+        self.bsums.clear();
+        for block in input.x[..input.rows * input.inner].chunks_exact(QK_K) {
+            let (d, id) = block_scale(block);
+            self.scales.push(d);
+            let at = self.qs.len();
+            self.qs.extend(block.iter().map(|v| (v * id).round() as i8));
+            let sums = self.qs[at..]
+                .chunks_exact(16)
+                .map(|run| run.iter().map(|&q| i32::from(q)).sum::<i32>());
+            self.bsums.extend(sums);
+        }
+    }
+
+    /// Rows `range` of it.
+    fn rows(&self, range: std::ops::Range<usize>) -> KRowsView<'_> {
+        let b = self.blocks;
+        KRowsView {
+            qs: &self.qs[range.start * b * QK_K..range.end * b * QK_K],
+            scales: &self.scales[range.start * b..range.end * b],
+            bsums: &self.bsums[range.start * b * 16..range.end * b * 16],
+            blocks: b,
+        }
+    }
+
+    /// Its rows.
+    fn len(&self) -> usize {
+        self.scales.len() / self.blocks.max(1)
+    }
+}
+
+/// Some rows of a [`KRows`].
+#[derive(Debug, Clone, Copy)]
+pub(super) struct KRowsView<'a> {
+    /// The rows' values, row after row.
+    pub(super) qs: &'a [i8],
+    /// Each row's super-block scales.
+    pub(super) scales: &'a [f32],
+    /// Each row's 16-value sums.
+    pub(super) bsums: &'a [i32],
+    /// Super-blocks a row.
+    pub(super) blocks: usize,
+}
+
+impl KRowsView<'_> {
+    pub(super) fn rows(&self) -> usize {
+        self.scales.len() / self.blocks.max(1)
+    }
+
+    /// Row `r`'s super-block `k`: its values, 16-value sums and scale.
+    #[inline(always)]
+    pub(super) fn block(&self, r: usize, k: usize) -> (&[i8], &[i32], f32) {
+        let at = r * self.blocks + k;
+        (
+            &self.qs[at * QK_K..(at + 1) * QK_K],
+            &self.bsums[at * 16..(at + 1) * 16],
+            self.scales[at],
+        )
+    }
+}
+
+/// Weight-row runs of about this many bytes are multiplied by every block of rows before the
+/// next run, so a run read once from memory serves the later blocks from L1 and L2.
+const RUN_BYTES: usize = 32 << 10;
+
+/// `out[j·to.col + r·to.row]` = activation row `r` of `x` · weight row `j` of `w`: in runs of
+/// weight groups, each run times every block of up to `row_block` rows; the tail rows by the
+/// portable loops.
+pub(super) fn product<K: super::k_quants_simd::Groups>(
+    isa: Q8Isa,
+    plan: Prefetch,
+    x: &KRows,
+    w: KMatrix<'_, K>,
+    out: SharedOut<'_>,
+    to: OutLayout,
+) {
+    let (b, rows) = (w.blocks, x.len());
+    let group_bytes = b * std::mem::size_of::<K::Group>();
+    let run_groups = (RUN_BYTES / group_bytes.max(1)).max(1);
+    let groups = w.groups.len() / b.max(1);
+    let most = super::k_quants_simd::row_block(isa);
+    for start in (0..groups).step_by(run_groups) {
+        let end = (start + run_groups).min(groups);
+        let run = &w.groups[start * b..end * b];
+        for first in (0..rows).step_by(most) {
+            let xs = x.rows(first..(first + most).min(rows));
+            let at = out.from(start * GROUP_ROWS * to.col);
+            K::groups(isa, plan, xs, run, at, to, first);
+        }
+    }
+    let tail = KMatrix::<K> {
+        groups: &[],
+        tail: w.tail,
+        blocks: b,
+    };
+    let tail_out = out.from(groups * GROUP_ROWS * to.col);
+    portable(x.rows(0..rows), tail, tail_out, to, 0);
+}
+
+/// The one definition's loops over every row of `w` (groups and tail alike).
+pub(super) fn portable<K: KQuant>(
+    xs: KRowsView<'_>,
+    w: KMatrix<'_, K>,
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    for row in 0..w.rows() {
+        let blocks: Vec<Decoded> = (0..w.blocks).map(|k| decoded(w, row, k)).collect();
+        for r in 0..xs.rows() {
+            let mut acc = 0f32;
+            for (k, b) in blocks.iter().enumerate() {
+                let (x, bsum, dx) = xs.block(r, k);
+                acc = K::step(b, x, bsum, dx, acc);
+            }
+            out.set(row * to.col + (first + r) * to.row, acc);
+        }
+    }
+}

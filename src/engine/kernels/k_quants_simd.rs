@@ -1,0 +1,360 @@
+//! The K-quant kernels' vector loops: `k_quants`' one definition over 8 interleaved weight rows
+//! at once, each vector lane a weight row. Called by `k_quants::product` for whole groups.
+//!
+//! Both weight types hold unsigned integers (Q4_K's 0..16, Q6_K's 0..64) and the activations
+//! are signed bytes, which is exactly the operand order of AVX-512 VNNI's `vpdpbusd` and of
+//! AVX2's `vpmaddubsw` (whose pairs cannot saturate: 2·63·127 < 2¹⁵), so no offsets are
+//! needed: a 4-byte slice of each row times 4 broadcast activation bytes adds into each row's
+//! lane. The sub-block scales multiply the lanes' exact sums (`vpmulld`), Q6_K's −32 and Q4_K's
+//! mins come from the activations' 16-value sums, and the float work is one or two FMAs a
+//! super-block for 8 outputs. The x86 bodies are written once (`kernel!`) for both ISAs,
+//! which differ only in how 4 products are summed.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::k_quants::{GroupQ4K, GroupQ6K, KMatrix, KQuant, KRowsView, Q4K, Q6K, portable};
+use super::packed::GROUP_ROWS;
+use super::q8_0::Q8Isa;
+use super::{OutLayout, Prefetch, SharedOut};
+
+/// Rows a kernel call takes at most: their sums stay in registers (AVX-512's 32 take 6).
+pub(super) fn row_block(isa: Q8Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Q8Isa::Avx512Vnni => 6,
+        _ => 4,
+    }
+}
+
+/// A K-quant type's group kernels.
+pub(super) trait Groups: KQuant {
+    /// One block of rows `xs` (at most [`row_block`]) times every group of `groups`, into
+    /// `out` as `k_quants::product` lays it, row `first` of the product being `xs`' first.
+    fn groups(
+        isa: Q8Isa,
+        plan: Prefetch,
+        xs: KRowsView<'_>,
+        groups: &[Self::Group],
+        out: SharedOut<'_>,
+        to: OutLayout,
+        first: usize,
+    );
+}
+
+/// The portable loops over whole groups.
+fn portable_groups<K: KQuant>(
+    xs: KRowsView<'_>,
+    groups: &[K::Group],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let w = KMatrix::<K> {
+        groups,
+        tail: &[],
+        blocks: xs.blocks,
+    };
+    portable(xs, w, out, to, first);
+}
+
+/// [`Groups`] for a type whose x86 kernels are `$avx2` and `$vnni`.
+macro_rules! groups_impl {
+    ($kind:ty, $avx2:ident, $vnni:ident) => {
+        impl Groups for $kind {
+            fn groups(
+                isa: Q8Isa,
+                plan: Prefetch,
+                xs: KRowsView<'_>,
+                groups: &[Self::Group],
+                out: SharedOut<'_>,
+                to: OutLayout,
+                first: usize,
+            ) {
+                let _ = plan;
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `Q8Isa::Avx2` is made only where AVX2, FMA and F16C were checked
+                    // (`Kernels::new`); `xs` holds whole rows of `xs.blocks` super-blocks and
+                    // `groups` whole groups of as many.
+                    Q8Isa::Avx2 => unsafe {
+                        with_rows!(xs.rows(), R => $avx2::<R>(plan, xs, groups, out, to, first))
+                    },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `Q8Isa::Avx512Vnni` is made only where AVX-512 (F, BW, VL) was
+                    // checked and VNNI detected; as above otherwise.
+                    Q8Isa::Avx512Vnni => unsafe {
+                        with_rows!(xs.rows(), R => $vnni::<R>(plan, xs, groups, out, to, first))
+                    },
+                    _ => portable_groups::<$kind>(xs, groups, out, to, first),
+                }
+            }
+        }
+    };
+}
+
+groups_impl!(Q4K, q4k_avx2, q4k_vnni);
+groups_impl!(Q6K, q6k_avx2, q6k_vnni);
+
+/// `acc` plus the 4-product sums of `w`'s unsigned and `x`'s signed bytes in each 32-bit
+/// lane, with `vpmaddubsw` and `vpmaddwd` (exact: module docs).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn dot_avx2(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    let pairs = _mm256_maddubs_epi16(w, x);
+    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// The same with one `vpdpbusd`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512vnni,avx512vl")]
+#[inline]
+fn dot_vnni(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(acc, w, x)
+}
+
+/// Four bytes at `p`, broadcast to every 32-bit lane.
+///
+/// # Safety
+/// Four bytes must be readable at `p`; the CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn broadcast4(p: *const i8) -> __m256i {
+    // SAFETY: the caller's bounds.
+    unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) }
+}
+
+/// Prefetches `bytes` bytes from `at` `plan`'s distances ahead, into L1 and L2 (a prefetch
+/// never faults, even past the end).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(plan: Prefetch, at: *const u8, bytes: usize) {
+    for line in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch never faults, whatever the address.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(plan.near_bytes + line).cast());
+            if plan.far_bytes > 0 {
+                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(plan.far_bytes + line).cast());
+            }
+        }
+    }
+}
+
+/// Stores 8 outputs (a group's rows) of activation row `row`.
+///
+/// # Safety
+/// The CPU must have AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn store8(acc: __m256, out: SharedOut<'_>, to: OutLayout, row: usize) {
+    let mut sums = [0f32; GROUP_ROWS];
+    // SAFETY: the caller's features; `sums` holds 8 floats.
+    unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), acc) };
+    for (j, s) in sums.into_iter().enumerate() {
+        out.set(j * to.col + row * to.row, s);
+    }
+}
+
+/// A Q4_K group's sub-block scales and mins, one lane a row (`GroupQ4K`'s layout).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q4k_scales(packed: &[u8; 12]) -> (__m256i, __m256i) {
+    // SAFETY: the features; `packed` holds 8 bytes and then a 4-byte word.
+    let (lo, word) = unsafe {
+        (
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(packed.as_ptr().cast())),
+            _mm256_set1_epi32(std::ptr::read_unaligned(packed.as_ptr().add(8).cast())),
+        )
+    };
+    let hi = _mm256_srlv_epi32(word, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    let (three, fifteen) = (_mm256_set1_epi32(3), _mm256_set1_epi32(15));
+    let sc = _mm256_or_si256(
+        _mm256_and_si256(lo, fifteen),
+        _mm256_slli_epi32::<4>(_mm256_and_si256(hi, three)),
+    );
+    let m = _mm256_or_si256(
+        _mm256_srli_epi32::<4>(lo),
+        _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<2>(hi), three)),
+    );
+    (sc, m)
+}
+
+/// Q4_K's kernel `$name` with the 4-product sum `$dot` (`dot_avx2`, `dot_vnni`).
+macro_rules! q4k_kernel {
+    ($name:ident, $features:literal, $dot:ident) => {
+        /// Q4_K's one definition for `R` rows over whole groups.
+        ///
+        /// # Safety
+        /// The CPU must have the features enabled; `xs` holds `R` rows of `xs.blocks`
+        /// super-blocks and `groups` whole groups of as many.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize>(
+            plan: Prefetch,
+            xs: KRowsView<'_>,
+            groups: &[GroupQ4K],
+            out: SharedOut<'_>,
+            to: OutLayout,
+            first: usize,
+        ) {
+            let (b, nib) = (xs.blocks, _mm256_set1_epi8(0x0F));
+            for (g, group) in groups.chunks_exact(b).enumerate() {
+                let mut acc = [_mm256_setzero_ps(); R];
+                for (k, item) in group.iter().enumerate() {
+                    let bytes = std::mem::size_of::<GroupQ4K>();
+                    prefetch(plan, (item as *const GroupQ4K).cast(), bytes);
+                    let mut isum = [_mm256_setzero_si256(); R];
+                    let mut msum = [_mm256_setzero_si256(); R];
+                    for s in 0..8 {
+                        let (sc, m) = q4k_scales(&item.scales[s]);
+                        let mut lo = [_mm256_setzero_si256(); 4];
+                        let mut hi = [_mm256_setzero_si256(); 4];
+                        for p in 0..4 {
+                            // SAFETY: sub-block `s`'s 128 bytes are readable.
+                            let v = unsafe {
+                                _mm256_loadu_si256(item.qs.as_ptr().add(128 * s + 32 * p).cast())
+                            };
+                            lo[p] = _mm256_and_si256(v, nib);
+                            hi[p] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nib);
+                        }
+                        for r in 0..R {
+                            let (x, bsum, _) = xs.block(r, k);
+                            let xp = x[32 * s..32 * s + 32].as_ptr();
+                            let (mut even, mut odd) =
+                                (_mm256_setzero_si256(), _mm256_setzero_si256());
+                            for p in 0..4 {
+                                // SAFETY: the features; `xp` holds 32 bytes.
+                                unsafe {
+                                    even = $dot(even, lo[p], broadcast4(xp.add(4 * p)));
+                                    odd = $dot(odd, hi[p], broadcast4(xp.add(16 + 4 * p)));
+                                }
+                            }
+                            let part = _mm256_add_epi32(even, odd);
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, sc));
+                            let mins = _mm256_set1_epi32(bsum[2 * s] + bsum[2 * s + 1]);
+                            msum[r] = _mm256_add_epi32(msum[r], _mm256_mullo_epi32(m, mins));
+                        }
+                    }
+                    // SAFETY: the features; `d` and `dmin` are 16 bytes each.
+                    let (d, dmin) = unsafe {
+                        (
+                            _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())),
+                            _mm256_cvtph_ps(_mm_loadu_si128(item.dmin.as_ptr().cast())),
+                        )
+                    };
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let dx = xs.block(r, k).2;
+                        let up = _mm256_mul_ps(d, _mm256_set1_ps(dx));
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), up, *a);
+                        let down = _mm256_mul_ps(dmin, _mm256_set1_ps(-dx));
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum[r]), down, *a);
+                    }
+                }
+                let at = out.from(g * GROUP_ROWS * to.col);
+                for (r, a) in acc.into_iter().enumerate() {
+                    // SAFETY: the features.
+                    unsafe { store8(a, at, to, first + r) };
+                }
+            }
+        }
+    };
+}
+
+/// Q6_K's kernel `$name` with the 4-product sum `$dot`.
+macro_rules! q6k_kernel {
+    ($name:ident, $features:literal, $dot:ident) => {
+        /// Q6_K's one definition for `R` rows over whole groups.
+        ///
+        /// # Safety
+        /// As Q4_K's kernels.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize>(
+            plan: Prefetch,
+            xs: KRowsView<'_>,
+            groups: &[GroupQ6K],
+            out: SharedOut<'_>,
+            to: OutLayout,
+            first: usize,
+        ) {
+            let (b, nib, high) = (xs.blocks, _mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+            for (g, group) in groups.chunks_exact(b).enumerate() {
+                let mut acc = [_mm256_setzero_ps(); R];
+                for (k, item) in group.iter().enumerate() {
+                    let bytes = std::mem::size_of::<GroupQ6K>();
+                    prefetch(plan, (item as *const GroupQ6K).cast(), bytes);
+                    let mut isum = [_mm256_setzero_si256(); R];
+                    for s in 0..16 {
+                        let q = item.qs[s].as_ptr();
+                        // SAFETY: the features; the sub-block's 8 scales and 96 bytes.
+                        let (sc, a, c, h) = unsafe {
+                            (
+                                _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                    item.scales[s].as_ptr().cast(),
+                                )),
+                                _mm256_loadu_si256(q.cast()),
+                                _mm256_loadu_si256(q.add(32).cast()),
+                                _mm256_loadu_si256(q.add(64).cast()),
+                            )
+                        };
+                        let v = [
+                            _mm256_or_si256(
+                                _mm256_and_si256(a, nib),
+                                _mm256_and_si256(_mm256_slli_epi16::<4>(h), high),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(a), nib),
+                                _mm256_and_si256(_mm256_slli_epi16::<2>(h), high),
+                            ),
+                            _mm256_or_si256(_mm256_and_si256(c, nib), _mm256_and_si256(h, high)),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(c), nib),
+                                _mm256_and_si256(_mm256_srli_epi16::<2>(h), high),
+                            ),
+                        ];
+                        for (r, isum_r) in isum.iter_mut().enumerate() {
+                            let (x, bsum, _) = xs.block(r, k);
+                            let xp = x[16 * s..16 * s + 16].as_ptr();
+                            // SAFETY: the features; `xp` holds 16 bytes.
+                            let part = unsafe {
+                                let p0 = $dot(_mm256_setzero_si256(), v[0], broadcast4(xp));
+                                let p0 = $dot(p0, v[1], broadcast4(xp.add(4)));
+                                let p1 = $dot(_mm256_setzero_si256(), v[2], broadcast4(xp.add(8)));
+                                let p1 = $dot(p1, v[3], broadcast4(xp.add(12)));
+                                _mm256_add_epi32(p0, p1)
+                            };
+                            let part = _mm256_sub_epi32(part, _mm256_set1_epi32(32 * bsum[s]));
+                            *isum_r = _mm256_add_epi32(*isum_r, _mm256_mullo_epi32(part, sc));
+                        }
+                    }
+                    // SAFETY: the features; `d` is 16 bytes.
+                    let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) };
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let up = _mm256_mul_ps(d, _mm256_set1_ps(xs.block(r, k).2));
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), up, *a);
+                    }
+                }
+                let at = out.from(g * GROUP_ROWS * to.col);
+                for (r, a) in acc.into_iter().enumerate() {
+                    // SAFETY: the features.
+                    unsafe { store8(a, at, to, first + r) };
+                }
+            }
+        }
+    };
+}
+
+q4k_kernel!(q4k_avx2, "avx2,fma,f16c", dot_avx2);
+q4k_kernel!(
+    q4k_vnni,
+    "avx512f,avx512vl,avx512vnni,avx2,fma,f16c",
+    dot_vnni
+);
+q6k_kernel!(q6k_avx2, "avx2,fma,f16c", dot_avx2);
+q6k_kernel!(
+    q6k_vnni,
+    "avx512f,avx512vl,avx512vnni,avx2,fma,f16c",
+    dot_vnni
+);
