@@ -190,10 +190,10 @@ fn stream_table(kernels: &Kernels) {
 }
 
 /// `--only quantized`: one layer's projections at Ouro-1.4B's shape (2048 wide, MLP 5632),
-/// eight layers of them (400 MB of bf16, more than any L3), in bf16 and in Q8_0, by rows: the
-/// cost of a step's extra rows where the weights stream from DRAM.
+/// eight layers of them (400 MB of bf16, more than any L3), in bf16, Q8_0, Q4_K and Q6_K, by
+/// rows: the cost of a step's extra rows where the weights stream from DRAM.
 fn quantized_table(kernels: &Kernels) {
-    use spex::engine::kernels::{BlockQ8_0, Q8Matrix, QK8_0, Weight, repack};
+    use spex::engine::kernels::{BlockQ8_0, Packed, QK8_0, QuantKind, Weight, repack};
     let shapes = [
         (2048, 2048),
         (2048, 2048),
@@ -205,6 +205,7 @@ fn quantized_table(kernels: &Kernels) {
     ];
     let mut dense = Vec::new();
     let mut q8 = Vec::new();
+    let mut k_quants: [Vec<(Vec<u8>, usize)>; 2] = [Vec::new(), Vec::new()];
     for layer in 0..8 {
         for (m, &(outs, inner)) in shapes.iter().enumerate() {
             let w: Vec<f32> = (0..outs * inner)
@@ -213,7 +214,7 @@ fn quantized_table(kernels: &Kernels) {
             let mut blocks: Vec<BlockQ8_0> =
                 w.chunks_exact(QK8_0).map(BlockQ8_0::quantize).collect();
             repack(
-                spex::engine::kernels::QuantKind::Q8_0,
+                QuantKind::Q8_0,
                 bytemuck::cast_slice_mut(&mut blocks),
                 outs,
                 inner / QK8_0,
@@ -225,11 +226,31 @@ fn quantized_table(kernels: &Kernels) {
                     .collect::<Vec<_>>(),
                 inner,
             ));
+            for (kind, out) in [QuantKind::Q4K, QuantKind::Q6K]
+                .into_iter()
+                .zip(&mut k_quants)
+            {
+                // One layer quantized, copied to the others (the bytes' values do not matter).
+                if layer > 0 {
+                    let copy = out[m].clone();
+                    out.push(copy);
+                    continue;
+                }
+                let dtype = match kind {
+                    QuantKind::Q4K => candle_core::quantized::GgmlDType::Q4K,
+                    _ => candle_core::quantized::GgmlDType::Q6K,
+                };
+                let t = candle_core::Tensor::from_vec(w.clone(), (outs, inner), &Device::Cpu);
+                let q = candle_core::quantized::QTensor::quantize(&t.expect("tensor"), dtype);
+                let mut bytes = q.and_then(|q| Ok(q.data()?.to_vec())).expect("quantize");
+                repack(kind, &mut bytes, outs, inner / 256);
+                out.push((bytes, inner));
+            }
         }
     }
-    println!("| rows | bf16 | Q8_0 | Q8_0 per row over 1 row |");
-    println!("|---|---|---|---|");
-    let mut one = 0.0;
+    println!("| rows | bf16 | Q8_0 | Q4_K | Q6_K | per row over 1 row: Q8_0, Q4_K, Q6_K |");
+    println!("|---|---|---|---|---|---|");
+    let mut one = [0.0; 3];
     for rows in [1, 2, 3, 4, 5] {
         let median = |weights: &[(Weight<'_>, usize)]| {
             let mut times = Vec::new();
@@ -254,18 +275,35 @@ fn quantized_table(kernels: &Kernels) {
         let q: Vec<(Weight<'_>, usize)> = (q8.iter())
             .map(|(w, i)| {
                 let bytes: &[u8] = bytemuck::cast_slice(w);
-                let m =
-                    Q8Matrix::from_bytes(bytes, w.len() * QK8_0 / i, i / QK8_0).expect("blocks");
-                (Weight::from(m), *i)
+                let m = Packed::from_bytes(bytes, w.len() * QK8_0 / i, i / QK8_0);
+                (Weight::Q8_0(m.expect("blocks")), *i)
             })
             .collect();
-        let (tb, tq) = (median(&d), median(&q));
+        let k = |which: usize| -> Vec<(Weight<'_>, usize)> {
+            (k_quants[which].iter())
+                .map(|(b, i)| {
+                    let rows = b.len() / (i / 256) / [144, 210][which];
+                    let w = match which {
+                        0 => Packed::from_bytes(b, rows, i / 256).map(Weight::Q4K),
+                        _ => Packed::from_bytes(b, rows, i / 256).map(Weight::Q6K),
+                    };
+                    (w.expect("blocks"), *i)
+                })
+                .collect()
+        };
+        let (tb, tq) = (median(&d), [median(&q), median(&k(0)), median(&k(1))]);
         if rows == 1 {
             one = tq;
         }
+        let extra = |i: usize| (tq[i] - one[i]) / (rows - 1).max(1) as f64;
         println!(
-            "| {rows} | {tb:.1} ms | {tq:.1} ms | {:.2} ms |",
-            (tq - one) / (rows - 1).max(1) as f64
+            "| {rows} | {tb:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.2}, {:.2}, {:.2} ms |",
+            tq[0],
+            tq[1],
+            tq[2],
+            extra(0),
+            extra(1),
+            extra(2)
         );
     }
 }

@@ -4,7 +4,11 @@ keys of the source config.json, that every tensor of the source checkpoint (the 
 aside) is in it under llama.cpp's Ouro name, and that each Q8_0 tensor's bytes equal
 gguf-py's own Q8_0 quantization of the source tensor (its `attn_q`/`attn_k` rows permuted as
 llama.cpp's converter does), and its dequantization lies within the block's rounding of the
-source. Vectors are F32 and equal.
+source. Vectors are F32 and equal. In a Q4_K_M file (`general.file_type` 15) each matrix has
+the type llama.cpp's `llama_tensor_get_type` gives it (Q6_K for the head and for `attn_v`
+and `ffn_down` where `use_more_bits`, else Q4_K), and gguf-py's dequantization of it lies
+within two steps of its sub-block's range of the source (a row in the wrong order, or a
+nibble in the wrong place, would be off by the whole range).
 
 usage: python3 gguf_check.py CHECKPOINT_DIR FILE.gguf   (needs gguf, numpy, safetensors)
 """
@@ -42,6 +46,21 @@ def permute(w, heads):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def use_more_bits(i, n):
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q4_k_m_type(target, layers, config):
+    """llama.cpp's `llama_tensor_get_type` for LLAMA_FTYPE_MOSTLY_Q4_K_M."""
+    Q = GGMLQuantizationType
+    tied = config.get("tie_word_embeddings", False)
+    if target == "output.weight" or (tied and target == "token_embd.weight"):
+        return Q.Q6_K
+    if target.endswith((".attn_v.weight", ".ffn_down.weight")) and use_more_bits(int(target.split(".")[1]), layers):
+        return Q.Q6_K
+    return Q.Q4_K
+
+
 def field(reader, key):
     f = reader.fields[key]
     value = f.parts[f.data[0]]
@@ -59,6 +78,7 @@ def main(checkpoint, path):
                       ("ouro.attention.head_count", "num_attention_heads")]:
         assert field(reader, key) == config[want], key
     tensors = {t.name: t for t in reader.tensors}
+    file_type = field(reader, "general.file_type")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     checked = 0
     for name, value in source.items():
@@ -72,6 +92,17 @@ def main(checkpoint, path):
         if t.tensor_type == GGMLQuantizationType.F32:
             got = np.asarray(t.data).reshape(value.shape)
             assert np.array_equal(got, value), target
+        elif file_type == 15:
+            want_type = q4_k_m_type(target, config["num_hidden_layers"], config)
+            assert t.tensor_type == want_type, (target, t.tensor_type, want_type)
+            got = dequantize(t.data, t.tensor_type).reshape(value.shape)
+            run = 32 if want_type == GGMLQuantizationType.Q4_K else 16
+            v = value.reshape(-1, run)
+            span = (v.max(1, keepdims=True) - np.minimum(v.min(1, keepdims=True), 0)) if run == 32 \
+                else np.abs(v).max(1, keepdims=True) * 2
+            step = span / (15 if run == 32 else 63)
+            err = np.abs(got - value).reshape(-1, run)
+            assert (err <= 2 * step + 1e-30).all(), f"{target}: off by more than two steps"
         else:
             assert t.tensor_type == GGMLQuantizationType.Q8_0, (target, t.tensor_type)
             want = quantize(value, GGMLQuantizationType.Q8_0)
@@ -79,10 +110,12 @@ def main(checkpoint, path):
             got = dequantize(t.data, t.tensor_type).reshape(value.shape)
             step = np.abs(value.reshape(-1, 32)).max(1, keepdims=True) / 127
             err = np.abs(got - value).reshape(-1, 32)
-            assert (err <= 0.56 * step + 1e-30).all(), f"{target}: off by more than the block's rounding"
+            # Half a step, and the f16 scale's rounding (2^-11 of it) times up to 127.
+            assert (err <= (0.5 + 127 / 2048) * step * 1.001 + 1e-30).all(), f"{target}: off by more than the block's rounding"
         checked += 1
     assert not tensors, f"tensors the checkpoint lacks: {sorted(tensors)}"
-    print(f"{path}: {checked} tensors equal gguf-py's Q8_0 of {checkpoint}")
+    what = "lie within two steps of" if file_type == 15 else "equal gguf-py's Q8_0 of"
+    print(f"{path}: {checked} tensors {what} {checkpoint}")
 
 
 if __name__ == "__main__":

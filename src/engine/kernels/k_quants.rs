@@ -153,7 +153,7 @@ pub trait KQuant: Interleave {
     fn dequantize(b: &Decoded, out: &mut [f32]);
 
     /// One super-block's step of the one definition (module docs): `acc` after it.
-    fn step(b: &Decoded, x: &[i8], bsum: &[i32], dx: f32, acc: f32) -> f32;
+    fn step(b: &Decoded, x: &[i8], bsum: &[i16], dx: f32, acc: f32) -> f32;
 }
 
 /// Q4_K's marker.
@@ -267,12 +267,12 @@ impl KQuant for Q4K {
     }
 
     #[inline(always)]
-    fn step(b: &Decoded, x: &[i8], bsum: &[i32], dx: f32, acc: f32) -> f32 {
+    fn step(b: &Decoded, x: &[i8], bsum: &[i16], dx: f32, acc: f32) -> f32 {
         let (mut isum, mut msum) = (0i32, 0i32);
         for s in 0..8 {
             let run = 32 * s..32 * s + 32;
             isum += b.sc[2 * s] * idot(&b.q[run.clone()], &x[run]);
-            msum += b.m[s] * (bsum[2 * s] + bsum[2 * s + 1]);
+            msum += b.m[s] * (i32::from(bsum[2 * s]) + i32::from(bsum[2 * s + 1]));
         }
         let acc = (isum as f32).mul_add(b.d.to_f32() * dx, acc);
         (msum as f32).mul_add(b.dmin.to_f32() * -dx, acc)
@@ -355,11 +355,11 @@ impl KQuant for Q6K {
     }
 
     #[inline(always)]
-    fn step(b: &Decoded, x: &[i8], bsum: &[i32], dx: f32, acc: f32) -> f32 {
+    fn step(b: &Decoded, x: &[i8], bsum: &[i16], dx: f32, acc: f32) -> f32 {
         let mut isum = 0i32;
         for (s, (&sc, &bsum)) in b.sc.iter().zip(bsum).enumerate() {
             let run = 16 * s..16 * s + 16;
-            isum += sc * (idot(&b.q[run.clone()], &x[run]) - 32 * bsum);
+            isum += sc * (idot(&b.q[run.clone()], &x[run]) - 32 * i32::from(bsum));
         }
         (isum as f32).mul_add(b.d.to_f32() * dx, acc)
     }
@@ -378,12 +378,13 @@ pub fn decoded<K: KQuant>(w: KMatrix<'_, K>, row: usize, k: usize) -> Decoded {
 
 /// Activation rows quantized per super-block of 256 (llama.cpp's `block_q8_K`, with an f32
 /// scale `d = max|x| / 127` as `q8_0` rounds, values in −127..=127): `qs` (`rows × inner`
-/// bytes), one scale a super-block and the sum of every 16 values (`bsums`).
+/// bytes), one scale a super-block and the sum of every 16 values (`bsums`, which fit in
+/// 16 bits: 16 · 127 < 2¹⁵).
 #[derive(Debug, Default)]
 pub struct KRows {
     qs: Vec<i8>,
     scales: Vec<f32>,
-    bsums: Vec<i32>,
+    bsums: Vec<i16>,
     blocks: usize,
 }
 
@@ -402,7 +403,7 @@ impl KRows {
             self.qs.extend(block.iter().map(|v| (v * id).round() as i8));
             let sums = self.qs[at..]
                 .chunks_exact(16)
-                .map(|run| run.iter().map(|&q| i32::from(q)).sum::<i32>());
+                .map(|run| run.iter().map(|&q| i16::from(q)).sum::<i16>());
             self.bsums.extend(sums);
         }
     }
@@ -432,7 +433,7 @@ pub(super) struct KRowsView<'a> {
     /// Each row's super-block scales.
     pub(super) scales: &'a [f32],
     /// Each row's 16-value sums.
-    pub(super) bsums: &'a [i32],
+    pub(super) bsums: &'a [i16],
     /// Super-blocks a row.
     pub(super) blocks: usize,
 }
@@ -444,7 +445,7 @@ impl KRowsView<'_> {
 
     /// Row `r`'s super-block `k`: its values, 16-value sums and scale.
     #[inline(always)]
-    pub(super) fn block(&self, r: usize, k: usize) -> (&[i8], &[i32], f32) {
+    pub(super) fn block(&self, r: usize, k: usize) -> (&[i8], &[i16], f32) {
         let at = r * self.blocks + k;
         (
             &self.qs[at * QK_K..(at + 1) * QK_K],

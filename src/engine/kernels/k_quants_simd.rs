@@ -16,6 +16,8 @@ use std::arch::x86_64::*;
 use super::k_quants::{GroupQ4K, GroupQ6K, KMatrix, KQuant, KRowsView, Q4K, Q6K, portable};
 use super::packed::GROUP_ROWS;
 use super::q8_0::Q8Isa;
+#[cfg(target_arch = "x86_64")]
+use super::q8_0::broadcast4;
 use super::{OutLayout, Prefetch, SharedOut};
 
 /// Rows a kernel call takes at most: their sums stay in registers (AVX-512's 32 take 6).
@@ -114,17 +116,6 @@ fn dot_vnni(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(acc, w, x)
 }
 
-/// Four bytes at `p`, broadcast to every 32-bit lane.
-///
-/// # Safety
-/// Four bytes must be readable at `p`; the CPU must have AVX2.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn broadcast4(p: *const i8) -> __m256i {
-    // SAFETY: the caller's bounds.
-    unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) }
-}
-
 /// Prefetches `bytes` bytes from `at` `plan`'s distances ahead, into L1 and L2 (a prefetch
 /// never faults, even past the end).
 #[cfg(target_arch = "x86_64")]
@@ -209,6 +200,9 @@ macro_rules! q4k_kernel {
                     let mut msum = [_mm256_setzero_si256(); R];
                     for s in 0..8 {
                         let (sc, m) = q4k_scales(&item.scales[s]);
+                        // Each lane's min twice, as 16-bit pairs: one `vpmaddwd` with the two
+                        // 16-value sums of the activations' sub-block is m · (sum₀ + sum₁).
+                        let m = _mm256_or_si256(m, _mm256_slli_epi32::<16>(m));
                         let mut lo = [_mm256_setzero_si256(); 4];
                         let mut hi = [_mm256_setzero_si256(); 4];
                         for p in 0..4 {
@@ -233,8 +227,9 @@ macro_rules! q4k_kernel {
                             }
                             let part = _mm256_add_epi32(even, odd);
                             isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, sc));
-                            let mins = _mm256_set1_epi32(bsum[2 * s] + bsum[2 * s + 1]);
-                            msum[r] = _mm256_add_epi32(msum[r], _mm256_mullo_epi32(m, mins));
+                            // SAFETY: the features; `bsum` holds the sub-block's two sums.
+                            let sums = unsafe { broadcast4(bsum[2 * s..2 * s + 2].as_ptr()) };
+                            msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(m, sums));
                         }
                     }
                     // SAFETY: the features; `d` and `dmin` are 16 bytes each.
@@ -286,6 +281,8 @@ macro_rules! q6k_kernel {
                     let bytes = std::mem::size_of::<GroupQ6K>();
                     prefetch(plan, (item as *const GroupQ6K).cast(), bytes);
                     let mut isum = [_mm256_setzero_si256(); R];
+                    let mut bias = [_mm256_setzero_si256(); R];
+                    let mut low_scale = _mm256_setzero_si256();
                     for s in 0..16 {
                         let q = item.qs[s].as_ptr();
                         // SAFETY: the features; the sub-block's 8 scales and 96 bytes.
@@ -314,6 +311,12 @@ macro_rules! q6k_kernel {
                                 _mm256_and_si256(_mm256_srli_epi16::<2>(h), high),
                             ),
                         ];
+                        // Sub-blocks s − 1 and s's scales as each lane's 16-bit pair.
+                        let scale_pair = match s % 2 {
+                            0 => _mm256_setzero_si256(),
+                            _ => _mm256_or_si256(low_scale, _mm256_slli_epi32::<16>(sc)),
+                        };
+                        low_scale = _mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF));
                         for (r, isum_r) in isum.iter_mut().enumerate() {
                             let (x, bsum, _) = xs.block(r, k);
                             let xp = x[16 * s..16 * s + 16].as_ptr();
@@ -325,9 +328,18 @@ macro_rules! q6k_kernel {
                                 let p1 = $dot(p1, v[3], broadcast4(xp.add(12)));
                                 _mm256_add_epi32(p0, p1)
                             };
-                            let part = _mm256_sub_epi32(part, _mm256_set1_epi32(32 * bsum[s]));
                             *isum_r = _mm256_add_epi32(*isum_r, _mm256_mullo_epi32(part, sc));
+                            if s % 2 == 1 {
+                                // SAFETY: the features; `bsum` holds sub-blocks s − 1 and s.
+                                let sums = unsafe { broadcast4(bsum[s - 1..s + 1].as_ptr()) };
+                                let pairs = _mm256_madd_epi16(scale_pair, sums);
+                                bias[r] = _mm256_add_epi32(bias[r], pairs);
+                            }
                         }
+                    }
+                    // isum − 32 · Σₛ sc[s] · bsum[s]: the definition's, exact.
+                    for (isum_r, bias_r) in isum.iter_mut().zip(bias) {
+                        *isum_r = _mm256_sub_epi32(*isum_r, _mm256_slli_epi32::<5>(bias_r));
                     }
                     // SAFETY: the features; `d` is 16 bytes.
                     let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) };

@@ -54,8 +54,9 @@
 //!
 //! One file per role: this one holds [`Kernels`] and dispatches (the safe API), then
 //! `portable`, `avx2`, `avx512`, `avx512_bf16`, `neon`, `f16` (the proposal head's matmul),
-//! `weight_element` and `kv_element` (the stored types), `pool` (the decode threads),
-//! `prefetch`, `attention` and `subnormals` (the FTZ/DAZ guard).
+//! `weight_element` and `kv_element` (the stored types), `packed` (quantized rows
+//! interleaved), `q8_0` and `q8_neon` (Q8_0), `k_quants` and `k_quants_simd` (Q4_K, Q6_K),
+//! `pool` (the decode threads), `prefetch`, `attention` and `subnormals` (the FTZ/DAZ guard).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

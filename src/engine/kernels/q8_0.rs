@@ -429,15 +429,17 @@ unsafe fn scales8(item: &BlockQ8_0x8) -> __m256 {
     unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) }
 }
 
-/// Four activation bytes at `p`, broadcast to every 32-bit lane.
+/// Four activation bytes at `p`, broadcast to every 32-bit lane: `vbroadcastss` from memory,
+/// a load alone (a scalar load and `vpbroadcastd` from a general register would take the one
+/// port that moves integers into vectors, 8 times a block and row).
 ///
 /// # Safety
-/// Four bytes must be readable at `p`; the CPU must have AVX2.
+/// Four bytes must be readable at `p`; the CPU must have AVX.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn broadcast4<T>(p: *const T) -> __m256i {
-    // SAFETY: the caller's bounds.
-    unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p.cast::<i32>())) }
+pub(super) unsafe fn broadcast4<T>(p: *const T) -> __m256i {
+    // SAFETY: the caller's bounds; `vbroadcastss` has no alignment requirement.
+    unsafe { _mm256_castps_si256(_mm256_broadcast_ss(&*p.cast::<f32>())) }
 }
 
 /// Stores 8 outputs (a group's rows) of activation row `row`.
