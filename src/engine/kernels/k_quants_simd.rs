@@ -13,11 +13,14 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::k_quants::{GroupQ4K, GroupQ6K, KMatrix, KQuant, KRowsView, Q4K, Q6K, portable};
+#[cfg(target_arch = "x86_64")]
+use super::k_quants::{GroupQ4K, GroupQ6K};
+use super::k_quants::{KMatrix, KQuant, KRowsView, Q4K, Q6K, portable};
+#[cfg(target_arch = "x86_64")]
 use super::packed::GROUP_ROWS;
 use super::q8_0::Q8Isa;
 #[cfg(target_arch = "x86_64")]
-use super::q8_0::broadcast4;
+use super::q8_0::{broadcast4, prefetch, store8};
 use super::{OutLayout, Prefetch, SharedOut};
 
 /// Rows a kernel call takes at most: their sums stay in registers (AVX-512's 32 take 6).
@@ -116,37 +119,6 @@ fn dot_vnni(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(acc, w, x)
 }
 
-/// Prefetches `bytes` bytes from `at` `plan`'s distances ahead, into L1 and L2 (a prefetch
-/// never faults, even past the end).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch(plan: Prefetch, at: *const u8, bytes: usize) {
-    for line in (0..bytes).step_by(64) {
-        // SAFETY: a prefetch never faults, whatever the address.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(plan.near_bytes + line).cast());
-            if plan.far_bytes > 0 {
-                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(plan.far_bytes + line).cast());
-            }
-        }
-    }
-}
-
-/// Stores 8 outputs (a group's rows) of activation row `row`.
-///
-/// # Safety
-/// The CPU must have AVX.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn store8(acc: __m256, out: SharedOut<'_>, to: OutLayout, row: usize) {
-    let mut sums = [0f32; GROUP_ROWS];
-    // SAFETY: the caller's features; `sums` holds 8 floats.
-    unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), acc) };
-    for (j, s) in sums.into_iter().enumerate() {
-        out.set(j * to.col + row * to.row, s);
-    }
-}
-
 /// A Q4_K group's sub-block scales and mins, one lane a row (`GroupQ4K`'s layout).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
@@ -194,8 +166,7 @@ macro_rules! q4k_kernel {
             for (g, group) in groups.chunks_exact(b).enumerate() {
                 let mut acc = [_mm256_setzero_ps(); R];
                 for (k, item) in group.iter().enumerate() {
-                    let bytes = std::mem::size_of::<GroupQ4K>();
-                    prefetch(plan, (item as *const GroupQ4K).cast(), bytes);
+                    prefetch(plan, item);
                     let mut isum = [_mm256_setzero_si256(); R];
                     let mut msum = [_mm256_setzero_si256(); R];
                     for s in 0..8 {
@@ -278,8 +249,7 @@ macro_rules! q6k_kernel {
             for (g, group) in groups.chunks_exact(b).enumerate() {
                 let mut acc = [_mm256_setzero_ps(); R];
                 for (k, item) in group.iter().enumerate() {
-                    let bytes = std::mem::size_of::<GroupQ6K>();
-                    prefetch(plan, (item as *const GroupQ6K).cast(), bytes);
+                    prefetch(plan, item);
                     let mut isum = [_mm256_setzero_si256(); R];
                     let mut bias = [_mm256_setzero_si256(); R];
                     let mut low_scale = _mm256_setzero_si256();

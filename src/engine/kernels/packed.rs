@@ -37,8 +37,8 @@ pub struct Packed<'a, K: Interleave> {
 }
 
 impl<'a, K: Interleave> Packed<'a, K> {
-    /// A matrix of `rows` rows of `blocks` blocks held in `bytes` in [`repack`]'s layout; an
-    /// error says why not (the size, or an odd address).
+    /// A matrix of `rows` rows of `blocks` blocks held in `bytes` in the module docs' layout;
+    /// an error says why not (the size, or an odd address).
     pub fn from_bytes(bytes: &'a [u8], rows: usize, blocks: usize) -> Result<Self, String> {
         let block = std::mem::size_of::<K::Block>();
         if bytes.len() != rows * blocks * block {

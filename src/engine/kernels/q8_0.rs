@@ -402,12 +402,13 @@ fn portable_rows(xs: QuantRowsView<'_>, rows: &[BlockQ8_0], out: SharedOut<'_>, 
 }
 
 /// Prefetches the weight stream at `item` `plan`'s distances ahead, into L1 and L2, every line
-/// of a group's block (a prefetch never faults, even past the end).
+/// of a group's block (a prefetch never faults, even past the end). Shared by every quantized
+/// kernel (`k_quants_simd`).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch(plan: Prefetch, item: &BlockQ8_0x8) {
-    let at = (item as *const BlockQ8_0x8).cast::<i8>();
-    for line in (0..std::mem::size_of::<BlockQ8_0x8>()).step_by(64) {
+pub(super) fn prefetch<T>(plan: Prefetch, item: &T) {
+    let at = (item as *const T).cast::<i8>();
+    for line in (0..std::mem::size_of::<T>()).step_by(64) {
         // SAFETY: a prefetch never faults, whatever the address.
         unsafe {
             _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(plan.near_bytes + line));
@@ -448,7 +449,7 @@ pub(super) unsafe fn broadcast4<T>(p: *const T) -> __m256i {
 /// The CPU must have AVX.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn store8(acc: __m256, out: SharedOut<'_>, to: OutLayout, row: usize) {
+pub(super) unsafe fn store8(acc: __m256, out: SharedOut<'_>, to: OutLayout, row: usize) {
     let mut sums = [0f32; GROUP_ROWS];
     // SAFETY: the caller's features; `sums` holds 8 floats.
     unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), acc) };

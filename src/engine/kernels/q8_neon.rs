@@ -9,7 +9,8 @@ use std::arch::aarch64::*;
 
 use half::f16;
 
-use super::q8_0::{BlockQ8_0x8, GROUP_ROWS, QuantRowsView};
+use super::packed::GROUP_ROWS;
+use super::q8_0::{BlockQ8_0x8, QuantRowsView};
 use super::{OutLayout, SharedOut};
 
 /// `acc` plus, in each 32-bit lane, the 4 products of `a`'s and `b`'s bytes in that lane: the
