@@ -10,6 +10,8 @@ mod common;
 mod loopback;
 #[path = "hub/pull.rs"]
 mod pull;
+#[path = "hub/pull_gguf.rs"]
+mod pull_gguf;
 
 use std::path::Path;
 use std::process::Command;
@@ -217,6 +219,10 @@ fn models_toml_errors_carry_file_and_line() {
         (
             "default = \"a\"\n\n[models.a]\ndtype = \"f32\"\n",
             "models.toml:3: entry `a` needs exactly one of `path` or `repo`",
+        ),
+        (
+            "default = \"a\"\n[models.a]\nrepo = \"o/n\"\nfile = \"model.bin\"\n",
+            "models.toml:2: entry `a` `file` names a weights file of the repo: a `.gguf`",
         ),
     ] {
         std::fs::write(&models, text).unwrap();

@@ -6,35 +6,54 @@ use indicatif::ProgressBar;
 
 use super::load_bar::bytes_style;
 use super::models;
-use crate::hub::{self, HubSettings, PullProgress};
+use crate::hub::{self, HubSettings, PullFiles, PullProgress};
 
-/// Where `name` is pulled from: a repo and a revision.
-fn source(name: &str, revision: Option<&str>) -> anyhow::Result<(String, String)> {
-    let file = models::models_file_path();
-    let entry = match file.is_file() {
-        true => models::ModelsFile::load(&file)?.models.remove(name),
+/// Where `name` is pulled from: a repo, a revision and the one file wanted, if any.
+struct Source {
+    repo: String,
+    revision: String,
+    file: Option<String>,
+}
+
+/// Where `name` is pulled from, `revision` and `file` overriding its entry's.
+fn source(name: &str, revision: Option<&str>, file: Option<&str>) -> anyhow::Result<Source> {
+    let models_file = models::models_file_path();
+    let entry = match models_file.is_file() {
+        true => models::ModelsFile::load(&models_file)?.models.remove(name),
         false => None,
     };
-    let (repo, pinned) = match entry {
+    let (repo, pinned, entry_file) = match entry {
         Some(models::ModelEntry {
             repo: Some(repo),
             revision,
+            file,
             ..
-        }) => (repo, revision),
+        }) => (repo, revision, file),
         Some(_) => anyhow::bail!("`{name}` is a local model: nothing to pull"),
-        None if hub::is_repo_id(name) => (name.to_string(), None),
-        None => anyhow::bail!("no model entry `{name}` in {}", file.display()),
+        None if hub::is_repo_id(name) => (name.to_string(), None, None),
+        None => anyhow::bail!("no model entry `{name}` in {}", models_file.display()),
     };
     let revision = revision.map(str::to_string).or(pinned);
-    Ok((repo, revision.unwrap_or_else(|| "main".into())))
+    Ok(Source {
+        repo,
+        revision: revision.unwrap_or_else(|| "main".into()),
+        file: file.map(str::to_string).or(entry_file),
+    })
 }
 
-/// Runs `spex pull NAME [--revision REV]`.
-pub fn run(name: &str, revision: Option<&str>) -> anyhow::Result<()> {
-    let (repo, revision) = source(name, revision)?;
+/// Runs `spex pull NAME [--revision REV] [--file FILE]`.
+pub fn run(name: &str, revision: Option<&str>, file: Option<&str>) -> anyhow::Result<()> {
+    let Source {
+        repo,
+        revision,
+        file,
+    } = source(name, revision, file)?;
     let settings = HubSettings::from_env()?;
+    let files = file
+        .as_deref()
+        .map_or(PullFiles::Checkpoint, PullFiles::File);
     let mut bar = PullBar::default();
-    let pulled = hub::pull(&settings, &repo, &revision, &mut |p| bar.show(p));
+    let pulled = hub::pull(&settings, &repo, &revision, files, &mut |p| bar.show(p));
     bar.finish();
     let pulled = pulled?;
     let what = match name == repo {
@@ -47,7 +66,10 @@ pub fn run(name: &str, revision: Option<&str>) -> anyhow::Result<()> {
         hub::snapshot_size(&pulled.snapshot) as f64 / 1e6,
         pulled.downloaded_bytes as f64 / 1e6
     );
-    println!("  {}", pulled.snapshot.display());
+    match &file {
+        Some(file) => println!("  {}", pulled.snapshot.join(file).display()),
+        None => println!("  {}", pulled.snapshot.display()),
+    }
     if !hub::is_commit(&revision) {
         println!(
             "  to pin it, set `revision = \"{}\"` in the models.toml entry",
@@ -99,14 +121,15 @@ impl PullBar {
     }
 
     fn bar_for(&mut self, file: &str, total_bytes: u64) -> &ProgressBar {
-        if self.bar.as_ref().is_none_or(|(f, _)| f != file) {
+        if self.bar.as_ref().is_some_and(|(f, _)| f != file) {
             self.finish();
+        }
+        let (_, bar) = self.bar.get_or_insert_with(|| {
             let bar = ProgressBar::new(total_bytes);
             bar.set_style(bytes_style());
             bar.set_prefix(file.to_string());
-            self.bar = Some((file.to_string(), bar));
-        }
-        let (_, bar) = self.bar.as_ref().expect("set just above: this is a bug");
+            (file.to_string(), bar)
+        });
         if total_bytes > 0 {
             bar.set_length(total_bytes);
         }

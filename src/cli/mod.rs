@@ -75,6 +75,10 @@ pub enum Command {
         /// A branch, tag or 40-hex commit (default: the entry's `revision`, else `main`).
         #[arg(long)]
         revision: Option<String>,
+        /// The one weights file to fetch from a repo that holds many, like `NAME.Q4_K_M.gguf`
+        /// (default: the entry's `file`, else the repo's safetensors checkpoint).
+        #[arg(long)]
+        file: Option<String>,
     },
 }
 
@@ -437,7 +441,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Sweep(args)) => sweep::run(&args),
         Some(Command::Snapshot(args)) => replay::snapshot(&args),
         Some(Command::Models) => list_models(),
-        Some(Command::Pull { name, revision }) => hub::run(&name, revision.as_deref()),
+        Some(Command::Pull {
+            name,
+            revision,
+            file,
+        }) => hub::run(&name, revision.as_deref(), file.as_deref()),
         None => dashboard(&cli.dashboard),
     }
 }
@@ -446,24 +454,39 @@ fn list_models() -> anyhow::Result<()> {
     let file = models::models_file_path();
     let models = models::ModelsFile::load(&file)?;
     let cache_root = crate::hub::HubSettings::from_env()?.cache_root;
-    println!("{:<24} {:<8} {:>10}  source", "name", "local", "size");
+    println!(
+        "{:<24} {:<8} {:<8} {:>10}  source",
+        "name", "local", "weights", "size"
+    );
     for (name, entry) in &models.models {
-        let (dir, source) = (entry.local_dir(&file, name, &cache_root), entry.source());
-        let (local, size) = match dir {
-            Ok(d) if d.join("config.json").is_file() => (
+        let origin = entry.local_origin(&file, name, &cache_root);
+        let (local, weights, size) = match &origin {
+            Ok(o) if o.is_present() => (
                 "yes",
-                format!("{:.1} MB", crate::hub::snapshot_size(&d) as f64 / 1e6),
+                o.weight_type().unwrap_or_else(|| "?".into()),
+                format!("{:.1} MB", stored_bytes(o) as f64 / 1e6),
             ),
-            _ => ("no", "-".into()),
+            _ => ("no", "-".into(), "-".into()),
         };
+        let source = entry.source();
         let default = if *name == models.default {
             " (default)"
         } else {
             ""
         };
-        println!("{:<24} {:<8} {:>10}  {source}{default}", name, local, size);
+        println!("{name:<24} {local:<8} {weights:<8} {size:>10}  {source}{default}");
     }
     Ok(())
+}
+
+/// Bytes on disk of a checkpoint's files: a directory's, or the one GGUF file.
+fn stored_bytes(origin: &crate::engine::checkpoint::Origin) -> u64 {
+    use crate::engine::checkpoint::Origin;
+    match origin {
+        Origin::Dir(dir) => crate::hub::snapshot_size(dir),
+        Origin::Gguf(path) => std::fs::metadata(path).map_or(0, |m| m.len()),
+        Origin::Embedded(bytes) => bytes.weights.len() as u64,
+    }
 }
 
 fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {

@@ -13,7 +13,7 @@ use crate::engine::checkpoint::Origin;
 use crate::engine::error::toml_error;
 use crate::engine::policy::PolicyKind;
 use crate::engine::{CheckpointBytes, EngineError};
-use crate::hub::{self, HubSettings, PullProgress};
+use crate::hub::{self, HubSettings, PullFiles, PullProgress};
 
 /// The parsed `models.toml`.
 #[derive(Debug, Clone, Deserialize)]
@@ -35,6 +35,9 @@ pub struct ModelEntry {
     pub repo: Option<String>,
     /// The pinned revision (commit hash or branch) of `repo`.
     pub revision: Option<String>,
+    /// The one `.gguf` file of `repo` (or of the `path` directory) to load, where it holds
+    /// one per quantization.
+    pub file: Option<String>,
     pub dtype: Option<DTypeSpec>,
     pub device: Option<DeviceSpec>,
     /// Wrap prompts in the chat template and stop at the end-of-turn token.
@@ -60,30 +63,65 @@ impl ModelEntry {
         self.revision.as_deref().unwrap_or("main")
     }
 
-    /// Where the entry's files are on this machine: its directory (relative to `models_file`),
-    /// or its snapshot in the local hub cache under `cache_root` (an error naming
-    /// `spex pull NAME` when absent).
-    pub fn local_dir(
+    /// Which of its repo's files a pull fetches.
+    pub fn pull_files(&self) -> PullFiles<'_> {
+        self.file
+            .as_deref()
+            .map_or(PullFiles::Checkpoint, PullFiles::File)
+    }
+
+    /// Where the entry's files are on this machine: under its `path` (relative to
+    /// `models_file`), or in its snapshot in the local hub cache under `cache_root` (an error
+    /// naming `spex pull NAME` when absent). A `file`, or a `path` that names a `.gguf`, is a
+    /// GGUF checkpoint.
+    pub fn local_origin(
         &self,
         models_file: &Path,
         name: &str,
         cache_root: &Path,
-    ) -> Result<PathBuf, EngineError> {
-        match (&self.path, &self.repo) {
-            (Some(path), _) => Ok(models_file.parent().unwrap_or(Path::new(".")).join(path)),
-            (None, Some(repo)) => hub::snapshot_dir(cache_root, repo, self.revision(), name),
-            (None, None) => unreachable!("ModelsFile::load checks path or repo: this is a bug"),
+    ) -> Result<Origin, EngineError> {
+        let dir = match (&self.path, &self.repo) {
+            (Some(path), _) => models_file.parent().unwrap_or(Path::new(".")).join(path),
+            (None, Some(repo)) => {
+                let marker = self.pull_files();
+                hub::snapshot_dir(cache_root, repo, self.revision(), marker.marker(), name)?
+            }
+            (None, None) => {
+                return Err(EngineError::file(
+                    models_file,
+                    format!("entry `{name}` needs exactly one of `path` or `repo`"),
+                ));
+            }
+        };
+        Ok(self.origin_in(dir))
+    }
+
+    /// The checkpoint the entry names in `dir`, its directory or snapshot.
+    fn origin_in(&self, dir: PathBuf) -> Origin {
+        match &self.file {
+            Some(file) => Origin::Gguf(dir.join(file)),
+            None if is_gguf(&dir) => Origin::Gguf(dir),
+            None => Origin::Dir(dir),
         }
     }
 
     /// The entry's source as `spex models` shows it.
     pub fn source(&self) -> String {
-        match (&self.path, &self.repo) {
+        let place = match (&self.path, &self.repo) {
             (Some(path), _) => path.display().to_string(),
             (None, Some(repo)) => format!("{repo}@{}", self.revision()),
             (None, None) => String::new(),
+        };
+        match &self.file {
+            Some(file) => format!("{place} {file}"),
+            None => place,
         }
     }
+}
+
+/// Whether `path` names a GGUF file (by its extension).
+fn is_gguf(path: &Path) -> bool {
+    path.extension().is_some_and(|x| x == "gguf")
 }
 
 /// Where models.toml is: `$SPEX_MODELS`, else `./models.toml`, else the one in the source tree.
@@ -104,19 +142,24 @@ impl ModelsFile {
         let text = crate::engine::files::read_text(path, crate::engine::files::FileKind::Settings)?;
         let parsed: Self = toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
         for (name, entry) in &parsed.models {
-            if entry.path.is_some() == entry.repo.is_some() {
-                let line = text
-                    .lines()
-                    .position(|l| {
-                        l.contains(&format!("[models.{name}]"))
-                            || l.contains(&format!("[models.\"{name}\"]"))
-                    })
-                    .map_or(0, |i| i + 1);
-                return Err(EngineError::file(
-                    format!("{}:{line}", path.display()),
-                    format!("entry `{name}` needs exactly one of `path` or `repo`"),
-                ));
-            }
+            let fault = match (&entry.path, &entry.repo, &entry.file) {
+                (Some(_), Some(_), _) | (None, None, _) => "needs exactly one of `path` or `repo`",
+                (_, _, Some(file)) if !is_gguf(Path::new(file)) => {
+                    "`file` names a weights file of the repo: a `.gguf`"
+                }
+                _ => continue,
+            };
+            let line = text
+                .lines()
+                .position(|l| {
+                    l.contains(&format!("[models.{name}]"))
+                        || l.contains(&format!("[models.\"{name}\"]"))
+                })
+                .map_or(0, |i| i + 1);
+            return Err(EngineError::file(
+                format!("{}:{line}", path.display()),
+                format!("entry `{name}` {fault}"),
+            ));
         }
         Ok(parsed)
     }
@@ -156,7 +199,7 @@ pub fn resolve(
 ) -> Result<ResolvedModel, EngineError> {
     if let Some(m) = model {
         let p = PathBuf::from(m);
-        if p.is_file() && p.extension().is_some_and(|x| x == "gguf") {
+        if p.is_file() && is_gguf(&p) {
             let name = p
                 .file_stem()
                 .map_or(m.to_string(), |n| n.to_string_lossy().into_owned());
@@ -194,7 +237,7 @@ pub fn resolve(
     let name = model.unwrap_or(&models.default).to_string();
     let Some(entry) = models.models.get(&name).cloned() else {
         if hub::is_repo_id(&name) {
-            let dir = hub_dir(&name, "main", &name, hub, progress)?;
+            let dir = hub_dir(&name, "main", PullFiles::Checkpoint, &name, hub, progress)?;
             return Ok(ResolvedModel {
                 name,
                 source: Origin::Dir(dir),
@@ -207,16 +250,26 @@ pub fn resolve(
             format!("no model entry `{name}` and no such directory (entries: {known})"),
         ));
     };
-    let dir = match &entry.repo {
-        Some(repo) => hub_dir(repo, entry.revision(), &name, hub, progress)?,
-        None => entry.local_dir(&file, &name, &hub.cache_root)?,
+    let source = match &entry.repo {
+        Some(repo) => {
+            let files = entry.pull_files();
+            entry.origin_in(hub_dir(
+                repo,
+                entry.revision(),
+                files,
+                &name,
+                hub,
+                progress,
+            )?)
+        }
+        None => entry.local_origin(&file, &name, &hub.cache_root)?,
     };
-    if name == EMBEDDED_NAME && !dir.is_dir() {
+    if name == EMBEDDED_NAME && !source.is_present() {
         return Ok(embedded(Some(entry)));
     }
     Ok(ResolvedModel {
         name,
-        source: Origin::Dir(dir),
+        source,
         entry: Some(entry),
     })
 }
@@ -229,18 +282,19 @@ fn embedded(entry: Option<ModelEntry>) -> ResolvedModel {
     }
 }
 
-/// `repo` at `revision` from the local cache, pulled first when it is not there and `hub`
-/// is not offline.
+/// The snapshot of `files` of `repo` at `revision` in the local cache, pulled first when it
+/// is not there and `hub` is not offline.
 fn hub_dir(
     repo: &str,
     revision: &str,
+    files: PullFiles,
     pull_hint: &str,
     hub: &HubSettings,
     progress: &mut dyn FnMut(PullProgress),
 ) -> Result<PathBuf, EngineError> {
-    match hub::snapshot_dir(&hub.cache_root, repo, revision, pull_hint) {
+    match hub::snapshot_dir(&hub.cache_root, repo, revision, files.marker(), pull_hint) {
         Ok(dir) => Ok(dir),
-        Err(_) if !hub.offline => Ok(hub::pull(hub, repo, revision, progress)?.snapshot),
+        Err(_) if !hub.offline => Ok(hub::pull(hub, repo, revision, files, progress)?.snapshot),
         Err(e) => Err(e),
     }
 }

@@ -279,6 +279,28 @@ impl Origin {
             Self::Gguf(_) | Self::Embedded(_) => DType::F32,
         }
     }
+
+    /// Whether its files are on this machine (the config of a directory, the GGUF file).
+    pub fn is_present(&self) -> bool {
+        match self {
+            Self::Dir(dir) => dir.join("config.json").is_file(),
+            Self::Gguf(path) => path.is_file(),
+            Self::Embedded(_) => true,
+        }
+    }
+
+    /// The type its weights are stored in, read from the config or the GGUF header without
+    /// loading them (`bf16`, `Q4_K_M`); `None` where neither can be read.
+    pub fn weight_type(&self) -> Option<String> {
+        match self {
+            Self::Dir(dir) => stored_dtype(dir).map(|d| d.as_str().to_string()),
+            Self::Gguf(path) => crate::engine::gguf::load::GgufFile::open(path)
+                .ok()?
+                .weight_type_name()
+                .map(str::to_string),
+            Self::Embedded(_) => Some(DType::F32.as_str().to_string()),
+        }
+    }
 }
 
 /// One checkpoint a load reads: where its files are, the element type its weights load in,

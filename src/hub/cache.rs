@@ -154,12 +154,14 @@ fn symlink(target: &Path, link: &Path) -> std::io::Result<()> {
     std::fs::copy(blob, link).map(|_| ())
 }
 
-/// The snapshot directory of `repo` at `revision` in the local cache under `root`.
-/// `pull_hint` is the `spex pull` argument that an error suggests when it is missing.
+/// The snapshot directory of `repo` at `revision` in the local cache under `root`, where a
+/// finished pull left `marker` (`PullFiles::marker`). `pull_hint` is the `spex pull`
+/// argument that an error suggests when it is missing.
 pub fn snapshot_dir(
     root: &Path,
     repo: &str,
     revision: &str,
+    marker: &str,
     pull_hint: &str,
 ) -> Result<PathBuf, EngineError> {
     let cache = RepoCache::new(root, repo);
@@ -175,7 +177,7 @@ pub fn snapshot_dir(
         )));
     };
     let snap = cache.snapshot(&commit);
-    if !snap.join("config.json").is_file() {
+    if !snap.join(marker).is_file() {
         return Err(missing(match is_commit(revision) {
             true => format!("commit {commit} is not in the local hub cache"),
             false => {

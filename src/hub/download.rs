@@ -46,6 +46,18 @@ pub(super) struct Remote {
     pub size_bytes: u64,
 }
 
+/// The part of the hub's answer about a repo revision that lists its files.
+#[derive(serde::Deserialize)]
+struct Listing {
+    siblings: Vec<Sibling>,
+}
+
+/// One file of a [`Listing`].
+#[derive(serde::Deserialize)]
+struct Sibling {
+    rfilename: String,
+}
+
 /// Where an attempt reports its bytes.
 type Report<'r> = &'r mut dyn FnMut(PullProgress);
 
@@ -82,6 +94,42 @@ impl<'a> Client<'a> {
             settings,
             repo: repo.to_string(),
         }
+    }
+
+    /// The repo this client asks about.
+    pub fn repo(&self) -> &str {
+        &self.repo
+    }
+
+    /// The names of every file the repo has at `revision`, from the hub's listing
+    /// (`GET ENDPOINT/api/models/ORG/NAME/revision/REVISION`, its `siblings`).
+    pub fn list_files(
+        &self,
+        revision: &str,
+        progress: &mut dyn FnMut(PullProgress),
+    ) -> Result<Vec<String>, HubError> {
+        let url = format!(
+            "{}/api/models/{}/revision/{revision}",
+            self.settings.endpoint, self.repo
+        );
+        let text = self.retrying("the file listing", progress, &mut |_| {
+            let response = self.call("GET", &url, None).map_err(Failure::Transient)?;
+            match response.status().as_u16() {
+                200 => response
+                    .into_body()
+                    .read_to_string()
+                    .map_err(|e| Failure::Transient(e.to_string())),
+                s @ (429 | 500..=599) => Err(Failure::Transient(format!("HTTP {s}"))),
+                s => Err(Failure::Fatal(self.refusal(s, &response, revision, ""))),
+            }
+        })?;
+        let bad = |message: String| HubError::Protocol {
+            url: url.clone(),
+            message,
+        };
+        let listing: Listing =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not a file listing: {e}")))?;
+        Ok(listing.siblings.into_iter().map(|s| s.rfilename).collect())
     }
 
     /// `file`'s metadata at `revision`; an error when the repo has no such file.

@@ -37,6 +37,17 @@ pub enum HubError {
         revision: String,
         file: String,
     },
+    #[error(
+        "{repo}@{revision}: no file `{file}` (404); its .{extension} files: {}",
+        list_or_none(have)
+    )]
+    NoFileAmong {
+        repo: String,
+        revision: String,
+        file: String,
+        extension: String,
+        have: Vec<String>,
+    },
     #[error("{url}: {message}")]
     Protocol { url: String, message: String },
     #[error("{file} from {endpoint}: {message}, {attempts} tries: run the pull again to resume")]
@@ -60,6 +71,14 @@ pub enum HubError {
     Io { path: PathBuf, message: String },
     #[error("{0}")]
     Invalid(String),
+}
+
+/// `names` joined by commas, or "none".
+fn list_or_none(names: &[String]) -> String {
+    match names.is_empty() {
+        true => "none".into(),
+        false => names.join(", "),
+    }
 }
 
 impl HubError {

@@ -57,31 +57,62 @@ pub struct Pulled {
     pub downloaded_bytes: u64,
 }
 
+/// Which of a repo's files a pull fetches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PullFiles<'a> {
+    /// A safetensors checkpoint: the config, the tokenizer files and the weights (one file,
+    /// or the shards an index names).
+    Checkpoint,
+    /// One weights file of a repo that holds many (a GGUF repo holds one per quantization),
+    /// and the `tokenizer.json` beside it where the repo has one.
+    File(&'a str),
+}
+
+impl PullFiles<'_> {
+    /// The file whose presence in a snapshot says the pull finished: the config is fetched
+    /// first and the weights file alone.
+    pub fn marker(&self) -> &str {
+        match self {
+            Self::Checkpoint => REQUIRED[0],
+            Self::File(file) => file,
+        }
+    }
+}
+
 /// Files a checkpoint may have beside its weights; only the first two are required.
 const REQUIRED: [&str; 2] = ["config.json", "tokenizer.json"];
 const OPTIONAL: [&str; 2] = ["tokenizer_config.json", "generation_config.json"];
 const INDEX: &str = crate::engine::checkpoint::SHARD_INDEX;
 const WEIGHTS: &str = "model.safetensors";
 
-/// Downloads `repo` at `revision` (a branch, tag or 40-hex commit) into the local cache:
-/// the config, the tokenizer files and the weights (one file, or the shards an index names).
-/// Every file comes from the one commit the revision named when the pull began. A branch's
-/// ref is written last, so an interrupted pull leaves the previous snapshot in force.
+/// Downloads `files` of `repo` at `revision` (a branch, tag or 40-hex commit) into the local
+/// cache. Every file comes from the one commit the revision named when the pull began. A
+/// branch's ref is written last, so an interrupted pull leaves the previous snapshot in
+/// force. A [`PullFiles::File`] the repo lacks is an error that lists the files it has of
+/// that extension.
 pub fn pull(
     settings: &HubSettings,
     repo: &str,
     revision: &str,
+    files: PullFiles,
     progress: &mut dyn FnMut(PullProgress),
 ) -> Result<Pulled, HubError> {
     if settings.offline {
         return Err(HubError::Offline);
     }
+    if let PullFiles::File(file) = files {
+        check_file_name(file)?;
+    }
     let cache = RepoCache::new(&settings.cache_root, repo);
     let client = Client::new(settings, repo);
-    // A pinned commit whose config is here needs no request to name its commit.
-    let first = match is_commit(revision) && cache.linked(revision, REQUIRED[0]) {
+    let marker = files.marker();
+    // A pinned commit whose first file is here needs no request to name its commit.
+    let first = match is_commit(revision) && cache.linked(revision, marker) {
         true => None,
-        false => Some(client.require(revision, REQUIRED[0], progress)?),
+        false => match client.metadata(revision, marker, progress)? {
+            Some(remote) => Some(remote),
+            None => return Err(missing(&client, revision, files, progress)),
+        },
     };
     let commit = first
         .as_ref()
@@ -94,19 +125,14 @@ pub fn pull(
         progress,
     };
     match first {
-        Some(remote) => fetcher.place(REQUIRED[0], remote)?,
-        None => fetcher.fetch(REQUIRED[0], true).map(|_| ())?,
+        Some(remote) => fetcher.place(marker, remote)?,
+        None => fetcher.fetch(marker, true).map(|_| ())?,
     }
-    fetcher.fetch(REQUIRED[1], true)?;
-    for file in OPTIONAL {
-        fetcher.fetch(file, false)?;
-    }
-    if fetcher.fetch(INDEX, false)? {
-        for shard in shards(&cache.snapshot(&commit).join(INDEX))? {
-            fetcher.fetch(&shard, true)?;
+    match files {
+        PullFiles::Checkpoint => fetcher.rest_of_checkpoint()?,
+        PullFiles::File(_) => {
+            fetcher.fetch(REQUIRED[1], false)?;
         }
-    } else {
-        fetcher.fetch(WEIGHTS, true)?;
     }
     let downloaded_bytes = fetcher.downloaded_bytes;
     if !is_commit(revision) {
@@ -129,6 +155,21 @@ struct Fetcher<'a> {
 }
 
 impl Fetcher<'_> {
+    /// The checkpoint's files after its config: the tokenizer files and the weights.
+    fn rest_of_checkpoint(&mut self) -> Result<(), HubError> {
+        self.fetch(REQUIRED[1], true)?;
+        for file in OPTIONAL {
+            self.fetch(file, false)?;
+        }
+        if self.fetch(INDEX, false)? {
+            for shard in shards(&self.cache.snapshot(self.commit).join(INDEX))? {
+                self.fetch(&shard, true)?;
+            }
+            return Ok(());
+        }
+        self.fetch(WEIGHTS, true).map(|_| ())
+    }
+
     /// Puts `file` in the snapshot; false when the repo has no such file and it is optional.
     /// A file already in this commit's snapshot, or known absent from it, costs no request.
     fn fetch(&mut self, file: &str, required: bool) -> Result<bool, HubError> {
@@ -171,6 +212,50 @@ impl Fetcher<'_> {
         self.cache.link(self.commit, file, &remote.etag)?;
         (self.progress)(PullProgress::Done { file });
         Ok(())
+    }
+}
+
+/// A file name to pull must stay inside the snapshot: relative, with no `..` or empty part.
+fn check_file_name(file: &str) -> Result<(), HubError> {
+    let bad = file.starts_with('/') || file.split(['/', '\\']).any(|p| p.is_empty() || p == "..");
+    match bad {
+        true => Err(HubError::Invalid(format!(
+            "`{file}`: a file to pull is a path inside the repo, like `NAME.gguf`"
+        ))),
+        false => Ok(()),
+    }
+}
+
+/// The error for a first file the repo lacks at `revision`. A named weights file lists the
+/// repo's files of its extension, asked of the hub's file listing; a checkpoint is the plain
+/// missing-file error.
+fn missing(
+    client: &Client,
+    revision: &str,
+    files: PullFiles,
+    progress: &mut dyn FnMut(PullProgress),
+) -> HubError {
+    let no_file = HubError::NoFile {
+        repo: client.repo().to_string(),
+        revision: revision.to_string(),
+        file: files.marker().to_string(),
+    };
+    let PullFiles::File(file) = files else {
+        return no_file;
+    };
+    let extension = file.rsplit_once('.').map_or("", |(_, x)| x);
+    match client.list_files(revision, progress) {
+        Ok(names) => HubError::NoFileAmong {
+            repo: client.repo().to_string(),
+            revision: revision.to_string(),
+            file: file.to_string(),
+            extension: extension.to_string(),
+            have: names
+                .into_iter()
+                .filter(|n| n.rsplit_once('.').is_some_and(|(_, x)| x == extension))
+                .collect(),
+        },
+        Err(_) => no_file,
     }
 }
 

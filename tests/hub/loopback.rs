@@ -6,6 +6,8 @@
 //!   302 to `/lfs/SHA256` with `x-linked-etag` (the SHA-256) and `x-linked-size`. Errors carry
 //!   the hub's `x-error-code`: `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`, and 401
 //!   `GatedRepo` for a gated repo asked without its token.
+//!   A `.gguf` file is an LFS file too.
+//! - `GET /api/models/ORG/NAME/revision/REVISION` lists the repo's files (`siblings`).
 //! - `GET /lfs/SHA256` serves the bytes, honouring `Range: bytes=N-`.
 //!
 //! Every connection is answered once and closed. [`Faults`] bend the LFS answers.
@@ -225,6 +227,9 @@ fn route(request: &Request, state: &mut State, base: &str) -> (Answer, bool) {
     if let Some(sha) = request.path.strip_prefix("/lfs/") {
         return (lfs(request, state, sha), true);
     }
+    if let Some(rest) = request.path.strip_prefix("/api/models/") {
+        return (listing(state, rest), false);
+    }
     let parts: Vec<&str> = request
         .path
         .trim_start_matches('/')
@@ -253,7 +258,7 @@ fn route(request: &Request, state: &mut State, base: &str) -> (Answer, bool) {
     let answer = Answer::new(200)
         .header("x-repo-commit", &repo.commit)
         .header("etag", format!("\"{}\"", &sha[..40]));
-    if file.ends_with(".safetensors") {
+    if file.ends_with(".safetensors") || file.ends_with(".gguf") {
         let mut answer = answer
             .header("location", format!("{base}/lfs/{sha}"))
             .header("x-linked-etag", format!("\"{sha}\""))
@@ -262,6 +267,29 @@ fn route(request: &Request, state: &mut State, base: &str) -> (Answer, bool) {
         return (answer, false);
     }
     (ranged(answer, bytes, request), false)
+}
+
+/// The hub's listing of a repo's files at a revision: `ORG/NAME/revision/REVISION`.
+fn listing(state: &State, rest: &str) -> Answer {
+    let parts: Vec<&str> = rest.splitn(4, '/').collect();
+    let [org, name, "revision", revision] = parts[..] else {
+        return Answer::new(400);
+    };
+    let id = format!("{org}/{name}");
+    let Some(repo) = state.repos.iter().find(|r| r.id == id) else {
+        return Answer::new(404).header("x-error-code", "RepoNotFound");
+    };
+    if revision != "main" && revision != repo.commit {
+        return Answer::new(404).header("x-error-code", "RevisionNotFound");
+    }
+    let siblings: Vec<_> = (repo.files.keys())
+        .map(|f| serde_json::json!({ "rfilename": f }))
+        .collect();
+    let body = serde_json::json!({ "id": id, "sha": repo.commit, "siblings": siblings });
+    Answer {
+        body: body.to_string().into_bytes(),
+        ..Answer::new(200)
+    }
 }
 
 fn lfs(request: &Request, state: &mut State, sha: &str) -> Answer {

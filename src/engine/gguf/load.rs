@@ -191,6 +191,17 @@ impl GgufFile {
         self.content.tensor_infos.get(&name).map(|i| i.ggml_dtype)
     }
 
+    /// What the file's weights are, as llama.cpp names its file types (`Q4_K_M`): its
+    /// `general.file_type`, else its first query projection's block type.
+    pub fn weight_type_name(&self) -> Option<&'static str> {
+        let code = self
+            .metadata()
+            .get("general.file_type")
+            .and_then(|v| v.to_u32().ok());
+        code.and_then(super::file_type_name)
+            .or_else(|| self.weight_type().map(super::ggml_name))
+    }
+
     /// Reads GGUF tensor `name`'s stored bytes into `out`, which must be their size; a file
     /// too short for them names the tensor.
     fn read_stored(&self, name: &str, info: &TensorInfo, out: &mut [u8]) -> Result<()> {

@@ -112,6 +112,33 @@ pub fn quant_kind(t: GgmlDType) -> Option<QuantKind> {
     QuantKind::ALL.into_iter().find(|&k| ggml_type(k) == t)
 }
 
+/// llama.cpp's `general.file_type` codes (`LLAMA_FTYPE_MOSTLY_*`) with the names its
+/// quantizer and the hub's file names give them.
+pub const FILE_TYPES: [(u32, &str); 17] = [
+    (0, "F32"),
+    (1, "F16"),
+    (2, "Q4_0"),
+    (3, "Q4_1"),
+    (7, "Q8_0"),
+    (8, "Q5_0"),
+    (9, "Q5_1"),
+    (10, "Q2_K"),
+    (11, "Q3_K_S"),
+    (12, "Q3_K_M"),
+    (13, "Q3_K_L"),
+    (14, "Q4_K_S"),
+    (15, "Q4_K_M"),
+    (16, "Q5_K_S"),
+    (17, "Q5_K_M"),
+    (18, "Q6_K"),
+    (32, "BF16"),
+];
+
+/// The name of `general.file_type` code `code`, if llama.cpp defines it ([`FILE_TYPES`]).
+pub fn file_type_name(code: u32) -> Option<&'static str> {
+    FILE_TYPES.iter().find(|(c, _)| *c == code).map(|(_, n)| *n)
+}
+
 /// The GGML type's name as llama.cpp prints it (`Q8_0`, `Q4_K`), for messages and headers.
 pub fn ggml_name(t: GgmlDType) -> &'static str {
     match t {
