@@ -69,8 +69,8 @@ pub enum PullFiles<'a> {
 }
 
 impl PullFiles<'_> {
-    /// The file whose presence in a snapshot says the pull finished: the config is fetched
-    /// first and the weights file alone.
+    /// The file a pull fetches first, whose presence in a snapshot says it was pulled: a
+    /// checkpoint's config, or the weights file itself.
     pub fn marker(&self) -> &str {
         match self {
             Self::Checkpoint => REQUIRED[0],
@@ -109,9 +109,12 @@ pub fn pull(
     // A pinned commit whose first file is here needs no request to name its commit.
     let first = match is_commit(revision) && cache.linked(revision, marker) {
         true => None,
-        false => match client.metadata(revision, marker, progress)? {
-            Some(remote) => Some(remote),
-            None => return Err(missing(&client, revision, files, progress)),
+        false => match files {
+            PullFiles::Checkpoint => Some(client.require(revision, marker, progress)?),
+            PullFiles::File(file) => match client.metadata(revision, file, progress)? {
+                Some(remote) => Some(remote),
+                None => return Err(absent_file(&client, revision, file, progress)),
+            },
         },
     };
     let commit = first
@@ -130,8 +133,8 @@ pub fn pull(
     }
     match files {
         PullFiles::Checkpoint => fetcher.rest_of_checkpoint()?,
-        PullFiles::File(_) => {
-            fetcher.fetch(REQUIRED[1], false)?;
+        PullFiles::File(file) => {
+            fetcher.fetch(&tokenizer_beside(file), false)?;
         }
     }
     let downloaded_bytes = fetcher.downloaded_bytes;
@@ -226,36 +229,45 @@ fn check_file_name(file: &str) -> Result<(), HubError> {
     }
 }
 
-/// The error for a first file the repo lacks at `revision`. A named weights file lists the
-/// repo's files of its extension, asked of the hub's file listing; a checkpoint is the plain
-/// missing-file error.
-fn missing(
+/// The `tokenizer.json` in the same folder of the repo as `file`, where a GGUF's load looks
+/// for one (`engine::checkpoint::gguf_tokenizer_file`).
+fn tokenizer_beside(file: &str) -> String {
+    match file.rsplit_once('/') {
+        Some((folder, _)) => format!("{folder}/{}", REQUIRED[1]),
+        None => REQUIRED[1].to_string(),
+    }
+}
+
+/// The error for a weights `file` the repo lacks at `revision`: the files it has of that
+/// extension, asked of the hub's file listing, or the plain missing-file error where the
+/// listing cannot be had.
+fn absent_file(
     client: &Client,
     revision: &str,
-    files: PullFiles,
+    file: &str,
     progress: &mut dyn FnMut(PullProgress),
 ) -> HubError {
-    let no_file = HubError::NoFile {
-        repo: client.repo().to_string(),
-        revision: revision.to_string(),
-        file: files.marker().to_string(),
-    };
-    let PullFiles::File(file) = files else {
-        return no_file;
-    };
-    let extension = file.rsplit_once('.').map_or("", |(_, x)| x);
-    match client.list_files(revision, progress) {
+    let (repo, revision, file) = (
+        client.repo().to_string(),
+        revision.to_string(),
+        file.to_string(),
+    );
+    let extension = |name: &str| std::path::Path::new(name).extension().map(|x| x.to_owned());
+    match client.list_files(&revision, progress) {
         Ok(names) => HubError::NoFileAmong {
-            repo: client.repo().to_string(),
-            revision: revision.to_string(),
-            file: file.to_string(),
-            extension: extension.to_string(),
-            have: names
-                .into_iter()
-                .filter(|n| n.rsplit_once('.').is_some_and(|(_, x)| x == extension))
+            extension: extension(&file).map_or(String::new(), |x| x.to_string_lossy().into()),
+            have: (names.into_iter())
+                .filter(|n| extension(n) == extension(&file))
                 .collect(),
+            repo,
+            revision,
+            file,
         },
-        Err(_) => no_file,
+        Err(_) => HubError::NoFile {
+            repo,
+            revision,
+            file,
+        },
     }
 }
 
