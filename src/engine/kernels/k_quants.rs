@@ -12,13 +12,13 @@
 //!
 //! # One result on every ISA
 //!
-//! For activation row `r` (scale `dx`, values `x`, 16-value sums `bsum`) and one weight row,
-//! over the super-blocks in order from `acc = 0`:
+//! For activation row `r` (scale `dx`, values `x`, 16- and 32-value sums `sum16`, `sum32`) and
+//! one weight row, over the super-blocks in order from `acc = 0`:
 //! - **Q4_K** (weights `d·sc[s]·q − dmin·m[s]`, `q` in 0..16, 8 sub-blocks of 32):
-//!   `isum = Σₛ sc[s]·Σᵢ q·x`, `msum = Σₛ m[s]·(bsum[2s] + bsum[2s+1])`, then
+//!   `isum = Σₛ sc[s]·Σᵢ q·x`, `msum = Σₛ m[s]·sum32[s]`, then
 //!   `acc = fma(isum, d·dx, acc)` and `acc = fma(msum, dmin·(−dx), acc)`.
 //! - **Q6_K** (weights `d·sc[s]·(q − 32)`, `q` in 0..64, 16 sub-blocks of 16):
-//!   `isum = Σₛ sc[s]·(Σᵢ q·x − 32·bsum[s])`, then `acc = fma(isum, d·dx, acc)`.
+//!   `isum = Σₛ sc[s]·(Σᵢ q·x − 32·sum16[s])`, then `acc = fma(isum, d·dx, acc)`.
 //!
 //! The sums are exact integers on any ISA (the bounds are under 2³¹: 8·63·32·15·127 for Q4_K,
 //! 16·128·16·32·127 for Q6_K) and the float part is one sequence of roundings, so the portable
@@ -27,8 +27,9 @@
 
 use half::f16;
 
+use super::act_quant::{block_scale, push_rounded};
 use super::packed::{GROUP_ROWS, Interleave, Located, Packed};
-use super::q8_0::{Q8Isa, block_scale};
+use super::q8_0::Q8Isa;
 use super::weight_element::QuantKind;
 use super::{OutLayout, Prefetch, Rows, SharedOut};
 
@@ -66,11 +67,12 @@ pub struct BlockQ6K {
     pub d: f16,
 }
 
-/// One Q4_K super-block of each of 8 rows, interleaved. Sub-block `s`, row `j`:
-/// `scales[s][j]` holds the scale's and the min's low 4 bits (scale low), and bits `4j..4j+4`
-/// of the little-endian word `scales[s][8..12]` their high 2 bits (scale first); byte
-/// `128s + 32p + 4j + t` of `qs` holds weight `32s + 4p + t` (low nibble) and `32s + 16 + 4p
-/// + t` (high), for `p, t < 4`.
+/// One Q4_K super-block of each of 8 rows, interleaved for 64-byte vectors (`q4k_simd`). Row
+/// `j`'s sub-block `s` has its scale and min at entry `q4k_entry(j, s)` of `scales`: their
+/// low 4 bits in byte `e` (the scale's low), their high 2 bits in nibble `e / 32` of byte
+/// `64 + e % 32` (the scale's low). Byte `128s + 64(n / 8) + 8j + n % 8` of `qs` holds weight
+/// `32s + n` (low nibble) and `32s + 16 + n` (high), for `n < 16`: each 64 bytes hold 8 weights
+/// of each row, a 4-byte lane per row and half.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GroupQ4K {
@@ -78,10 +80,17 @@ pub struct GroupQ4K {
     pub d: [f16; GROUP_ROWS],
     /// The rows' `dmin`.
     pub dmin: [f16; GROUP_ROWS],
-    /// Scales and mins, by sub-block.
-    pub scales: [[u8; 12]; 8],
+    /// Scales and mins.
+    pub scales: [u8; 96],
     /// The weights.
     pub qs: [u8; QK_K / 2 * GROUP_ROWS],
+}
+
+/// The entry of row `j`'s sub-block `s` in a [`GroupQ4K`]'s scales: a 16-entry run for each
+/// pair of rows, in it a 4-entry run for each pair of sub-blocks, sub-block parity then row
+/// parity, the order in which `q4k_simd`'s packed sub-block sums lie.
+pub const fn q4k_entry(j: usize, s: usize) -> usize {
+    16 * (j / 2) + 4 * (s / 2) + 2 * (s % 2) + j % 2
 }
 
 /// One Q6_K super-block of each of 8 rows, interleaved. Sub-block `s`, row `j`:
@@ -153,7 +162,7 @@ pub trait KQuant: Interleave {
     fn dequantize(b: &Decoded, out: &mut [f32]);
 
     /// One super-block's step of the one definition (module docs): `acc` after it.
-    fn step(b: &Decoded, x: &[i8], bsum: &[i16], dx: f32, acc: f32) -> f32;
+    fn step(b: &Decoded, x: KBlock<'_>, acc: f32) -> f32;
 }
 
 /// Q4_K's marker.
@@ -194,16 +203,13 @@ impl Interleave for Q4K {
             let u = Self::decode(b);
             (g.d[j], g.dmin[j]) = (b.d, b.dmin);
             for s in 0..8 {
-                let (sc, m) = (u.sc[2 * s] as u32, u.m[s] as u32);
-                g.scales[s][j] = ((sc & 15) | (m & 15) << 4) as u8;
-                let mut word = u32::from_le_bytes(g.scales[s][8..12].try_into().unwrap_or([0; 4]));
-                word |= ((sc >> 4) | (m >> 4) << 2) << (4 * j);
-                g.scales[s][8..12].copy_from_slice(&word.to_le_bytes());
-                for p in 0..4 {
-                    for t in 0..4 {
-                        let w = 32 * s + 4 * p + t;
-                        g.qs[128 * s + 32 * p + 4 * j + t] = u.q[w] | u.q[w + 16] << 4;
-                    }
+                let (sc, m) = (u.sc[2 * s] as u8, u.m[s] as u8);
+                let e = q4k_entry(j, s);
+                g.scales[e] = (sc & 15) | (m & 15) << 4;
+                g.scales[64 + e % 32] |= ((sc >> 4) | (m >> 4) << 2) << (4 * (e / 32));
+                for n in 0..16 {
+                    let w = 32 * s + n;
+                    g.qs[128 * s + 64 * (n / 8) + 8 * j + n % 8] = u.q[w] | u.q[w + 16] << 4;
                 }
             }
         }
@@ -242,17 +248,14 @@ impl KQuant for Q4K {
             q: [0; QK_K],
         };
         for s in 0..8 {
-            let word = u32::from_le_bytes(g.scales[s][8..12].try_into().unwrap_or([0; 4]));
-            let (lo, hi) = (g.scales[s][j], (word >> (4 * j)) as u8);
+            let e = q4k_entry(j, s);
+            let (lo, hi) = (g.scales[e], g.scales[64 + e % 32] >> (4 * (e / 32)));
             let sc = i32::from((lo & 15) | (hi & 3) << 4);
             (u.sc[2 * s], u.sc[2 * s + 1]) = (sc, sc);
             u.m[s] = i32::from((lo >> 4) | ((hi >> 2) & 3) << 4);
-            for p in 0..4 {
-                for t in 0..4 {
-                    let byte = g.qs[128 * s + 32 * p + 4 * j + t];
-                    let w = 32 * s + 4 * p + t;
-                    (u.q[w], u.q[w + 16]) = (byte & 0xF, byte >> 4);
-                }
+            for n in 0..16 {
+                let byte = g.qs[128 * s + 64 * (n / 8) + 8 * j + n % 8];
+                (u.q[32 * s + n], u.q[32 * s + 16 + n]) = (byte & 0xF, byte >> 4);
             }
         }
         u
@@ -267,15 +270,15 @@ impl KQuant for Q4K {
     }
 
     #[inline(always)]
-    fn step(b: &Decoded, x: &[i8], bsum: &[i16], dx: f32, acc: f32) -> f32 {
+    fn step(b: &Decoded, x: KBlock<'_>, acc: f32) -> f32 {
         let (mut isum, mut msum) = (0i32, 0i32);
         for s in 0..8 {
             let run = 32 * s..32 * s + 32;
-            isum += b.sc[2 * s] * idot(&b.q[run.clone()], &x[run]);
-            msum += b.m[s] * (i32::from(bsum[2 * s]) + i32::from(bsum[2 * s + 1]));
+            isum += b.sc[2 * s] * idot(&b.q[run.clone()], &x.x[run]);
+            msum += b.m[s] * i32::from(x.sum32[s]);
         }
-        let acc = (isum as f32).mul_add(b.d.to_f32() * dx, acc);
-        (msum as f32).mul_add(b.dmin.to_f32() * -dx, acc)
+        let acc = (isum as f32).mul_add(b.d.to_f32() * x.dx, acc);
+        (msum as f32).mul_add(b.dmin.to_f32() * -x.dx, acc)
     }
 }
 
@@ -355,13 +358,13 @@ impl KQuant for Q6K {
     }
 
     #[inline(always)]
-    fn step(b: &Decoded, x: &[i8], bsum: &[i16], dx: f32, acc: f32) -> f32 {
+    fn step(b: &Decoded, x: KBlock<'_>, acc: f32) -> f32 {
         let mut isum = 0i32;
-        for (s, (&sc, &bsum)) in b.sc.iter().zip(bsum).enumerate() {
+        for (s, (&sc, &sum)) in b.sc.iter().zip(x.sum16).enumerate() {
             let run = 16 * s..16 * s + 16;
-            isum += sc * (idot(&b.q[run.clone()], &x[run]) - 32 * i32::from(bsum));
+            isum += sc * (idot(&b.q[run.clone()], &x.x[run]) - 32 * i32::from(sum));
         }
-        (isum as f32).mul_add(b.d.to_f32() * dx, acc)
+        (isum as f32).mul_add(b.d.to_f32() * x.dx, acc)
     }
 }
 
@@ -378,33 +381,45 @@ pub fn decoded<K: KQuant>(w: KMatrix<'_, K>, row: usize, k: usize) -> Decoded {
 
 /// Activation rows quantized per super-block of 256 (llama.cpp's `block_q8_K`, with an f32
 /// scale `d = max|x| / 127` as `q8_0` rounds, values in −127..=127): `qs` (`rows × inner`
-/// bytes), one scale a super-block and the sum of every 16 values (`bsums`, which fit in
-/// 16 bits: 16 · 127 < 2¹⁵).
+/// bytes), one scale a super-block and the sums of every 16 and every 32 values (`sums16`,
+/// `sums32`, which fit in 16 bits: 32 · 127 < 2¹⁵).
 #[derive(Debug, Default)]
 pub struct KRows {
     qs: Vec<i8>,
     scales: Vec<f32>,
-    bsums: Vec<i16>,
+    sums16: Vec<i16>,
+    sums32: Vec<i16>,
     blocks: usize,
 }
 
+/// Sums of 16 values a super-block.
+const RUNS16: usize = QK_K / 16;
+/// Sums of 32 values a super-block.
+const RUNS32: usize = QK_K / 32;
+
 impl KRows {
     /// Quantizes `input`'s rows, reusing this value's buffers.
-    pub fn quantize(&mut self, input: &Rows<'_>) {
+    pub fn quantize(&mut self, isa: Q8Isa, input: &Rows<'_>) {
         debug_assert_eq!(input.inner % QK_K, 0);
         self.blocks = input.inner / QK_K;
         self.qs.clear();
         self.scales.clear();
-        self.bsums.clear();
+        self.sums16.clear();
+        self.sums32.clear();
         for block in input.x[..input.rows * input.inner].chunks_exact(QK_K) {
             let (d, id) = block_scale(block);
             self.scales.push(d);
             let at = self.qs.len();
-            self.qs.extend(block.iter().map(|v| (v * id).round() as i8));
+            push_rounded(isa, block, id, &mut self.qs);
             let sums = self.qs[at..]
                 .chunks_exact(16)
                 .map(|run| run.iter().map(|&q| i16::from(q)).sum::<i16>());
-            self.bsums.extend(sums);
+            self.sums16.extend(sums);
+            let at = self.sums16.len() - RUNS16;
+            for p in 0..RUNS32 {
+                self.sums32
+                    .push(self.sums16[at + 2 * p] + self.sums16[at + 2 * p + 1]);
+            }
         }
     }
 
@@ -414,7 +429,8 @@ impl KRows {
         KRowsView {
             qs: &self.qs[range.start * b * QK_K..range.end * b * QK_K],
             scales: &self.scales[range.start * b..range.end * b],
-            bsums: &self.bsums[range.start * b * 16..range.end * b * 16],
+            sums16: &self.sums16[range.start * b * RUNS16..range.end * b * RUNS16],
+            sums32: &self.sums32[range.start * b * RUNS32..range.end * b * RUNS32],
             blocks: b,
         }
     }
@@ -428,14 +444,25 @@ impl KRows {
 /// Some rows of a [`KRows`].
 #[derive(Debug, Clone, Copy)]
 pub(super) struct KRowsView<'a> {
-    /// The rows' values, row after row.
-    pub(super) qs: &'a [i8],
-    /// Each row's super-block scales.
-    pub(super) scales: &'a [f32],
-    /// Each row's 16-value sums.
-    pub(super) bsums: &'a [i16],
+    qs: &'a [i8],
+    scales: &'a [f32],
+    sums16: &'a [i16],
+    sums32: &'a [i16],
     /// Super-blocks a row.
     pub(super) blocks: usize,
+}
+
+/// One activation row's super-block as the kernels read it.
+#[derive(Debug, Clone, Copy)]
+pub struct KBlock<'a> {
+    /// Its 256 values.
+    pub x: &'a [i8],
+    /// The sums of its 16-value runs.
+    pub sum16: &'a [i16],
+    /// The sums of its 32-value runs (Q4_K's sub-blocks).
+    pub sum32: &'a [i16],
+    /// Its scale.
+    pub dx: f32,
 }
 
 impl KRowsView<'_> {
@@ -443,15 +470,16 @@ impl KRowsView<'_> {
         self.scales.len() / self.blocks.max(1)
     }
 
-    /// Row `r`'s super-block `k`: its values, 16-value sums and scale.
+    /// Row `r`'s super-block `k`.
     #[inline(always)]
-    pub(super) fn block(&self, r: usize, k: usize) -> (&[i8], &[i16], f32) {
+    pub(super) fn block(&self, r: usize, k: usize) -> KBlock<'_> {
         let at = r * self.blocks + k;
-        (
-            &self.qs[at * QK_K..(at + 1) * QK_K],
-            &self.bsums[at * 16..(at + 1) * 16],
-            self.scales[at],
-        )
+        KBlock {
+            x: &self.qs[at * QK_K..(at + 1) * QK_K],
+            sum16: &self.sums16[at * RUNS16..(at + 1) * RUNS16],
+            sum32: &self.sums32[at * RUNS32..(at + 1) * RUNS32],
+            dx: self.scales[at],
+        }
     }
 }
 
@@ -506,8 +534,7 @@ pub(super) fn portable<K: KQuant>(
         for r in 0..xs.rows() {
             let mut acc = 0f32;
             for (k, b) in blocks.iter().enumerate() {
-                let (x, bsum, dx) = xs.block(r, k);
-                acc = K::step(b, x, bsum, dx, acc);
+                acc = K::step(b, xs.block(r, k), acc);
             }
             out.set(row * to.col + (first + r) * to.row, acc);
         }

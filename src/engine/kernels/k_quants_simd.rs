@@ -1,23 +1,25 @@
 //! The K-quant kernels' vector loops: `k_quants`' one definition over 8 interleaved weight rows
-//! at once, each vector lane a weight row. Called by `k_quants::product` for whole groups.
+//! at once. Called by `k_quants::product` for whole groups; Q6_K's here, each vector lane a
+//! weight row, Q4_K's in `q4k_simd`.
 //!
-//! Both weight types hold unsigned integers (Q4_K's 0..16, Q6_K's 0..64) and the activations
-//! are signed bytes, which is exactly the operand order of AVX-512 VNNI's `vpdpbusd` and of
-//! AVX2's `vpmaddubsw` (whose pairs cannot saturate: 2·63·127 < 2¹⁵), so no offsets are
-//! needed: a 4-byte slice of each row times 4 broadcast activation bytes adds into each row's
-//! lane. The sub-block scales multiply the lanes' exact sums (`vpmulld`), Q6_K's −32 and Q4_K's
-//! mins come from the activations' 16-value sums, and the float work is one or two FMAs a
-//! super-block for 8 outputs. The x86 bodies are written once (`kernel!`) for both ISAs,
-//! which differ only in how 4 products are summed.
+//! Q6_K's weights are unsigned integers (0..64) and the activations signed bytes, which is
+//! exactly the operand order of AVX-512 VNNI's `vpdpbusd` and of AVX2's `vpmaddubsw` (whose
+//! pairs cannot saturate: 2·63·127 < 2¹⁵), so no offsets are needed: a 4-byte slice of each
+//! row times 4 broadcast activation bytes adds into each row's lane. The sub-block scales
+//! multiply the lanes' exact sums (`vpmulld`), the −32 comes from the activations' 16-value
+//! sums, and the float work is one FMA a super-block for 8 outputs. The x86 body is written
+//! once (`q6k_kernel!`) for both ISAs, which differ only in how 4 products are summed.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::k_quants::{GroupQ4K, GroupQ6K};
+use super::k_quants::GroupQ6K;
 use super::k_quants::{KMatrix, KQuant, KRowsView, Q4K, Q6K, portable};
 #[cfg(target_arch = "x86_64")]
 use super::packed::GROUP_ROWS;
+#[cfg(target_arch = "x86_64")]
+use super::q4k_simd::{q4k_avx2, q4k_vnni};
 use super::q8_0::Q8Isa;
 #[cfg(target_arch = "x86_64")]
 use super::q8_0::{broadcast4, prefetch, store8};
@@ -119,122 +121,14 @@ fn dot_vnni(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(acc, w, x)
 }
 
-/// A Q4_K group's sub-block scales and mins, one lane a row (`GroupQ4K`'s layout).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
-fn q4k_scales(packed: &[u8; 12]) -> (__m256i, __m256i) {
-    // SAFETY: the features; `packed` holds 8 bytes and then a 4-byte word.
-    let (lo, word) = unsafe {
-        (
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(packed.as_ptr().cast())),
-            _mm256_set1_epi32(std::ptr::read_unaligned(packed.as_ptr().add(8).cast())),
-        )
-    };
-    let hi = _mm256_srlv_epi32(word, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    let (three, fifteen) = (_mm256_set1_epi32(3), _mm256_set1_epi32(15));
-    let sc = _mm256_or_si256(
-        _mm256_and_si256(lo, fifteen),
-        _mm256_slli_epi32::<4>(_mm256_and_si256(hi, three)),
-    );
-    let m = _mm256_or_si256(
-        _mm256_srli_epi32::<4>(lo),
-        _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<2>(hi), three)),
-    );
-    (sc, m)
-}
-
-/// Q4_K's kernel `$name` with the 4-product sum `$dot` (`dot_avx2`, `dot_vnni`).
-macro_rules! q4k_kernel {
-    ($name:ident, $features:literal, $dot:ident) => {
-        /// Q4_K's one definition for `R` rows over whole groups.
-        ///
-        /// # Safety
-        /// The CPU must have the features enabled; `xs` holds `R` rows of `xs.blocks`
-        /// super-blocks and `groups` whole groups of as many.
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $features)]
-        unsafe fn $name<const R: usize>(
-            plan: Prefetch,
-            xs: KRowsView<'_>,
-            groups: &[GroupQ4K],
-            out: SharedOut<'_>,
-            to: OutLayout,
-            first: usize,
-        ) {
-            let (b, nib) = (xs.blocks, _mm256_set1_epi8(0x0F));
-            for (g, group) in groups.chunks_exact(b).enumerate() {
-                let mut acc = [_mm256_setzero_ps(); R];
-                for (k, item) in group.iter().enumerate() {
-                    prefetch(plan, item);
-                    let mut isum = [_mm256_setzero_si256(); R];
-                    let mut msum = [_mm256_setzero_si256(); R];
-                    for s in 0..8 {
-                        let (sc, m) = q4k_scales(&item.scales[s]);
-                        // Each lane's min twice, as 16-bit pairs: one `vpmaddwd` with the two
-                        // 16-value sums of the activations' sub-block is m · (sum₀ + sum₁).
-                        let m = _mm256_or_si256(m, _mm256_slli_epi32::<16>(m));
-                        let mut lo = [_mm256_setzero_si256(); 4];
-                        let mut hi = [_mm256_setzero_si256(); 4];
-                        for p in 0..4 {
-                            // SAFETY: sub-block `s`'s 128 bytes are readable.
-                            let v = unsafe {
-                                _mm256_loadu_si256(item.qs.as_ptr().add(128 * s + 32 * p).cast())
-                            };
-                            lo[p] = _mm256_and_si256(v, nib);
-                            hi[p] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nib);
-                        }
-                        for r in 0..R {
-                            let (x, bsum, _) = xs.block(r, k);
-                            let xp = x[32 * s..32 * s + 32].as_ptr();
-                            let (mut even, mut odd) =
-                                (_mm256_setzero_si256(), _mm256_setzero_si256());
-                            for p in 0..4 {
-                                // SAFETY: the features; `xp` holds 32 bytes.
-                                unsafe {
-                                    even = $dot(even, lo[p], broadcast4(xp.add(4 * p)));
-                                    odd = $dot(odd, hi[p], broadcast4(xp.add(16 + 4 * p)));
-                                }
-                            }
-                            let part = _mm256_add_epi32(even, odd);
-                            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(part, sc));
-                            // SAFETY: the features; `bsum` holds the sub-block's two sums.
-                            let sums = unsafe { broadcast4(bsum[2 * s..2 * s + 2].as_ptr()) };
-                            msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(m, sums));
-                        }
-                    }
-                    // SAFETY: the features; `d` and `dmin` are 16 bytes each.
-                    let (d, dmin) = unsafe {
-                        (
-                            _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())),
-                            _mm256_cvtph_ps(_mm_loadu_si128(item.dmin.as_ptr().cast())),
-                        )
-                    };
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let dx = xs.block(r, k).2;
-                        let up = _mm256_mul_ps(d, _mm256_set1_ps(dx));
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), up, *a);
-                        let down = _mm256_mul_ps(dmin, _mm256_set1_ps(-dx));
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum[r]), down, *a);
-                    }
-                }
-                let at = out.from(g * GROUP_ROWS * to.col);
-                for (r, a) in acc.into_iter().enumerate() {
-                    // SAFETY: the features.
-                    unsafe { store8(a, at, to, first + r) };
-                }
-            }
-        }
-    };
-}
-
 /// Q6_K's kernel `$name` with the 4-product sum `$dot`.
 macro_rules! q6k_kernel {
     ($name:ident, $features:literal, $dot:ident) => {
         /// Q6_K's one definition for `R` rows over whole groups.
         ///
         /// # Safety
-        /// As Q4_K's kernels.
+        /// The CPU must have the features enabled; `xs` holds `R` rows of `xs.blocks`
+        /// super-blocks and `groups` whole groups of as many.
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         unsafe fn $name<const R: usize>(
@@ -288,8 +182,8 @@ macro_rules! q6k_kernel {
                         };
                         low_scale = _mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF));
                         for (r, isum_r) in isum.iter_mut().enumerate() {
-                            let (x, bsum, _) = xs.block(r, k);
-                            let xp = x[16 * s..16 * s + 16].as_ptr();
+                            let x = xs.block(r, k);
+                            let (bsum, xp) = (x.sum16, x.x[16 * s..16 * s + 16].as_ptr());
                             // SAFETY: the features; `xp` holds 16 bytes.
                             let part = unsafe {
                                 let p0 = $dot(_mm256_setzero_si256(), v[0], broadcast4(xp));
@@ -314,7 +208,7 @@ macro_rules! q6k_kernel {
                     // SAFETY: the features; `d` is 16 bytes.
                     let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) };
                     for (r, a) in acc.iter_mut().enumerate() {
-                        let up = _mm256_mul_ps(d, _mm256_set1_ps(xs.block(r, k).2));
+                        let up = _mm256_mul_ps(d, _mm256_set1_ps(xs.block(r, k).dx));
                         *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), up, *a);
                     }
                 }
@@ -328,12 +222,6 @@ macro_rules! q6k_kernel {
     };
 }
 
-q4k_kernel!(q4k_avx2, "avx2,fma,f16c", dot_avx2);
-q4k_kernel!(
-    q4k_vnni,
-    "avx512f,avx512vl,avx512vnni,avx2,fma,f16c",
-    dot_vnni
-);
 q6k_kernel!(q6k_avx2, "avx2,fma,f16c", dot_avx2);
 q6k_kernel!(
     q6k_vnni,

@@ -55,7 +55,7 @@
 //! One file per role: this one holds [`Kernels`] and dispatches (the safe API), then
 //! `portable`, `avx2`, `avx512`, `avx512_bf16`, `neon`, `f16` (the proposal head's matmul),
 //! `weight_element` and `kv_element` (the stored types), `packed` (quantized rows
-//! interleaved), `q8_0` and `q8_neon` (Q8_0), `k_quants` and `k_quants_simd` (Q4_K, Q6_K),
+//! interleaved), `q8_0` and `q8_neon` (Q8_0), `k_quants`, `k_quants_simd` and `q4k_simd` (Q4_K, Q6_K),
 //! `pool` (the decode threads), `prefetch`, `attention` and `subnormals` (the FTZ/DAZ guard).
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -112,6 +112,7 @@ macro_rules! with_weight {
     };
 }
 
+mod act_quant;
 mod attention;
 #[cfg(test)]
 mod attention_tests;
@@ -136,6 +137,7 @@ mod packed;
 pub mod pool;
 mod portable;
 pub mod prefetch;
+mod q4k_simd;
 mod q8_0;
 #[cfg(target_arch = "aarch64")]
 mod q8_neon;
@@ -194,7 +196,7 @@ fn gated_t_on(
     }
     let (parts, t, width) = (pool.threads(), k.tuning, gate_w.len() / inner);
     let (gate, up) = (SharedOut::new(gate), SharedOut::new(up));
-    let input = Input::new(input, &[gate_w, up_w]);
+    let input = Input::new(t, input, &[gate_w, up_w]);
     pool.run(&|part| {
         let range = pool::share(width, parts, part, SHARE_ALIGN);
         for (w, out) in [(gate_w, gate), (up_w, up)] {
@@ -236,7 +238,7 @@ fn matmul_t_pooled(
         .map(|(w, out)| (*w, SharedOut::new(out)))
         .collect();
     let weights: Vec<Weight<'_>> = outs.iter().map(|(w, _)| *w).collect();
-    let input = Input::new(input, &weights);
+    let input = Input::new(t, input, &weights);
     pool.run(&|part| {
         for &(w, out) in &outs {
             let range = pool::share(w.len() / inner, parts, part, SHARE_ALIGN);
@@ -260,16 +262,17 @@ thread_local! {
 }
 
 impl<'a> Input<'a> {
-    fn new(rows: Rows<'a>, weights: &[Weight<'_>]) -> Self {
+    fn new(t: Tuning, rows: Rows<'a>, weights: &[Weight<'_>]) -> Self {
         let (mut q8, mut qk) = SPARE_Q8.take();
+        let isa = Q8Isa::for_isa(t.isa);
         if weights.iter().any(|w| matches!(w, Weight::Q8_0(_))) {
-            q8.quantize(&rows);
+            q8.quantize(isa, &rows);
         }
         if weights
             .iter()
             .any(|w| matches!(w, Weight::Q4K(_) | Weight::Q6K(_)))
         {
-            qk.quantize(&rows);
+            qk.quantize(isa, &rows);
         }
         Self { rows, q8, qk }
     }

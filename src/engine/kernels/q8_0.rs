@@ -37,6 +37,7 @@ use half::f16;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use super::act_quant::{block_scale, push_rounded};
 use super::packed::{GROUP_ROWS, Interleave, Located, Packed};
 use super::{OutLayout, Prefetch, Rows, SharedOut};
 
@@ -103,15 +104,6 @@ impl BlockQ8_0 {
     }
 }
 
-/// The scale of a block of values quantized to Q8_0 and its reciprocal: `d = max|x| / 127` in
-/// f32, and `1 / d` (0 for an all-zero block), the rule of llama.cpp's `quantize_row_q8_0_ref`
-/// that weights and activations share.
-pub(super) fn block_scale(x: &[f32]) -> (f32, f32) {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    (d, if d != 0.0 { 1.0 / d } else { 0.0 })
-}
-
 /// GGUF's Q8_0 as [`Interleave`]s it: [`BlockQ8_0`]s in [`BlockQ8_0x8`] groups.
 #[derive(Debug, Clone, Copy)]
 pub struct KindQ8_0;
@@ -172,7 +164,7 @@ pub struct QuantizedRows {
 impl QuantizedRows {
     /// Quantizes `input`'s rows, reusing this value's buffers: per block `d = max|x| / 127`
     /// and `round(x / d)`, so every value lies in −127..=127.
-    pub fn quantize(&mut self, input: &Rows<'_>) {
+    pub fn quantize(&mut self, isa: Q8Isa, input: &Rows<'_>) {
         debug_assert_eq!(input.inner % QK8_0, 0);
         self.blocks = input.inner / QK8_0;
         self.qs.clear();
@@ -181,7 +173,7 @@ impl QuantizedRows {
         for block in input.x[..used].chunks_exact(QK8_0) {
             let (d, id) = block_scale(block);
             self.scales.push(d);
-            self.qs.extend(block.iter().map(|v| (v * id).round() as i8));
+            push_rounded(isa, block, id, &mut self.qs);
         }
         #[cfg(target_arch = "x86_64")]
         {

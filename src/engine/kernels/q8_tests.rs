@@ -28,7 +28,7 @@ fn run(isa: Q8Isa, x: &[f32], rows: usize, inner: usize, w: &[BlockQ8_0]) -> Vec
     let outs = w.len() * QK8_0 / inner;
     let w = view(w, inner);
     let mut q = QuantizedRows::default();
-    q.quantize(&Rows { x, rows, inner });
+    q.quantize(isa, &Rows { x, rows, inner });
     let mut out = vec![f32::NAN; rows * outs];
     product(
         isa,

@@ -117,7 +117,7 @@ impl Kernels {
             );
         }
         let outs = w.len() / inner.max(1);
-        let input = Input::new(Rows { x, rows, inner }, &[w]);
+        let input = Input::new(self.tuning, Rows { x, rows, inner }, &[w]);
         product_columns(self.tuning, &input, w, SharedOut::new(out), 0..outs);
     }
 

@@ -1,0 +1,354 @@
+//! Q4_K's vector kernels: `k_quants`' one definition over a [`GroupQ4K`]'s 8 rows at once.
+//! Called through `k_quants_simd::Groups` for whole groups.
+//!
+//! The layout puts 8 weights of each row in every 64 bytes, a 4-byte lane for each row and
+//! half, so one `vpdpbusd` (AVX-512 VNNI, 16 lanes) or two `vpmaddubsw` (AVX2, 8 lanes) take 64
+//! weights against 8 activation bytes broadcast to every lane pair. A weight row's 32-weight
+//! sub-block sum thus lies in two lanes, and the layout keeps those two adjacent:
+//! - **VNNI**: a lane's 16 products are under 2¹⁵ in magnitude (16 · 15 · 127 = 30480), so
+//!   `vpackssdw` packs two sub-blocks' lanes to 16 bits without saturating, and one `vpdpwssd`
+//!   against each lane's scale pair both multiplies by the sub-block scale and adds the two
+//!   halves: no `vpmulld`, and one multiply-accumulate per two sub-blocks and row.
+//! - **AVX2**: `vpmaddubsw`'s pairs (≤ 2 · 15 · 127) add four to a 16-bit lane (≤ 15240), and
+//!   one `vpmaddwd` against the scale pair gives the lane's scaled sum.
+//!
+//! The mins are `vpmaddwd`/`vpdpwssd` of the 32-value activation sums against each row's min
+//! pairs, once a super-block and row. Every sum is the exact integer of the one definition, and
+//! the float part is its two FMAs, so the results are the portable loops' bits.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::k_quants::{GroupQ4K, KBlock, KRowsView};
+#[cfg(target_arch = "x86_64")]
+use super::packed::GROUP_ROWS;
+#[cfg(target_arch = "x86_64")]
+use super::q8_0::{prefetch, store8};
+#[cfg(target_arch = "x86_64")]
+use super::{OutLayout, Prefetch, SharedOut};
+
+/// A `vpshufb` control word from its 4 byte indices (`None`: a zero byte).
+#[cfg(target_arch = "x86_64")]
+const fn control(bytes: [Option<u8>; 4]) -> i32 {
+    let mut word = [0x80u8; 4];
+    let mut i = 0;
+    while i < 4 {
+        if let Some(b) = bytes[i] {
+            word[i] = b;
+        }
+        i += 1;
+    }
+    i32::from_le_bytes(word)
+}
+
+/// A scale's 16-bit pair: both halves of a 32-bit lane the byte at `at`.
+#[cfg(target_arch = "x86_64")]
+const fn pair(at: u8) -> i32 {
+    control([Some(at), None, Some(at), None])
+}
+
+/// The scales' and mins' 6-bit values, one byte an entry (`k_quants::q4k_entry`), from the
+/// group's 96 packed bytes: 64 low-nibble bytes and 32 bytes of high bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn entries(lo: __m256i, hi: __m256i) -> (__m256i, __m256i) {
+    let (nib, three, twelve) = (
+        _mm256_set1_epi8(0x0F),
+        _mm256_set1_epi8(3),
+        _mm256_set1_epi8(12),
+    );
+    let sc = _mm256_or_si256(
+        _mm256_and_si256(lo, nib),
+        _mm256_slli_epi16::<4>(_mm256_and_si256(hi, three)),
+    );
+    let m = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi16::<4>(lo), nib),
+        _mm256_slli_epi16::<2>(_mm256_and_si256(hi, twelve)),
+    );
+    (sc, m)
+}
+
+/// [`entries`] for the group's two halves (entries 0..32: rows 0..4; 32..64: rows 4..8).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn entries_by_half(scales: &[u8; 96]) -> [(__m256i, __m256i); 2] {
+    let p = scales.as_ptr();
+    // SAFETY: the feature; `scales` holds 96 bytes.
+    let (lo0, lo1, hi) = unsafe {
+        (
+            _mm256_loadu_si256(p.cast()),
+            _mm256_loadu_si256(p.add(32).cast()),
+            _mm256_loadu_si256(p.add(64).cast()),
+        )
+    };
+    let nib = _mm256_set1_epi8(0x0F);
+    let hi1 = _mm256_and_si256(_mm256_srli_epi16::<4>(hi), nib);
+    [entries(lo0, _mm256_and_si256(hi, nib)), entries(lo1, hi1)]
+}
+
+/// 8 bytes at `p` in every 64-bit lane.
+///
+/// # Safety
+/// The CPU must have AVX2; `p` holds 8 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn broadcast8(p: *const i8) -> __m256i {
+    // SAFETY: the caller's.
+    unsafe { _mm256_set1_epi64x(std::ptr::read_unaligned(p.cast())) }
+}
+
+/// Q4_K's one definition for `R` rows over whole groups, with AVX2 (module docs).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `xs` holds `R` rows of `xs.blocks` super-blocks and
+/// `groups` whole groups of as many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4k_avx2<const R: usize>(
+    plan: Prefetch,
+    xs: KRowsView<'_>,
+    groups: &[GroupQ4K],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let (b, nib) = (xs.blocks, _mm256_set1_epi8(0x0F));
+    for (g, group) in groups.chunks_exact(b).enumerate() {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (k, item) in group.iter().enumerate() {
+            prefetch(plan, item);
+            let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
+            let halves = entries_by_half(&item.scales);
+            let mut isum = [[_mm256_setzero_si256(); 2]; R];
+            let mut msum = [[_mm256_setzero_si256(); 2]; R];
+            for (q, &(sc8, m8)) in halves.iter().enumerate() {
+                for s in 0..8u8 {
+                    // Lane (row j, half h): sub-block s's scale of row j, twice.
+                    let at = 4 * (s / 2) + 2 * (s % 2);
+                    let ctl = _mm256_setr_epi32(
+                        pair(at),
+                        pair(at),
+                        pair(at + 1),
+                        pair(at + 1),
+                        pair(at),
+                        pair(at),
+                        pair(at + 1),
+                        pair(at + 1),
+                    );
+                    let sc = _mm256_shuffle_epi8(sc8, ctl);
+                    let base = 128 * usize::from(s) + 32 * q;
+                    // SAFETY: the features; sub-block s's two 64-byte halves are readable.
+                    let (v0, v1) = unsafe {
+                        (
+                            _mm256_loadu_si256(item.qs.as_ptr().add(base).cast()),
+                            _mm256_loadu_si256(item.qs.as_ptr().add(base + 64).cast()),
+                        )
+                    };
+                    let w = [
+                        _mm256_and_si256(v0, nib),
+                        _mm256_and_si256(v1, nib),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v0), nib),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v1), nib),
+                    ];
+                    for (x, isum) in x.iter().zip(isum.iter_mut()) {
+                        let xp = x.x[32 * usize::from(s)..][..32].as_ptr();
+                        // SAFETY: the features; `xp` holds the sub-block's 32 bytes.
+                        let pairs = unsafe {
+                            [0, 1, 2, 3]
+                                .map(|i| _mm256_maddubs_epi16(w[i], broadcast8(xp.add(8 * i))))
+                        };
+                        let sum = _mm256_add_epi16(
+                            _mm256_add_epi16(pairs[0], pairs[1]),
+                            _mm256_add_epi16(pairs[2], pairs[3]),
+                        );
+                        isum[q] = _mm256_add_epi32(isum[q], _mm256_madd_epi16(sum, sc));
+                    }
+                }
+                for t in 0..2u8 {
+                    // Lane (row j, half h): row j's mins of sub-blocks 4t + 2h and 4t + 2h + 1.
+                    let at = |h: u8, odd: u8| 4 * (2 * t + h) + odd;
+                    let ctl =
+                        |h, odd| control([Some(at(h, odd)), None, Some(at(h, odd) + 2), None]);
+                    let ctl = _mm256_setr_epi32(
+                        ctl(0, 0),
+                        ctl(1, 0),
+                        ctl(0, 1),
+                        ctl(1, 1),
+                        ctl(0, 0),
+                        ctl(1, 0),
+                        ctl(0, 1),
+                        ctl(1, 1),
+                    );
+                    let m = _mm256_shuffle_epi8(m8, ctl);
+                    for (x, msum) in x.iter().zip(msum.iter_mut()) {
+                        // SAFETY: the features; the 4 sums from 4t on are readable.
+                        let sums = unsafe {
+                            broadcast8(x.sum32[4 * usize::from(t)..][..4].as_ptr().cast())
+                        };
+                        msum[q] = _mm256_add_epi32(msum[q], _mm256_madd_epi16(m, sums));
+                    }
+                }
+            }
+            // SAFETY: the features; `d` and `dmin` are 16 bytes each.
+            let (d, dmin) = unsafe {
+                (
+                    _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())),
+                    _mm256_cvtph_ps(_mm_loadu_si128(item.dmin.as_ptr().cast())),
+                )
+            };
+            for r in 0..R {
+                // Each row's two lanes summed, rows in order.
+                let rows = |v: [__m256i; 2]| {
+                    _mm256_permute4x64_epi64::<0xD8>(_mm256_hadd_epi32(v[0], v[1]))
+                };
+                let (i, m) = (rows(isum[r]), rows(msum[r]));
+                let up = _mm256_mul_ps(d, _mm256_set1_ps(x[r].dx));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), up, acc[r]);
+                let down = _mm256_mul_ps(dmin, _mm256_set1_ps(-x[r].dx));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), down, acc[r]);
+            }
+        }
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for (r, a) in acc.into_iter().enumerate() {
+            // SAFETY: the features.
+            unsafe { store8(a, at, to, first + r) };
+        }
+    }
+}
+
+/// The scales' and mins' entries of a group in one 64-byte register each (entry `e` in byte
+/// `e`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+#[inline]
+fn entries_512(scales: &[u8; 96]) -> (__m512i, __m512i) {
+    let [(sc0, m0), (sc1, m1)] = entries_by_half(scales);
+    (
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(sc0), sc1),
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(m0), m1),
+    )
+}
+
+/// 8 bytes at `p` in every 64-bit lane of a 64-byte register.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `p` holds 8 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn broadcast8_512(p: *const i8) -> __m512i {
+    // SAFETY: the caller's.
+    unsafe { _mm512_set1_epi64(std::ptr::read_unaligned(p.cast())) }
+}
+
+/// Row `r`'s two lanes of each 4-lane run summed (`[a, b, c, d]` to `a + c`, `b + d`) and the 8
+/// rows gathered: the first 8 lanes from `i`, the next 8 from `m`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn gather_rows(i: __m512i, m: __m512i) -> __m512i {
+    let fold = |v| _mm512_add_epi32(v, _mm512_shuffle_epi32::<0x4E>(v));
+    let idx = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    _mm512_permutex2var_epi32(fold(i), idx, fold(m))
+}
+
+/// Q4_K's one definition for `R` rows over whole groups, with AVX-512 VNNI (module docs).
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VNNI, AVX2, FMA and F16C; `xs` holds `R` rows of
+/// `xs.blocks` super-blocks and `groups` whole groups of as many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q4k_vnni<const R: usize>(
+    plan: Prefetch,
+    xs: KRowsView<'_>,
+    groups: &[GroupQ4K],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let (b, nib) = (xs.blocks, _mm512_set1_epi8(0x0F));
+    // Lane c of each 4-lane run: packed sub-block sums (row parity c % 2, sub-block parity
+    // c / 2) against the scale twice, and the min against one of the two activation sums.
+    let sc_ctl = _mm512_broadcast_i32x4(_mm_setr_epi32(pair(0), pair(1), pair(2), pair(3)));
+    let m_ctl = _mm512_broadcast_i32x4(_mm_setr_epi32(
+        control([Some(0), None, None, None]),
+        control([Some(1), None, None, None]),
+        control([None, None, Some(2), None]),
+        control([None, None, Some(3), None]),
+    ));
+    let sign_high = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1);
+    let sign_high = _mm512_and_si512(sign_high, _mm512_set1_epi32(i32::MIN));
+    for (g, group) in groups.chunks_exact(b).enumerate() {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (k, item) in group.iter().enumerate() {
+            prefetch(plan, item);
+            let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
+            let (sc8, m8) = entries_512(&item.scales);
+            let mut isum = [_mm512_setzero_si512(); R];
+            let mut msum = [_mm512_setzero_si512(); R];
+            for t in 0..4 {
+                let step = _mm512_set1_epi8(4 * t as i8);
+                let sc = _mm512_shuffle_epi8(sc8, _mm512_add_epi8(sc_ctl, step));
+                let m = _mm512_shuffle_epi8(m8, _mm512_add_epi8(m_ctl, step));
+                let w: [[__m512i; 4]; 2] = std::array::from_fn(|odd| {
+                    let base = 128 * (2 * t + odd);
+                    // SAFETY: the features; sub-block 2t + odd's 128 bytes are readable.
+                    let (v0, v1) = unsafe {
+                        (
+                            _mm512_loadu_si512(item.qs.as_ptr().add(base).cast()),
+                            _mm512_loadu_si512(item.qs.as_ptr().add(base + 64).cast()),
+                        )
+                    };
+                    [
+                        _mm512_and_si512(v0, nib),
+                        _mm512_and_si512(v1, nib),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(v0), nib),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(v1), nib),
+                    ]
+                });
+                for (r, x) in x.iter().enumerate() {
+                    let xp = x.x[64 * t..][..64].as_ptr();
+                    let part = |odd: usize| {
+                        let mut part = _mm512_setzero_si512();
+                        for (i, &w) in w[odd].iter().enumerate() {
+                            // SAFETY: the features; `xp` holds both sub-blocks' 64 bytes.
+                            let xb = unsafe { broadcast8_512(xp.add(32 * odd + 8 * i)) };
+                            part = _mm512_dpbusd_epi32(part, w, xb);
+                        }
+                        part
+                    };
+                    let packed = _mm512_packs_epi32(part(0), part(1));
+                    isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
+                    let sums = x.sum32[2 * t..][..2].as_ptr();
+                    // SAFETY: the features; `sums` holds 2 sums (4 bytes).
+                    let sums = unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(sums.cast())) };
+                    msum[r] = _mm512_dpwssd_epi32(msum[r], m, sums);
+                }
+            }
+            // SAFETY: the features; `d` and `dmin` lie together, 32 bytes.
+            let scales = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(item.d.as_ptr().cast())) };
+            for r in 0..R {
+                let sums = _mm512_cvtepi32_ps(gather_rows(isum[r], msum[r]));
+                // d·dx for the 8 rows, then dmin·(−dx): the definition's two products.
+                let dx = _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(_mm512_set1_ps(x[r].dx)),
+                    sign_high,
+                ));
+                let mul = _mm512_mul_ps(scales, dx);
+                let high =
+                    |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                let low = _mm512_castps512_ps256;
+                acc[r] = _mm256_fmadd_ps(low(sums), low(mul), acc[r]);
+                acc[r] = _mm256_fmadd_ps(high(sums), high(mul), acc[r]);
+            }
+        }
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for (r, a) in acc.into_iter().enumerate() {
+            // SAFETY: the features.
+            unsafe { store8(a, at, to, first + r) };
+        }
+    }
+}
