@@ -93,10 +93,12 @@ pub const fn q4k_entry(j: usize, s: usize) -> usize {
     16 * (j / 2) + 4 * (s / 2) + 2 * (s % 2) + j % 2
 }
 
-/// One Q6_K super-block of each of 8 rows, interleaved. Sub-block `s`, row `j`:
-/// `scales[s][j]`; in `qs[s]`, byte `4j + t` holds weights `16s + t` and `16s + 4 + t` (their
-/// low 4 bits, low nibble first), byte `32 + 4j + t` weights `16s + 8 + t` and `16s + 12 + t`,
-/// and byte `64 + 4j + t` the high 2 bits of weights `16s + 4c + t` at bits `2c`, `c < 4`.
+/// One Q6_K super-block of each of 8 rows, interleaved for 64-byte vectors (`k_quants_simd`).
+/// Sub-block `s`, row `j`: its scale is `scales[s][j]`; byte `8j + i` of `low[s]` holds the
+/// low 4 bits of weights `16s + i` (low nibble) and `16s + 8 + i` (high), for `i < 8`; byte
+/// `8j + i` of `high[p]` the high 2 bits of sub-block `2p`'s weights `i` and `8 + i` (bits 0
+/// and 2) and of sub-block `2p + 1`'s (bits 4 and 6). Each 64 bytes hold 8 weights of each
+/// row, a 4-byte lane per row and half, as Q4_K's layout.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GroupQ6K {
@@ -104,8 +106,10 @@ pub struct GroupQ6K {
     pub d: [f16; GROUP_ROWS],
     /// The scales, by sub-block.
     pub scales: [[i8; GROUP_ROWS]; 16],
-    /// The weights, by sub-block.
-    pub qs: [[u8; 96]; 16],
+    /// The weights' low 4 bits, by sub-block.
+    pub low: [[u8; 64]; 16],
+    /// Their high 2 bits, by pair of sub-blocks.
+    pub high: [[u8; 64]; 8],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
@@ -293,11 +297,10 @@ impl Interleave for Q6K {
             g.d[j] = b.d;
             for s in 0..16 {
                 g.scales[s][j] = b.scales[s];
-                let q = |c: usize, t: usize| u.q[16 * s + 4 * c + t];
-                for t in 0..4 {
-                    g.qs[s][4 * j + t] = (q(0, t) & 15) | (q(1, t) & 15) << 4;
-                    g.qs[s][32 + 4 * j + t] = (q(2, t) & 15) | (q(3, t) & 15) << 4;
-                    g.qs[s][64 + 4 * j + t] = (0..4).map(|c| (q(c, t) >> 4) << (2 * c)).sum();
+                for i in 0..8 {
+                    let (a, c) = (u.q[16 * s + i], u.q[16 * s + 8 + i]);
+                    g.low[s][8 * j + i] = (a & 15) | (c & 15) << 4;
+                    g.high[s / 2][8 * j + i] |= ((a >> 4) | (c >> 4) << 2) << (4 * (s % 2));
                 }
             }
         }
@@ -335,16 +338,11 @@ impl KQuant for Q6K {
         };
         for s in 0..16 {
             u.sc[s] = g.scales[s][j].into();
-            for t in 0..4 {
-                let (a, b, h) = (
-                    g.qs[s][4 * j + t],
-                    g.qs[s][32 + 4 * j + t],
-                    g.qs[s][64 + 4 * j + t],
-                );
-                let low = [a & 15, a >> 4, b & 15, b >> 4];
-                for (c, l) in low.into_iter().enumerate() {
-                    u.q[16 * s + 4 * c + t] = l | ((h >> (2 * c)) & 3) << 4;
-                }
+            for i in 0..8 {
+                let low = g.low[s][8 * j + i];
+                let high = g.high[s / 2][8 * j + i] >> (4 * (s % 2));
+                u.q[16 * s + i] = (low & 15) | (high & 3) << 4;
+                u.q[16 * s + 8 + i] = (low >> 4) | ((high >> 2) & 3) << 4;
             }
         }
         u

@@ -2,19 +2,20 @@
 //! at once. Called by `k_quants::product` for whole groups; Q6_K's here, each vector lane a
 //! weight row, Q4_K's in `q4k_simd`.
 //!
-//! Q6_K's weights are unsigned integers (0..64) and the activations signed bytes, which is
-//! exactly the operand order of AVX-512 VNNI's `vpdpbusd` and of AVX2's `vpmaddubsw` (whose
-//! pairs cannot saturate: 2·63·127 < 2¹⁵), so no offsets are needed: a 4-byte slice of each
-//! row times 4 broadcast activation bytes adds into each row's lane. The sub-block scales
-//! multiply the lanes' exact sums (`vpmulld`), the −32 comes from the activations' 16-value
-//! sums, and the float work is one FMA a super-block for 8 outputs. The x86 body is written
-//! once (`q6k_kernel!`) for both ISAs, which differ only in how 4 products are summed.
+//! Q6_K's layout is Q4_K's (`q4k_simd`): 8 weights of each row in every 64 bytes, a 4-byte
+//! lane per row and half, against 8 activation bytes broadcast to every lane pair. Its
+//! unsigned 6-bit weights and the signed activation bytes are `vpmaddubsw`'s operands, and
+//! its pairs cannot saturate (2 · 63 · 127 < 2¹⁵): two of them add to a 16-bit lane (≤ 32004)
+//! holding 4 products of a 16-weight sub-block, and one `vpmaddwd` against the lane's scale
+//! pair scales and sums them, so no `vpmulld` is needed. The −32 comes from the activations'
+//! 16-value sums, once a super-block and row, and the float work is one FMA a super-block for
+//! 8 outputs. Every sum is the one definition's exact integer.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::k_quants::GroupQ6K;
+use super::k_quants::{GroupQ6K, KBlock};
 use super::k_quants::{KMatrix, KQuant, KRowsView, Q4K, Q6K, portable};
 #[cfg(target_arch = "x86_64")]
 use super::packed::GROUP_ROWS;
@@ -22,7 +23,7 @@ use super::packed::GROUP_ROWS;
 use super::q4k_simd::{q4k_avx2, q4k_vnni};
 use super::q8_0::Q8Isa;
 #[cfg(target_arch = "x86_64")]
-use super::q8_0::{broadcast4, prefetch, store8};
+use super::q8_0::{prefetch, store8};
 use super::{OutLayout, Prefetch, SharedOut};
 
 /// Rows a kernel call takes at most: their sums stay in registers (AVX-512's 32 take 6).
@@ -103,128 +104,266 @@ macro_rules! groups_impl {
 groups_impl!(Q4K, q4k_avx2, q4k_vnni);
 groups_impl!(Q6K, q6k_avx2, q6k_vnni);
 
-/// `acc` plus the 4-product sums of `w`'s unsigned and `x`'s signed bytes in each 32-bit
-/// lane, with `vpmaddubsw` and `vpmaddwd` (exact: module docs).
+/// 8 bytes at `p` in every 64-bit lane.
+///
+/// # Safety
+/// The CPU must have AVX2; `p` holds 8 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn broadcast8(p: *const i8) -> __m256i {
+    // SAFETY: the caller's.
+    unsafe { _mm256_set1_epi64x(std::ptr::read_unaligned(p.cast())) }
+}
+
+/// The weights of sub-blocks `2p` and `2p + 1`, 32 bytes from `at` in each 64-byte run (rows
+/// `at / 8` on): `[s][0]` weights 0..8 and `[s][1]` weights 8..16 of each row, a lane a half.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-fn dot_avx2(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
-    let pairs = _mm256_maddubs_epi16(w, x);
-    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+fn q6k_weights_avx2(item: &GroupQ6K, p: usize, at: usize) -> [[__m256i; 2]; 2] {
+    let (nib, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    // SAFETY: the feature; each run holds 64 bytes.
+    let (h, l0, l1) = unsafe {
+        (
+            _mm256_loadu_si256(item.high[p].as_ptr().add(at).cast()),
+            _mm256_loadu_si256(item.low[2 * p].as_ptr().add(at).cast()),
+            _mm256_loadu_si256(item.low[2 * p + 1].as_ptr().add(at).cast()),
+        )
+    };
+    let join = |low: __m256i, high: __m256i| {
+        _mm256_or_si256(_mm256_and_si256(low, nib), _mm256_and_si256(high, top))
+    };
+    [
+        [
+            join(l0, _mm256_slli_epi16::<4>(h)),
+            join(_mm256_srli_epi16::<4>(l0), _mm256_slli_epi16::<2>(h)),
+        ],
+        [
+            join(l1, h),
+            join(_mm256_srli_epi16::<4>(l1), _mm256_srli_epi16::<2>(h)),
+        ],
+    ]
 }
 
-/// The same with one `vpdpbusd`.
+/// Each row's scales of sub-blocks `2t` and `2t + 1` as a 16-bit pair in its lane (rows in
+/// order): against the pair of 16-value sums, row j's part of `Σₛ sc[s]·sum16[s]`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2")]
 #[inline]
-fn dot_vnni(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(acc, w, x)
+fn q6k_scale_pairs_avx2(item: &GroupQ6K, t: usize) -> __m256i {
+    // SAFETY: the feature; each sub-block has 8 scales.
+    let (a, b) = unsafe {
+        (
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(item.scales[2 * t].as_ptr().cast())),
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(item.scales[2 * t + 1].as_ptr().cast())),
+        )
+    };
+    _mm256_blend_epi16::<0xAA>(a, _mm256_slli_epi32::<16>(b))
 }
 
-/// Q6_K's kernel `$name` with the 4-product sum `$dot`.
-macro_rules! q6k_kernel {
-    ($name:ident, $features:literal, $dot:ident) => {
-        /// Q6_K's one definition for `R` rows over whole groups.
-        ///
-        /// # Safety
-        /// The CPU must have the features enabled; `xs` holds `R` rows of `xs.blocks`
-        /// super-blocks and `groups` whole groups of as many.
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $features)]
-        unsafe fn $name<const R: usize>(
-            plan: Prefetch,
-            xs: KRowsView<'_>,
-            groups: &[GroupQ6K],
-            out: SharedOut<'_>,
-            to: OutLayout,
-            first: usize,
-        ) {
-            let (b, nib, high) = (xs.blocks, _mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
-            for (g, group) in groups.chunks_exact(b).enumerate() {
-                let mut acc = [_mm256_setzero_ps(); R];
-                for (k, item) in group.iter().enumerate() {
-                    prefetch(plan, item);
-                    let mut isum = [_mm256_setzero_si256(); R];
-                    let mut bias = [_mm256_setzero_si256(); R];
-                    let mut low_scale = _mm256_setzero_si256();
-                    for s in 0..16 {
-                        let q = item.qs[s].as_ptr();
-                        // SAFETY: the features; the sub-block's 8 scales and 96 bytes.
-                        let (sc, a, c, h) = unsafe {
-                            (
-                                _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                    item.scales[s].as_ptr().cast(),
-                                )),
-                                _mm256_loadu_si256(q.cast()),
-                                _mm256_loadu_si256(q.add(32).cast()),
-                                _mm256_loadu_si256(q.add(64).cast()),
-                            )
+/// Q6_K's one definition for `R` rows over whole groups, with AVX2 (module docs).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `xs` holds `R` rows of `xs.blocks` super-blocks and
+/// `groups` whole groups of as many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_avx2<const R: usize>(
+    plan: Prefetch,
+    xs: KRowsView<'_>,
+    groups: &[GroupQ6K],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let b = xs.blocks;
+    for (g, group) in groups.chunks_exact(b).enumerate() {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (k, item) in group.iter().enumerate() {
+            prefetch(plan, item);
+            let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
+            let mut isum = [[_mm256_setzero_si256(); 2]; R];
+            for q in 0..2 {
+                for p in 0..8 {
+                    let w = q6k_weights_avx2(item, p, 32 * q);
+                    for (odd, w) in w.iter().enumerate() {
+                        let s = 2 * p + odd;
+                        // SAFETY: the features; the sub-block's 8 scales.
+                        let sc = unsafe {
+                            _mm256_cvtepi8_epi32(_mm_loadl_epi64(item.scales[s].as_ptr().cast()))
                         };
-                        let v = [
-                            _mm256_or_si256(
-                                _mm256_and_si256(a, nib),
-                                _mm256_and_si256(_mm256_slli_epi16::<4>(h), high),
-                            ),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(a), nib),
-                                _mm256_and_si256(_mm256_slli_epi16::<2>(h), high),
-                            ),
-                            _mm256_or_si256(_mm256_and_si256(c, nib), _mm256_and_si256(h, high)),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(c), nib),
-                                _mm256_and_si256(_mm256_srli_epi16::<2>(h), high),
-                            ),
-                        ];
-                        // Sub-blocks s − 1 and s's scales as each lane's 16-bit pair.
-                        let scale_pair = match s % 2 {
-                            0 => _mm256_setzero_si256(),
-                            _ => _mm256_or_si256(low_scale, _mm256_slli_epi32::<16>(sc)),
-                        };
-                        low_scale = _mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF));
-                        for (r, isum_r) in isum.iter_mut().enumerate() {
-                            let x = xs.block(r, k);
-                            let (bsum, xp) = (x.sum16, x.x[16 * s..16 * s + 16].as_ptr());
-                            // SAFETY: the features; `xp` holds 16 bytes.
-                            let part = unsafe {
-                                let p0 = $dot(_mm256_setzero_si256(), v[0], broadcast4(xp));
-                                let p0 = $dot(p0, v[1], broadcast4(xp.add(4)));
-                                let p1 = $dot(_mm256_setzero_si256(), v[2], broadcast4(xp.add(8)));
-                                let p1 = $dot(p1, v[3], broadcast4(xp.add(12)));
-                                _mm256_add_epi32(p0, p1)
-                            };
-                            *isum_r = _mm256_add_epi32(*isum_r, _mm256_mullo_epi32(part, sc));
-                            if s % 2 == 1 {
-                                // SAFETY: the features; `bsum` holds sub-blocks s − 1 and s.
-                                let sums = unsafe { broadcast4(bsum[s - 1..s + 1].as_ptr()) };
-                                let pairs = _mm256_madd_epi16(scale_pair, sums);
-                                bias[r] = _mm256_add_epi32(bias[r], pairs);
-                            }
+                        let idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+                        let idx = _mm256_add_epi32(idx, _mm256_set1_epi32(4 * q as i32));
+                        let sc = _mm256_permutevar8x32_epi32(sc, idx);
+                        let sc = _mm256_blend_epi16::<0xAA>(sc, _mm256_slli_epi32::<16>(sc));
+                        for (x, isum) in x.iter().zip(isum.iter_mut()) {
+                            let xp = x.x[16 * s..][..16].as_ptr();
+                            // SAFETY: the features; `xp` holds the sub-block's 16 bytes.
+                            let (lo, hi) = unsafe { (broadcast8(xp), broadcast8(xp.add(8))) };
+                            let sum = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(w[0], lo),
+                                _mm256_maddubs_epi16(w[1], hi),
+                            );
+                            isum[q] = _mm256_add_epi32(isum[q], _mm256_madd_epi16(sum, sc));
                         }
                     }
-                    // isum − 32 · Σₛ sc[s] · bsum[s]: the definition's, exact.
-                    for (isum_r, bias_r) in isum.iter_mut().zip(bias) {
-                        *isum_r = _mm256_sub_epi32(*isum_r, _mm256_slli_epi32::<5>(bias_r));
-                    }
-                    // SAFETY: the features; `d` is 16 bytes.
-                    let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) };
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let up = _mm256_mul_ps(d, _mm256_set1_ps(xs.block(r, k).dx));
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), up, *a);
-                    }
-                }
-                let at = out.from(g * GROUP_ROWS * to.col);
-                for (r, a) in acc.into_iter().enumerate() {
-                    // SAFETY: the features.
-                    unsafe { store8(a, at, to, first + r) };
                 }
             }
+            let mut bias = [_mm256_setzero_si256(); R];
+            for t in 0..8 {
+                let pairs = q6k_scale_pairs_avx2(item, t);
+                for (x, bias) in x.iter().zip(bias.iter_mut()) {
+                    let sums = x.sum16[2 * t..][..2].as_ptr();
+                    // SAFETY: the features; `sums` holds 2 sums (4 bytes).
+                    let sums = unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(sums.cast())) };
+                    *bias = _mm256_add_epi32(*bias, _mm256_madd_epi16(pairs, sums));
+                }
+            }
+            // SAFETY: the features; `d` is 16 bytes.
+            let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) };
+            for r in 0..R {
+                // Each row's two lanes summed, rows in order, less 32 · Σₛ sc[s]·sum16[s].
+                let rows =
+                    _mm256_permute4x64_epi64::<0xD8>(_mm256_hadd_epi32(isum[r][0], isum[r][1]));
+                let rows = _mm256_sub_epi32(rows, _mm256_slli_epi32::<5>(bias[r]));
+                let up = _mm256_mul_ps(d, _mm256_set1_ps(x[r].dx));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), up, acc[r]);
+            }
         }
-    };
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for (r, a) in acc.into_iter().enumerate() {
+            // SAFETY: the features.
+            unsafe { store8(a, at, to, first + r) };
+        }
+    }
 }
 
-q6k_kernel!(q6k_avx2, "avx2,fma,f16c", dot_avx2);
-q6k_kernel!(
-    q6k_vnni,
-    "avx512f,avx512vl,avx512vnni,avx2,fma,f16c",
-    dot_vnni
-);
+/// The weights of sub-blocks `2p` and `2p + 1` in 64-byte registers, as
+/// [`q6k_weights_avx2`] for all 8 rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn q6k_weights_512(item: &GroupQ6K, p: usize) -> [[__m512i; 2]; 2] {
+    let (nib, top) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    // SAFETY: the features; each run holds 64 bytes.
+    let (h, l0, l1) = unsafe {
+        (
+            _mm512_loadu_si512(item.high[p].as_ptr().cast()),
+            _mm512_loadu_si512(item.low[2 * p].as_ptr().cast()),
+            _mm512_loadu_si512(item.low[2 * p + 1].as_ptr().cast()),
+        )
+    };
+    // (low & 0x0F) | (high & 0x30) in one `vpternlogd` (0xEC: A & C | B) once high is masked.
+    let join = |low: __m512i, high: __m512i| {
+        _mm512_ternarylogic_epi32::<0xEC>(low, _mm512_and_si512(high, top), nib)
+    };
+    [
+        [
+            join(l0, _mm512_slli_epi16::<4>(h)),
+            join(_mm512_srli_epi16::<4>(l0), _mm512_slli_epi16::<2>(h)),
+        ],
+        [
+            join(l1, h),
+            join(_mm512_srli_epi16::<4>(l1), _mm512_srli_epi16::<2>(h)),
+        ],
+    ]
+}
+
+/// 8 bytes at `p` in every 64-bit lane of a 64-byte register.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `p` holds 8 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn broadcast8_512(p: *const i8) -> __m512i {
+    // SAFETY: the caller's.
+    unsafe { _mm512_set1_epi64(std::ptr::read_unaligned(p.cast())) }
+}
+
+/// Q6_K's one definition for `R` rows over whole groups, with AVX-512 (module docs): 16-bit
+/// words `k` of lane `k / 2` (row `k / 4`, half `k / 2 % 2`) are picked from each 4 sub-blocks'
+/// widened scales by `vpermw`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VNNI, AVX2, FMA and F16C; `xs` holds `R` rows of
+/// `xs.blocks` super-blocks and `groups` whole groups of as many.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6k_vnni<const R: usize>(
+    plan: Prefetch,
+    xs: KRowsView<'_>,
+    groups: &[GroupQ6K],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let b = xs.blocks;
+    let words: [i16; 32] = std::array::from_fn(|k| k as i16);
+    // SAFETY: the features; `words` is 64 bytes.
+    let words = unsafe { _mm512_loadu_si512(words.as_ptr().cast()) };
+    // Lane (j, h): sub-block (4u + v)'s scale of row j twice, word 8v + j.
+    let row = _mm512_srli_epi16::<2>(words);
+    // Lane (j, h): sub-blocks 4u + 2h and 4u + 2h + 1 of row j, words 16h + j and 16h + 8 + j.
+    let half = _mm512_and_si512(_mm512_srli_epi16::<1>(words), _mm512_set1_epi16(1));
+    let odd = _mm512_and_si512(words, _mm512_set1_epi16(1));
+    let bias_idx = _mm512_add_epi16(
+        _mm512_add_epi16(row, _mm512_slli_epi16::<4>(half)),
+        _mm512_slli_epi16::<3>(odd),
+    );
+    let even_lanes = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    for (g, group) in groups.chunks_exact(b).enumerate() {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (k, item) in group.iter().enumerate() {
+            prefetch(plan, item);
+            let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
+            let mut isum = [_mm512_setzero_si512(); R];
+            let mut bias = [_mm512_setzero_si512(); R];
+            for u in 0..4 {
+                // SAFETY: the features; sub-blocks 4u..4u + 4 hold 32 scales.
+                let sc16 = unsafe {
+                    _mm512_cvtepi8_epi16(_mm256_loadu_si256(item.scales[4 * u].as_ptr().cast()))
+                };
+                let pairs = _mm512_permutexvar_epi16(bias_idx, sc16);
+                for (x, bias) in x.iter().zip(bias.iter_mut()) {
+                    // SAFETY: the features; the 4 sums from 4u on are readable.
+                    let sums = unsafe { broadcast8_512(x.sum16[4 * u..][..4].as_ptr().cast()) };
+                    *bias = _mm512_dpwssd_epi32(*bias, pairs, sums);
+                }
+                for p in [2 * u, 2 * u + 1] {
+                    let w = q6k_weights_512(item, p);
+                    for (odd, w) in w.iter().enumerate() {
+                        let s = 2 * p + odd;
+                        let v = _mm512_set1_epi16(8 * (s % 4) as i16);
+                        let sc = _mm512_permutexvar_epi16(_mm512_add_epi16(row, v), sc16);
+                        for (x, isum) in x.iter().zip(isum.iter_mut()) {
+                            let xp = x.x[16 * s..][..16].as_ptr();
+                            // SAFETY: the features; `xp` holds the sub-block's 16 bytes.
+                            let (lo, hi) =
+                                unsafe { (broadcast8_512(xp), broadcast8_512(xp.add(8))) };
+                            let sum = _mm512_add_epi16(
+                                _mm512_maddubs_epi16(w[0], lo),
+                                _mm512_maddubs_epi16(w[1], hi),
+                            );
+                            *isum = _mm512_dpwssd_epi32(*isum, sum, sc);
+                        }
+                    }
+                }
+            }
+            // SAFETY: the features; `d` is 16 bytes.
+            let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) };
+            for r in 0..R {
+                // Less 32 · Σₛ sc[s]·sum16[s], then each row's two lanes summed, in order.
+                let v = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<5>(bias[r]));
+                let v = _mm512_add_epi32(v, _mm512_shuffle_epi32::<0xB1>(v));
+                let rows = _mm512_castsi512_si256(_mm512_permutexvar_epi32(even_lanes, v));
+                let up = _mm256_mul_ps(d, _mm256_set1_ps(x[r].dx));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), up, acc[r]);
+            }
+        }
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for (r, a) in acc.into_iter().enumerate() {
+            // SAFETY: the features.
+            unsafe { store8(a, at, to, first + r) };
+        }
+    }
+}
