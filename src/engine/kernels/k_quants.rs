@@ -86,6 +86,13 @@ pub struct GroupQ4K {
     pub qs: [u8; QK_K / 2 * GROUP_ROWS],
 }
 
+/// Row `j`'s sub-block `s` scale and min in a [`GroupQ4K`].
+pub fn q4k_scale_min(g: &GroupQ4K, j: usize, s: usize) -> (u8, u8) {
+    let e = q4k_entry(j, s);
+    let (lo, hi) = (g.scales[e], g.scales[64 + e % 32] >> (4 * (e / 32)));
+    ((lo & 15) | (hi & 3) << 4, (lo >> 4) | ((hi >> 2) & 3) << 4)
+}
+
 /// The entry of row `j`'s sub-block `s` in a [`GroupQ4K`]'s scales: a 16-entry run for each
 /// pair of rows, in it a 4-entry run for each pair of sub-blocks, sub-block parity then row
 /// parity, the order in which `q4k_simd`'s packed sub-block sums lie.
@@ -252,11 +259,9 @@ impl KQuant for Q4K {
             q: [0; QK_K],
         };
         for s in 0..8 {
-            let e = q4k_entry(j, s);
-            let (lo, hi) = (g.scales[e], g.scales[64 + e % 32] >> (4 * (e / 32)));
-            let sc = i32::from((lo & 15) | (hi & 3) << 4);
-            (u.sc[2 * s], u.sc[2 * s + 1]) = (sc, sc);
-            u.m[s] = i32::from((lo >> 4) | ((hi >> 2) & 3) << 4);
+            let (sc, m) = q4k_scale_min(g, j, s);
+            (u.sc[2 * s], u.sc[2 * s + 1]) = (sc.into(), sc.into());
+            u.m[s] = m.into();
             for n in 0..16 {
                 let byte = g.qs[128 * s + 64 * (n / 8) + 8 * j + n % 8];
                 (u.q[32 * s + n], u.q[32 * s + 16 + n]) = (byte & 0xF, byte >> 4);

@@ -68,7 +68,7 @@ fn portable_groups<K: KQuant>(
 
 /// [`Groups`] for a type whose x86 kernels are `$avx2` and `$vnni`.
 macro_rules! groups_impl {
-    ($kind:ty, $avx2:ident, $vnni:ident) => {
+    ($kind:ty, $avx2:ident, $vnni:ident $(, $neon:ident)?) => {
         impl Groups for $kind {
             fn groups(
                 isa: Q8Isa,
@@ -94,6 +94,14 @@ macro_rules! groups_impl {
                     Q8Isa::Avx512Vnni => unsafe {
                         with_rows!(xs.rows(), R => $vnni::<R>(plan, xs, groups, out, to, first))
                     },
+                    $(
+                    #[cfg(target_arch = "aarch64")]
+                    // SAFETY: `Q8Isa::NeonDot` is made only where the dot-product extension
+                    // was detected; as above otherwise.
+                    Q8Isa::NeonDot => unsafe {
+                        super::k_quants_neon::$neon(xs, groups, out, to, first)
+                    },
+                    )?
                     _ => portable_groups::<$kind>(xs, groups, out, to, first),
                 }
             }
@@ -101,7 +109,7 @@ macro_rules! groups_impl {
     };
 }
 
-groups_impl!(Q4K, q4k_avx2, q4k_vnni);
+groups_impl!(Q4K, q4k_avx2, q4k_vnni, q4k_sdot);
 groups_impl!(Q6K, q6k_avx2, q6k_vnni);
 
 /// 8 bytes at `p` in every 64-bit lane.

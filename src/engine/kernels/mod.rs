@@ -127,6 +127,8 @@ mod avx512_bf16;
 pub mod f16;
 mod isa;
 mod k_quants;
+#[cfg(target_arch = "aarch64")]
+mod k_quants_neon;
 mod k_quants_simd;
 #[cfg(test)]
 mod k_quants_tests;

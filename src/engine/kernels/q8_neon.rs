@@ -19,7 +19,7 @@ use super::{OutLayout, SharedOut};
 /// # Safety
 /// The CPU must have the dot-product extension.
 #[inline(always)]
-unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+pub(super) unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     let mut acc = acc;
     // SAFETY: the caller's feature; the instruction reads and writes registers only.
     unsafe {

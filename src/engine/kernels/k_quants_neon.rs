@@ -1,0 +1,164 @@
+//! Q4_K's products of `k_quants`' one definition on aarch64 with the dot-product extension,
+//! over [`GroupQ4K`]'s lane-pair layout: a 16-byte register holds 8 weights of each of 2 rows
+//! (a 4-byte lane per row and half), so `sdot` against 8 activation bytes duplicated in both
+//! halves adds 4 products into each lane, as `vpdpbusd` does on x86 (both operands signed
+//! here: the weights are 0..16). Adjacent lanes hold one row's two halves, so one pairwise add
+//! gives 4 rows' sub-block sums, which the scales multiply exactly (`vmlaq_s32`); the mins come
+//! from the activations' 32-value sums. The float part is the definition's two FMAs a
+//! super-block, so the results have the portable loops' bits (the kernels' tests hold them to
+//! it under qemu).
+
+use std::arch::aarch64::*;
+
+use half::f16;
+
+use super::k_quants::{GroupQ4K, KBlock, KRowsView, q4k_scale_min};
+use super::packed::GROUP_ROWS;
+use super::q8_neon::sdot;
+use super::{OutLayout, SharedOut};
+
+/// Rows whose sums one pass over a group keeps.
+const MOST_ROWS: usize = 4;
+
+/// A group's scales and mins as `i32`, by sub-block then row.
+fn scales_by_row(g: &GroupQ4K) -> [[[i32; GROUP_ROWS]; 8]; 2] {
+    let by = |min: bool| {
+        std::array::from_fn(|s| {
+            std::array::from_fn(|j| {
+                let (sc, m) = q4k_scale_min(g, j, s);
+                i32::from(if min { m } else { sc })
+            })
+        })
+    };
+    [by(false), by(true)]
+}
+
+/// 8 bytes at `p` in both halves of a register.
+///
+/// # Safety
+/// `p` holds 8 readable bytes.
+#[inline(always)]
+unsafe fn duplicated8(p: *const i8) -> int8x16_t {
+    // SAFETY: the caller's.
+    unsafe { vreinterpretq_s8_u64(vdupq_n_u64(std::ptr::read_unaligned(p.cast()))) }
+}
+
+/// One row's super-block against a group's: each of the 8 rows' integer sums `Σₛ sc·Σ q·x`
+/// and `Σₛ m·sum32`, rows 0..4 then 4..8.
+///
+/// # Safety
+/// The CPU must have the dot-product extension.
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn block_sums(
+    x: KBlock<'_>,
+    item: &GroupQ4K,
+    scales: &[[[i32; GROUP_ROWS]; 8]; 2],
+) -> ([int32x4_t; 2], [int32x4_t; 2]) {
+    let nib = vdupq_n_u8(0x0F);
+    let mut isum = [vdupq_n_s32(0); 2];
+    let mut msum = [vdupq_n_s32(0); 2];
+    for (s, (sc, m)) in scales[0].iter().zip(&scales[1]).enumerate() {
+        let xp = x.x[32 * s..][..32].as_ptr();
+        // SAFETY: `xp` holds the sub-block's 32 bytes.
+        let xv = unsafe { [0, 1, 2, 3].map(|i| duplicated8(xp.add(8 * i))) };
+        let mut part = [vdupq_n_s32(0); 4];
+        for (pair, part) in part.iter_mut().enumerate() {
+            for u in 0..2 {
+                // SAFETY: the group's 1024 bytes are readable; the features.
+                unsafe {
+                    let v = vld1q_u8(item.qs.as_ptr().add(128 * s + 64 * u + 16 * pair));
+                    let lo = vreinterpretq_s8_u8(vandq_u8(v, nib));
+                    let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                    *part = sdot(sdot(*part, lo, xv[u]), hi, xv[2 + u]);
+                }
+            }
+        }
+        let sums = [vpaddq_s32(part[0], part[1]), vpaddq_s32(part[2], part[3])];
+        let sum32 = i32::from(x.sum32[s]);
+        for half in 0..2 {
+            // SAFETY: each row set holds 4 values from `4 · half`.
+            let (scv, mv) = unsafe {
+                (
+                    vld1q_s32(sc[4 * half..].as_ptr()),
+                    vld1q_s32(m[4 * half..].as_ptr()),
+                )
+            };
+            isum[half] = vmlaq_s32(isum[half], sums[half], scv);
+            msum[half] = vmlaq_n_s32(msum[half], mv, sum32);
+        }
+    }
+    (isum, msum)
+}
+
+/// Rows `rows` of `xs` (at most 4) times one group's super-blocks: each row's 8 sums.
+///
+/// # Safety
+/// The CPU must have the dot-product extension; `group` holds `xs.blocks` super-blocks.
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn group_sums(
+    xs: KRowsView<'_>,
+    group: &[GroupQ4K],
+    rows: std::ops::Range<usize>,
+) -> [[float32x4_t; 2]; MOST_ROWS] {
+    let mut acc = [[vdupq_n_f32(0.0); 2]; MOST_ROWS];
+    for (k, item) in group.iter().enumerate() {
+        let scales = scales_by_row(item);
+        let d = item.d.map(f16::to_f32);
+        let dmin = item.dmin.map(f16::to_f32);
+        for (r, acc) in rows.clone().zip(acc.iter_mut()) {
+            let x = xs.block(r, k);
+            // SAFETY: the features.
+            let (isum, msum) = unsafe { block_sums(x, item, &scales) };
+            for half in 0..2 {
+                // SAFETY: `d` and `dmin` hold 8 floats.
+                let (dv, dminv) = unsafe {
+                    (
+                        vld1q_f32(d[4 * half..].as_ptr()),
+                        vld1q_f32(dmin[4 * half..].as_ptr()),
+                    )
+                };
+                let up = vmulq_f32(dv, vdupq_n_f32(x.dx));
+                acc[half] = vfmaq_f32(acc[half], vcvtq_f32_s32(isum[half]), up);
+                let down = vmulq_f32(dminv, vdupq_n_f32(-x.dx));
+                acc[half] = vfmaq_f32(acc[half], vcvtq_f32_s32(msum[half]), down);
+            }
+        }
+    }
+    acc
+}
+
+/// Every group of `groups` times each row of `xs`, into `out` as `k_quants::product` lays it,
+/// row `first` of the product being `xs`' first.
+///
+/// # Safety
+/// The CPU must have the dot-product extension; `xs` holds whole rows of `xs.blocks`
+/// super-blocks and `groups` whole groups of as many.
+#[target_feature(enable = "neon,dotprod")]
+pub(super) unsafe fn q4k_sdot(
+    xs: KRowsView<'_>,
+    groups: &[GroupQ4K],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let total = xs.rows();
+    for (g, group) in groups.chunks_exact(xs.blocks).enumerate() {
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for start in (0..total).step_by(MOST_ROWS) {
+            let rows = start..(start + MOST_ROWS).min(total);
+            // SAFETY: the caller's.
+            let acc = unsafe { group_sums(xs, group, rows.clone()) };
+            for (r, acc) in rows.zip(acc) {
+                let mut sums = [0f32; GROUP_ROWS];
+                // SAFETY: `sums` holds 8 floats.
+                unsafe {
+                    vst1q_f32(sums.as_mut_ptr(), acc[0]);
+                    vst1q_f32(sums.as_mut_ptr().add(4), acc[1]);
+                }
+                for (j, s) in sums.into_iter().enumerate() {
+                    at.set(j * to.col + (first + r) * to.row, s);
+                }
+            }
+        }
+    }
+}
