@@ -33,7 +33,7 @@ impl RaceHandle {
         policy: PolicyKind,
         options: DecodeOptions,
         events: mpsc::UnboundedSender<RaceEvent>,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
         let (control, control_rx) = std_mpsc::channel();
         let loaded = loaded.clone();
         let thread = std::thread::Builder::new()
@@ -43,8 +43,8 @@ impl RaceHandle {
                     events.send(ev).is_ok()
                 })
             })
-            .expect("spawning the race thread failed: this is a bug");
-        Self { control, thread }
+            .map_err(|e| anyhow::anyhow!("could not start the race thread: {e}"))?;
+        Ok(Self { control, thread })
     }
 
     /// Stops the race and joins its thread.
@@ -70,14 +70,16 @@ impl Fingerprint {
     fn begin(&mut self, origin: &Origin) {
         if let Self::NotStarted = self {
             let (tx, rx) = std_mpsc::channel();
-            let origin = origin.clone();
-            std::thread::Builder::new()
+            let (origin, failed) = (origin.clone(), tx.clone());
+            let spawned = std::thread::Builder::new()
                 .name("spex-fingerprint".into())
                 .spawn(move || {
                     let hashes = crate::harness::trace::fingerprint(&origin);
                     let _ = tx.send(hashes.map_err(|e| e.to_string()));
-                })
-                .expect("spawning the fingerprint thread failed: this is a bug");
+                });
+            if let Err(e) = spawned {
+                let _ = failed.send(Err(format!("could not start the fingerprint thread: {e}")));
+            }
             *self = Self::Hashing(rx);
         }
     }
@@ -93,8 +95,8 @@ impl Fingerprint {
                 other => other.map_err(|_| ()),
             },
         };
-        let hashes =
-            result.unwrap_or_else(|()| Err("the fingerprint thread stopped: this is a bug".into()));
+        let hashes = result
+            .unwrap_or_else(|()| Err("the fingerprint thread stopped before its hashes".into()));
         // A failed read is tried again by the next recording.
         *self = match &hashes {
             Ok(h) => Self::Ready(h.clone()),
@@ -226,7 +228,7 @@ impl<'a> Races<'a> {
         };
         let events = self.events.clone();
         let policy = self.options.policy;
-        let race = RaceHandle::start(self.loaded, prompt, policy, options, events);
+        let race = RaceHandle::start(self.loaded, prompt, policy, options, events)?;
         self.current = Some(race);
         settled
     }

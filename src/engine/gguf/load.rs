@@ -274,6 +274,16 @@ fn stored_bytes(info: &TensorInfo) -> usize {
     info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()
 }
 
+/// A quantized matrix chosen for the arena: spex's name, the file's, its table entry, its
+/// block type and its shape in blocks (rows × blocks a row × bytes a block).
+struct Picked<'a> {
+    name: String,
+    gguf: String,
+    info: &'a TensorInfo,
+    kind: QuantKind,
+    blocks: Shape,
+}
+
 /// Reads the host kernels' quantized matrices (every matrix `specs` lists that the file
 /// stores in a `kernels::QuantKind`) into one arena of blocks, `[rows, blocks, block bytes]`, each
 /// named by spex's name, telling `read` the bytes of each. A matrix in a type neither these
@@ -299,7 +309,13 @@ pub fn read_blocks_into_arena(
             (Some(kind), _) => {
                 let (rows, inner) = (shape.dims()[0], shape.dims()[1]);
                 let blocks = Shape::from((rows, inner / kind.block_weights(), kind.block_bytes()));
-                picked.push((name.clone(), gguf, info, blocks));
+                picked.push(Picked {
+                    name: name.clone(),
+                    gguf,
+                    info,
+                    kind,
+                    blocks,
+                });
             }
             (None, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {}
             (None, other) => {
@@ -314,14 +330,14 @@ pub fn read_blocks_into_arena(
             }
         }
     }
-    let shapes: Vec<Shape> = picked.iter().map(|p| p.3.clone()).collect();
+    let shapes: Vec<Shape> = picked.iter().map(|p| p.blocks.clone()).collect();
     let mut arena = crate::engine::memory::Arena::<u8>::new(&shapes)
         .map_err(|e| EngineError::file(file.path(), e))?;
-    for (i, (name, gguf, info, blocks)) in picked.iter().enumerate() {
-        let slot = arena.slot_mut(i);
-        file.read_stored(gguf, info, slot)?;
+    for (i, p) in picked.iter().enumerate() {
+        let (slot, blocks) = (arena.slot_mut(i), &p.blocks);
+        file.read_stored(&p.gguf, p.info, slot)?;
         let (rows, row_blocks) = (blocks.dims()[0], blocks.dims()[1]);
-        if format::layer_tensor_of(name).is_some_and(super::is_permuted) {
+        if format::layer_tensor_of(&p.name).is_some_and(super::is_permuted) {
             let row_bytes = row_blocks * blocks.dims()[2];
             let stored = slot.to_vec();
             for (r, row) in slot.chunks_exact_mut(row_bytes).enumerate() {
@@ -329,15 +345,13 @@ pub fn read_blocks_into_arena(
                 row.copy_from_slice(&stored[at..at + row_bytes]);
             }
         }
-        if let Some(kind) = quant_kind(info.ggml_dtype) {
-            crate::engine::kernels::repack(kind, slot, rows, row_blocks);
-        }
+        crate::engine::kernels::repack(p.kind, slot, rows, row_blocks);
         read(slot.len() as u64);
     }
     let views = arena
         .finish(&Device::Cpu)
         .map_err(|e| EngineError::file(file.path(), e))?;
-    Ok(picked.into_iter().map(|p| p.0).zip(views).collect())
+    Ok(picked.into_iter().map(|p| p.name).zip(views).collect())
 }
 
 /// A `VarBuilder` backend over a GGUF file: the blocks already in the arena as they are, every

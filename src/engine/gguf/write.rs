@@ -169,17 +169,26 @@ fn tensors(job: &QuantizeJob<'_>) -> candle_core::Result<Vec<(String, QTensor)>>
         true => MatrixRole::Head,
         false => MatrixRole::Embedding,
     };
-    let mut named: Vec<(String, &Tensor, MatrixRole)> = vec![
-        (format::EMBED_TOKENS.to_string(), &w.embed_tokens, embedding),
-        (format::FINAL_NORM.to_string(), &w.norm, MatrixRole::Head),
+    // A vector has no matrix role: it is written in F32.
+    let mut named: Vec<(String, &Tensor, Option<MatrixRole>)> = vec![
+        (
+            format::EMBED_TOKENS.to_string(),
+            &w.embed_tokens,
+            Some(embedding),
+        ),
+        (format::FINAL_NORM.to_string(), &w.norm, None),
     ];
     if !job.config.tied {
-        named.push((format::LM_HEAD.to_string(), &w.lm_head, MatrixRole::Head));
+        named.push((
+            format::LM_HEAD.to_string(),
+            &w.lm_head,
+            Some(MatrixRole::Head),
+        ));
     }
     for layer in 0..job.config.layers {
         for t in LayerTensor::ALL {
             let tensor = w.layers[layer].tensor(t);
-            named.push((t.name(layer), tensor, MatrixRole::Layer(layer, t)));
+            named.push((t.name(layer), tensor, Some(MatrixRole::Layer(layer, t))));
         }
     }
     let named = named.into_iter();
@@ -197,11 +206,11 @@ fn gguf_or(name: &str) -> candle_core::Result<String> {
 /// K-quants are candle's port of llama.cpp's `quantize_row_q4_K_ref` and `_q6_K_ref`.
 fn encode(
     tensor: &Tensor,
-    role: MatrixRole,
+    role: Option<MatrixRole>,
     job: &QuantizeJob<'_>,
 ) -> candle_core::Result<QTensor> {
     let tensor = tensor.to_dtype(candle_core::DType::F32)?;
-    let &[rows, inner] = tensor.dims() else {
+    let (&[rows, inner], Some(role)) = (tensor.dims(), role) else {
         return QTensor::quantize(&tensor, GgmlDType::F32);
     };
     let Some(kind) = job.file_type.kind(role, job.config.layers, inner) else {

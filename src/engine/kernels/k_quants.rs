@@ -159,6 +159,19 @@ pub struct Decoded {
     pub q: [u8; QK_K],
 }
 
+impl Decoded {
+    /// A super-block with these scales' scales and every integer zero.
+    fn new(d: f16, dmin: f16) -> Self {
+        Self {
+            d,
+            dmin,
+            sc: [0; 16],
+            m: [0; 8],
+            q: [0; QK_K],
+        }
+    }
+}
+
 /// A K-quant type: its blocks, their group and the one definition's integers.
 pub trait KQuant: Interleave {
     /// Its kind.
@@ -232,13 +245,7 @@ impl KQuant for Q4K {
     const KIND: QuantKind = QuantKind::Q4K;
 
     fn decode(b: &BlockQ4K) -> Decoded {
-        let mut u = Decoded {
-            d: b.d,
-            dmin: b.dmin,
-            sc: [0; 16],
-            m: [0; 8],
-            q: [0; QK_K],
-        };
+        let mut u = Decoded::new(b.d, b.dmin);
         for s in 0..8 {
             let (sc, m) = scale_min_k4(s, &b.scales);
             (u.sc[2 * s], u.sc[2 * s + 1], u.m[s]) = (sc.into(), sc.into(), m.into());
@@ -251,13 +258,7 @@ impl KQuant for Q4K {
     }
 
     fn decode_row(g: &GroupQ4K, j: usize) -> Decoded {
-        let mut u = Decoded {
-            d: g.d[j],
-            dmin: g.dmin[j],
-            sc: [0; 16],
-            m: [0; 8],
-            q: [0; QK_K],
-        };
+        let mut u = Decoded::new(g.d[j], g.dmin[j]);
         for s in 0..8 {
             let (sc, m) = q4k_scale_min(g, j, s);
             (u.sc[2 * s], u.sc[2 * s + 1]) = (sc.into(), sc.into());
@@ -318,11 +319,8 @@ impl KQuant for Q6K {
 
     fn decode(b: &BlockQ6K) -> Decoded {
         let mut u = Decoded {
-            d: b.d,
-            dmin: f16::ZERO,
             sc: b.scales.map(i32::from),
-            m: [0; 8],
-            q: [0; QK_K],
+            ..Decoded::new(b.d, f16::ZERO)
         };
         for (i, q) in u.q.iter_mut().enumerate() {
             let (n, k, l) = (i / 128, i % 128 / 32, i % 32);
@@ -334,13 +332,7 @@ impl KQuant for Q6K {
     }
 
     fn decode_row(g: &GroupQ6K, j: usize) -> Decoded {
-        let mut u = Decoded {
-            d: g.d[j],
-            dmin: f16::ZERO,
-            sc: [0; 16],
-            m: [0; 8],
-            q: [0; QK_K],
-        };
+        let mut u = Decoded::new(g.d[j], f16::ZERO);
         for s in 0..16 {
             u.sc[s] = g.scales[s][j].into();
             for i in 0..8 {
