@@ -1,4 +1,4 @@
-//! Q4_K's products of `k_quants`' one definition on aarch64 with the dot-product extension,
+//! Q4_K's and Q6_K's products of `k_quants`' one definition on aarch64 with the dot-product extension,
 //! over [`GroupQ4K`]'s lane-pair layout: a 16-byte register holds 8 weights of each of 2 rows
 //! (a 4-byte lane per row and half), so `sdot` against 8 activation bytes duplicated in both
 //! halves adds 4 products into each lane, as `vpdpbusd` does on x86 (both operands signed
@@ -12,7 +12,7 @@ use std::arch::aarch64::*;
 
 use half::f16;
 
-use super::k_quants::{GroupQ4K, KBlock, KRowsView, q4k_scale_min};
+use super::k_quants::{GroupQ4K, GroupQ6K, KBlock, KRowsView, q4k_scale_min};
 use super::packed::GROUP_ROWS;
 use super::q8_neon::sdot;
 use super::{OutLayout, SharedOut};
@@ -128,7 +128,41 @@ unsafe fn group_sums(
 }
 
 /// Every group of `groups` times each row of `xs`, into `out` as `k_quants::product` lays it,
-/// row `first` of the product being `xs`' first.
+/// row `first` of the product being `xs`' first, `sums` giving a group's 8 sums for up to 4
+/// rows.
+///
+/// # Safety
+/// The CPU must have NEON.
+#[target_feature(enable = "neon")]
+unsafe fn store_groups<G>(
+    xs: KRowsView<'_>,
+    groups: &[G],
+    out: SharedOut<'_>,
+    (to, first): (OutLayout, usize),
+    sums: impl Fn(&[G], std::ops::Range<usize>) -> [[float32x4_t; 2]; MOST_ROWS],
+) {
+    let total = xs.rows();
+    for (g, group) in groups.chunks_exact(xs.blocks).enumerate() {
+        let at = out.from(g * GROUP_ROWS * to.col);
+        for start in (0..total).step_by(MOST_ROWS) {
+            let rows = start..(start + MOST_ROWS).min(total);
+            let acc = sums(group, rows.clone());
+            for (r, acc) in rows.zip(acc) {
+                let mut row = [0f32; GROUP_ROWS];
+                // SAFETY: `row` holds 8 floats.
+                unsafe {
+                    vst1q_f32(row.as_mut_ptr(), acc[0]);
+                    vst1q_f32(row.as_mut_ptr().add(4), acc[1]);
+                }
+                for (j, s) in row.into_iter().enumerate() {
+                    at.set(j * to.col + (first + r) * to.row, s);
+                }
+            }
+        }
+    }
+}
+
+/// Q4_K's groups (module docs).
 ///
 /// # Safety
 /// The CPU must have the dot-product extension; `xs` holds whole rows of `xs.blocks`
@@ -141,24 +175,98 @@ pub(super) unsafe fn q4k_sdot(
     to: OutLayout,
     first: usize,
 ) {
-    let total = xs.rows();
-    for (g, group) in groups.chunks_exact(xs.blocks).enumerate() {
-        let at = out.from(g * GROUP_ROWS * to.col);
-        for start in (0..total).step_by(MOST_ROWS) {
-            let rows = start..(start + MOST_ROWS).min(total);
-            // SAFETY: the caller's.
-            let acc = unsafe { group_sums(xs, group, rows.clone()) };
-            for (r, acc) in rows.zip(acc) {
-                let mut sums = [0f32; GROUP_ROWS];
-                // SAFETY: `sums` holds 8 floats.
-                unsafe {
-                    vst1q_f32(sums.as_mut_ptr(), acc[0]);
-                    vst1q_f32(sums.as_mut_ptr().add(4), acc[1]);
-                }
-                for (j, s) in sums.into_iter().enumerate() {
-                    at.set(j * to.col + (first + r) * to.row, s);
+    // SAFETY: the caller's.
+    let sums = |group: &[GroupQ4K], rows| unsafe { group_sums(xs, group, rows) };
+    // SAFETY: the caller's.
+    unsafe { store_groups(xs, groups, out, (to, first), sums) };
+}
+
+/// One row's super-block against a Q6_K group's: each of the 8 rows'
+/// `Σₛ sc·(Σ q·x − 32·sum16)`, rows 0..4 then 4..8. Each sub-block's 16 weights of a row pair
+/// are two registers: low nibbles joined with their high bits (`GroupQ6K`'s layout).
+///
+/// # Safety
+/// The CPU must have the dot-product extension.
+#[target_feature(enable = "neon,dotprod")]
+unsafe fn q6k_block_sums(x: KBlock<'_>, item: &GroupQ6K) -> [int32x4_t; 2] {
+    let (nib, top) = (vdupq_n_u8(0x0F), vdupq_n_u8(0x30));
+    let mut isum = [vdupq_n_s32(0); 2];
+    let mut bias = [vdupq_n_s32(0); 2];
+    for (s, scales) in item.scales.iter().enumerate() {
+        let xp = x.x[16 * s..][..16].as_ptr();
+        // SAFETY: `xp` holds the sub-block's 16 bytes.
+        let (xa, xb) = unsafe { (duplicated8(xp), duplicated8(xp.add(8))) };
+        let mut part = [vdupq_n_s32(0); 4];
+        for (pair, part) in part.iter_mut().enumerate() {
+            // SAFETY: each 64-byte run is readable; the features.
+            let (l, h) = unsafe {
+                (
+                    vld1q_u8(item.low[s].as_ptr().add(16 * pair)),
+                    vld1q_u8(item.high[s / 2].as_ptr().add(16 * pair)),
+                )
+            };
+            // Weights 0..8 of each row-half at bits 0 and 4 of `h` from sub-block s's pair.
+            let (ha, hb) = match s % 2 {
+                0 => (vshlq_n_u8::<4>(h), vshlq_n_u8::<2>(h)),
+                _ => (h, vshrq_n_u8::<2>(h)),
+            };
+            let va = vorrq_u8(vandq_u8(l, nib), vandq_u8(ha, top));
+            let vb = vorrq_u8(vshrq_n_u8::<4>(l), vandq_u8(hb, top));
+            // SAFETY: the features.
+            *part = unsafe {
+                sdot(
+                    sdot(*part, vreinterpretq_s8_u8(va), xa),
+                    vreinterpretq_s8_u8(vb),
+                    xb,
+                )
+            };
+        }
+        let sums = [vpaddq_s32(part[0], part[1]), vpaddq_s32(part[2], part[3])];
+        // SAFETY: the sub-block's 8 scales.
+        let sc16 = vmovl_s8(unsafe { vld1_s8(scales.as_ptr()) });
+        let sc = [
+            vmovl_s16(vget_low_s16(sc16)),
+            vmovl_s16(vget_high_s16(sc16)),
+        ];
+        let sum16 = i32::from(x.sum16[s]);
+        for half in 0..2 {
+            isum[half] = vmlaq_s32(isum[half], sums[half], sc[half]);
+            bias[half] = vmlaq_n_s32(bias[half], sc[half], sum16);
+        }
+    }
+    [0, 1].map(|half| vsubq_s32(isum[half], vshlq_n_s32::<5>(bias[half])))
+}
+
+/// Q6_K's groups, as [`q4k_sdot`] Q4_K's, with the definition's one FMA a super-block.
+///
+/// # Safety
+/// As [`q4k_sdot`].
+#[target_feature(enable = "neon,dotprod")]
+pub(super) unsafe fn q6k_sdot(
+    xs: KRowsView<'_>,
+    groups: &[GroupQ6K],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    first: usize,
+) {
+    let sums = |group: &[GroupQ6K], rows: std::ops::Range<usize>| {
+        let mut acc = [[vdupq_n_f32(0.0); 2]; MOST_ROWS];
+        for (k, item) in group.iter().enumerate() {
+            let d = item.d.map(f16::to_f32);
+            for (r, acc) in rows.clone().zip(acc.iter_mut()) {
+                let x = xs.block(r, k);
+                // SAFETY: the caller's feature.
+                let isum = unsafe { q6k_block_sums(x, item) };
+                for half in 0..2 {
+                    // SAFETY: `d` holds 8 floats.
+                    let dv = unsafe { vld1q_f32(d[4 * half..].as_ptr()) };
+                    let up = vmulq_f32(dv, vdupq_n_f32(x.dx));
+                    acc[half] = vfmaq_f32(acc[half], vcvtq_f32_s32(isum[half]), up);
                 }
             }
         }
-    }
+        acc
+    };
+    // SAFETY: the caller's.
+    unsafe { store_groups(xs, groups, out, (to, first), sums) };
 }

@@ -110,7 +110,7 @@ macro_rules! groups_impl {
 }
 
 groups_impl!(Q4K, q4k_avx2, q4k_vnni, q4k_sdot);
-groups_impl!(Q6K, q6k_avx2, q6k_vnni);
+groups_impl!(Q6K, q6k_avx2, q6k_vnni, q6k_sdot);
 
 /// 8 bytes at `p` in every 64-bit lane.
 ///
