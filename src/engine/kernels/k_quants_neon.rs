@@ -14,7 +14,7 @@ use half::f16;
 
 use super::k_quants::{GroupQ4K, GroupQ6K, KBlock, KRowsView, q4k_scale_min};
 use super::packed::GROUP_ROWS;
-use super::q8_neon::sdot;
+use super::q8_neon::{sdot, store8};
 use super::{OutLayout, SharedOut};
 
 /// Rows whose sums one pass over a group keeps.
@@ -138,7 +138,8 @@ unsafe fn store_groups<G>(
     xs: KRowsView<'_>,
     groups: &[G],
     out: SharedOut<'_>,
-    (to, first): (OutLayout, usize),
+    to: OutLayout,
+    first: usize,
     sums: impl Fn(&[G], std::ops::Range<usize>) -> [[float32x4_t; 2]; MOST_ROWS],
 ) {
     let total = xs.rows();
@@ -148,15 +149,8 @@ unsafe fn store_groups<G>(
             let rows = start..(start + MOST_ROWS).min(total);
             let acc = sums(group, rows.clone());
             for (r, acc) in rows.zip(acc) {
-                let mut row = [0f32; GROUP_ROWS];
-                // SAFETY: `row` holds 8 floats.
-                unsafe {
-                    vst1q_f32(row.as_mut_ptr(), acc[0]);
-                    vst1q_f32(row.as_mut_ptr().add(4), acc[1]);
-                }
-                for (j, s) in row.into_iter().enumerate() {
-                    at.set(j * to.col + (first + r) * to.row, s);
-                }
+                // SAFETY: the caller's feature.
+                unsafe { store8(acc, at, to, first + r) };
             }
         }
     }
@@ -178,7 +172,7 @@ pub(super) unsafe fn q4k_sdot(
     // SAFETY: the caller's.
     let sums = |group: &[GroupQ4K], rows| unsafe { group_sums(xs, group, rows) };
     // SAFETY: the caller's.
-    unsafe { store_groups(xs, groups, out, (to, first), sums) };
+    unsafe { store_groups(xs, groups, out, to, first, sums) };
 }
 
 /// One row's super-block against a Q6_K group's: each of the 8 rows'
@@ -268,5 +262,5 @@ pub(super) unsafe fn q6k_sdot(
         acc
     };
     // SAFETY: the caller's.
-    unsafe { store_groups(xs, groups, out, (to, first), sums) };
+    unsafe { store_groups(xs, groups, out, to, first, sums) };
 }

@@ -20,7 +20,7 @@ use super::k_quants::{KMatrix, KQuant, KRowsView, Q4K, Q6K, portable};
 #[cfg(target_arch = "x86_64")]
 use super::packed::GROUP_ROWS;
 #[cfg(target_arch = "x86_64")]
-use super::q4k_simd::{q4k_avx2, q4k_vnni};
+use super::q4k_simd::{broadcast8, broadcast8_512, q4k_avx2, q4k_vnni, rows_in_order};
 use super::q8_0::Q8Isa;
 #[cfg(target_arch = "x86_64")]
 use super::q8_0::{prefetch, store8};
@@ -111,17 +111,6 @@ macro_rules! groups_impl {
 
 groups_impl!(Q4K, q4k_avx2, q4k_vnni, q4k_sdot);
 groups_impl!(Q6K, q6k_avx2, q6k_vnni, q6k_sdot);
-
-/// 8 bytes at `p` in every 64-bit lane.
-///
-/// # Safety
-/// The CPU must have AVX2; `p` holds 8 readable bytes.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn broadcast8(p: *const i8) -> __m256i {
-    // SAFETY: the caller's.
-    unsafe { _mm256_set1_epi64x(std::ptr::read_unaligned(p.cast())) }
-}
 
 /// The weights of sub-blocks `2p` and `2p + 1`, 32 bytes from `at` in each 64-byte run (rows
 /// `at / 8` on): `[s][0]` weights 0..8 and `[s][1]` weights 8..16 of each row, a lane a half.
@@ -232,8 +221,7 @@ unsafe fn q6k_avx2<const R: usize>(
             for r in 0..R {
                 // Each row's two lanes summed, rows in order, less 32 · Σₛ sc[s]·sum16[s].
                 let rows =
-                    _mm256_permute4x64_epi64::<0xD8>(_mm256_hadd_epi32(isum[r][0], isum[r][1]));
-                let rows = _mm256_sub_epi32(rows, _mm256_slli_epi32::<5>(bias[r]));
+                    _mm256_sub_epi32(rows_in_order(isum[r]), _mm256_slli_epi32::<5>(bias[r]));
                 let up = _mm256_mul_ps(d, _mm256_set1_ps(x[r].dx));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), up, acc[r]);
             }
@@ -275,17 +263,6 @@ fn q6k_weights_512(item: &GroupQ6K, p: usize) -> [[__m512i; 2]; 2] {
             join(_mm512_srli_epi16::<4>(l1), _mm512_srli_epi16::<2>(h)),
         ],
     ]
-}
-
-/// 8 bytes at `p` in every 64-bit lane of a 64-byte register.
-///
-/// # Safety
-/// The CPU must have AVX-512F; `p` holds 8 readable bytes.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn broadcast8_512(p: *const i8) -> __m512i {
-    // SAFETY: the caller's.
-    unsafe { _mm512_set1_epi64(std::ptr::read_unaligned(p.cast())) }
 }
 
 /// Q6_K's one definition for `R` rows over whole groups, with AVX-512 (module docs): 16-bit

@@ -95,9 +95,18 @@ fn entries_by_half(scales: &[u8; 96]) -> [(__m256i, __m256i); 2] {
 /// The CPU must have AVX2; `p` holds 8 readable bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn broadcast8(p: *const i8) -> __m256i {
+pub(super) unsafe fn broadcast8(p: *const i8) -> __m256i {
     // SAFETY: the caller's.
     unsafe { _mm256_set1_epi64x(std::ptr::read_unaligned(p.cast())) }
+}
+
+/// Each row's two lanes summed, rows in order: `v[0]` holds rows 0..4 and `v[1]` rows 4..8, a
+/// lane per row and half.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn rows_in_order(v: [__m256i; 2]) -> __m256i {
+    _mm256_permute4x64_epi64::<0xD8>(_mm256_hadd_epi32(v[0], v[1]))
 }
 
 /// Q4_K's one definition for `R` rows over whole groups, with AVX2 (module docs).
@@ -200,11 +209,7 @@ pub(super) unsafe fn q4k_avx2<const R: usize>(
                 )
             };
             for r in 0..R {
-                // Each row's two lanes summed, rows in order.
-                let rows = |v: [__m256i; 2]| {
-                    _mm256_permute4x64_epi64::<0xD8>(_mm256_hadd_epi32(v[0], v[1]))
-                };
-                let (i, m) = (rows(isum[r]), rows(msum[r]));
+                let (i, m) = (rows_in_order(isum[r]), rows_in_order(msum[r]));
                 let up = _mm256_mul_ps(d, _mm256_set1_ps(x[r].dx));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), up, acc[r]);
                 let down = _mm256_mul_ps(dmin, _mm256_set1_ps(-x[r].dx));
@@ -238,7 +243,7 @@ fn entries_512(scales: &[u8; 96]) -> (__m512i, __m512i) {
 /// The CPU must have AVX-512F; `p` holds 8 readable bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn broadcast8_512(p: *const i8) -> __m512i {
+pub(super) unsafe fn broadcast8_512(p: *const i8) -> __m512i {
     // SAFETY: the caller's.
     unsafe { _mm512_set1_epi64(std::ptr::read_unaligned(p.cast())) }
 }

@@ -35,6 +35,29 @@ pub(super) unsafe fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4
     acc
 }
 
+/// A group's 8 sums for product row `row` (rows 0..4 in `halves[0]`, 4..8 in `halves[1]`)
+/// into `out`, weight row `j` at `j · to.col + row · to.row`: NEON's `q8_0::store8`.
+///
+/// # Safety
+/// The CPU must have NEON.
+#[target_feature(enable = "neon")]
+pub(super) unsafe fn store8(
+    halves: [float32x4_t; 2],
+    out: SharedOut<'_>,
+    to: OutLayout,
+    row: usize,
+) {
+    let mut sums = [0f32; GROUP_ROWS];
+    // SAFETY: `sums` holds 8 floats.
+    unsafe {
+        vst1q_f32(sums.as_mut_ptr(), halves[0]);
+        vst1q_f32(sums.as_mut_ptr().add(4), halves[1]);
+    }
+    for (j, s) in sums.into_iter().enumerate() {
+        out.set(j * to.col + row * to.row, s);
+    }
+}
+
 /// Every group of `groups` times each row of `xs`, into `out` as `q8_0::product` lays it.
 ///
 /// # Safety
@@ -75,15 +98,8 @@ pub(super) unsafe fn sdot_groups(
                 lo = vfmaq_f32(lo, vcvtq_f32_s32(ilo), vmulq_f32(dlo, dx));
                 hi = vfmaq_f32(hi, vcvtq_f32_s32(ihi), vmulq_f32(dhi, dx));
             }
-            let mut sums = [0f32; GROUP_ROWS];
-            // SAFETY: `sums` holds 8 floats.
-            unsafe {
-                vst1q_f32(sums.as_mut_ptr(), lo);
-                vst1q_f32(sums.as_mut_ptr().add(4), hi);
-            }
-            for (j, s) in sums.into_iter().enumerate() {
-                at.set(j * to.col + (first + r) * to.row, s);
-            }
+            // SAFETY: the caller's features.
+            unsafe { store8([lo, hi], at, to, first + r) };
         }
     }
 }
