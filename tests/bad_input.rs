@@ -225,7 +225,8 @@ fn bad_arguments_get_one_line() {
     }
     assert_clean_error(
         &["bench", "--policy", "fastest"],
-        "expected speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M] or baseline",
+        "expected speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M], \
+         exit:gate[=T], exit:confidence=P, exit:pass=N or baseline",
     );
     assert_clean_error(
         &["bench", "--policy", "dual:0"],
@@ -304,7 +305,8 @@ fn bench_against_itself_is_refused() {
     ];
     assert_clean_error(
         &args,
-        "speculative policies: speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M] or draft",
+        "against the other policies: speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], \
+         self-draft[:d=N][:g=M], draft[:g=M], exit:gate[=T], exit:confidence=P or exit:pass=N",
     );
 }
 

@@ -412,6 +412,32 @@ fn a_sampled_loopspec_race_claims_the_same_distribution_not_the_same_text() {
             Agreement::Same(n) => assert!(greedy_like && n == 20, "{policy}: {n}"),
             Agreement::SameDistribution => assert!(!greedy_like, "{policy}"),
             Agreement::Differ(i) => panic!("{policy} differs at {i}"),
+            Agreement::Lossy(d) => panic!("{policy} is not lossy: {d:?}"),
+        }
+    }
+}
+
+/// A lossy early exit's race is compared as lossy, never as identical, even where its text
+/// happens to keep to the baseline's.
+#[test]
+fn an_exit_race_is_lossy_not_identical() {
+    for rule in ["exit:pass=1", "exit:pass=4"] {
+        let policy: PolicyKind = rule.parse().unwrap();
+        let mut app = running_app();
+        app.info.policy = policy;
+        app.update(Msg::Engine(race_events_with("To be", policy)));
+        let run = app.run.as_ref().unwrap();
+        assert!(run.done);
+        let Agreement::Lossy(d) = app.agreement(run) else {
+            panic!("{rule}: {:?}", app.agreement(run));
+        };
+        assert_eq!(d.of, 20, "{rule}");
+        if rule == "exit:pass=4" {
+            assert_eq!(
+                (d.departs_at, d.agreeing),
+                (None, 20),
+                "pass R is the baseline"
+            );
         }
     }
 }

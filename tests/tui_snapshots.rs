@@ -318,6 +318,24 @@ fn dual_lane_with_two_candidates_in_one_cell() {
     }
 }
 
+/// A lossy early-exit lane says so where the others say identical: where its text departs
+/// and how much of it agrees.
+#[test]
+fn a_lossy_lane_is_marked_lossy_in_the_stats() {
+    let mut app = app();
+    app.info.policy = "exit:pass=1".parse().unwrap();
+    let run = app.run.as_mut().unwrap();
+    run.speculative.tokens = vec![0, 1, 2, 9, 4, 5, 9, 7, 8, 9, 10, 11, 12];
+    let out = render(60, 9, |f| {
+        draw_panel(f, Rect::new(0, 0, 60, 9), &app, Panel::Stats)
+    });
+    assert!(
+        out.contains("≠ LOSSY: departs at token 3 · 83% agree"),
+        "{out}"
+    );
+    insta::assert_snapshot!(out);
+}
+
 #[test]
 fn footer_names_the_sampling_rule() {
     let mut app = app();

@@ -380,6 +380,11 @@ fn print_prompt(r: &PromptReport, header: bool, passes: usize) {
             Comparison::Differs { index, margin } => {
                 format!("✗ at token {index} (baseline margin {margin:.3})")
             }
+            Comparison::Lossy(d) => format!(
+                "lossy: {}, {:.0} % agree",
+                d.describe(),
+                100.0 * d.agreement()
+            ),
         };
         let prompt = if k == 0 {
             cut(&r.prompt, 27)
@@ -426,7 +431,14 @@ fn print_overall(report: &BenchReport, passes: usize) {
         w = passes * 4
     );
     for p in &report.policies {
-        let same = if p.compared < prompts {
+        let same = if let Some(loss) = &p.lossy {
+            format!(
+                "lossy: {:.1} % agree, departed on {}/{prompts}, {:.2} passes/token",
+                100.0 * loss.agreement,
+                loss.departed(),
+                loss.passes_per_token
+            )
+        } else if p.compared < prompts {
             format!("same distribution ({} compared)", p.compared)
         } else {
             format!("identical {}/{prompts}", prompts - p.mismatches)

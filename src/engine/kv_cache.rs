@@ -35,6 +35,8 @@ pub trait KvStore: Send + fmt::Debug {
     fn swap_aside(&mut self, layer: usize, pass: Pass, pos: usize) -> Result<()>;
     /// Forgets every entry set aside at position `pos`.
     fn forget_aside(&mut self, pos: usize);
+    /// Copies `layer`'s K and V entries at (`from`, `pos`) into (`to`, `pos`).
+    fn copy_entry(&mut self, layer: usize, from: Pass, to: Pass, pos: usize) -> Result<()>;
     /// Copies of `layer`'s K and V entries at `pass` for positions `0..len`, as f32.
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)>;
     /// The layers it holds buffers for.
@@ -125,6 +127,27 @@ impl<S: KvStore> KvCache<S> {
     pub fn mark_written(&mut self, pass: Pass, pos: usize) {
         let len = &mut self.lens[pass.index()];
         *len = (*len).max(pos + 1);
+    }
+
+    /// Fills the entries a token at `pos` skipped by stopping after pass `exited_at` (a lossy
+    /// early exit, `policy::exit`): every deeper pass gets a copy of its pass-`exited_at` K/V
+    /// entries in every layer, so later tokens find an entry for it at every pass. Each deeper
+    /// pass must hold exactly the positions before `pos`.
+    pub fn fill_skipped(&mut self, pos: usize, exited_at: Pass) -> Result<()> {
+        for index in exited_at.number()..self.lens.len() {
+            let to = Pass::from_index(index);
+            if self.lens[index] != pos {
+                return Err(EngineError::Invalid(format!(
+                    "kv cache: pass {to} has {} entries, cannot fill position {pos}",
+                    self.lens[index]
+                )));
+            }
+            for layer in 0..self.store.layers() {
+                self.store.copy_entry(layer, exited_at, to, pos)?;
+            }
+            self.lens[index] = pos + 1;
+        }
+        Ok(())
     }
 
     /// Declares positions `0..positions` verified (prompt plus committed tokens).

@@ -67,6 +67,46 @@ pub enum Comparison {
     /// A policy that verifies by rejection, under sampling: its own sample of the same
     /// distribution, so its text is not compared.
     SameDistribution,
+    /// A lossy early exit (`policy::exit`): its text may leave the baseline's by design.
+    Lossy(Departure),
+}
+
+/// How far a lossy lane's text kept to the baseline's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Departure {
+    /// The first output index where it differs; `None`: it did not.
+    pub departs_at: Option<usize>,
+    /// The baseline's output tokens it has at the same index.
+    pub agreeing: usize,
+    /// The baseline's output tokens.
+    pub of: usize,
+}
+
+impl Departure {
+    /// `lane`'s text against `baseline`'s, index by index.
+    pub fn of(baseline: &[u32], lane: &[u32]) -> Self {
+        let departs_at = (baseline.iter().zip(lane))
+            .position(|(a, b)| a != b)
+            .or_else(|| (baseline.len() != lane.len()).then(|| baseline.len().min(lane.len())));
+        Self {
+            departs_at,
+            agreeing: baseline.iter().zip(lane).filter(|(a, b)| a == b).count(),
+            of: baseline.len(),
+        }
+    }
+
+    /// The share of the baseline's output tokens it has at the same index.
+    pub fn agreement(&self) -> f64 {
+        self.agreeing as f64 / self.of.max(1) as f64
+    }
+
+    /// Where it left the baseline's text, in words.
+    pub fn describe(&self) -> String {
+        match self.departs_at {
+            Some(index) => format!("departs at token {index}"),
+            None => "kept to the baseline".into(),
+        }
+    }
 }
 
 /// One policy on one prompt: the run whose speedup is its median, and every run's statistics.
@@ -190,7 +230,7 @@ pub fn bench_prompt(
     } = lineup;
     if policies.is_empty() || policies.contains(&PolicyKind::Baseline) {
         return Err(EngineError::Invalid(format!(
-            "bench races baseline against speculative policies: {}",
+            "bench races baseline against the other policies: {}",
             crate::engine::policy::forms(|row| row.speculative)
         )));
     }
@@ -244,6 +284,9 @@ fn policy_result(
     let lane = all_runs[median][k].clone();
     let compared = greedy || lane.policy.build().keeps_baseline_sample();
     let comparison = match first_difference(baseline, &lane) {
+        _ if lane.policy.is_lossy() => {
+            Comparison::Lossy(Departure::of(&baseline.tokens, &lane.tokens))
+        }
         _ if !compared => Comparison::SameDistribution,
         None => Comparison::Identical,
         Some((index, margin)) => Comparison::Differs { index, margin },

@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use super::bench::{Comparison, PolicyResult, PromptResult};
+use super::bench::{Comparison, Departure, PolicyResult, PromptResult};
 use super::metrics::{Acceptance, RunStats, speedup};
 use crate::engine::model::timing::StepTimes;
 use crate::engine::policy::PolicyKind;
@@ -155,6 +155,47 @@ pub struct PolicyReport {
     pub identical: bool,
     /// Its text is its own sample of the baseline's distribution, not compared.
     pub same_distribution: bool,
+    /// What a lossy lane lost against the baseline; `None` for the lossless ones.
+    pub lossy: Option<Loss>,
+}
+
+/// What a lossy lane (`policy::exit`) lost against the baseline, over every prompt.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Loss {
+    /// The share of the baseline's output tokens it has at the same index.
+    pub agreement: f64,
+    /// Each prompt's first output index where its text departs (`None`: it did not).
+    pub departs_at: Vec<Option<usize>>,
+    /// Passes run per committed token (R for the baseline).
+    pub passes_per_token: f64,
+}
+
+impl Loss {
+    /// The loss of the lanes `lanes`, whose statistics summed are `stats`; `None` unless
+    /// they are lossy.
+    fn of(lanes: &[&PolicyResult], stats: &RunStats) -> Option<Self> {
+        let departures: Vec<Departure> = (lanes.iter())
+            .filter_map(|p| match p.comparison {
+                Comparison::Lossy(d) => Some(d),
+                _ => None,
+            })
+            .collect();
+        if departures.is_empty() {
+            return None;
+        }
+        let (agreeing, of) =
+            (departures.iter()).fold((0, 0), |(a, o), d| (a + d.agreeing, o + d.of));
+        Some(Self {
+            agreement: agreeing as f64 / of.max(1) as f64,
+            departs_at: departures.iter().map(|d| d.departs_at).collect(),
+            passes_per_token: stats.rows as f64 / stats.tokens.max(1) as f64,
+        })
+    }
+
+    /// The prompts whose text departed from the baseline's.
+    pub fn departed(&self) -> usize {
+        self.departs_at.iter().flatten().count()
+    }
 }
 
 /// The whole bench: every prompt, and every policy over all of them.
@@ -180,6 +221,7 @@ impl BenchReport {
                     .filter(|p| p.comparison != Comparison::SameDistribution)
                     .count();
                 let run_speedups = run_speedups(&lanes, passes);
+                let lossy = Loss::of(&lanes, &stats);
                 PolicyReport {
                     policy: lanes[0].lane.policy.to_string(),
                     figures: Figures::of(&baseline, &stats),
@@ -187,8 +229,9 @@ impl BenchReport {
                     run_speedups,
                     mismatches,
                     compared,
-                    identical: mismatches == 0 && compared == results.len(),
+                    identical: mismatches == 0 && compared == results.len() && lossy.is_none(),
                     same_distribution: compared < results.len(),
+                    lossy,
                 }
             })
             .collect();

@@ -21,6 +21,9 @@ pub struct PolicyPoint {
     pub tokens_per_sec: f64,
     /// Identical to the baseline on every prompt where it must be.
     pub identical: bool,
+    /// A lossy lane's share of the baseline's tokens it has at the same index; `None` for
+    /// the lossless ones.
+    pub lossy_agreement: Option<f64>,
 }
 
 /// The bench at one generation length.
@@ -125,6 +128,7 @@ fn policy_points(report: &BenchReport) -> Vec<PolicyPoint> {
             speedup: p.figures.speedup,
             tokens_per_sec: p.figures.tokens_per_sec,
             identical: p.mismatches == 0,
+            lossy_agreement: p.lossy.as_ref().map(|l| l.agreement),
         })
         .collect()
 }

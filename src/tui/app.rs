@@ -164,7 +164,9 @@ impl App {
     /// Whether the lanes' texts must agree token for token (greedy, or a policy that
     /// commits the baseline's seed-coupled sample), and if so whether they do.
     pub fn agreement(&self, run: &RunView) -> Agreement {
-        if self.sampling.is_greedy() || self.info.policy.build().keeps_baseline_sample() {
+        if self.info.policy.is_lossy() {
+            Agreement::Lossy(run.departure())
+        } else if self.sampling.is_greedy() || self.info.policy.build().keeps_baseline_sample() {
             run.agreement()
         } else {
             Agreement::SameDistribution

@@ -76,6 +76,7 @@ fn draw_speedup(frame: &mut Frame, area: Rect, app: &App, run: &RunView) {
         Agreement::Same(n) => (format!("✓ identical text ({n} tokens)"), Color::Green),
         Agreement::Differ(i) => (format!("✗ differs at token {i}"), Color::Red),
         Agreement::SameDistribution => ("≈ same distribution".into(), Color::Green),
+        Agreement::Lossy(d) => (format!("≠ LOSSY: {}", d.describe()), Color::Yellow),
     };
     let s = &run.speculative.stats;
     let info = vec![

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
 use crate::engine::kv_cache::PassOccupancy;
+use crate::harness::bench::Departure;
 use crate::harness::metrics::RunStats;
 use crate::harness::metrics::speedup;
 use crate::harness::race::Lane;
@@ -108,6 +109,9 @@ pub enum Agreement {
     /// Not compared: under sampling a policy that verifies by rejection (LoopSpec) draws
     /// its own sample of the baseline's distribution.
     SameDistribution,
+    /// A lossy early exit: how far its text kept to the baseline's over the tokens both
+    /// lanes have.
+    Lossy(Departure),
 }
 
 /// Everything about the current run.
@@ -146,6 +150,13 @@ impl RunView {
     /// The run's figures so far, computed as `spex bench` computes its own.
     pub fn figures(&self) -> Figures {
         Figures::of(&self.baseline.stats, &self.speculative.stats)
+    }
+
+    /// A lossy lane's departure from the baseline over the tokens both lanes have committed.
+    pub fn departure(&self) -> Departure {
+        let (a, b) = (&self.speculative.tokens, &self.baseline.tokens);
+        let both = a.len().min(b.len());
+        Departure::of(&b[..both], &a[..both])
     }
 
     /// The identical-output check over the tokens both lanes have committed.

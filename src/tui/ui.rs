@@ -521,6 +521,14 @@ fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Lin
             "≈ same distribution (own sample)".to_string(),
             Style::new().fg(Color::Green),
         ),
+        Agreement::Lossy(d) => Span::styled(
+            format!(
+                "≠ LOSSY: {} · {:.0}% agree",
+                d.describe(),
+                100.0 * d.agreement()
+            ),
+            Style::new().fg(Color::Yellow).bold(),
+        ),
     };
     let ceiling = run.ceiling.map_or("—".to_string(), |c| format!("{c:.2}×"));
     // Acceptance by source: which guess each committed token came from.

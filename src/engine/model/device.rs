@@ -360,6 +360,18 @@ impl KvStore for DeviceKv {
         self.aside.retain(|&(_, _, p), _| p != pos);
     }
 
+    fn copy_entry(&mut self, layer: usize, from: Pass, to: Pass, pos: usize) -> Result<()> {
+        let (at, row) = (
+            from.index() * self.capacity + pos,
+            to.index() * self.capacity + pos,
+        );
+        for buffer in [&self.keys[layer], &self.values[layer]] {
+            let entry = buffer.narrow(1, at, 1)?.contiguous()?.copy()?;
+            buffer.slice_set(&entry, 1, row)?;
+        }
+        Ok(())
+    }
+
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let read = |t: &Tensor| -> Result<Vec<f32>> {
             Ok(t.narrow(1, pass.index() * self.capacity, len)?

@@ -204,6 +204,19 @@ impl KvStore for HostKv {
         with_buffers!(self, b => b.aside.retain(|&(_, _, p), _| p != pos))
     }
 
+    fn copy_entry(&mut self, layer: usize, from: Pass, to: Pass, pos: usize) -> Result<()> {
+        with_buffers!(self, b => {
+            let pairs: Vec<(usize, usize, usize)> = (b.heads(from, pos).zip(b.heads(to, pos)))
+                .map(|((span, at), (_, to))| (at, to, span.len()))
+                .collect();
+            for (at, to, len) in pairs {
+                b.keys[layer].copy_within(at..at + len, to);
+                b.values[layer].copy_within(at..at + len, to);
+            }
+        });
+        Ok(())
+    }
+
     fn entries(&self, layer: usize, pass: Pass, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         with_buffers!(self, b => {
             let kv_dim = b.kv_dim();

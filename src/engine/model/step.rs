@@ -43,6 +43,12 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// Whether each step reports its rows' exit probabilities (the checkpoint has Ouro's exit
+    /// gate, `engine::exit_gate`).
+    fn has_exit_gate(&self) -> bool {
+        false
+    }
+
     /// All R passes over `tokens` at positions `start..`, one batched step per pass (a
     /// prefill, or a draft model reading on): only the last token's pass-R row reads out,
     /// as `readout` asks; returns its logits.
@@ -94,6 +100,10 @@ impl<B: StepBackend> StepModel for B {
 
     fn invariant_rows(&self) -> Option<usize> {
         StepBackend::invariant_rows(self)
+    }
+
+    fn has_exit_gate(&self) -> bool {
+        self.model().weights.exit_gate.is_some()
     }
 
     fn empty_kv(&self, capacity: usize) -> Result<Self::Kv> {

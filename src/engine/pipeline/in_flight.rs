@@ -16,8 +16,11 @@ pub(super) struct InFlight<H> {
     /// Passes completed so far (a count: the rows computed for this token).
     pub(super) passes_done: usize,
     pub(super) hidden: Option<H>,
-    /// The exit gate's λ after its last pass, where the model has a gate.
-    pub(super) exit_probability: Option<f32>,
+    /// The exit gate's λ after each pass it ran, where the model has a gate.
+    pub(super) lambdas: Vec<f32>,
+    /// It stopped before pass R (a lossy early exit): its deeper passes' KV entries are
+    /// filled, and it leaves the window at the end of the step.
+    pub(super) exited: bool,
     /// The pass of the parent's readout that proposed this guess (γ: `harness::metrics`).
     pub(super) proposed_at: Pass,
     /// Proposed as a second candidate, for acceptance by source.
@@ -37,11 +40,22 @@ impl<H> InFlight<H> {
             verified,
             passes_done: 0,
             hidden: None,
-            exit_probability: None,
+            lambdas: Vec::new(),
+            exited: false,
             proposed_at,
             second: false,
             side: None,
         }
+    }
+
+    /// The exit gate's λ after its last pass, where the model has a gate.
+    pub(super) fn exit_probability(&self) -> Option<f32> {
+        self.lambdas.last().copied()
+    }
+
+    /// Whether it has run every pass it will: all R, or it stopped early.
+    pub(super) fn is_done(&self, passes: usize) -> bool {
+        self.exited || self.passes_done == passes
     }
 
     pub(super) fn token(&self) -> u32 {

@@ -93,6 +93,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod exit;
 mod in_flight;
 mod options;
 mod pacing;
@@ -184,6 +185,7 @@ impl<B: StepModel> Pipeline<B> {
         policy
             .check(backend.passes())
             .map_err(EngineError::Invalid)?;
+        exit::check_gate(policy.as_ref(), backend.has_exit_gate())?;
         if let Some(drafting) = policy.drafting() {
             let (name, rows) = (policy.name(), backend.invariant_rows());
             pacing::check_drafting(name, drafting, context, rows, drafter.is_some())?;
@@ -212,16 +214,24 @@ impl<B: StepModel> Pipeline<B> {
     }
 
     /// The policy's action on a readout after `pass` that predicts position `pos`, where
-    /// `candidates` are in flight for it.
-    fn act(&self, logits: &[f32], pass: Pass, pos: usize, candidates: &[Proposal]) -> Action {
+    /// `candidates` are in flight for it and the token's gate gave `lambdas` so far.
+    fn act(
+        &self,
+        logits: &[f32],
+        pass: Pass,
+        pos: usize,
+        c: &[Proposal],
+        lambdas: &[f32],
+    ) -> Action {
         let readout = Readout {
             logits,
             pass,
             passes: self.passes(),
             pos,
             sampling: &self.options.sampling,
+            lambdas,
         };
-        self.policy.act(&readout, candidates)
+        self.policy.act(&readout, c)
     }
 
     /// The readout a commit needs: its argmax exact when greedy, every logit when sampling.
@@ -239,10 +249,12 @@ impl<B: StepModel> Pipeline<B> {
         let passes = self.passes();
         if pass.is_last(passes) {
             self.commit_readout()
-        } else if self.policy.reads_out(pass, passes, in_flight) {
-            ReadoutKind::Proposal
-        } else {
+        } else if !self.policy.reads_out(pass, passes, in_flight) {
             ReadoutKind::None
+        } else if self.policy.early_exit().is_some() {
+            self.commit_readout()
+        } else {
+            ReadoutKind::Proposal
         }
     }
 
@@ -369,10 +381,14 @@ impl<B: StepModel> Pipeline<B> {
             .collect();
         let started = Instant::now();
         let out = self.backend.run_step(rows, &mut self.cache)?;
+        let lambdas = self.lambdas_by_row(&running, out.exit_probabilities.as_deref());
         let actions: Vec<Option<Action>> = (out.logits.iter().zip(&slots).enumerate())
             .map(|(k, (logits, s))| {
                 let c = by_row.get(k).copied().unwrap_or_default();
-                logits.as_deref().map(|l| self.act(l, s.pass, s.pos + 1, c))
+                let l = lambdas.get(k).map_or(&[][..], Vec::as_slice);
+                logits
+                    .as_deref()
+                    .map(|logits| self.act(logits, s.pass, s.pos + 1, c, l))
             })
             .collect();
         let compute = started.elapsed() + drafted;
@@ -390,11 +406,11 @@ impl<B: StepModel> Pipeline<B> {
         let gates = out.exit_probabilities;
         let readouts = self.take_outputs(&running, out.hidden, gates, out.logits, actions);
         self.walk(readouts, &mut event)?;
-        // A verification step finishes a whole draft group at pass R.
+        // A verification step finishes a whole draft group at pass R; an early exit, its token.
         while self
             .window
             .front()
-            .is_some_and(|t| t.passes_done == self.passes())
+            .is_some_and(|t| t.is_done(self.passes()))
         {
             self.window.pop_front();
         }
@@ -422,7 +438,7 @@ impl<B: StepModel> Pipeline<B> {
                 .next()
                 .expect("the step returns one output per row: this is a bug");
             t.hidden = Some(h);
-            t.exit_probability = gates.next();
+            t.lambdas.extend(gates.next());
             t.passes_done += 1;
             readout
         };
@@ -493,9 +509,12 @@ impl<B: StepModel> Pipeline<B> {
         row.gate = action.gate();
         row.checked_child = matches!(action, Action::Settle(_));
         let (mut go_on, mut next) = (true, None);
+        let exits = matches!(action, Action::Exit(_));
         match action {
             Action::Nothing => {}
-            Action::Commit(token) => next = Some((Proposal::chosen(token), None)),
+            Action::Commit(token) | Action::Exit(token) => {
+                next = Some((Proposal::chosen(token), None));
+            }
             Action::Propose { first, second, .. } => next = Some((first, second)),
             Action::Gate(second) => {
                 if let Some(second) = second.filter(|_| self.may_speculate(pos + 1)) {
@@ -510,7 +529,10 @@ impl<B: StepModel> Pipeline<B> {
             }
         }
         let surviving = self.child_of(index).map(|_| index + 1);
-        if pass.is_last(passes) {
+        if exits {
+            self.exit_early(index, pos, pass)?;
+        }
+        if pass.is_last(passes) || exits {
             let chosen = next.map(|(first, _)| first);
             event
                 .committed

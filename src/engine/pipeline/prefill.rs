@@ -32,7 +32,7 @@ impl<B: StepModel> Pipeline<B> {
         }
         let last = Pass::last(self.passes());
         let first = self
-            .act(&logits, last, n, &[])
+            .act(&logits, last, n, &[], &[])
             .shown(&[])
             .expect("pass R with nothing in flight commits: this is a bug");
         self.phase = Phase::Decoding;

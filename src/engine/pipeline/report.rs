@@ -66,7 +66,7 @@ impl<B: StepModel> Pipeline<B> {
             prediction: None,
             gate: None,
             checked_child: false,
-            exit_probability: t.exit_probability,
+            exit_probability: t.exit_probability(),
         }
     }
 }

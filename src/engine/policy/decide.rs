@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::super::pass::Pass;
 use super::super::sampling::Sampling;
+use super::EarlyExit;
 /// A candidate for the next position.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Proposal {
@@ -59,6 +60,9 @@ pub enum Action {
     Settle(Verdict),
     /// Pass R with nothing in flight: commit this token.
     Commit(u32),
+    /// Before pass R, nothing in flight: commit this token now and skip the deeper passes of
+    /// the one that read it out (a lossy early exit, `policy::exit`).
+    Exit(u32),
 }
 
 impl Action {
@@ -69,7 +73,7 @@ impl Action {
             Self::Propose { first, .. } => Some(first.token),
             Self::Settle(Verdict::Keep(i)) => candidates.get(*i).map(|c| c.token),
             Self::Settle(Verdict::Reject(p)) => Some(p.token),
-            Self::Commit(token) => Some(*token),
+            Self::Commit(token) | Self::Exit(token) => Some(*token),
         }
     }
 
@@ -100,6 +104,9 @@ pub struct Readout<'a> {
     pub pos: usize,
     /// How logits become a token in this run.
     pub sampling: &'a Sampling,
+    /// The exit gate's λ after each of the token's passes so far, this one included; empty
+    /// where the model has no gate.
+    pub lambdas: &'a [f32],
 }
 
 impl Readout<'_> {
@@ -161,6 +168,13 @@ pub trait Policy: Send + Sync + fmt::Debug {
     /// depth while the next is drafted. `None` (SPEED's pipelining): every token advances a
     /// pass in every step.
     fn drafting(&self) -> Option<Drafting> {
+        None
+    }
+
+    /// `Some` for a lossy early exit (`policy::exit`): it may commit before pass R, so its
+    /// readouts there are commits', and the scheduler fills
+    /// the skipped passes' KV entries. `None`: commits come from pass R only.
+    fn early_exit(&self) -> Option<EarlyExit> {
         None
     }
 }

@@ -17,6 +17,7 @@
 
 mod decide;
 mod draft_model;
+mod exit;
 mod loopspec;
 mod self_draft;
 mod speed;
@@ -25,6 +26,7 @@ use std::fmt;
 
 pub use decide::{Action, DraftSource, Drafting, Policy, Proposal, Readout, Verdict};
 pub use draft_model::DraftModel;
+pub use exit::{EarlyExit, Exit, ExitRule, top_probability};
 pub use loopspec::LoopSpec;
 pub use self_draft::SelfDraft;
 pub use speed::{Baseline, Dual, Speed};
@@ -69,6 +71,12 @@ pub enum PolicyKind {
         /// γ: drafts per round.
         tokens: usize,
     },
+    /// Lossy early exit: one token at a time, committed at the first pass its rule accepts
+    /// ([`Exit`](struct@Exit)).
+    Exit {
+        /// Where a token stops.
+        rule: ExitRule,
+    },
     /// One token at a time through every pass: what the others are held to.
     Baseline,
 }
@@ -96,8 +104,15 @@ impl PolicyKind {
             Self::LoopSpec { d1, d2 } => Box::new(LoopSpec { d1, d2 }),
             Self::SelfDraft { depth, tokens } => Box::new(SelfDraft { depth, tokens }),
             Self::Draft { tokens } => Box::new(DraftModel { tokens }),
+            Self::Exit { rule } => Box::new(Exit { rule }),
             Self::Baseline => Box::new(Baseline),
         }
+    }
+
+    /// Whether its text may leave the baseline's by design (a lossy early exit): compared as
+    /// lossy, never as identical.
+    pub fn is_lossy(self) -> bool {
+        self.build().early_exit().is_some()
     }
 }
 
@@ -155,6 +170,7 @@ impl fmt::Display for PolicyKind {
                 true => f.write_str("draft"),
                 false => write!(f, "draft:g={tokens}"),
             },
+            Self::Exit { rule } => exit::write_rule(*rule, f),
             _ => f.write_str(self.build().name()),
         }
     }
@@ -169,19 +185,23 @@ pub struct PolicyRow {
     pub forms: &'static [&'static str],
     /// What it does, in a few words (the CLI's help).
     pub summary: &'static str,
-    /// Whether it races against the baseline as a speculative lane.
+    /// Whether it races against the baseline as a lane of its own.
     pub speculative: bool,
+    /// Whether its text may leave the baseline's (a lossy early exit): its help says so, and
+    /// the bench compares it as lossy.
+    pub lossy: bool,
     /// The policy its parameters (what follows `name:`, or "" when written alone) make.
     parse: fn(&str) -> Result<PolicyKind, String>,
 }
 
 /// Every policy a user can name, in the order the help lists them.
-pub const POLICIES: [PolicyRow; 6] = [
+pub const POLICIES: [PolicyRow; 7] = [
     PolicyRow {
         name: "speed",
         forms: &["speed"],
         summary: "SPEED: each token starts from the one before's pass-1 prediction",
         speculative: true,
+        lossy: false,
         parse: parse_speed,
     },
     PolicyRow {
@@ -189,6 +209,7 @@ pub const POLICIES: [PolicyRow; 6] = [
         forms: &["dual[:MARGIN]"],
         summary: "SPEED with a gated second proposal; MARGIN sets the gate in logits",
         speculative: true,
+        lossy: false,
         parse: parse_dual,
     },
     PolicyRow {
@@ -197,6 +218,7 @@ pub const POLICIES: [PolicyRow; 6] = [
         summary: "LoopSpec's proposals at depth N, gated second ones at M, verified by \
                   rejection sampling",
         speculative: true,
+        lossy: false,
         parse: parse_loopspec,
     },
     PolicyRow {
@@ -204,6 +226,7 @@ pub const POLICIES: [PolicyRow; 6] = [
         forms: &["self-draft[:d=N][:g=M]"],
         summary: "draft then verify: M tokens drafted from pass N, then verified together",
         speculative: true,
+        lossy: false,
         parse: parse_self_draft,
     },
     PolicyRow {
@@ -211,13 +234,25 @@ pub const POLICIES: [PolicyRow; 6] = [
         forms: &["draft[:g=M]"],
         summary: "draft then verify with M tokens from --draft-model",
         speculative: true,
+        lossy: false,
         parse: parse_draft,
+    },
+    PolicyRow {
+        name: "exit",
+        forms: &["exit:gate[=T]", "exit:confidence=P", "exit:pass=N"],
+        summary: "LOSSY early exit: a token stops at the first pass where the exit gate's \
+                  cumulative probability reaches T (default 0.5), its top-1 probability reaches \
+                  P, or pass N, and its text may leave the baseline's",
+        speculative: true,
+        lossy: true,
+        parse: parse_exit,
     },
     PolicyRow {
         name: "baseline",
         forms: &["baseline"],
         summary: "one token at a time, every pass: what the others are held to",
         speculative: false,
+        lossy: false,
         parse: parse_baseline,
     },
 ];
@@ -303,6 +338,10 @@ fn parse_self_draft(params: &str) -> Result<PolicyKind, String> {
         .map(|(depth, tokens)| PolicyKind::SelfDraft { depth, tokens })
 }
 
+fn parse_exit(params: &str) -> Result<PolicyKind, String> {
+    exit::parse_rule(params).map(|rule| PolicyKind::Exit { rule })
+}
+
 fn parse_draft(params: &str) -> Result<PolicyKind, String> {
     draft_model::parse_tokens(params).map(|tokens| PolicyKind::Draft { tokens })
 }
@@ -318,6 +357,7 @@ mod tests {
             passes: 4,
             pos: 3,
             sampling,
+            lambdas: &[],
         }
     }
 
@@ -460,8 +500,8 @@ mod table_tests {
         }
         assert_eq!(
             forms(|_| true),
-            "speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M] \
-             or baseline"
+            "speed, dual[:MARGIN], loopspec[:d1=N][:d2=M], self-draft[:d=N][:g=M], draft[:g=M], \
+             exit:gate[=T], exit:confidence=P, exit:pass=N or baseline"
         );
         assert!(
             parse("speed:x")

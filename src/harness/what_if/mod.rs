@@ -192,6 +192,13 @@ impl WhatIf {
         step_costs: Option<StepCosts>,
         draft: Option<&WhatIfDraft>,
     ) -> Result<Self> {
+        if let Some(lossy) = policies.iter().find(|p| p.is_lossy()) {
+            return Err(EngineError::Invalid(format!(
+                "--what-if {lossy}: a lossy early exit commits tokens the recorded run never \
+                 read out, so a replay cannot say what it does; race it with `spex bench \
+                 --policy {lossy}`"
+            )));
+        }
         let tokens = runs.iter().map(RecordedRun::tokens).sum();
         let oracles: Vec<(Arc<Oracle>, StepCosts)> = (runs.into_iter())
             .map(|run| {

@@ -44,6 +44,12 @@ impl KvStore for LineageStore {
         self.aside.retain(|&(_, p), _| p != pos);
     }
 
+    fn copy_entry(&mut self, _layer: usize, from: Pass, to: Pass, pos: usize) -> Result<()> {
+        let recorded = self.entries[from.index()][pos];
+        self.entries[to.index()][pos] = recorded;
+        Ok(())
+    }
+
     fn entries(&self, _layer: usize, _pass: Pass, _len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         Err(EngineError::Invalid(
             "the what-if oracle holds no K/V values".into(),

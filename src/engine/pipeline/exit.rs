@@ -1,0 +1,47 @@
+//! What the scheduler does for a lossy early exit (`policy::exit`): the gate's λ history each
+//! readout is judged by, and the token that stops before pass R, whose skipped passes' KV
+//! entries are filled so that later tokens attend to it at every pass.
+
+use super::Pipeline;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::model::StepModel;
+use crate::engine::pass::Pass;
+use crate::engine::policy::Policy;
+
+/// Errors where `policy` exits by the checkpoint's gate and the model has none.
+pub(super) fn check_gate(policy: &dyn Policy, has_gate: bool) -> Result<()> {
+    match policy.early_exit() {
+        Some(exit) if exit.needs_gate && !has_gate => Err(EngineError::Invalid(
+            "exit:gate reads the checkpoint's exit gate (model.early_exit_gate.weight and \
+             .bias), and this checkpoint has none: use exit:confidence=P or exit:pass=N"
+                .into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+impl<B: StepModel> Pipeline<B> {
+    /// Each of the step's rows' λ after every pass it has run, this step's included (rows in
+    /// the order they ran: the running tokens, then their side candidates); empty where the
+    /// model has no gate.
+    pub(super) fn lambdas_by_row(&self, running: &[bool], gates: Option<&[f32]>) -> Vec<Vec<f32>> {
+        let Some(gates) = gates else {
+            return Vec::new();
+        };
+        let ran = || (self.window.iter().zip(running)).filter(|(_, ran)| **ran);
+        let tokens = ran().map(|(t, _)| t);
+        let sides = ran().filter_map(|(t, _)| t.side.as_deref());
+        (tokens.chain(sides).zip(gates))
+            .map(|(t, &lambda)| t.lambdas.iter().copied().chain([lambda]).collect())
+            .collect()
+    }
+
+    /// The token at `index`, at `pos`, stops after `pass`: its deeper passes' KV entries are
+    /// copies of its pass-`pass` ones (`policy::exit`, "The skipped passes' KV entries"), and
+    /// it leaves the window at the end of the step.
+    pub(super) fn exit_early(&mut self, index: usize, pos: usize, pass: Pass) -> Result<()> {
+        self.cache.fill_skipped(pos, pass)?;
+        self.window[index].exited = true;
+        Ok(())
+    }
+}

@@ -1,0 +1,223 @@
+//! Lossy early exit (`policy::exit`): a fixed depth reads out the reference forward's pass N,
+//! pass R is the baseline, the gate stops where the threshold rule does, the skipped passes
+//! hold copies of the exit pass's KV entries, and the lossless lanes are untouched.
+#![allow(clippy::unwrap_used, reason = "a test's unwrap is its assertion")]
+
+mod common;
+
+use common::{OPTIONS, PROMPTS, Variant, assert_clean_error, random_model, reference_logits, spec};
+use spex::engine::events::RowEvent;
+use spex::engine::exit_gate::exits_at;
+use spex::engine::pass::Pass;
+use spex::engine::policy::PolicyKind;
+use spex::engine::{DecodeEvent, Decoder, LoadedModel};
+
+fn exit(rule: &str) -> PolicyKind {
+    format!("exit:{rule}").parse().unwrap()
+}
+
+/// The argmax of `logits`, or `None` where the top two are within `1e-3` (a near-tie the
+/// step's rounding may resolve either way).
+fn clear_argmax(logits: &[f32]) -> Option<u32> {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    (logits[order[0]] - logits[order[1]] > 1e-3).then_some(order[0] as u32)
+}
+
+/// Each decoded position's rows, by position, in pass order.
+fn rows_by_position(rows: &[RowEvent]) -> std::collections::BTreeMap<usize, Vec<&RowEvent>> {
+    let mut by_pos: std::collections::BTreeMap<usize, Vec<&RowEvent>> = Default::default();
+    for row in rows {
+        by_pos.entry(row.pos).or_default().push(row);
+    }
+    by_pos
+}
+
+/// `exit:pass=N` commits the argmax of pass N's readout over its own text, which is the
+/// reference forward's pass-N readout: a token's passes 1..N read only passes 1..N of the
+/// positions before it, so the copies in the deeper passes are never read. Every decoded
+/// position runs exactly N rows, and `exit:pass=R` is the baseline token for token.
+#[test]
+fn a_fixed_depth_reads_out_the_reference_forward_at_that_pass() {
+    let shapes = [
+        spec(2, 4, Variant::Untied, 3),
+        spec(1, 3, Variant::Gqa, 5),
+        spec(2, 2, Variant::Tied, 7),
+    ];
+    let mut checked = 0;
+    for shape in &shapes {
+        let (_dir, loaded) = random_model(shape);
+        let passes = loaded.model().passes();
+        for prompt in &PROMPTS[..4] {
+            let plen = loaded.tokenizer.encode(prompt).unwrap().len();
+            for n in 1..=passes {
+                let (rows, tokens) =
+                    common::decoded_rows(&loaded, exit(&format!("pass={n}")), prompt, OPTIONS);
+                let mut ids = loaded.tokenizer.encode(prompt).unwrap();
+                ids.extend(&tokens);
+                let reference = reference_logits(&loaded, &ids);
+                for (k, &token) in tokens.iter().enumerate() {
+                    // The first token comes from the prefill's pass R.
+                    let pass = if k == 0 { passes } else { n };
+                    if let Some(want) = clear_argmax(&reference[pass - 1][plen + k - 1]) {
+                        assert_eq!(token, want, "{prompt:?} exit:pass={n}, token {k}");
+                        checked += 1;
+                    }
+                }
+                for (pos, rows) in rows_by_position(&rows) {
+                    let passes_run: Vec<usize> = rows.iter().map(|r| r.pass.number()).collect();
+                    assert_eq!(passes_run, (1..=n).collect::<Vec<_>>(), "position {pos}");
+                }
+                if n == passes {
+                    let (_, baseline) =
+                        common::decoded_rows(&loaded, PolicyKind::Baseline, prompt, OPTIONS);
+                    assert_eq!(tokens, baseline, "{prompt:?}: exit:pass=R is the baseline");
+                }
+            }
+        }
+    }
+    assert!(checked > 500, "{checked} tokens checked");
+}
+
+/// `exit:gate=T` stops every token at the first pass whose cumulative exit probability, from
+/// the λ its rows report, reaches T: mlx-lm's threshold rule (`exit_gate::threshold_exit`).
+#[test]
+fn the_gate_stops_each_token_where_the_threshold_rule_does() {
+    let (_dir, loaded) = random_model(&spec(2, 4, Variant::Untied, 11));
+    let passes = loaded.model().passes();
+    let (mut early, mut full) = (0, 0);
+    for threshold in [0.3f32, 0.5, 0.8] {
+        for prompt in &PROMPTS[..3] {
+            let policy = exit(&format!("gate={threshold}"));
+            let (rows, _) = common::decoded_rows(&loaded, policy, prompt, OPTIONS);
+            let by_pos = rows_by_position(&rows);
+            let last = by_pos.keys().max().copied();
+            for (pos, rows) in by_pos.into_iter().filter(|(pos, _)| Some(*pos) != last) {
+                let lambdas: Vec<f32> = rows.iter().map(|r| r.exit_probability.unwrap()).collect();
+                let cumulative = |r: usize| exits_at(&lambdas[..r]).iter().sum::<f32>();
+                let stop = (1..passes)
+                    .find(|&r| r <= lambdas.len() && cumulative(r) >= threshold)
+                    .unwrap_or(passes);
+                assert_eq!(
+                    rows.len(),
+                    stop,
+                    "position {pos} at {threshold}: λ {lambdas:?}"
+                );
+                if stop < passes {
+                    early += 1;
+                } else {
+                    full += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        early > 20 && full > 20,
+        "{early} early exits, {full} full depth"
+    );
+}
+
+/// After a token exits at pass p, every deeper pass holds a copy of its pass-p K/V entry, in
+/// every layer: later tokens attend to it at every pass.
+#[test]
+fn skipped_passes_hold_copies_of_the_exit_pass_entries() {
+    let (_dir, loaded) = random_model(&spec(2, 4, Variant::Gqa, 13));
+    let plen = loaded.tokenizer.encode(PROMPTS[0]).unwrap().len();
+    for n in 1..4 {
+        let mut decoder = run_to_end(&loaded, exit(&format!("pass={n}")), PROMPTS[0]);
+        // The last committed token never ran: positions up to the one before it exited.
+        let len = plen + decoder.output().len() - 1;
+        for layer in 0..2 {
+            let at = |pass: usize| {
+                decoder
+                    .kv_entries(layer, Pass::new(pass).unwrap(), len)
+                    .unwrap()
+            };
+            let (k_exit, v_exit) = at(n);
+            let width = k_exit.len() / len;
+            for deeper in n + 1..=4 {
+                let (k, v) = at(deeper);
+                let decoded = plen * width..len * width;
+                assert_eq!(
+                    k[decoded.clone()],
+                    k_exit[decoded.clone()],
+                    "layer {layer} pass {deeper} keys"
+                );
+                assert_eq!(
+                    v[decoded.clone()],
+                    v_exit[decoded],
+                    "layer {layer} pass {deeper} values"
+                );
+                // The prompt's own deeper entries are its own, not copies.
+                assert_ne!(k[..plen * width], k_exit[..plen * width]);
+            }
+        }
+        decoder.cancel();
+    }
+}
+
+fn run_to_end(loaded: &LoadedModel, policy: PolicyKind, prompt: &str) -> Decoder {
+    let mut decoder = Decoder::new(loaded, policy.build(), prompt, OPTIONS).unwrap();
+    while let Some(event) = decoder.next_event().unwrap() {
+        if matches!(event, DecodeEvent::Finished(_)) {
+            break;
+        }
+    }
+    decoder
+}
+
+/// A threshold outside (0, 1], a depth outside 1..R, the gate on a checkpoint without one, and
+/// a lossy lane in a what-if replay: one line each.
+#[test]
+fn bad_exit_rules_get_one_line() {
+    for bad in [
+        "exit:gate=0",
+        "exit:gate=1.5",
+        "exit:confidence=-0.1",
+        "exit:confidence=x",
+    ] {
+        assert_clean_error(
+            &["bench", "--policy", bad],
+            "must be a probability in (0, 1]",
+        );
+    }
+    assert_clean_error(&["bench", "--policy", "exit:confidence"], "needs a value");
+    assert_clean_error(
+        &["bench", "--policy", "exit:pass=0"],
+        "pass=N: N is the pass",
+    );
+    assert_clean_error(
+        &["bench", "--policy", "exit:depth=2"],
+        "expected gate[=T], confidence=P or pass=N",
+    );
+    let (dir, _) = random_model(&spec(1, 3, Variant::Tied, 1));
+    let d = dir.path().display().to_string();
+    let generate = |policy: &str| {
+        [
+            "generate", "--model", &d, "--prompt", "To be", "--policy", policy,
+        ]
+        .map(String::from)
+    };
+    let args = generate("exit:pass=4");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_clean_error(
+        &args,
+        "exit:pass=4: the model has 3 passes (N must be 1 to 3)",
+    );
+    // A GGUF holds no exit gate.
+    let q8 = spex::engine::gguf::write::FileType::Q8_0;
+    let (_dir, _out, gguf) = common::quantized_pair(Variant::Tied, 1, 3, 1, q8);
+    let g = gguf.display().to_string();
+    let args = [
+        "generate",
+        "--model",
+        &g,
+        "--prompt",
+        "To be",
+        "--policy",
+        "exit:gate",
+    ];
+    assert_clean_error(&args, "exit:gate reads the checkpoint's exit gate");
+    let err = spex::harness::what_if::WhatIf::of(Vec::new(), &[exit("pass=1")]).unwrap_err();
+    assert!(err.to_string().contains("a lossy early exit"), "{err}");
+}
