@@ -210,3 +210,68 @@ fn a_bench_at_real_size_probes_the_bandwidth_around_every_prompt() {
     let median = overall["baseline_bandwidth_share"].as_f64().unwrap();
     assert!(shares.contains(&median), "{overall}");
 }
+
+/// `spex sweep exits`: every fixed depth below R, each confidence and each gate threshold, as
+/// lossy points of speedup against agreement, beside the lossless policy at 100 %; the chart
+/// names them lossy; a lossy `--policy` is one line.
+#[test]
+fn an_exit_sweep_draws_lossy_exits_beside_a_lossless_policy() {
+    let (dir, _) = random_model(&spec(1, 3, Variant::Tied, 6));
+    let d = dir.path().display().to_string();
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "To be, or not to be\nShall I compare thee\n").unwrap();
+    let p = prompts.display().to_string();
+    let chart = dir.path().join("exits.svg");
+    let c = chart.display().to_string();
+    let args = [
+        "sweep",
+        "exits",
+        "--model",
+        &d,
+        "--prompts",
+        &p,
+        "--svg",
+        &c,
+        "--max-tokens",
+        "12",
+        "--runs",
+        "1",
+        "--confidence",
+        "0.5,0.9",
+        "--gate",
+        "0.5",
+        "--json",
+    ];
+    let out = spex_ok(&args, &[], Path::new("."));
+    let sweep: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let points = sweep["points"].as_array().unwrap();
+    let names: Vec<&str> = (points.iter())
+        .map(|q| q["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "exit:pass=1",
+            "exit:pass=2",
+            "exit:confidence=0.5",
+            "exit:confidence=0.9",
+            "exit:gate",
+            "speed"
+        ]
+    );
+    for point in &points[..5] {
+        assert_eq!(point["lossy"], true, "{point}");
+        let agreement = point["agreement"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&agreement), "{point}");
+    }
+    let passes_1 = points[0]["passes_per_token"].as_f64().unwrap();
+    assert!((passes_1 - 1.0).abs() < 1e-9, "{passes_1}");
+    assert_eq!(points[5]["lossy"], false);
+    assert_eq!(points[5]["agreement"], 1.0);
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.contains("exit:pass (lossy)") && svg.contains("speed (lossless)"));
+    assert_clean_error(
+        &["sweep", "exits", "--model", &d, "--policy", "exit:pass=1"],
+        "--policy exit:pass=1: the exit sweep draws a lossless policy",
+    );
+}

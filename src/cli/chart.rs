@@ -1,6 +1,6 @@
 //! Line charts for the sweeps, drawn with plotters as SVG at slide size (1280 × 720): one
 //! dashed grey line for a bound or a ceiling, coloured lines with dots for what was measured,
-//! against an x axis of powers of two (tokens, hidden sizes).
+//! against an x axis of powers of two (tokens, hidden sizes) or of a percentage (agreement).
 
 use std::path::Path;
 
@@ -10,7 +10,7 @@ use plotters::prelude::*;
 /// One line of a chart.
 pub struct Series {
     pub name: String,
-    /// (x, y) points; x is a power of two, drawn on a log₂ axis.
+    /// (x, y) points; on a [`XAxis::Log2`] chart x is a power of two.
     pub points: Vec<(f64, f64)>,
     /// A bound or a ceiling: dashed grey, no dots.
     pub dashed: bool,
@@ -21,7 +21,35 @@ pub struct Chart {
     pub title: String,
     pub x_desc: &'static str,
     pub y_desc: &'static str,
+    pub x_axis: XAxis,
     pub series: Vec<Series>,
+}
+
+/// How a chart's x axis is scaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XAxis {
+    /// Powers of two (tokens, hidden sizes), evenly spaced.
+    Log2,
+    /// A percentage, 0 to 100, drawn linearly.
+    Percent,
+}
+
+impl XAxis {
+    /// Where `x` is drawn.
+    fn place(self, x: f64) -> f64 {
+        match self {
+            Self::Log2 => x.log2(),
+            Self::Percent => x,
+        }
+    }
+
+    /// The label at a drawn position.
+    fn label(self, x: f64) -> String {
+        match self {
+            Self::Log2 => format!("{}", 2f64.powf(x).round()),
+            Self::Percent => format!("{x:.0} %"),
+        }
+    }
 }
 
 /// The measured lines' colours, in order (then again): Okabe and Ito's, told apart by
@@ -62,13 +90,17 @@ fn through_temporary(
 /// [`draw`] into the file `target`; errors name `path`.
 fn draw_to(chart: &Chart, path: &Path, target: &Path) -> anyhow::Result<()> {
     let error = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: {e}", path.display());
-    let log2 = |x: f64| x.log2();
+    let axis = chart.x_axis;
     let xs: Vec<f64> = (chart.series.iter())
-        .flat_map(|s| s.points.iter().map(|p| log2(p.0)))
+        .flat_map(|s| s.points.iter().map(|p| axis.place(p.0)))
         .collect();
     let (x0, x1) = xs
         .iter()
         .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+    let (pad, labels) = match axis {
+        XAxis::Log2 => (0.25, (x1 - x0) as usize + 1),
+        XAxis::Percent => ((x1 - x0).max(1.0) * 0.05, 11),
+    };
     let top = (chart.series.iter())
         .flat_map(|s| s.points.iter().map(|p| p.1))
         .fold(1.0f64, f64::max)
@@ -80,19 +112,24 @@ fn draw_to(chart: &Chart, path: &Path, target: &Path) -> anyhow::Result<()> {
         .margin(24)
         .x_label_area_size(64)
         .y_label_area_size(80)
-        .build_cartesian_2d(x0 - 0.25..x1 + 0.25, 0.0..top)
+        .build_cartesian_2d(x0 - pad..x1 + pad, 0.0..top)
         .map_err(|e| error(&e))?;
     axes.configure_mesh()
         .x_desc(chart.x_desc)
         .y_desc(chart.y_desc)
-        .x_labels((x1 - x0) as usize + 1)
-        .x_label_formatter(&|x| format!("{}", 2f64.powf(*x).round()))
+        .x_labels(labels)
+        .x_label_formatter(&|x| axis.label(*x))
         .axis_desc_style(("sans-serif", 24))
         .label_style(("sans-serif", 20))
         .draw()
         .map_err(|e| error(&e))?;
-    draw_series(&mut axes, &chart.series).map_err(|e| error(&e))?;
-    finish(axes, &root, SeriesLabelPosition::LowerRight).map_err(|e| error(&e))
+    draw_series(&mut axes, axis, &chart.series).map_err(|e| error(&e))?;
+    // Agreement charts put the lossless points at 100 %, lower right.
+    let legend = match axis {
+        XAxis::Log2 => SeriesLabelPosition::LowerRight,
+        XAxis::Percent => SeriesLabelPosition::UpperRight,
+    };
+    finish(axes, &root, legend).map_err(|e| error(&e))
 }
 
 /// Draws the legend at `legend` and writes the file.
@@ -114,11 +151,14 @@ fn finish(
 /// Every line with its legend entry.
 fn draw_series(
     axes: &mut Axes,
+    axis: XAxis,
     series: &[Series],
 ) -> Result<(), DrawingAreaErrorKind<std::io::Error>> {
     let mut colours = COLOURS.iter().cycle();
     for s in series {
-        let points: Vec<(f64, f64)> = s.points.iter().map(|&(x, y)| (x.log2(), y)).collect();
+        let points: Vec<(f64, f64)> = (s.points.iter())
+            .map(|&(x, y)| (axis.place(x), y))
+            .collect();
         if s.dashed {
             let style = GREY.stroke_width(3);
             axes.draw_series(DashedLineSeries::new(points, 10, 6, style))?

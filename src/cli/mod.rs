@@ -14,6 +14,7 @@ mod record;
 mod replay;
 mod session;
 mod sweep;
+mod sweep_exits;
 mod sweep_policies;
 mod sweep_sizes;
 mod train;

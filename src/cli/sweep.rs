@@ -30,6 +30,9 @@ pub enum Sweep {
     Sizes(super::sweep_sizes::SizeArgs),
     /// Every policy's speedup on each model (default: the shipped ones), as bars.
     Policies(super::sweep_policies::PolicyArgs),
+    /// LOSSY early exit's speedup against how much of the baseline's text it keeps, every
+    /// rule over its settings, beside a lossless policy.
+    Exits(super::sweep_exits::ExitArgs),
 }
 
 /// `spex sweep lengths`.
@@ -60,6 +63,7 @@ pub fn run(args: &SweepArgs) -> anyhow::Result<()> {
         Sweep::Lengths(args) => &args.svg,
         Sweep::Sizes(args) => &args.svg,
         Sweep::Policies(args) => &args.svg,
+        Sweep::Exits(args) => &args.svg,
     };
     // Checked before the sweep runs, not after it.
     crate::engine::files::check_writable(chart, "--svg")?;
@@ -67,6 +71,7 @@ pub fn run(args: &SweepArgs) -> anyhow::Result<()> {
         Sweep::Lengths(args) => lengths(args),
         Sweep::Sizes(args) => super::sweep_sizes::run(args),
         Sweep::Policies(args) => super::sweep_policies::run(args),
+        Sweep::Exits(args) => super::sweep_exits::run(args),
     }
 }
 
@@ -175,6 +180,7 @@ fn length_chart(sweep: &LengthSweep, title: String) -> super::chart::Chart {
         title,
         x_desc: "tokens generated",
         y_desc: "speedup over baseline (×)",
+        x_axis: super::chart::XAxis::Log2,
         series,
     }
 }

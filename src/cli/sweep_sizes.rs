@@ -132,6 +132,7 @@ fn size_chart(sweep: &SizeSweep, machine: &str) -> Chart {
         title: format!("The ceiling against model size on {machine}, bf16"),
         x_desc: "hidden size (24 layers × 4 passes; 2048 is Ouro-1.4B)",
         y_desc: "ceiling: R · t(1 row) / t(R rows) (×)",
+        x_axis: super::chart::XAxis::Log2,
         series: vec![
             Series {
                 name: "roofline bound".into(),

@@ -11,6 +11,7 @@ use super::roofline::Roofline;
 use crate::engine::LoadedModel;
 use crate::engine::decoder::DecodeOptions;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::policy::PolicyKind;
 
 /// One policy at one point of a sweep.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -271,5 +272,105 @@ pub fn size_point(loaded: &LoadedModel, pos: usize, limits: MachineLimits) -> Re
         ceiling: times.ceiling(),
         ceiling_bound: r * one.overlapped_secs / full.overlapped_secs,
         ceiling_serial: r * one.serial_secs / full.serial_secs,
+    })
+}
+
+/// One lane of the exit sweep: a lossy early exit at one setting, or the lossless policy it
+/// is drawn beside.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExitPoint {
+    pub policy: String,
+    /// The rule's name before its setting (`exit:confidence`, `exit:pass`, `exit:gate`), or
+    /// the lossless policy's name.
+    pub family: String,
+    /// Over every prompt: baseline decode time / its decode time.
+    pub speedup: f64,
+    /// The share of the baseline's output tokens it has at the same index (1 for a lossless
+    /// lane whose text is the baseline's).
+    pub agreement: f64,
+    /// The prompts whose text departed from the baseline's.
+    pub departed: usize,
+    /// Passes run per committed token, for a lossy lane.
+    pub passes_per_token: Option<f64>,
+    pub lossy: bool,
+}
+
+/// Speedup against agreement: every exit rule over its settings, and a lossless policy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExitSweep {
+    pub prompts: usize,
+    pub baseline_tokens_per_sec: f64,
+    pub points: Vec<ExitPoint>,
+}
+
+impl ExitSweep {
+    /// The lossless policies whose text differed from the baseline's.
+    pub fn failed(&self) -> Vec<String> {
+        (self.points.iter())
+            .filter(|p| !p.lossy && p.agreement < 1.0)
+            .map(|p| p.policy.clone())
+            .collect()
+    }
+}
+
+/// The settings `spex sweep exits` races where it is given none.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExitSettings {
+    /// `exit:confidence=P` for each P.
+    pub confidences: Vec<f32>,
+    /// `exit:gate=T` for each T, where the model has a gate.
+    pub gate_thresholds: Vec<f32>,
+}
+
+/// The lossy lanes of an exit sweep on a model of `passes` passes: every fixed depth below
+/// R, each confidence, and each gate threshold where `has_gate`.
+pub fn exit_lanes(passes: usize, has_gate: bool, settings: &ExitSettings) -> Vec<PolicyKind> {
+    use crate::engine::pass::Pass;
+    use crate::engine::policy::ExitRule;
+    let depths = (1..passes).filter_map(Pass::new).map(ExitRule::Pass);
+    let confident = (settings.confidences.iter())
+        .map(|&min_probability| ExitRule::Confidence { min_probability });
+    let gated = (settings.gate_thresholds.iter())
+        .filter(|_| has_gate)
+        .map(|&threshold| ExitRule::Gate { threshold });
+    (depths.chain(confident).chain(gated))
+        .map(|rule| PolicyKind::Exit { rule })
+        .collect()
+}
+
+/// The bench of `lineup` (exit lanes and a lossless policy) on every prompt, as points of
+/// speedup against agreement; `progress` hears each prompt before it runs, counted from 1.
+pub fn sweep_exits(
+    loaded: &LoadedModel,
+    prompts: &[String],
+    options: DecodeOptions,
+    lineup: Lineup<'_>,
+    progress: &mut dyn FnMut(usize),
+) -> Result<ExitSweep> {
+    if prompts.is_empty() {
+        return Err(EngineError::Invalid(
+            "a sweep needs at least one prompt".into(),
+        ));
+    }
+    let report = bench_prompts(loaded, prompts, options, lineup, progress)?;
+    let points = (report.policies.iter())
+        .map(|p| ExitPoint {
+            family: p.policy.split('=').next().unwrap_or_default().to_string(),
+            policy: p.policy.clone(),
+            speedup: p.figures.speedup,
+            agreement: match &p.lossy {
+                Some(loss) => loss.agreement,
+                None if p.mismatches == 0 => 1.0,
+                None => 0.0,
+            },
+            departed: (p.lossy.as_ref()).map_or(p.mismatches, super::report::Loss::departed),
+            passes_per_token: p.lossy.as_ref().map(|l| l.passes_per_token),
+            lossy: p.lossy.is_some(),
+        })
+        .collect();
+    Ok(ExitSweep {
+        prompts: prompts.len(),
+        baseline_tokens_per_sec: baseline_tokens_per_sec(&report),
+        points,
     })
 }
