@@ -66,7 +66,11 @@ fn shipped_checkpoints_hold_exactly_the_format_tensors() {
         let dir = root.join(dir);
         let (have, want) = names_in(&dir);
         assert_eq!(have, want, "{}", dir.display());
-        assert_neutral_gate(&dir);
+        // The default's gate is trained (`spex train-gate`, its model card); the others'
+        // are neutral.
+        if !dir.ends_with("shakespeare-r4k6-sync") {
+            assert_neutral_gate(&dir);
+        }
     }
 }
 

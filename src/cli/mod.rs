@@ -18,6 +18,7 @@ mod sweep_exits;
 mod sweep_policies;
 mod sweep_sizes;
 mod train;
+mod train_gate;
 
 use std::path::PathBuf;
 
@@ -57,6 +58,8 @@ pub enum Command {
     Quantize(quantize::QuantizeArgs),
     /// Train a looped model in the Ouro format.
     Train(train::TrainArgs),
+    /// Train a checkpoint's exit gate alone, the other weights frozen, and write a copy.
+    TrainGate(train_gate::TrainGateArgs),
     /// Open the dashboard (what `spex` with no subcommand does).
     Tui(TuiArgs),
     /// Replay a recorded trace in the dashboard, with no model loaded.
@@ -436,6 +439,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::RandomCheckpoint(args)) => random_checkpoint(&args),
         Some(Command::Quantize(args)) => quantize::run(&args),
         Some(Command::Train(args)) => train::run(&args),
+        Some(Command::TrainGate(args)) => train_gate::run(&args),
         Some(Command::Tui(args)) => dashboard(&args),
         Some(Command::Replay(args)) => replay::run(&args),
         Some(Command::Explain(args)) => explain::run(&args),

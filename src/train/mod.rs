@@ -14,6 +14,7 @@
 mod config;
 mod corpus;
 pub mod fused;
+pub mod gate;
 mod init;
 mod loss;
 mod optimiser;
