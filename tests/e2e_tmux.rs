@@ -166,6 +166,33 @@ fn dashboard_runs_a_prompt_and_quits_cleanly() {
     );
 }
 
+/// A lossy early exit raced in the real terminal: the stats say LOSSY, never identical, and
+/// its pipeline never reaches pass 4 where every token stops after pass 1.
+#[test]
+fn an_exit_lane_is_shown_lossy_in_the_dashboard() {
+    let (dir, _) = random_model(&spec(2, 4, Variant::Tied, 9));
+    let exit_file = dir.path().join("exit-code");
+    let args = format!(
+        "tui --model {} --max-tokens 24 --policy exit:pass=1 --prompt 'To be'",
+        dir.path().display()
+    );
+    let tmux = start_with(&args, &exit_file, "exit");
+    tmux.wait_for("the dashboard", Duration::from_secs(20), |s| {
+        s.contains("pipeline")
+    });
+    tmux.run(&["send-keys", "-t", "spex", "Enter"]);
+    let screen = tmux.wait_for("both lanes to finish", Duration::from_secs(60), |s| {
+        s.matches("· done").count() == 2
+    });
+    assert!(screen.contains("≠ LOSSY"), "{screen}");
+    assert!(!screen.contains("✓ identical"), "{screen}");
+    assert!(
+        screen.contains("exit:pass=1"),
+        "the lane names its rule:\n{screen}"
+    );
+    quit(&tmux, &exit_file);
+}
+
 #[test]
 fn no_tty_points_to_generate() {
     let (dir, _) = random_model(&spec(1, 2, Variant::Tied, 1));

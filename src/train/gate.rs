@@ -198,7 +198,9 @@ pub fn score(gate: &FittedGate, examples: &GateExamples, passes: usize) -> GateS
         s.right += usize::from((lambda >= 0.5) == (label > 0.5));
     }
     let per = |f: fn(&PassTally) -> f64| -> Vec<f64> {
-        sums.iter().map(|s| f(s) / s.examples.max(1) as f64).collect()
+        sums.iter()
+            .map(|s| f(s) / s.examples.max(1) as f64)
+            .collect()
     };
     GateScore {
         cross_entropy: cross_entropy / examples.len().max(1) as f64,
