@@ -330,7 +330,7 @@ fn a_lossy_lane_is_marked_lossy_in_the_stats() {
         draw_panel(f, Rect::new(0, 0, 60, 9), &app, Panel::Stats)
     });
     assert!(
-        out.contains("≠ LOSSY: departs at token 3 · 83% agree"),
+        out.contains("≠ LOSSY: departs at token 3, 83% agree"),
         "{out}"
     );
     insta::assert_snapshot!(out);

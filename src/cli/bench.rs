@@ -380,11 +380,7 @@ fn print_prompt(r: &PromptReport, header: bool, passes: usize) {
             Comparison::Differs { index, margin } => {
                 format!("✗ at token {index} (baseline margin {margin:.3})")
             }
-            Comparison::Lossy(d) => format!(
-                "lossy: {}, {:.0} % agree",
-                d.describe(),
-                100.0 * d.agreement()
-            ),
+            Comparison::Lossy(d) => format!("lossy: {}", d.describe()),
         };
         let prompt = if k == 0 {
             cut(&r.prompt, 27)

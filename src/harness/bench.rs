@@ -100,11 +100,15 @@ impl Departure {
         self.agreeing as f64 / self.of.max(1) as f64
     }
 
-    /// Where it left the baseline's text, in words.
+    /// Where it left the baseline's text and how much agrees, in words.
     pub fn describe(&self) -> String {
         match self.departs_at {
-            Some(index) => format!("departs at token {index}"),
-            None => "kept to the baseline".into(),
+            _ if self.of == 0 => "nothing to compare yet".into(),
+            Some(index) => format!(
+                "departs at token {index}, {:.0}% agree",
+                100.0 * self.agreement()
+            ),
+            None => format!("kept to the baseline's {} tokens", self.of),
         }
     }
 }

@@ -522,11 +522,7 @@ fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Lin
             Style::new().fg(Color::Green),
         ),
         Agreement::Lossy(d) => Span::styled(
-            format!(
-                "≠ LOSSY: {} · {:.0}% agree",
-                d.describe(),
-                100.0 * d.agreement()
-            ),
+            format!("≠ LOSSY: {}", d.describe()),
             Style::new().fg(Color::Yellow).bold(),
         ),
     };
