@@ -220,6 +220,27 @@ fn bad_exit_rules_get_one_line() {
     assert_clean_error(&args, "exit:gate reads the checkpoint's exit gate");
     let err = spex::harness::what_if::WhatIf::of(Vec::new(), &[exit("pass=1")]).unwrap_err();
     assert!(err.to_string().contains("a lossy early exit"), "{err}");
+    // A trace of a lossy lane cannot be replayed under other policies.
+    let trace = dir.path().join("exit.jsonl");
+    let t = trace.display().to_string();
+    let record = [
+        "generate",
+        "--model",
+        &d,
+        "--prompt",
+        "To be",
+        "--policy",
+        "exit:pass=1",
+    ];
+    common::spex_ok(
+        &[&record[..], &["--max-tokens", "6", "--record", &t]].concat(),
+        &[],
+        dir.path(),
+    );
+    assert_clean_error(
+        &["explain", &t, "--what-if", "speed"],
+        "what-if re-simulates lossless runs only (this run is exit:pass=1",
+    );
 }
 
 /// `spex train-gate` fits the gate alone: the copy it writes differs from the checkpoint in the

@@ -51,7 +51,10 @@ pub fn run(args: &ExitArgs) -> anyhow::Result<()> {
     let prompts = args.lanes.read_prompts()?;
     let asked: Vec<PolicyKind> = args.policy.into_iter().collect();
     let session = super::load_model(&args.model, &asked)?;
-    let lossless = session.bench_policies(&asked)[0];
+    let lossless = match session.bench_policies(&asked).first() {
+        Some(&policy) => policy,
+        None => PolicyKind::Speed,
+    };
     if lossless.is_lossy() {
         anyhow::bail!(
             "--policy {lossless}: the exit sweep draws a lossless policy beside the exits"

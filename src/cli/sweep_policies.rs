@@ -78,7 +78,7 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
     }
     let failed: Vec<String> = (points.iter())
         .flat_map(|m| {
-            (m.policies.iter().filter(|p| !p.identical))
+            (m.policies.iter().filter(|p| p.failed()))
                 .map(|p| format!("{} on {}", p.policy, m.model))
         })
         .collect();

@@ -4,8 +4,9 @@
 //! (pass R's own λ is unused), and a threshold rule stops a token at the first pass where the
 //! cumulative probability reaches the threshold (mlx-lm's `ouro.py`, `_threshold_exit`).
 //!
-//! spex evaluates the gate beside decoding and changes no committed token by it: the gate is
-//! what a lossy early exit would follow, shown next to where SPEED's proposals settled.
+//! spex evaluates the gate beside decoding and, under every lossless policy, changes no
+//! committed token by it: the gate is shown next to where SPEED's proposals settled, and only
+//! the lossy `exit:gate` lane (`policy::exit`) stops tokens by it.
 
 use candle_core::{DType, Tensor};
 

@@ -132,16 +132,18 @@ impl<S: KvStore> KvCache<S> {
     /// Fills the entries a token at `pos` skipped by stopping after pass `exited_at` (a lossy
     /// early exit, `policy::exit`): every deeper pass gets a copy of its pass-`exited_at` K/V
     /// entries in every layer, so later tokens find an entry for it at every pass. Each deeper
-    /// pass must hold exactly the positions before `pos`.
+    /// pass must hold exactly the positions before `pos`; nothing is written unless all do.
     pub fn fill_skipped(&mut self, pos: usize, exited_at: Pass) -> Result<()> {
-        for index in exited_at.number()..self.lens.len() {
+        let deeper = exited_at.number()..self.lens.len();
+        if let Some(index) = deeper.clone().find(|&index| self.lens[index] != pos) {
+            return Err(EngineError::Invalid(format!(
+                "kv cache: pass {} has {} entries, cannot fill position {pos}: this is a bug",
+                Pass::from_index(index),
+                self.lens[index]
+            )));
+        }
+        for index in deeper {
             let to = Pass::from_index(index);
-            if self.lens[index] != pos {
-                return Err(EngineError::Invalid(format!(
-                    "kv cache: pass {to} has {} entries, cannot fill position {pos}",
-                    self.lens[index]
-                )));
-            }
             for layer in 0..self.store.layers() {
                 self.store.copy_entry(layer, exited_at, to, pos)?;
             }

@@ -20,11 +20,19 @@ pub struct PolicyPoint {
     /// Over every prompt: baseline decode time / policy decode time.
     pub speedup: f64,
     pub tokens_per_sec: f64,
-    /// Identical to the baseline on every prompt where it must be.
+    /// Identical to the baseline on every prompt where it must be (never for a lossy lane).
     pub identical: bool,
     /// A lossy lane's share of the baseline's tokens it has at the same index; `None` for
     /// the lossless ones.
     pub lossy_agreement: Option<f64>,
+}
+
+impl PolicyPoint {
+    /// Whether its text differed from the baseline's where it must not: a lossless lane
+    /// that is not identical.
+    pub fn failed(&self) -> bool {
+        !self.identical && self.lossy_agreement.is_none()
+    }
 }
 
 /// The bench at one generation length.
@@ -48,7 +56,7 @@ impl LengthSweep {
     /// The policies whose text differed from the baseline's where it must not, at any length.
     pub fn failed(&self) -> Vec<String> {
         let mut failed: Vec<String> = (self.points.iter())
-            .flat_map(|p| p.policies.iter().filter(|q| !q.identical))
+            .flat_map(|p| p.policies.iter().filter(|q| q.failed()))
             .map(|q| q.policy.clone())
             .collect();
         failed.sort();
@@ -128,7 +136,7 @@ fn policy_points(report: &BenchReport) -> Vec<PolicyPoint> {
             policy: p.policy.clone(),
             speedup: p.figures.speedup,
             tokens_per_sec: p.figures.tokens_per_sec,
-            identical: p.mismatches == 0,
+            identical: p.mismatches == 0 && p.lossy.is_none(),
             lossy_agreement: p.lossy.as_ref().map(|l| l.agreement),
         })
         .collect()
@@ -355,7 +363,11 @@ pub fn sweep_exits(
     let report = bench_prompts(loaded, prompts, options, lineup, progress)?;
     let points = (report.policies.iter())
         .map(|p| ExitPoint {
-            family: p.policy.split('=').next().unwrap_or_default().to_string(),
+            // An exit rule's lanes are one line through its settings; a lossless one, a point.
+            family: match p.lossy {
+                Some(_) => p.policy.split('=').next().unwrap_or_default().to_string(),
+                None => p.policy.clone(),
+            },
             policy: p.policy.clone(),
             speedup: p.figures.speedup,
             agreement: match &p.lossy {

@@ -295,6 +295,20 @@ pub fn train_gate(job: &GateTraining) -> Result<GateReport> {
     }
     let loaded = crate::engine::LoadedModel::load(job.model, &Device::Cpu, DType::F32)?;
     let model = loaded.model();
+    // What the gate is written into, checked before minutes of work.
+    let weights = job.model.join("model.safetensors");
+    if model.weights.exit_gate.is_none() || !weights.is_file() {
+        return Err(EngineError::file(
+            &weights,
+            "train-gate writes the exit gate into one model.safetensors holding it \
+             (model.early_exit_gate.weight and .bias)",
+        ));
+    }
+    if model.passes() < 2 {
+        return Err(EngineError::Invalid(
+            "train-gate: a model of one pass has no pass to exit before".into(),
+        ));
+    }
     let texts = super::read_corpus(job.corpus)?;
     let is_held_out = |p: &Path| {
         p.file_name()
@@ -310,10 +324,10 @@ pub fn train_gate(job: &GateTraining) -> Result<GateReport> {
         };
         into.extend(loaded.tokenizer.encode(text)?);
     }
-    let train = collect(model, &windows(&train, job.windows, job.seq_len))?;
+    let train = collect(model, &spread_windows(&train, job.windows, job.seq_len))?;
     let held_out = collect(
         model,
-        &windows(&held_out, job.windows.div_ceil(4), job.seq_len),
+        &spread_windows(&held_out, job.windows.div_ceil(4), job.seq_len),
     )?;
     if train.len() == 0 || held_out.len() == 0 {
         return Err(EngineError::Invalid(
@@ -344,8 +358,8 @@ pub fn train_gate(job: &GateTraining) -> Result<GateReport> {
     })
 }
 
-/// `count` windows of `len` tokens spread evenly over `stream` (fewer where it is short).
-fn windows(stream: &[u32], count: usize, len: usize) -> Vec<Vec<u32>> {
+/// `count` windows of `len` tokens spread evenly over `stream` (none where it is short).
+fn spread_windows(stream: &[u32], count: usize, len: usize) -> Vec<Vec<u32>> {
     let room = stream.len().saturating_sub(len);
     if stream.len() < len || count == 0 {
         return Vec::new();

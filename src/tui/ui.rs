@@ -508,24 +508,17 @@ fn stats_lines(run: &RunView, run_policy: &str, agreement: Agreement) -> Vec<Lin
     let flips: Vec<String> = (f.flip_rates.iter())
         .map(|r| format!("{:.0}%", 100.0 * r))
         .collect();
-    let agreement = match agreement {
-        Agreement::Same(n) => Span::styled(
-            format!("✓ identical ({n} tokens)"),
-            Style::new().fg(Color::Green).bold(),
-        ),
-        Agreement::Differ(i) => Span::styled(
-            format!("✗ lanes differ at token {i}"),
-            Style::new().fg(Color::Red).bold(),
-        ),
-        Agreement::SameDistribution => Span::styled(
-            "≈ same distribution (own sample)".to_string(),
-            Style::new().fg(Color::Green),
-        ),
-        Agreement::Lossy(d) => Span::styled(
-            format!("≠ LOSSY: {}", d.describe()),
-            Style::new().fg(Color::Yellow).bold(),
-        ),
+    let (check, colour) = match agreement {
+        Agreement::Same(n) => (format!("✓ identical ({n} tokens)"), Color::Green),
+        Agreement::Differ(i) => (format!("✗ lanes differ at token {i}"), Color::Red),
+        Agreement::SameDistribution => ("≈ same distribution (own sample)".into(), Color::Green),
+        Agreement::Lossy(d) => (format!("≠ LOSSY: {}", d.describe()), Color::Yellow),
     };
+    let style = match agreement {
+        Agreement::SameDistribution => Style::new().fg(colour),
+        _ => Style::new().fg(colour).bold(),
+    };
+    let agreement = Span::styled(check, style);
     let ceiling = run.ceiling.map_or("—".to_string(), |c| format!("{c:.2}×"));
     // Acceptance by source: which guess each committed token came from.
     let accepted = f.acceptance;

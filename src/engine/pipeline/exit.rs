@@ -2,8 +2,11 @@
 //! readout is judged by, and the token that stops before pass R, whose skipped passes' KV
 //! entries are filled so that later tokens attend to it at every pass.
 
+use std::time::Instant;
+
 use super::Pipeline;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::events::StepEvent;
 use crate::engine::model::StepModel;
 use crate::engine::pass::Pass;
 use crate::engine::policy::Policy;
@@ -25,7 +28,8 @@ impl<B: StepModel> Pipeline<B> {
     /// the order they ran: the running tokens, then their side candidates); empty where the
     /// model has no gate.
     pub(super) fn lambdas_by_row(&self, running: &[bool], gates: Option<&[f32]>) -> Vec<Vec<f32>> {
-        let Some(gates) = gates else {
+        // Only an early exit reads them: the lossless policies' steps allocate nothing here.
+        let Some(gates) = gates.filter(|_| self.policy.early_exit().is_some()) else {
             return Vec::new();
         };
         let ran = || (self.window.iter().zip(running)).filter(|(_, ran)| **ran);
@@ -38,10 +42,21 @@ impl<B: StepModel> Pipeline<B> {
 
     /// The token at `index`, at `pos`, stops after `pass`: its deeper passes' KV entries are
     /// copies of its pass-`pass` ones (`policy::exit`, "The skipped passes' KV entries"), and
-    /// it leaves the window at the end of the step.
-    pub(super) fn exit_early(&mut self, index: usize, pos: usize, pass: Pass) -> Result<()> {
+    /// it leaves the window at the end of the step. The copies are part of the step's compute
+    /// (`event`'s and the run's), since the walk runs after the step is timed.
+    pub(super) fn exit_early(
+        &mut self,
+        index: usize,
+        pos: usize,
+        pass: Pass,
+        event: &mut StepEvent,
+    ) -> Result<()> {
+        let started = Instant::now();
         self.cache.fill_skipped(pos, pass)?;
         self.window[index].exited = true;
+        let filled = started.elapsed();
+        event.compute += filled;
+        self.decode_compute += filled;
         Ok(())
     }
 }

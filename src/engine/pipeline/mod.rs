@@ -46,12 +46,15 @@
 //!
 //! # Exactness
 //!
-//! A committed token is always pass R's choice computed over the committed prefix, so the
-//! output equals baseline decoding token for token: greedy, and under seed-coupled sampling for
+//! Under every lossless policy a committed token is pass R's choice computed over the
+//! committed prefix, so the output equals baseline decoding token for token: greedy, and under seed-coupled sampling for
 //! the same seed (`engine::sampling`). That holds bit for bit only if a row's arithmetic does
 //! not depend on the other rows of its step (*batch invariance*): every step backend computes
 //! each output element the same way whatever the number of rows (`engine::kernels`). LoopSpec
 //! verifies by rejection sampling instead and is exact in distribution (`policy::loopspec`).
+//! A lossy early exit (`policy::exit`) is the one exception, by design: its readout at an
+//! earlier pass commits, the token's deeper passes are skipped and their KV entries filled
+//! with copies, and its text is compared with the baseline's as lossy.
 //!
 //! # Second candidates
 //!
@@ -136,6 +139,16 @@ enum Walked {
     Stop(RowEvent),
 }
 
+impl Walked {
+    /// `row`, and whether the walk goes on.
+    fn after(go_on: bool, row: RowEvent) -> Self {
+        match go_on {
+            true => Self::GoOn(row),
+            false => Self::Stop(row),
+        }
+    }
+}
+
 /// One decoding run on backend `B`: prompt, policy, KV cache and the in-flight window.
 #[derive(Debug)]
 pub struct Pipeline<B: StepModel> {
@@ -214,7 +227,7 @@ impl<B: StepModel> Pipeline<B> {
     }
 
     /// The policy's action on a readout after `pass` that predicts position `pos`, where
-    /// `candidates` are in flight for it and the token's gate gave `lambdas` so far.
+    /// the candidates `c` are in flight for it and the token's gate gave `lambdas` so far.
     fn act(
         &self,
         logits: &[f32],
@@ -530,7 +543,7 @@ impl<B: StepModel> Pipeline<B> {
         }
         let surviving = self.child_of(index).map(|_| index + 1);
         if exits {
-            self.exit_early(index, pos, pass)?;
+            self.exit_early(index, pos, pass, event)?;
         }
         if pass.is_last(passes) || exits {
             let chosen = next.map(|(first, _)| first);
@@ -546,15 +559,11 @@ impl<B: StepModel> Pipeline<B> {
                 self.spawn_side(index, second, pass);
             }
         }
-        Ok(if go_on {
-            Walked::GoOn(row)
-        } else {
-            Walked::Stop(row)
-        })
+        Ok(Walked::after(go_on, row))
     }
 
-    /// Commits position `pos + 1` after a pass-R readout: the surviving child's token, or
-    /// the readout's own choice where none survived.
+    /// Commits position `pos + 1` after a pass-R readout (or an early exit's): the surviving
+    /// child's token, or the readout's own choice where none survived.
     fn commit_final(
         &mut self,
         pos: usize,
@@ -565,7 +574,8 @@ impl<B: StepModel> Pipeline<B> {
         let (token, depth) = match surviving {
             Some(child) => (self.window[child].token(), self.window[child].proposed_at),
             None => {
-                let commit = chosen.expect("a pass-R action commits or settles: this is a bug");
+                let commit =
+                    chosen.expect("a pass-R or exit action commits or settles: this is a bug");
                 (commit.token, pass)
             }
         };

@@ -89,14 +89,15 @@ impl Exit {
     }
 }
 
-/// The largest softmax probability of `logits`: 1 / Σ exp(lᵢ − max).
+/// The largest softmax probability of `logits`: 1 / Σ exp(lᵢ − max). A scalar `exp`, not
+/// the display's vector one (`kernels::sum_exp`): where a token stops must not depend on the
+/// CPU's instruction set.
 pub fn top_probability(logits: &[f32]) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
         return 0.0;
     }
-    let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
-    1.0 / sum
+    1.0 / logits.iter().map(|&l| (l - max).exp()).sum::<f32>()
 }
 
 impl Policy for Exit {

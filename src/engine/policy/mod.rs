@@ -1,7 +1,8 @@
 //! Decoding policies: where a token's readouts start children, which candidates they start,
 //! and how a readout settles the candidates in flight for the next position. The scheduler
 //! in `pipeline` is the same for every policy and asks only these questions ([`Policy`]); a
-//! new policy is a new implementation, and touches neither the walk nor the dashboard.
+//! new policy is a new implementation, and touches neither the walk nor the dashboard (a lossy
+//! early exit, [`Action::Exit`], is the one action the walk has for it).
 //!
 //! `speed` holds the policies that commit exactly the baseline's choice (greedy or
 //! seed-coupled: `engine::sampling`); `loopspec` the one that verifies by rejection

@@ -47,6 +47,15 @@ impl RecordedRun {
     /// was greedy.
     pub fn of(trace: &Trace, path: &Path) -> Result<Self> {
         let header = &trace.header;
+        if header.policy.is_lossy() {
+            return Err(EngineError::file(
+                path,
+                format!(
+                    "what-if re-simulates lossless runs only (this run is {}, a lossy early exit: its text is not the model's)",
+                    header.policy
+                ),
+            ));
+        }
         if !header.sampling.is_greedy() {
             return Err(EngineError::file(
                 path,
