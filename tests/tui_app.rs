@@ -512,3 +512,30 @@ fn p_switches_presenter_mode_and_presenting_starts_at_two_steps_a_second() {
     assert!(app.present);
     assert_eq!(app.rate(), Some(2.0));
 }
+
+/// The pipeline marks the cell where Ouro's exit gate would stop each token (the first pass
+/// whose chance of having exited reaches 0.5), from the λ the rows report: the random
+/// checkpoint's gate stops some tokens early and lets others run on.
+#[test]
+fn the_pipeline_marks_where_the_gate_would_exit() {
+    let mut app = running_app();
+    app.update(Msg::Engine(race_events("To be")));
+    let run = app.run.as_ref().unwrap();
+    let mut marked = 0;
+    for column in &run.columns {
+        for (index, cell) in column.cells.iter().enumerate() {
+            let Some(cell) = cell else { continue };
+            let gate = run.positions[&(cell.pos + 1)].gate_exit();
+            let here = gate == Some(spex::engine::Pass::from_index(index));
+            assert_eq!(
+                cell.gate_exit,
+                here,
+                "step {} pass {}",
+                column.step,
+                index + 1
+            );
+            marked += usize::from(here);
+        }
+    }
+    assert!(marked > 0, "no cell marked");
+}

@@ -46,6 +46,7 @@ fn cell(text: &str, pos: usize, kind: CellKind) -> Option<Cell> {
         pos,
         kind,
         tokens: 1,
+        gate_exit: false,
     })
 }
 

@@ -50,6 +50,18 @@ impl PositionView {
     }
 }
 
+impl PositionView {
+    /// The pass Ouro's exit gate stops this position's predicting token at under `exit:gate`'s
+    /// default threshold (`policy::ExitRule::DEFAULT_GATE_THRESHOLD`), as far as its λ are
+    /// known; `None` before it would stop.
+    pub fn gate_exit(&self) -> Option<Pass> {
+        let threshold = crate::engine::policy::ExitRule::DEFAULT_GATE_THRESHOLD;
+        (self.gate_at_passes().iter())
+            .position(|g| g.by_now >= threshold)
+            .map(Pass::from_index)
+    }
+}
+
 /// Folds one step of the speculative lane into `positions`.
 pub fn record(positions: &mut BTreeMap<usize, PositionView>, step: &StepEvent, passes: usize) {
     for row in step.rows.iter().filter(|r| !r.dropped) {

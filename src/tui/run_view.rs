@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
 use crate::engine::kv_cache::PassOccupancy;
+use crate::engine::pass::Pass;
 use crate::harness::bench::Departure;
 use crate::harness::metrics::RunStats;
 use crate::harness::metrics::speedup;
@@ -42,6 +43,9 @@ pub struct Cell {
     pub kind: CellKind,
     /// Tokens at this pass in this step: 1, or a draft group's size.
     pub tokens: usize,
+    /// Ouro's exit gate would stop this token here: the first pass where its chance of having
+    /// exited reaches `exit:gate`'s default threshold (`inspector::PositionView::gate_exit`).
+    pub gate_exit: bool,
 }
 
 impl Cell {
@@ -189,8 +193,8 @@ pub(super) fn on_decode(run: &mut RunView, lane: Lane, event: &DecodeEvent) {
                 view.text.push_str(&c.text_delta);
             }
             if lane == Lane::Speculative {
-                record_pipeline(run, step);
                 super::inspector::record(&mut run.positions, step, run.kv.len());
+                record_pipeline(run, step);
             }
         }
         DecodeEvent::Finished(f) => {
@@ -210,9 +214,16 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
     if run.columns.len() == MAX_COLUMNS {
         run.columns.pop_front();
     }
+    let mut cells = step_cells(step, passes);
+    for (index, cell) in cells.iter_mut().enumerate() {
+        if let Some(cell) = cell.as_mut().filter(|c| c.tokens == 1) {
+            let view = run.positions.get(&(cell.pos + 1));
+            cell.gate_exit = view.and_then(|v| v.gate_exit()) == Some(Pass::from_index(index));
+        }
+    }
     run.columns.push_back(StepColumn {
         step: step.step,
-        cells: step_cells(step, passes),
+        cells,
     });
     record_flips(run, step);
     run.kv.clone_from(&step.kv);
@@ -258,6 +269,7 @@ fn step_cells(step: &StepEvent, passes: usize) -> Vec<Option<Cell>> {
                     pos: row.pos,
                     kind,
                     tokens: 1,
+                    gate_exit: false,
                 })
             }
         }

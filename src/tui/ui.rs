@@ -363,6 +363,7 @@ fn draw_pipeline(frame: &mut Frame, area: Rect, app: &App, run: &RunView) {
         "speculative ".yellow(),
         "flipped old→new ".white().on_red(),
         "flushed ".dark_gray().crossed_out(),
+        "gate exits ".underlined(),
     ]);
     let b = block("pipeline — token in flight at each pass, per step", false).title_bottom(legend);
     let inner = b.inner(area);
@@ -399,7 +400,11 @@ fn draw_pipeline(frame: &mut Frame, area: Rect, app: &App, run: &RunView) {
                         ),
                         _ => cell.label(),
                     };
-                    Span::styled(cell_text(&text, w), cell_style(&cell.kind))
+                    let style = match cell.gate_exit {
+                        true => cell_style(&cell.kind).add_modifier(Modifier::UNDERLINED),
+                        false => cell_style(&cell.kind),
+                    };
+                    Span::styled(cell_text(&text, w), style)
                 }
                 None => Span::raw(" ".repeat(w)),
             };
