@@ -47,11 +47,12 @@
 //! # Exactness
 //!
 //! Under every lossless policy a committed token is pass R's choice computed over the
-//! committed prefix, so the output equals baseline decoding token for token: greedy, and under seed-coupled sampling for
-//! the same seed (`engine::sampling`). That holds bit for bit only if a row's arithmetic does
-//! not depend on the other rows of its step (*batch invariance*): every step backend computes
-//! each output element the same way whatever the number of rows (`engine::kernels`). LoopSpec
-//! verifies by rejection sampling instead and is exact in distribution (`policy::loopspec`).
+//! committed prefix, so the output equals baseline decoding token for token: greedy, and
+//! under seed-coupled sampling for the same seed (`engine::sampling`). That holds bit for
+//! bit only if a row's arithmetic does not depend on the other rows of its step (*batch
+//! invariance*): every step backend computes each output element the same way whatever the
+//! number of rows (`engine::kernels`). LoopSpec verifies by rejection sampling instead and
+//! is exact in distribution (`policy::loopspec`).
 //! A lossy early exit (`policy::exit`) is the one exception, by design: its readout at an
 //! earlier pass commits, the token's deeper passes are skipped and their KV entries filled
 //! with copies, and its text is compared with the baseline's as lossy.
