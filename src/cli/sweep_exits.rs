@@ -98,17 +98,8 @@ pub fn run(args: &ExitArgs) -> anyhow::Result<()> {
         args.max_tokens
     );
     draw(&exit_chart(&sweep, title), &args.svg)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&sweep)?);
-    } else {
-        print_exits(&sweep);
-        println!("chart: {}", args.svg.display());
-    }
-    let failed = sweep.failed();
-    if !failed.is_empty() {
-        anyhow::bail!("{} output differs from baseline", failed.join(", "));
-    }
-    Ok(())
+    let print = || print_exits(&sweep);
+    super::sweep::finish(&sweep, args.json, &args.svg, print, &sweep.failed())
 }
 
 fn print_exits(sweep: &ExitSweep) {

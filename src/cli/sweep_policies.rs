@@ -70,22 +70,14 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
         ),
     };
     draw_bars(&chart, &args.svg)?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&points)?);
-    } else {
-        print_policies(&points);
-        println!("chart: {}", args.svg.display());
-    }
     let failed: Vec<String> = (points.iter())
         .flat_map(|m| {
             (m.policies.iter().filter(|p| p.failed()))
                 .map(|p| format!("{} on {}", p.policy, m.model))
         })
         .collect();
-    if !failed.is_empty() {
-        anyhow::bail!("{} output differs from baseline", failed.join(", "));
-    }
-    Ok(())
+    let print = || print_policies(&points);
+    super::sweep::finish(&points, args.json, &args.svg, print, &failed)
 }
 
 /// Every model of `args.models` loaded in turn and raced on `prompts`, with progress on a
