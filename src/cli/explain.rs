@@ -145,7 +145,7 @@ fn what_if_help() -> String {
         "Replay the recorded greedy runs under these policies too, comma-separated ({}): the \
          steps each takes, and its speedup predicted from the step costs the run measured. The \
          runs must have read out every pass (speed or dual)",
-        crate::engine::policy::forms(|row| !row.lossy)
+        crate::engine::policy::forms(|row| !row.is_lossy())
     )
 }
 

@@ -188,11 +188,17 @@ pub struct PolicyRow {
     pub summary: &'static str,
     /// Whether it races against the baseline as a lane of its own.
     pub speculative: bool,
-    /// Whether its text may leave the baseline's (a lossy early exit): its help says so, and
-    /// the bench compares it as lossy.
-    pub lossy: bool,
     /// The policy its parameters (what follows `name:`, or "" when written alone) make.
     parse: fn(&str) -> Result<PolicyKind, String>,
+}
+
+impl PolicyRow {
+    /// Whether its text may leave the baseline's (a lossy early exit), as its policy says
+    /// ([`PolicyKind::is_lossy`]): what-if leaves such rows out.
+    pub fn is_lossy(&self) -> bool {
+        let written = self.forms[0].split('[').next().unwrap_or(self.name);
+        parse(written).is_ok_and(PolicyKind::is_lossy)
+    }
 }
 
 /// Every policy a user can name, in the order the help lists them.
@@ -202,7 +208,6 @@ pub const POLICIES: [PolicyRow; 7] = [
         forms: &["speed"],
         summary: "SPEED: each token starts from the one before's pass-1 prediction",
         speculative: true,
-        lossy: false,
         parse: parse_speed,
     },
     PolicyRow {
@@ -210,7 +215,6 @@ pub const POLICIES: [PolicyRow; 7] = [
         forms: &["dual[:MARGIN]"],
         summary: "SPEED with a gated second proposal; MARGIN sets the gate in logits",
         speculative: true,
-        lossy: false,
         parse: parse_dual,
     },
     PolicyRow {
@@ -219,7 +223,6 @@ pub const POLICIES: [PolicyRow; 7] = [
         summary: "LoopSpec's proposals at depth N, gated second ones at M, verified by \
                   rejection sampling",
         speculative: true,
-        lossy: false,
         parse: parse_loopspec,
     },
     PolicyRow {
@@ -227,7 +230,6 @@ pub const POLICIES: [PolicyRow; 7] = [
         forms: &["self-draft[:d=N][:g=M]"],
         summary: "draft then verify: M tokens drafted from pass N, then verified together",
         speculative: true,
-        lossy: false,
         parse: parse_self_draft,
     },
     PolicyRow {
@@ -235,7 +237,6 @@ pub const POLICIES: [PolicyRow; 7] = [
         forms: &["draft[:g=M]"],
         summary: "draft then verify with M tokens from --draft-model",
         speculative: true,
-        lossy: false,
         parse: parse_draft,
     },
     PolicyRow {
@@ -245,7 +246,6 @@ pub const POLICIES: [PolicyRow; 7] = [
                   cumulative probability reaches T (default 0.5), its top-1 probability reaches \
                   P, or pass N, and its text may leave the baseline's",
         speculative: true,
-        lossy: true,
         parse: parse_exit,
     },
     PolicyRow {
@@ -253,7 +253,6 @@ pub const POLICIES: [PolicyRow; 7] = [
         forms: &["baseline"],
         summary: "one token at a time, every pass: what the others are held to",
         speculative: false,
-        lossy: false,
         parse: parse_baseline,
     },
 ];
@@ -498,6 +497,7 @@ mod table_tests {
                 "{}",
                 row.name
             );
+            assert_eq!(row.is_lossy(), row.name == "exit", "{}", row.name);
         }
         assert_eq!(
             forms(|_| true),
