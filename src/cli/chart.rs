@@ -267,3 +267,24 @@ fn draw_bar_series(
     }
     Ok(())
 }
+
+/// A sweep's output once its chart is drawn: its JSON, or its table and where the chart
+/// went; then an error naming the lanes (`failed`) whose text differed where it must not.
+pub fn report_sweep<T: serde::Serialize>(
+    sweep: &T,
+    json: bool,
+    svg: &std::path::Path,
+    print: impl FnOnce(),
+    failed: &[String],
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(sweep)?);
+    } else {
+        print();
+        println!("chart: {}", svg.display());
+    }
+    if !failed.is_empty() {
+        anyhow::bail!("{} output differs from baseline", failed.join(", "));
+    }
+    Ok(())
+}

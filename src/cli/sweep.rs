@@ -119,34 +119,13 @@ fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
         super::device::machine_name(&session.loaded)
     );
     super::chart::draw(&length_chart(&sweep, title), &args.svg)?;
-    finish(
+    super::chart::report_sweep(
         &sweep,
         args.json,
         &args.svg,
         || print_lengths(&sweep),
         &sweep.failed(),
     )
-}
-
-/// A sweep's output once its chart is drawn: its JSON, or its table and where the chart
-/// went; then an error naming the lanes (`failed`) whose text differed where it must not.
-pub(super) fn finish<T: serde::Serialize>(
-    sweep: &T,
-    json: bool,
-    svg: &std::path::Path,
-    print: impl FnOnce(),
-    failed: &[String],
-) -> anyhow::Result<()> {
-    if json {
-        println!("{}", serde_json::to_string_pretty(sweep)?);
-    } else {
-        print();
-        println!("chart: {}", svg.display());
-    }
-    if !failed.is_empty() {
-        anyhow::bail!("{} output differs from baseline", failed.join(", "));
-    }
-    Ok(())
 }
 
 fn print_lengths(sweep: &LengthSweep) {

@@ -99,7 +99,7 @@ pub fn run(args: &ExitArgs) -> anyhow::Result<()> {
     );
     draw(&exit_chart(&sweep, title), &args.svg)?;
     let print = || print_exits(&sweep);
-    super::sweep::finish(&sweep, args.json, &args.svg, print, &sweep.failed())
+    super::chart::report_sweep(&sweep, args.json, &args.svg, print, &sweep.failed())
 }
 
 fn print_exits(sweep: &ExitSweep) {

@@ -77,7 +77,7 @@ pub fn run(args: &PolicyArgs) -> anyhow::Result<()> {
         })
         .collect();
     let print = || print_policies(&points);
-    super::sweep::finish(&points, args.json, &args.svg, print, &failed)
+    super::chart::report_sweep(&points, args.json, &args.svg, print, &failed)
 }
 
 /// Every model of `args.models` loaded in turn and raced on `prompts`, with progress on a
