@@ -7,10 +7,11 @@ mod common;
 
 use common::{OPTIONS, PROMPTS, Variant, assert_clean_error, random_model, reference_logits, spec};
 use spex::engine::events::RowEvent;
+use spex::engine::exit_gate::ExitThreshold;
 use spex::engine::exit_gate::exits_at;
 use spex::engine::pass::Pass;
 use spex::engine::policy::PolicyKind;
-use spex::engine::{DecodeEvent, Decoder, LoadedModel};
+use spex::engine::{DecodeEvent, DecodeOptions, Decoder, LoadedModel};
 
 fn exit(rule: &str) -> PolicyKind {
     format!("exit:{rule}").parse().unwrap()
@@ -117,6 +118,48 @@ fn the_gate_stops_each_token_where_the_threshold_rule_does() {
     );
 }
 
+/// Bare `exit:gate` stops at the run's threshold: `--exit-threshold` (`DecodeOptions`) where
+/// given, else the checkpoint's `early_exit_threshold`. The random checkpoint's config holds
+/// Ouro's 1.0, at which no token stops early and the lane's text is the baseline's; the prefill
+/// event reports the threshold the run used.
+#[test]
+fn bare_gate_exits_at_the_runs_threshold() {
+    let (dir, loaded) = random_model(&spec(2, 4, Variant::Untied, 11));
+    for prompt in &PROMPTS[..3] {
+        let half = DecodeOptions {
+            exit_threshold: ExitThreshold::new(0.5),
+            ..OPTIONS
+        };
+        let (_, bare) = common::decoded_rows(&loaded, exit("gate"), prompt, half);
+        let (_, explicit) = common::decoded_rows(&loaded, exit("gate=0.5"), prompt, OPTIONS);
+        assert_eq!(bare, explicit, "{prompt:?}");
+        let (rows, every) = common::decoded_rows(&loaded, exit("gate"), prompt, OPTIONS);
+        let (_, baseline) = common::decoded_rows(&loaded, PolicyKind::Baseline, prompt, OPTIONS);
+        assert_eq!(every, baseline, "{prompt:?}: threshold 1 runs every pass");
+        assert!(rows_by_position(&rows).values().all(|r| r.len() == 4));
+    }
+    let d = dir.path().display().to_string();
+    let json = common::spex_ok(
+        &[
+            "generate",
+            "--model",
+            &d,
+            "--prompt",
+            "To be",
+            "--max-tokens",
+            "2",
+            "--json",
+            "--exit-threshold",
+            "0.7",
+        ],
+        &[],
+        dir.path(),
+    );
+    let prefill = String::from_utf8(json).unwrap();
+    let prefill = prefill.lines().find(|l| l.contains("\"prefill\"")).unwrap();
+    assert!(prefill.contains("\"exit_threshold\":0.7"), "{prefill}");
+}
+
 /// After a token exits at pass p, every deeper pass holds a copy of its pass-p K/V entry, in
 /// every layer: later tokens attend to it at every pass.
 #[test]
@@ -182,6 +225,12 @@ fn bad_exit_rules_get_one_line() {
         );
     }
     assert_clean_error(&["bench", "--policy", "exit:confidence"], "needs a value");
+    for bad in ["0", "1.5", "half"] {
+        assert_clean_error(
+            &["bench", "--exit-threshold", bad],
+            "must be a probability in (0, 1]",
+        );
+    }
     assert_clean_error(
         &["bench", "--policy", "exit:pass=0"],
         "pass=N: N is the pass",
@@ -192,6 +241,19 @@ fn bad_exit_rules_get_one_line() {
     );
     let (dir, _) = random_model(&spec(1, 3, Variant::Tied, 1));
     let d = dir.path().display().to_string();
+    let config = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let bad = text.replace(
+        "\"early_exit_threshold\": 1.0",
+        "\"early_exit_threshold\": 2.0",
+    );
+    assert_ne!(bad, text);
+    std::fs::write(&config, bad).unwrap();
+    assert_clean_error(
+        &["generate", "--model", &d, "--prompt", "To be"],
+        "field `early_exit_threshold`: 2.0 must be a probability in (0, 1]",
+    );
+    std::fs::write(&config, text).unwrap();
     let generate = |policy: &str| {
         [
             "generate", "--model", &d, "--prompt", "To be", "--policy", policy,

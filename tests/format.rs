@@ -146,6 +146,7 @@ fn streamed_text_ends_like_the_finish_text_even_mid_character() {
                 max_tokens,
                 context: 128,
                 sampling: spex::engine::Sampling::GREEDY,
+                exit_threshold: None,
             };
             let policy = PolicyKind::Speed.build();
             let mut decoder = Decoder::new(&loaded, policy, prompt, options).expect("decoder");
@@ -218,6 +219,7 @@ fn every_row_reports_the_reference_exit_probability() {
         max_tokens: 12,
         context: 128,
         sampling: spex::engine::Sampling::GREEDY,
+        exit_threshold: None,
     };
     for policy in [PolicyKind::Baseline, PolicyKind::Speed] {
         let (rows, tokens) = common::decoded_rows(&loaded, policy, "To be", options);

@@ -120,6 +120,7 @@ fn quantized_logits_near(file_type: FileType, behind_bound: f32, probability_bou
                 max_tokens: 12,
                 context: 128,
                 sampling: Sampling::GREEDY,
+                exit_threshold: None,
             };
             let (rows, tokens) = common::decoded_rows(&host, PolicyKind::Baseline, prompt, decode);
             let mut ids = host.tokenizer.encode(prompt).unwrap();

@@ -103,6 +103,7 @@ fn loads_by_repo_id_and_by_entry_from_the_hub_cache_offline() {
             max_tokens: 8,
             context: 64,
             sampling: spex::engine::Sampling::GREEDY,
+            exit_threshold: None,
         },
     )
     .unwrap();
@@ -316,6 +317,7 @@ fn sharded_checkpoint_decodes_like_the_unsharded_one() {
             max_tokens: 16,
             context: 128,
             sampling: spex::engine::Sampling::GREEDY,
+            exit_threshold: None,
         };
         let a = run_lane(&whole, PolicyKind::Speed, prompt, opts).unwrap();
         let b = run_lane(&sharded, PolicyKind::Speed, prompt, opts).unwrap();

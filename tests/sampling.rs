@@ -52,6 +52,7 @@ fn every_policy_reproduces_the_baselines_sampled_text() {
                     max_tokens: 24,
                     context: 128,
                     sampling,
+                    exit_threshold: None,
                 };
                 let base = run_lane(&reference, PolicyKind::Baseline, prompt, options).unwrap();
                 let greedy = DecodeOptions::greedy(24, 128);
@@ -197,6 +198,7 @@ fn the_first_sampled_token_follows_the_filtered_softmax() {
                 max_tokens: 1,
                 context: 64,
                 sampling,
+                exit_threshold: None,
             };
             let lane = run_lane(&loaded, PolicyKind::Baseline, prompt, options).unwrap();
             *observed.entry(lane.tokens[0]).or_insert(0) += 1;
@@ -250,6 +252,7 @@ fn assert_first_two_follow_on(
             max_tokens,
             context: 64,
             sampling: Sampling { seed, ..base },
+            exit_threshold: None,
         };
         let lane = run_lane(&loaded, policy, prompt, options).unwrap();
         stats.add(&lane.stats);

@@ -255,7 +255,7 @@ fn an_exit_sweep_draws_lossy_exits_beside_a_lossless_policy() {
             "exit:pass=2",
             "exit:confidence=0.5",
             "exit:confidence=0.9",
-            "exit:gate",
+            "exit:gate=0.5",
             "speed"
         ]
     );

@@ -26,6 +26,7 @@ fn race(loaded: &LoadedModel, prompt: &str, policy: PolicyKind) -> Vec<RaceEvent
         max_tokens: 16,
         context: 128,
         sampling: Sampling::GREEDY,
+        exit_threshold: None,
     };
     run_race(loaded, prompt, policy, options, control_rx, |e| {
         events.push(e);
@@ -132,6 +133,7 @@ fn the_explorer_jumps_a_replay_to_each_occurrence_and_shows_the_what_if() {
         max_tokens: 16,
         context: 128,
         sampling: Sampling::GREEDY,
+        exit_threshold: None,
     };
     let trace = recorded_race(&loaded, prompt, PolicyKind::Speed, options);
     let steps = trace.steps();

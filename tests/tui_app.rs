@@ -13,6 +13,7 @@ use std::sync::mpsc;
 use common::{Variant, random_model, spec};
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers, MouseEvent, MouseEventKind};
 use spex::engine::DecodeOptions;
+use spex::engine::exit_gate::ExitThreshold;
 use spex::engine::policy::PolicyKind;
 use spex::engine::rng::SplitMix;
 use spex::harness::race::{Lane, RaceControl, RaceEvent, run_race};
@@ -47,24 +48,23 @@ fn race_events_sampled(
     policy: PolicyKind,
     sampling: spex::engine::Sampling,
 ) -> Vec<RaceEvent> {
+    let options = DecodeOptions {
+        max_tokens: 20,
+        context: 128,
+        sampling,
+        exit_threshold: None,
+    };
+    race_events_options(prompt, policy, options)
+}
+
+fn race_events_options(prompt: &str, policy: PolicyKind, options: DecodeOptions) -> Vec<RaceEvent> {
     let (_dir, loaded) = random_model(&spec(2, 4, Variant::Tied, 5));
     let (_control_tx, control_rx) = mpsc::channel();
     let mut events = Vec::new();
-    run_race(
-        &loaded,
-        prompt,
-        policy,
-        DecodeOptions {
-            max_tokens: 20,
-            context: 128,
-            sampling,
-        },
-        control_rx,
-        |e| {
-            events.push(e);
-            true
-        },
-    );
+    run_race(&loaded, prompt, policy, options, control_rx, |e| {
+        events.push(e);
+        true
+    });
     events
 }
 
@@ -513,20 +513,30 @@ fn p_switches_presenter_mode_and_presenting_starts_at_two_steps_a_second() {
     assert_eq!(app.rate(), Some(2.0));
 }
 
-/// The pipeline marks the cell where Ouro's exit gate would stop each token (the first pass
-/// whose chance of having exited reaches 0.5), from the λ the rows report: the random
-/// checkpoint's gate stops some tokens early and lets others run on.
-#[test]
-fn the_pipeline_marks_where_the_gate_would_exit() {
+/// Races "To be" greedily with `--exit-threshold` at `threshold` (`None`: the checkpoint's).
+fn gate_marks(threshold: Option<f32>) -> (App, usize) {
+    let threshold = threshold.map(|t| ExitThreshold::new(t).unwrap());
+    let options = DecodeOptions {
+        exit_threshold: threshold,
+        ..DecodeOptions::greedy(20, 128)
+    };
     let mut app = running_app();
-    app.update(Msg::Engine(race_events("To be")));
+    app.update(Msg::Engine(race_events_options(
+        "To be",
+        PolicyKind::Speed,
+        options,
+    )));
     let run = app.run.as_ref().unwrap();
+    let threshold = run
+        .exit_threshold
+        .expect("the random checkpoint has a gate");
     let mut marked = 0;
     for column in &run.columns {
         for (index, cell) in column.cells.iter().enumerate() {
             let Some(cell) = cell else { continue };
-            let gate = run.positions[&(cell.pos + 1)].gate_exit();
-            let here = gate == Some(spex::engine::Pass::from_index(index));
+            let gate = run.positions[&(cell.pos + 1)].gate_exit(threshold);
+            let early = gate.filter(|p| p.number() < run.kv.len());
+            let here = early == Some(spex::engine::Pass::from_index(index));
             assert_eq!(
                 cell.gate_exit,
                 here,
@@ -537,5 +547,26 @@ fn the_pipeline_marks_where_the_gate_would_exit() {
             marked += usize::from(here);
         }
     }
+    (app, marked)
+}
+
+/// The pipeline marks the cell where Ouro's exit gate would stop each token early (the first
+/// pass before R whose chance of having exited reaches the run's threshold), from the λ the
+/// rows report. At `--exit-threshold 0.5` the random checkpoint's gate stops some tokens
+/// early; at its config's own threshold, 1.0, every token runs every pass and none is marked.
+#[test]
+fn the_pipeline_marks_where_the_gate_would_exit() {
+    let (app, marked) = gate_marks(Some(0.5));
+    assert_eq!(
+        app.run.as_ref().unwrap().exit_threshold,
+        ExitThreshold::new(0.5)
+    );
     assert!(marked > 0, "no cell marked");
+    let (app, marked) = gate_marks(None);
+    assert_eq!(
+        app.run.as_ref().unwrap().exit_threshold,
+        Some(ExitThreshold::EVERY_PASS),
+        "the checkpoint's early_exit_threshold"
+    );
+    assert_eq!(marked, 0);
 }

@@ -111,11 +111,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let session = load_model(&args.model, &args.policy)?;
     let passes = session.loaded.model().passes();
-    let options = DecodeOptions {
-        max_tokens: args.max_tokens,
-        context: args.model.context,
-        sampling: args.sampling.resolve(&session)?,
-    };
+    let options = (args.model).decode_options(args.max_tokens, args.sampling.resolve(&session)?);
     let policies = session.bench_policies(&args.policy);
     if !args.json {
         print_header(args, &session, options, &policies);

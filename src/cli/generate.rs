@@ -17,11 +17,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         .policy
         .or(session.policy)
         .unwrap_or(crate::engine::PolicyKind::Speed);
-    let options = DecodeOptions {
-        max_tokens: args.max_tokens,
-        context: args.model.context,
-        sampling: args.sampling.resolve(&session)?,
-    };
+    let options = (args.model).decode_options(args.max_tokens, args.sampling.resolve(&session)?);
     let mut decoder = Decoder::new(
         loaded,
         policy.build(),

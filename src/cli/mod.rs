@@ -24,10 +24,11 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::engine::exit_gate::ExitThreshold;
 use crate::engine::model::KvDtype;
 use crate::engine::policy::{self as policy_table, PolicyKind};
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
-use crate::engine::{EngineError, Sampling};
+use crate::engine::{DecodeOptions, EngineError, Sampling};
 use session::model_label;
 pub use session::{Session, load_model, load_model_with};
 
@@ -137,6 +138,11 @@ pub struct ModelArgs {
     /// steps when it loads), l1 (16 KB ahead into L1) or l2 (also 64 KB ahead into L2).
     #[arg(long, value_enum, default_value_t = PrefetchArg::Auto)]
     pub prefetch: PrefetchArg,
+    /// The cumulative exit probability in (0, 1] at which Ouro's exit gate stops a token:
+    /// what the pipeline panel marks and `exit:gate` (without `=T`) acts on (default: the
+    /// checkpoint's `early_exit_threshold`, else 1, every pass).
+    #[arg(long, value_name = "T")]
+    pub exit_threshold: Option<ExitThreshold>,
 }
 
 /// `--prefetch`.
@@ -176,6 +182,18 @@ impl ModelArgs {
             draft_model: None,
             threads: None,
             prefetch: PrefetchArg::Auto,
+            exit_threshold: None,
+        }
+    }
+
+    /// A run of up to `max_tokens` tokens in `--context`, sampled as `sampling` says, with
+    /// `--exit-threshold`.
+    pub fn decode_options(&self, max_tokens: usize, sampling: Sampling) -> DecodeOptions {
+        DecodeOptions {
+            max_tokens,
+            context: self.context,
+            sampling,
+            exit_threshold: self.exit_threshold,
         }
     }
 }
@@ -511,11 +529,7 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         dtype: session.dtype.clone(),
         policy,
     };
-    let decode = crate::engine::DecodeOptions {
-        max_tokens: args.max_tokens,
-        context: args.model.context,
-        sampling: args.sampling.resolve(&session)?,
-    };
+    let decode = (args.model).decode_options(args.max_tokens, args.sampling.resolve(&session)?);
     let options = crate::tui::DashboardOptions {
         prompt: args.prompt.clone(),
         sample_prompt: session.sample_prompt.clone(),

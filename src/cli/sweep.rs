@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 
 use super::{ModelArgs, SamplingArgs, parse_count};
-use crate::engine::{DecodeOptions, PolicyKind};
+use crate::engine::PolicyKind;
 use crate::harness::bench::Lineup;
 use crate::harness::sweep::{LengthSweep, sweep_lengths};
 
@@ -82,11 +82,8 @@ fn lengths(args: &LengthArgs) -> anyhow::Result<()> {
     if let Some(&long) = args.lengths.iter().find(|&&n| n >= context) {
         anyhow::bail!("--lengths: {long} tokens do not fit the context of {context} tokens");
     }
-    let options = DecodeOptions {
-        max_tokens: 1, // each length's, set by `sweep_lengths`
-        context,
-        sampling: args.sampling.resolve(&session)?,
-    };
+    // Each length's `max_tokens`, set by `sweep_lengths`.
+    let options = (args.model).decode_options(1, args.sampling.resolve(&session)?);
     let policies = session.bench_policies(&args.policy);
     let turns = args.lanes.turns();
     let prompts: Vec<String> = (prompts.iter())

@@ -10,7 +10,8 @@ use clap::Args;
 
 use super::chart::{Chart, Series, XAxis, draw};
 use super::{ModelArgs, SamplingArgs, parse_count};
-use crate::engine::{DecodeOptions, PolicyKind};
+use crate::engine::PolicyKind;
+use crate::engine::exit_gate::ExitThreshold;
 use crate::harness::bench::Lineup;
 use crate::harness::sweep::{ExitSettings, ExitSweep, exit_lanes, sweep_exits};
 
@@ -38,7 +39,7 @@ pub struct ExitArgs {
     pub confidence: Vec<f32>,
     /// The thresholds `exit:gate=T` is raced at where the model has an exit gate.
     #[arg(long, value_delimiter = ',', default_value = "0.1,0.3,0.5,0.7,0.9")]
-    pub gate: Vec<f32>,
+    pub gate: Vec<ExitThreshold>,
     /// Where the chart is written (an SVG).
     #[arg(long, value_name = "FILE", default_value = "sweep-exits.svg")]
     pub svg: PathBuf,
@@ -68,11 +69,7 @@ pub fn run(args: &ExitArgs) -> anyhow::Result<()> {
     let has_gate = loaded.model().weights.exit_gate.is_some();
     let mut policies = exit_lanes(loaded.model().passes(), has_gate, &settings);
     policies.push(lossless);
-    let options = DecodeOptions {
-        max_tokens: args.max_tokens,
-        context: args.model.context,
-        sampling: args.sampling.resolve(&session)?,
-    };
+    let options = (args.model).decode_options(args.max_tokens, args.sampling.resolve(&session)?);
     let prompts: Vec<String> = (prompts.iter())
         .map(|p| session.prompt(p))
         .collect::<Result<_, _>>()?;

@@ -9,7 +9,7 @@ use clap::Args;
 
 use super::chart::{BarChart, draw_bars};
 use super::{ModelArgs, SamplingArgs, parse_count};
-use crate::engine::{DecodeOptions, PolicyKind};
+use crate::engine::PolicyKind;
 use crate::harness::bench::{Lineup, Turns};
 use crate::harness::sweep::{ModelPoint, NamedModel, policy_point};
 
@@ -96,11 +96,7 @@ fn measure_models(
         };
         let session = super::load_model(&load, &args.policy)?;
         machine = super::device::machine_name(&session.loaded);
-        let options = DecodeOptions {
-            max_tokens: args.max_tokens,
-            context: load.context,
-            sampling: args.sampling.resolve(&session)?,
-        };
+        let options = load.decode_options(args.max_tokens, args.sampling.resolve(&session)?);
         let prompts: Vec<String> = (prompts.iter())
             .map(|p| session.prompt(p))
             .collect::<Result<_, _>>()?;

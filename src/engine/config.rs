@@ -7,6 +7,7 @@ use candle_core::DType;
 use serde_json::{Map, Value, json};
 
 use super::error::{EngineError, Result};
+use super::exit_gate::ExitThreshold;
 use super::looped::{Family, LoopedConfig};
 
 /// The architecture fields of an Ouro checkpoint that spex uses (`engine::format`).
@@ -43,6 +44,9 @@ pub struct OuroConfig {
     pub eos_token_ids: Vec<u32>,
     /// The element type's name, as PyTorch spells it (`bfloat16`; `float32` when absent).
     pub torch_dtype: String,
+    /// The cumulative exit probability at which Ouro's exit gate stops a token
+    /// (`engine::exit_gate`); Ouro's default, 1.0 (every pass), when absent.
+    pub early_exit_threshold: ExitThreshold,
 }
 
 /// The element types a checkpoint's `torch_dtype` names, with their names: the one table
@@ -117,6 +121,7 @@ impl OuroConfig {
             bos_token_id: fields.token_ids("bos_token_id")?.first().copied(),
             eos_token_ids: fields.token_ids("eos_token_id")?,
             torch_dtype: fields.string_or("torch_dtype", "float32")?,
+            early_exit_threshold: fields.threshold_or("early_exit_threshold")?,
         };
         if !TORCH_DTYPES
             .iter()
@@ -211,6 +216,7 @@ impl OuroConfig {
             bos_token_id: self.bos_token_id,
             eos_token_ids: self.eos_token_ids.clone(),
             stored_dtype: self.stored_dtype(),
+            exit_threshold: self.early_exit_threshold,
         }
     }
 
@@ -237,7 +243,7 @@ impl OuroConfig {
             "pad_token_id": self.eos_token_ids.first(),
             "hidden_act": "silu",
             "torch_dtype": self.torch_dtype,
-            "early_exit_threshold": 1.0,
+            "early_exit_threshold": self.early_exit_threshold.get(),
         })
     }
 }
@@ -261,6 +267,7 @@ impl From<&LoopedConfig> for OuroConfig {
             bos_token_id: c.bos_token_id,
             eos_token_ids: c.eos_token_ids.clone(),
             torch_dtype: torch_dtype_name(c.stored_dtype).to_string(),
+            early_exit_threshold: c.exit_threshold,
         }
     }
 }
@@ -417,6 +424,7 @@ impl ModelShape {
             bos_token_id: Some(0),
             eos_token_ids: vec![0],
             torch_dtype: torch_dtype.to_string(),
+            early_exit_threshold: ExitThreshold::EVERY_PASS,
         }
     }
 }
@@ -476,6 +484,16 @@ impl Fields<'_> {
             Some(v) => v
                 .as_bool()
                 .ok_or_else(|| self.error(field, "expected true or false")),
+        }
+    }
+
+    /// A probability in (0, 1]; `EVERY_PASS` when absent.
+    fn threshold_or(&self, field: &str) -> Result<ExitThreshold> {
+        match self.map.get(field) {
+            None | Some(Value::Null) => Ok(ExitThreshold::EVERY_PASS),
+            Some(v) => (v.as_f64())
+                .and_then(|p| ExitThreshold::new(p as f32))
+                .ok_or_else(|| self.error(field, format!("{v} must be a probability in (0, 1]"))),
         }
     }
 

@@ -184,6 +184,11 @@ pub struct PrefillEvent {
     pub first: Committed,
     /// Each pass's cache occupancy after the prefill, pass 1 first.
     pub kv: Vec<PassOccupancy>,
+    /// Where the exit gate's threshold rule stops a token in this run (the checkpoint's
+    /// `early_exit_threshold`, or `--exit-threshold`); absent where the model has no gate,
+    /// and in traces recorded before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_threshold: Option<crate::engine::exit_gate::ExitThreshold>,
     #[serde(rename = "compute_us", with = "super::units::micros")]
     /// Its compute time (`compute_us`, in microseconds, in JSON).
     pub compute: Duration,

@@ -32,6 +32,61 @@ impl ExitGate {
     }
 }
 
+/// A cumulative exit probability in (0, 1]: where the threshold rule stops a token. A
+/// checkpoint's `early_exit_threshold` gives one and `--exit-threshold` overrides it.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "f32", into = "f32")]
+pub struct ExitThreshold(f32);
+
+// The value is never NaN (`ExitThreshold::new` refuses it), so equality is total.
+impl Eq for ExitThreshold {}
+
+impl ExitThreshold {
+    /// Ouro's own default (its configs' `early_exit_threshold` is 1.0): the cumulative exit
+    /// probability reaches 1 only at pass R, so every token runs every pass.
+    pub const EVERY_PASS: Self = Self(1.0);
+
+    /// `probability` as a threshold, if it lies in (0, 1].
+    pub fn new(probability: f32) -> Option<Self> {
+        (probability > 0.0 && probability <= 1.0).then_some(Self(probability))
+    }
+
+    /// The probability.
+    pub fn get(self) -> f32 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for ExitThreshold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl From<ExitThreshold> for f32 {
+    fn from(t: ExitThreshold) -> f32 {
+        t.0
+    }
+}
+
+impl TryFrom<f32> for ExitThreshold {
+    type Error = String;
+
+    fn try_from(p: f32) -> Result<Self, String> {
+        Self::new(p).ok_or_else(|| format!("{p} must be a probability in (0, 1]"))
+    }
+}
+
+impl std::str::FromStr for ExitThreshold {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        (s.trim().parse::<f32>().ok())
+            .and_then(Self::new)
+            .ok_or_else(|| format!("`{s}` must be a probability in (0, 1]"))
+    }
+}
+
 /// σ(x), the gate logit's probability.
 pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
@@ -67,11 +122,11 @@ pub fn exit_distribution(lambdas: &[f32]) -> Vec<f32> {
 
 /// The pass a threshold exit stops at: the first whose cumulative exit probability reaches
 /// `threshold`, else pass R (mlx-lm's `_threshold_exit`).
-pub fn threshold_exit(lambdas: &[f32], threshold: f32) -> Pass {
+pub fn threshold_exit(lambdas: &[f32], threshold: ExitThreshold) -> Pass {
     let mut cumulative = 0.0f32;
     for (r, p) in exit_distribution(lambdas).into_iter().enumerate() {
         cumulative += p;
-        if cumulative >= threshold {
+        if cumulative >= threshold.get() {
             return Pass::from_index(r);
         }
     }
@@ -87,13 +142,28 @@ mod tests {
         let lambdas = [0.5, 0.5, 0.5, 0.9];
         let pdf = exit_distribution(&lambdas);
         assert_eq!(pdf, vec![0.5, 0.25, 0.125, 0.125]);
-        assert_eq!(threshold_exit(&lambdas, 0.5), Pass::FIRST);
-        assert_eq!(threshold_exit(&lambdas, 0.7), Pass::from_index(1));
-        assert_eq!(threshold_exit(&lambdas, 0.875), Pass::from_index(2));
-        assert_eq!(threshold_exit(&lambdas, 1.0), Pass::from_index(3));
-        // A neutral gate (λ ≈ 4.5e-5, spex's shipped models) runs every pass.
+        let at = |t| threshold_exit(&lambdas, ExitThreshold::new(t).unwrap());
+        assert_eq!(at(0.5), Pass::FIRST);
+        assert_eq!(at(0.7), Pass::from_index(1));
+        assert_eq!(at(0.875), Pass::from_index(2));
+        assert_eq!(at(1.0), Pass::from_index(3));
+        // A neutral gate (λ ≈ 4.5e-5) runs every pass.
         let neutral = [sigmoid(-10.0); 4];
-        assert_eq!(threshold_exit(&neutral, 0.5), Pass::from_index(3));
+        let half = ExitThreshold::new(0.5).unwrap();
+        assert_eq!(threshold_exit(&neutral, half), Pass::from_index(3));
         assert!((exit_distribution(&neutral).iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_threshold_is_a_probability_in_the_half_open_unit_interval() {
+        assert_eq!(
+            "0.5".parse::<ExitThreshold>().map(ExitThreshold::get),
+            Ok(0.5)
+        );
+        assert_eq!("1".parse::<ExitThreshold>(), Ok(ExitThreshold::EVERY_PASS));
+        for bad in ["0", "-0.1", "1.01", "NaN", "half"] {
+            let err = bad.parse::<ExitThreshold>().unwrap_err();
+            assert!(err.contains("(0, 1]"), "{bad}: {err}");
+        }
     }
 }

@@ -58,6 +58,9 @@ pub struct LoopedConfig {
     pub eos_token_ids: Vec<u32>,
     /// The element type the weights are stored in.
     pub stored_dtype: DType,
+    /// Where the exit gate's threshold rule stops a token: the checkpoint's
+    /// `early_exit_threshold`, or what the load overrode it with (`LoadOptions`).
+    pub exit_threshold: crate::engine::exit_gate::ExitThreshold,
 }
 
 impl LoopedConfig {

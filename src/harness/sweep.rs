@@ -11,6 +11,7 @@ use super::roofline::Roofline;
 use crate::engine::LoadedModel;
 use crate::engine::decoder::DecodeOptions;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::exit_gate::ExitThreshold;
 use crate::engine::policy::PolicyKind;
 
 /// One policy at one point of a sweep.
@@ -327,7 +328,7 @@ pub struct ExitSettings {
     /// `exit:confidence=P` for each P.
     pub confidences: Vec<f32>,
     /// `exit:gate=T` for each T, where the model has a gate.
-    pub gate_thresholds: Vec<f32>,
+    pub gate_thresholds: Vec<ExitThreshold>,
 }
 
 /// The lossy lanes of an exit sweep on a model of `passes` passes: every fixed depth below
@@ -340,7 +341,9 @@ pub fn exit_lanes(passes: usize, has_gate: bool, settings: &ExitSettings) -> Vec
         .map(|&min_probability| ExitRule::Confidence { min_probability });
     let gated = (settings.gate_thresholds.iter())
         .filter(|_| has_gate)
-        .map(|&threshold| ExitRule::Gate { threshold });
+        .map(|&threshold| ExitRule::Gate {
+            threshold: Some(threshold),
+        });
     (depths.chain(confident).chain(gated))
         .map(|rule| PolicyKind::Exit { rule })
         .collect()

@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use crate::engine::events::{DecodeEvent, FinishReason, StepEvent, Token};
+use crate::engine::exit_gate::ExitThreshold;
 use crate::engine::kv_cache::PassOccupancy;
 use crate::engine::pass::Pass;
 use crate::harness::bench::Departure;
@@ -43,8 +44,9 @@ pub struct Cell {
     pub kind: CellKind,
     /// Tokens at this pass in this step: 1, or a draft group's size.
     pub tokens: usize,
-    /// Ouro's exit gate would stop this token here: the first pass where its chance of having
-    /// exited reaches `exit:gate`'s default threshold (`inspector::PositionView::gate_exit`).
+    /// Ouro's exit gate would stop this token here, before pass R: the first pass where its
+    /// chance of having exited reaches the run's threshold
+    /// (`inspector::PositionView::gate_exit`).
     pub gate_exit: bool,
 }
 
@@ -134,6 +136,8 @@ pub struct RunView {
     pub first_pos: usize,
     /// Every position's readouts, flips and commit in the speculative lane (the inspector).
     pub positions: BTreeMap<usize, PositionView>,
+    /// Where the exit gate stops a token in this run; `None` without a gate.
+    pub exit_threshold: Option<ExitThreshold>,
     pub done: bool,
 }
 
@@ -183,6 +187,7 @@ pub(super) fn on_decode(run: &mut RunView, lane: Lane, event: &DecodeEvent) {
             if lane == Lane::Speculative {
                 run.kv.clone_from(&p.kv);
                 run.first_pos = p.first.pos;
+                run.exit_threshold = p.exit_threshold;
             }
         }
         DecodeEvent::Step(step) => {
@@ -215,10 +220,14 @@ fn record_pipeline(run: &mut RunView, step: &StepEvent) {
         run.columns.pop_front();
     }
     let mut cells = step_cells(step, passes);
-    for (index, cell) in cells.iter_mut().enumerate() {
-        if let Some(cell) = cell.as_mut().filter(|c| c.tokens == 1) {
-            let view = run.positions.get(&(cell.pos + 1));
-            cell.gate_exit = view.and_then(|v| v.gate_exit()) == Some(Pass::from_index(index));
+    if let Some(threshold) = run.exit_threshold {
+        for (index, cell) in cells.iter_mut().enumerate() {
+            if let Some(cell) = cell.as_mut().filter(|c| c.tokens == 1) {
+                let view = run.positions.get(&(cell.pos + 1));
+                let stop = view.and_then(|v| v.gate_exit(threshold));
+                let early = stop.filter(|p| !p.is_last(passes));
+                cell.gate_exit = early == Some(Pass::from_index(index));
+            }
         }
     }
     run.columns.push_back(StepColumn {

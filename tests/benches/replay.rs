@@ -50,6 +50,7 @@ fn long_trace() -> Trace {
         max_tokens: TOKENS,
         context: TOKENS + 64,
         sampling: Sampling::GREEDY,
+        exit_threshold: None,
     };
     common::recorded_race(&loaded, "To be", PolicyKind::Speed, options)
 }

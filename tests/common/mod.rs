@@ -22,6 +22,7 @@ pub const OPTIONS: DecodeOptions = DecodeOptions {
     max_tokens: 24,
     context: 128,
     sampling: spex::engine::Sampling::GREEDY,
+    exit_threshold: None,
 };
 
 /// Twenty prompts of different lengths and characters.

@@ -162,6 +162,7 @@ fn the_pulled_snapshot_decodes_as_the_checkpoint_does() {
         max_tokens: 12,
         context: 96,
         sampling: Sampling::GREEDY,
+        exit_threshold: None,
     };
     for prompt in PROMPTS.iter().take(4) {
         let base = run_lane(&loaded, PolicyKind::Baseline, prompt, opts).unwrap();

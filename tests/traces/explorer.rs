@@ -74,6 +74,7 @@ fn hand_made_trace() -> Trace {
             prompt_tokens: 3,
             first: commit(3, token(10, " the")),
             kv: Vec::new(),
+            exit_threshold: None,
             compute: Duration::from_micros(10),
         }),
     };

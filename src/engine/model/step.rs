@@ -8,6 +8,7 @@ use std::fmt;
 use super::LayerWeights;
 use super::backend::StepBackend;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::exit_gate::ExitThreshold;
 use crate::engine::kv_cache::{KvCache, KvStore};
 use crate::engine::pass::Pass;
 
@@ -47,6 +48,11 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
     /// gate, `engine::exit_gate`).
     fn has_exit_gate(&self) -> bool {
         false
+    }
+
+    /// Where the exit gate's threshold rule stops a token (`LoopedConfig::exit_threshold`).
+    fn exit_threshold(&self) -> ExitThreshold {
+        ExitThreshold::EVERY_PASS
     }
 
     /// All R passes over `tokens` at positions `start..`, one batched step per pass (a
@@ -104,6 +110,10 @@ impl<B: StepBackend> StepModel for B {
 
     fn has_exit_gate(&self) -> bool {
         self.model().weights.exit_gate.is_some()
+    }
+
+    fn exit_threshold(&self) -> ExitThreshold {
+        self.model().config.exit_threshold
     }
 
     fn empty_kv(&self, capacity: usize) -> Result<Self::Kv> {

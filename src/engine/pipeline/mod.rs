@@ -112,6 +112,7 @@ use in_flight::{InFlight, Readouts};
 use super::drafter::Drafter;
 use super::error::{EngineError, Result};
 use super::events::{Committed, DecodeEvent, FinishReason, Flush, Prediction, RowEvent, StepEvent};
+use super::exit_gate::ExitThreshold;
 use super::kv_cache::KvCache;
 use super::model::{ReadoutKind, RowSlot, StepModel};
 use super::pass::Pass;
@@ -227,6 +228,12 @@ impl<B: StepModel> Pipeline<B> {
         self.backend.passes()
     }
 
+    /// Where the exit gate stops a token in this run: `--exit-threshold`, else the
+    /// checkpoint's.
+    fn exit_threshold(&self) -> ExitThreshold {
+        (self.options.exit_threshold).unwrap_or_else(|| self.backend.exit_threshold())
+    }
+
     /// The policy's action on a readout after `pass` that predicts position `pos`, where
     /// the candidates `c` are in flight for it and the token's gate gave `lambdas` so far.
     fn act(
@@ -244,6 +251,7 @@ impl<B: StepModel> Pipeline<B> {
             pos,
             sampling: &self.options.sampling,
             lambdas,
+            exit_threshold: self.exit_threshold(),
         };
         self.policy.act(&readout, c)
     }

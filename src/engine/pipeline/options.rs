@@ -1,6 +1,7 @@
 //! [`DecodeOptions`]: the limits and the sampling rule of one run, which the scheduler
 //! obeys and callers set (re-exported as `engine::DecodeOptions`).
 
+use crate::engine::exit_gate::ExitThreshold;
 use crate::engine::sampling::Sampling;
 
 /// Limits and the sampling rule of one run.
@@ -12,6 +13,10 @@ pub struct DecodeOptions {
     pub context: usize,
     /// Greedy, or seed-coupled sampling (`engine::sampling`).
     pub sampling: Sampling,
+    /// Where the exit gate's threshold rule stops a token (`--exit-threshold`); `None`: the
+    /// checkpoint's `early_exit_threshold`. Only the lossy `exit:gate` lane acts on it; every
+    /// other run only reports it.
+    pub exit_threshold: Option<ExitThreshold>,
 }
 
 impl DecodeOptions {
@@ -21,6 +26,7 @@ impl DecodeOptions {
             max_tokens,
             context,
             sampling: Sampling::GREEDY,
+            exit_threshold: None,
         }
     }
 }

@@ -41,6 +41,7 @@ impl<B: StepModel> Pipeline<B> {
             prompt_tokens: n,
             first: committed,
             kv: self.cache.occupancy(),
+            exit_threshold: (self.backend.has_exit_gate()).then(|| self.exit_threshold()),
             compute: started.elapsed(),
         })
     }

@@ -107,6 +107,9 @@ pub struct Readout<'a> {
     /// The exit gate's λ after each of the token's passes so far, this one included; empty
     /// where the model has no gate.
     pub lambdas: &'a [f32],
+    /// The run's gate threshold: the checkpoint's `early_exit_threshold`, or
+    /// `--exit-threshold` (`engine::exit_gate`).
+    pub exit_threshold: crate::engine::exit_gate::ExitThreshold,
 }
 
 impl Readout<'_> {

@@ -8,7 +8,8 @@
 //! - **The checkpoint's gate** (`exit:gate[=T]`): Ouro's learned exit gate gives λ_r after every
 //!   pass; the token stops at the first pass whose cumulative exit probability reaches T, the
 //!   threshold rule of Ouro's adaptive computation (`engine::exit_gate::threshold_exit`, as
-//!   mlx-lm's `_threshold_exit`).
+//!   mlx-lm's `_threshold_exit`). Without `=T`, T is the run's: the checkpoint's
+//!   `early_exit_threshold`, or `--exit-threshold` ([`Readout::exit_threshold`]).
 //! - **Confidence** (`exit:confidence=P`): the readout's top-1 softmax probability is at least
 //!   P (Schuster et al., "Confident Adaptive Language Modeling", arXiv 2207.07061: the
 //!   softmax-response confidence measure). It needs no trained gate.
@@ -28,17 +29,18 @@
 //! departs, how much of it agrees), never as identical.
 
 use super::{Action, Policy, Proposal, Readout};
-use crate::engine::exit_gate;
+use crate::engine::exit_gate::{self, ExitThreshold};
 use crate::engine::pass::Pass;
 
 /// Where a lossy early exit stops a token.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum ExitRule {
     /// The checkpoint's exit gate: the first pass whose cumulative exit probability reaches
-    /// `threshold`, in (0, 1].
+    /// `threshold`.
     Gate {
-        /// The cumulative exit probability that stops a token.
-        threshold: f32,
+        /// The cumulative exit probability that stops a token; `None`: the run's
+        /// ([`Readout::exit_threshold`]).
+        threshold: Option<ExitThreshold>,
     },
     /// The readout's top-1 softmax probability reaches `min_probability`, in (0, 1].
     Confidence {
@@ -47,12 +49,6 @@ pub enum ExitRule {
     },
     /// Every token stops after this pass.
     Pass(Pass),
-}
-
-impl ExitRule {
-    /// The gate threshold `exit:gate` alone means: a token stops once it is more likely than
-    /// not to have exited.
-    pub const DEFAULT_GATE_THRESHOLD: f32 = 0.5;
 }
 
 /// What the scheduler must provide a lossy early exit with. Its readouts before pass R are
@@ -79,8 +75,9 @@ impl Exit {
         match self.rule {
             ExitRule::Pass(pass) => r.pass >= pass,
             ExitRule::Gate { threshold } => {
+                let threshold = threshold.unwrap_or(r.exit_threshold);
                 let cumulative: f32 = exit_gate::exits_at(r.lambdas).iter().sum();
-                r.lambdas.len() == r.pass.number() && cumulative >= threshold
+                r.lambdas.len() == r.pass.number() && cumulative >= threshold.get()
             }
             ExitRule::Confidence { min_probability } => {
                 top_probability(r.logits) >= min_probability
@@ -159,10 +156,10 @@ pub(super) fn parse_rule(params: &str) -> Result<ExitRule, String> {
         }
     };
     match key {
-        "gate" if value.is_none() => Ok(ExitRule::Gate {
-            threshold: ExitRule::DEFAULT_GATE_THRESHOLD,
+        "gate" if value.is_none() => Ok(ExitRule::Gate { threshold: None }),
+        "gate" => probability("the gate threshold").map(|p| ExitRule::Gate {
+            threshold: ExitThreshold::new(p),
         }),
-        "gate" => probability("the gate threshold").map(|threshold| ExitRule::Gate { threshold }),
         "confidence" => probability("the confidence")
             .map(|min_probability| ExitRule::Confidence { min_probability }),
         "pass" => value
@@ -180,10 +177,10 @@ pub(super) fn parse_rule(params: &str) -> Result<ExitRule, String> {
 /// How [`parse_rule`] writes a rule back.
 pub(super) fn write_rule(rule: ExitRule, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
     match rule {
-        ExitRule::Gate { threshold } if threshold == ExitRule::DEFAULT_GATE_THRESHOLD => {
-            f.write_str("exit:gate")
-        }
-        ExitRule::Gate { threshold } => write!(f, "exit:gate={threshold}"),
+        ExitRule::Gate { threshold: None } => f.write_str("exit:gate"),
+        ExitRule::Gate {
+            threshold: Some(threshold),
+        } => write!(f, "exit:gate={threshold}"),
         ExitRule::Confidence { min_probability } => write!(f, "exit:confidence={min_probability}"),
         ExitRule::Pass(pass) => write!(f, "exit:pass={pass}"),
     }
@@ -202,6 +199,7 @@ mod tests {
             pos: 3,
             sampling: &Sampling::GREEDY,
             lambdas,
+            exit_threshold: ExitThreshold::EVERY_PASS,
         }
     }
 
@@ -221,7 +219,9 @@ mod tests {
         assert_eq!(at(confident, &peaked, 1, &[]), Action::Exit(1));
         assert_eq!(at(confident, &flat, 1, &[]), Action::Nothing);
         assert_eq!(at(confident, &flat, 4, &[]), Action::Commit(1));
-        let gate = ExitRule::Gate { threshold: 0.5 };
+        let gate = ExitRule::Gate {
+            threshold: ExitThreshold::new(0.5),
+        };
         // Cumulative exit probability 0.3, then 0.3 + 0.7·0.4 = 0.58.
         assert_eq!(at(gate, &flat, 1, &[0.3]), Action::Nothing);
         assert_eq!(at(gate, &flat, 2, &[0.3, 0.4]), Action::Exit(1));
@@ -233,8 +233,11 @@ mod tests {
     fn the_gate_rule_stops_where_the_threshold_rule_does() {
         let lambdas = [0.1f32, 0.35, 0.2, 0.9];
         for threshold in [0.05f32, 0.1, 0.3, 0.42, 0.5, 0.7, 1.0] {
+            let threshold = ExitThreshold::new(threshold).unwrap();
             let expected = exit_gate::threshold_exit(&lambdas, threshold);
-            let rule = ExitRule::Gate { threshold };
+            let rule = ExitRule::Gate {
+                threshold: Some(threshold),
+            };
             let stopped = (1..=4)
                 .find(|&pass| {
                     let r = readout(&[0.0, 1.0], pass, &lambdas[..pass]);

@@ -358,6 +358,7 @@ mod tests {
             pos: 3,
             sampling,
             lambdas: &[],
+            exit_threshold: crate::engine::exit_gate::ExitThreshold::EVERY_PASS,
         }
     }
 

@@ -147,6 +147,8 @@ fn replay_options(run: &RecordedRun) -> DecodeOptions {
         max_tokens,
         context: run.context,
         sampling: Sampling::GREEDY,
+        // The gate's threshold acts only on the lossy lanes what-if refuses.
+        exit_threshold: None,
     }
 }
 
