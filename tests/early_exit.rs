@@ -7,8 +7,8 @@ mod common;
 
 use common::{OPTIONS, PROMPTS, Variant, assert_clean_error, random_model, reference_logits, spec};
 use spex::engine::events::RowEvent;
-use spex::engine::exit_gate::ExitThreshold;
 use spex::engine::exit_gate::exits_at;
+use spex::engine::exit_gate::{self, ExitThreshold};
 use spex::engine::pass::Pass;
 use spex::engine::policy::PolicyKind;
 use spex::engine::{DecodeEvent, DecodeOptions, Decoder, LoadedModel};
@@ -158,6 +158,48 @@ fn bare_gate_exits_at_the_runs_threshold() {
     let prefill = String::from_utf8(json).unwrap();
     let prefill = prefill.lines().find(|l| l.contains("\"prefill\"")).unwrap();
     assert!(prefill.contains("\"exit_threshold\":0.7"), "{prefill}");
+}
+
+/// Every committed token reports where the gate stops its predicting token
+/// (`Committed::gate_exit`): under the baseline, the threshold rule over the λ of all R of
+/// that token's rows; under `exit:gate`, the pass the lane stopped it at.
+#[test]
+fn each_commit_reports_the_gates_exit_pass() {
+    let (_dir, loaded) = random_model(&spec(2, 4, Variant::Untied, 11));
+    let half = DecodeOptions {
+        exit_threshold: ExitThreshold::new(0.5),
+        ..OPTIONS
+    };
+    let (mut early, mut checked) = (0, 0);
+    for (policy, prompt) in [("baseline", PROMPTS[0]), ("exit:gate", PROMPTS[1])] {
+        let mut decoder = Decoder::new(
+            &loaded,
+            policy.parse::<PolicyKind>().unwrap().build(),
+            prompt,
+            half,
+        )
+        .unwrap();
+        let mut rows: Vec<RowEvent> = Vec::new();
+        while let Some(event) = decoder.next_event().unwrap() {
+            let DecodeEvent::Step(step) = event else {
+                continue;
+            };
+            rows.extend(step.rows);
+            for c in &step.committed {
+                let mine: Vec<&RowEvent> = rows.iter().filter(|r| r.pos + 1 == c.pos).collect();
+                let lambdas: Vec<f32> = mine.iter().map(|r| r.exit_probability.unwrap()).collect();
+                let t = ExitThreshold::new(0.5).unwrap();
+                let want = exit_gate::known_exit(&lambdas, 4, t);
+                assert_eq!(c.gate_exit, want, "{policy} position {}", c.pos);
+                if policy == "exit:gate" {
+                    assert_eq!(c.gate_exit.map(|p| p.number()), Some(mine.len()));
+                }
+                early += usize::from(c.gate_exit.is_some_and(|p| p.number() < 4));
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 20 && early > 5, "{early} of {checked} stop early");
 }
 
 /// After a token exits at pass p, every deeper pass holds a copy of its pass-p K/V entry, in

@@ -353,7 +353,8 @@ fn footer_names_the_sampling_rule() {
     insta::assert_snapshot!(out);
 }
 
-/// The inspector over a hand-made position: four passes' readouts, a flip, the commit.
+/// The inspector over a hand-made position: four passes' readouts, a flip, the commit, and the
+/// pass where the gate stops the token at the run's threshold (0.5: pass 3).
 /// The snapshot app with per-position readouts at position 16: pass 1 said " a", the
 /// deeper passes and the commit " the".
 fn inspected_app() -> App {
@@ -407,6 +408,7 @@ fn inspected_app() -> App {
         committed: Some((24, word(" the"), Pass::FIRST.next(), false)),
     };
     run.positions.insert(16, view);
+    run.exit_threshold = spex::engine::exit_gate::ExitThreshold::new(0.5);
     app
 }
 

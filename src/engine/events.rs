@@ -150,6 +150,12 @@ pub struct Committed {
     pub accepted_depth: Pass,
     /// The guess that survived was a second proposal (a runner-up).
     pub from_second: bool,
+    /// The pass Ouro's exit gate stops the token that predicted this one at, under the run's
+    /// threshold (`PrefillEvent::exit_threshold`), from that token's λ
+    /// (`exit_gate::known_exit`). Reported only: no lossless policy acts on it. Absent
+    /// without a gate, for the prefill's token, and in older traces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate_exit: Option<Pass>,
     /// Output text this token completes (multi-byte characters can span tokens).
     pub text_delta: String,
 }

@@ -133,6 +133,21 @@ pub fn threshold_exit(lambdas: &[f32], threshold: ExitThreshold) -> Pass {
     Pass::from_index(lambdas.len().saturating_sub(1))
 }
 
+/// The pass the threshold rule stops a token at, from the λ of the passes it has run so far
+/// (of `passes`): the first before R whose cumulative exit probability reaches `threshold`,
+/// else pass R once every pass's λ is in; `None` while it is still open.
+pub fn known_exit(lambdas: &[f32], passes: usize, threshold: ExitThreshold) -> Option<Pass> {
+    let before_last = &lambdas[..lambdas.len().min(passes.saturating_sub(1))];
+    let mut cumulative = 0.0f32;
+    for (r, p) in exits_at(before_last).into_iter().enumerate() {
+        cumulative += p;
+        if cumulative >= threshold.get() {
+            return Some(Pass::from_index(r));
+        }
+    }
+    (passes > 0 && lambdas.len() >= passes).then(|| Pass::last(passes))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,6 +167,21 @@ mod tests {
         let half = ExitThreshold::new(0.5).unwrap();
         assert_eq!(threshold_exit(&neutral, half), Pass::from_index(3));
         assert!((exit_distribution(&neutral).iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_known_exit_is_the_threshold_rule_once_decided() {
+        let lambdas = [0.1f32, 0.35, 0.2, 0.9];
+        for t in [0.05f32, 0.3, 0.42, 0.7, 1.0] {
+            let t = ExitThreshold::new(t).unwrap();
+            let rule = threshold_exit(&lambdas, t);
+            assert_eq!(known_exit(&lambdas, 4, t), Some(rule));
+            for seen in 0..4 {
+                let known = known_exit(&lambdas[..seen], 4, t);
+                let decided = rule.number() <= seen && rule.number() < 4;
+                assert_eq!(known, decided.then_some(rule), "{t} after {seen} passes");
+            }
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use crate::engine::events::{Prediction, StepEvent, Token};
-use crate::engine::exit_gate::{ExitThreshold, exits_at, threshold_exit};
+use crate::engine::exit_gate::{ExitThreshold, exits_at, known_exit};
 use crate::engine::pass::Pass;
 
 /// What the run knows about one position.
@@ -52,17 +52,11 @@ impl PositionView {
 
 impl PositionView {
     /// The pass Ouro's exit gate stops this position's predicting token at under `threshold`
-    /// (the run's: `PrefillEvent::exit_threshold`), as far as its λ are known: the threshold
-    /// rule (`exit_gate::threshold_exit`) once every pass's λ is in, `None` before it would
-    /// stop.
+    /// (the run's: `PrefillEvent::exit_threshold`), as far as its λ are known
+    /// (`exit_gate::known_exit`).
     pub fn gate_exit(&self, threshold: ExitThreshold) -> Option<Pass> {
         let known: Vec<f32> = self.exit_probabilities.iter().map_while(|l| *l).collect();
-        if !known.is_empty() && known.len() == self.exit_probabilities.len() {
-            return Some(threshold_exit(&known, threshold));
-        }
-        (self.gate_at_passes().iter())
-            .position(|g| g.by_now >= threshold.get())
-            .map(Pass::from_index)
+        known_exit(&known, self.exit_probabilities.len(), threshold)
     }
 }
 

@@ -147,9 +147,11 @@ fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
     let popup = super::centered(area, Size::new(120, h));
     let mut lines = vec![context_line(run, pos), commit_line(&view, passes)];
     let gates = view.gate_at_passes();
+    let stop = (run.exit_threshold).and_then(|t| Some((t, view.gate_exit(t)?)));
     for (i, readout) in view.readouts.iter().enumerate().take(passes) {
-        // The gate's exit probability at the pass and by it, before pass R (whose λ is unused).
-        let gate = match gates.get(i).filter(|_| i + 1 < passes) {
+        // The gate's exit probability at the pass and by it, before pass R (whose λ is unused),
+        // and the pass where the run's threshold stops the token.
+        let mut gate = match gates.get(i).filter(|_| i + 1 < passes) {
             Some(g) => format!(
                 " · exit {:>3.0}% (by now {:>3.0}%)",
                 100.0 * g.exit,
@@ -157,6 +159,9 @@ fn draw_inspector(frame: &mut Frame, area: Rect, run: &RunView, at: usize) {
             ),
             None => String::new(),
         };
+        if let Some((threshold, _)) = stop.filter(|(_, p)| p.index() == i) {
+            gate.push_str(&format!(" · gate stops (T {threshold})"));
+        }
         let text = match readout {
             Some((step, p)) => {
                 let top: Vec<String> = (p.top.iter())

@@ -45,6 +45,7 @@ fn commit(pos: usize, t: Token) -> Committed {
         token: t,
         accepted_depth: Pass::new(2).unwrap(),
         from_second: false,
+        gate_exit: None,
     }
 }
 

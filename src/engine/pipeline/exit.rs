@@ -1,5 +1,6 @@
-//! What the scheduler does for a lossy early exit (`policy::exit`): the gate's λ history each
-//! readout is judged by, and the token that stops before pass R, whose skipped passes' KV
+//! What the scheduler does with the exit gate: where it stops each committed token (reported
+//! under every policy), and for a lossy early exit (`policy::exit`) the gate's λ history each
+//! readout is judged by and the token that stops before pass R, whose skipped passes' KV
 //! entries are filled so that later tokens attend to it at every pass.
 
 use std::time::Instant;
@@ -7,6 +8,7 @@ use std::time::Instant;
 use super::Pipeline;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::events::StepEvent;
+use crate::engine::exit_gate;
 use crate::engine::model::StepModel;
 use crate::engine::pass::Pass;
 use crate::engine::policy::Policy;
@@ -38,6 +40,16 @@ impl<B: StepModel> Pipeline<B> {
         (tokens.chain(sides).zip(gates))
             .map(|(t, &lambda)| t.lambdas.iter().copied().chain([lambda]).collect())
             .collect()
+    }
+
+    /// Where the exit gate stops the token at `index` under the run's threshold, from the λ
+    /// of the passes it ran (`exit_gate::known_exit`); `None` without a gate.
+    pub(super) fn gate_exit(&self, index: usize) -> Option<Pass> {
+        let lambdas = &self.window[index].lambdas;
+        let threshold = self.exit_threshold();
+        (!lambdas.is_empty())
+            .then(|| exit_gate::known_exit(lambdas, self.passes(), threshold))
+            .flatten()
     }
 
     /// The token at `index`, at `pos`, stops after `pass`: its deeper passes' KV entries are

@@ -224,13 +224,13 @@ impl<B: StepModel> Pipeline<B> {
     }
 
     /// R, the passes.
-    fn passes(&self) -> usize {
+    pub(super) fn passes(&self) -> usize {
         self.backend.passes()
     }
 
     /// Where the exit gate stops a token in this run: `--exit-threshold`, else the
     /// checkpoint's.
-    fn exit_threshold(&self) -> ExitThreshold {
+    pub(super) fn exit_threshold(&self) -> ExitThreshold {
         (self.options.exit_threshold).unwrap_or_else(|| self.backend.exit_threshold())
     }
 
@@ -347,6 +347,7 @@ impl<B: StepModel> Pipeline<B> {
             accepted_depth,
             from_second,
             text_delta,
+            gate_exit: None,
         }
     }
 
@@ -556,9 +557,12 @@ impl<B: StepModel> Pipeline<B> {
         }
         if pass.is_last(passes) || exits {
             let chosen = next.map(|(first, _)| first);
-            event
-                .committed
-                .push(self.commit_final(pos, pass, surviving, chosen));
+            let gate_exit = self.gate_exit(index);
+            let committed = self.commit_final(pos, pass, surviving, chosen);
+            event.committed.push(Committed {
+                gate_exit,
+                ..committed
+            });
             go_on &= self.is_running();
         } else if let Some((first, second)) = next.filter(|_| surviving.is_none())
             && self.may_speculate(pos + 1)
