@@ -202,6 +202,94 @@ fn each_commit_reports_the_gates_exit_pass() {
     assert!(checked > 20 && early > 5, "{early} of {checked} stop early");
 }
 
+/// The held-out cross-entropy of a fixed depth is the mean −log softmax of the reference
+/// forward's pass-N readout at each next token; at pass R it is the baseline's. The gate's
+/// rule lies between its shallowest and deepest choices, and `spex bench --held-out` reports it
+/// for the lossy lanes only (one line where none is raced).
+#[test]
+fn held_out_loss_reads_out_each_position_where_its_rule_stops() {
+    use spex::harness::exit_loss::held_out_loss;
+    let (dir, loaded) = random_model(&spec(2, 4, Variant::Untied, 11));
+    let windows: Vec<Vec<u32>> = (PROMPTS[..3].iter())
+        .map(|p| loaded.tokenizer.encode(p).unwrap())
+        .collect();
+    let threshold = ExitThreshold::new(0.5).unwrap();
+    let mut by_pass = Vec::new();
+    for n in 1..=4 {
+        let rule = spex::engine::policy::ExitRule::Pass(Pass::new(n).unwrap());
+        let loss = held_out_loss(loaded.model(), rule, threshold, &windows).unwrap();
+        let (mut nats, mut tokens) = (0.0f64, 0usize);
+        for w in &windows {
+            let reference = reference_logits(&loaded, w);
+            for t in 0..w.len() - 1 {
+                let l = &reference[n - 1][t];
+                let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum: f64 = l.iter().map(|&x| f64::from(x - max).exp()).sum();
+                nats += sum.ln() - f64::from(l[w[t + 1] as usize] - max);
+                tokens += 1;
+            }
+        }
+        assert_eq!(loss.tokens, tokens);
+        assert!(
+            (loss.nats - nats / tokens as f64).abs() < 1e-4,
+            "pass {n}: {loss:?}"
+        );
+        assert!((loss.passes_per_token - n as f64).abs() < 1e-12);
+        if n == 4 {
+            assert_eq!(loss.nats, loss.baseline_nats);
+        }
+        by_pass.push(loss.nats);
+    }
+    let gate = exit("gate=0.5");
+    let spex::engine::policy::PolicyKind::Exit { rule } = gate else {
+        unreachable!()
+    };
+    let loss = held_out_loss(loaded.model(), rule, threshold, &windows).unwrap();
+    assert!((1.0..=4.0).contains(&loss.passes_per_token), "{loss:?}");
+    let lo = by_pass.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = by_pass.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    assert!(
+        loss.nats >= lo - 0.5 && loss.nats <= hi + 0.5,
+        "{loss:?} against {by_pass:?}"
+    );
+    let d = dir.path().display().to_string();
+    let text = dir.path().join("held_out.txt");
+    std::fs::write(&text, PROMPTS.join("\n")).unwrap();
+    let t = text.display().to_string();
+    let bench = |policy: &str| {
+        [
+            "bench",
+            "--model",
+            &d,
+            "--max-tokens",
+            "4",
+            "--runs",
+            "1",
+            "--json",
+            "--policy",
+            policy,
+            "--held-out",
+            &t,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let args = bench("exit:pass=2,speed");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let json: serde_json::Value =
+        serde_json::from_slice(&common::spex_ok(&args, &[], dir.path())).unwrap();
+    let policies = json["overall"]["policies"].as_array().unwrap();
+    let held_out = &policies[0]["lossy"]["held_out"];
+    assert!(held_out["nats"].as_f64().unwrap() > 0.0, "{held_out}");
+    assert!(policies[1]["lossy"].is_null());
+    let args = bench("speed");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_clean_error(
+        &args,
+        "--held-out scores the lossy lanes' exit rules, and none is raced",
+    );
+}
+
 /// After a token exits at pass p, every deeper pass holds a copy of its pass-p K/V entry, in
 /// every layer: later tokens attend to it at every pass.
 #[test]

@@ -13,6 +13,7 @@ use crate::engine::policy::PolicyKind;
 use crate::engine::{DecodeOptions, EngineError};
 use crate::harness::bandwidth::{self, Bandwidth};
 use crate::harness::bench::{Comparison, Lineup, PromptResult, bench_prompt};
+use crate::harness::exit_loss::{self, HeldOutLoss, held_out_windows};
 use crate::harness::race::{Lane, RaceEvent};
 use crate::harness::report::{BenchReport, Figures, PromptReport, Spread, peak_memory_bytes};
 use crate::harness::trace::{TraceHeader, TraceWriter};
@@ -116,8 +117,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     if !args.json {
         print_header(args, &session, options, &policies);
     }
+    let held_out = held_out_losses(args, &session, options, &policies)?;
     let (results, probes) = bench_prompts(args, &session, options, &prompts, &policies)?;
-    let report = BenchReport::of(&results, passes);
+    let mut report = BenchReport::of(&results, passes);
+    for (p, held_out) in report.policies.iter_mut().zip(held_out) {
+        if let Some(loss) = p.lossy.as_mut() {
+            loss.held_out = held_out;
+        }
+    }
     let bandwidth = Bandwidth::of(session.loaded.model(), &results, &report, probes);
     if args.json {
         let json = json_report(
@@ -140,6 +147,34 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Each lane's exit rule scored on `--held-out` (`None` for the lossless lanes, and for all
+/// without the flag); a flag with no lossy lane to score is one line.
+fn held_out_losses(
+    args: &BenchArgs,
+    session: &super::Session,
+    options: DecodeOptions,
+    policies: &[PolicyKind],
+) -> anyhow::Result<Vec<Option<HeldOutLoss>>> {
+    if args.held_out.is_empty() {
+        return Ok(vec![None; policies.len()]);
+    }
+    if !policies.iter().any(|p| p.is_lossy()) {
+        anyhow::bail!(
+            "--held-out scores the lossy lanes' exit rules, and none is raced (add --policy exit:…)"
+        );
+    }
+    let model = session.loaded.model();
+    let windows = held_out_windows(
+        &args.held_out,
+        &session.loaded.tokenizer,
+        model.config.positions,
+    )?;
+    let threshold = (options.exit_threshold).unwrap_or(model.config.exit_threshold);
+    Ok(exit_loss::held_out_losses(
+        model, policies, threshold, &windows,
+    )?)
 }
 
 /// The line above the table: the model, the machine, the kernels and the method.
@@ -424,8 +459,16 @@ fn print_overall(report: &BenchReport, passes: usize) {
     );
     for p in &report.policies {
         let same = if let Some(loss) = &p.lossy {
+            let held_out = loss.held_out.map_or(String::new(), |h| {
+                format!(
+                    ", held-out CE {:+.3} nats ({:.3} vs {:.3})",
+                    h.excess_nats(),
+                    h.nats,
+                    h.baseline_nats
+                )
+            });
             format!(
-                "lossy: {:.1} % agree, departed on {}/{prompts}, {:.2} passes/token",
+                "lossy: {:.1} % agree, departed on {}/{prompts}, {:.2} passes/token{held_out}",
                 100.0 * loss.agreement,
                 loss.departed(),
                 loss.passes_per_token

@@ -367,6 +367,10 @@ pub struct BenchArgs {
     /// (`01-dual_2.jsonl`, …; created if missing). `generate` and `tui` take `--record FILE`.
     #[arg(long, value_name = "DIR")]
     pub record_dir: Option<PathBuf>,
+    /// Text files on which each lossy lane's exit rule is scored: its cross-entropy beside the
+    /// baseline's, every pass teacher-forced, comma-separated.
+    #[arg(long, value_name = "FILE", value_delimiter = ',')]
+    pub held_out: Vec<PathBuf>,
 }
 
 /// `spex tui` (and `spex` alone).

@@ -7,6 +7,7 @@
 
 pub mod bandwidth;
 pub mod bench;
+pub mod exit_loss;
 pub mod explain;
 pub mod lanes;
 pub mod metrics;

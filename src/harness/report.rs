@@ -168,6 +168,9 @@ pub struct Loss {
     pub departs_at: Vec<Option<usize>>,
     /// Passes run per committed token (R for the baseline).
     pub passes_per_token: f64,
+    /// Its rule's cross-entropy on held-out text beside the baseline's, where the bench was
+    /// given some (`harness::exit_loss`).
+    pub held_out: Option<crate::harness::exit_loss::HeldOutLoss>,
 }
 
 impl Loss {
@@ -189,6 +192,7 @@ impl Loss {
             agreement: agreeing as f64 / of.max(1) as f64,
             departs_at: departures.iter().map(|d| d.departs_at).collect(),
             passes_per_token: stats.rows as f64 / stats.tokens.max(1) as f64,
+            held_out: None,
         })
     }
 

@@ -359,7 +359,7 @@ pub fn train_gate(job: &GateTraining) -> Result<GateReport> {
 }
 
 /// `count` windows of `len` tokens spread evenly over `stream` (none where it is short).
-fn spread_windows(stream: &[u32], count: usize, len: usize) -> Vec<Vec<u32>> {
+pub fn spread_windows(stream: &[u32], count: usize, len: usize) -> Vec<Vec<u32>> {
     let room = stream.len().saturating_sub(len);
     if stream.len() < len || count == 0 {
         return Vec::new();
