@@ -241,7 +241,7 @@ fn held_out_loss_reads_out_each_position_where_its_rule_stops() {
         by_pass.push(loss.nats);
     }
     let gate = exit("gate=0.5");
-    let spex::engine::policy::PolicyKind::Exit { rule } = gate else {
+    let spex::engine::policy::PolicyKind::Exit { rule, .. } = gate else {
         unreachable!()
     };
     let loss = held_out_loss(loaded.model(), rule, threshold, &windows).unwrap();
@@ -329,6 +329,49 @@ fn skipped_passes_hold_copies_of_the_exit_pass_entries() {
     }
 }
 
+/// `fill=project` writes a stopped token's exit state, projected through each layer's own K/V
+/// weights, at the next pass and copies it deeper. The next pass's first layer takes exactly
+/// that state as its input, so there the entry is the baseline's own (for the first decoded
+/// token, whose history both runs share); deeper layers' entries are approximations, unlike
+/// the copy's.
+#[test]
+fn a_projected_fill_is_the_next_pass_first_layer_entry() {
+    let (_dir, loaded) = random_model(&spec(2, 4, Variant::Gqa, 13));
+    let plen = loaded.tokenizer.encode(PROMPTS[0]).unwrap().len();
+    let mut projected = run_to_end(&loaded, exit("pass=1:fill=project"), PROMPTS[0]);
+    let mut baseline = run_to_end(&loaded, PolicyKind::Baseline, PROMPTS[0]);
+    let mut copied = run_to_end(&loaded, exit("pass=1"), PROMPTS[0]);
+    let len = plen + projected.output().len() - 1;
+    let entry = |d: &Decoder, layer: usize, pass: usize| {
+        let (k, v) = d.kv_entries(layer, Pass::new(pass).unwrap(), len).unwrap();
+        let width = k.len() / len;
+        let at = |x: &[f32]| x[plen * width..(plen + 1) * width].to_vec();
+        (at(&k), at(&v))
+    };
+    assert_eq!(
+        entry(&projected, 0, 2),
+        entry(&baseline, 0, 2),
+        "layer 1 is exact"
+    );
+    assert_ne!(entry(&projected, 1, 2), entry(&baseline, 1, 2));
+    assert_ne!(entry(&projected, 0, 2), entry(&copied, 0, 2));
+    for layer in 0..2 {
+        for deeper in 3..=4 {
+            assert_eq!(
+                entry(&projected, layer, deeper),
+                entry(&projected, layer, 2)
+            );
+        }
+    }
+    assert_eq!(
+        "exit:pass=1:fill=project",
+        exit("pass=1:fill=project").to_string()
+    );
+    for d in [&mut projected, &mut baseline, &mut copied] {
+        d.cancel();
+    }
+}
+
 fn run_to_end(loaded: &LoadedModel, policy: PolicyKind, prompt: &str) -> Decoder {
     let mut decoder = Decoder::new(loaded, policy.build(), prompt, OPTIONS).unwrap();
     while let Some(event) = decoder.next_event().unwrap() {
@@ -355,6 +398,10 @@ fn bad_exit_rules_get_one_line() {
         );
     }
     assert_clean_error(&["bench", "--policy", "exit:confidence"], "needs a value");
+    assert_clean_error(
+        &["bench", "--policy", "exit:pass=1:fill=mean"],
+        "fill=`mean`: expected fill=copy or fill=project",
+    );
     for bad in ["0", "1.5", "half"] {
         assert_clean_error(
             &["bench", "--exit-threshold", bad],

@@ -140,7 +140,7 @@ pub fn held_out_loss(
 const WINDOWS_PER_FILE: usize = 4;
 const WINDOW_TOKENS: usize = 256;
 
-/// The held-out text of `files` as windows of token ids: [`WINDOWS_PER_FILE`] spread over
+/// The held-out text of `files` as windows of token ids: four spread over
 /// each file (fewer tokens each where the model's positions are fewer), the whole file where
 /// it is shorter.
 pub fn held_out_windows(
@@ -170,7 +170,9 @@ pub fn held_out_losses(
 ) -> Result<Vec<Option<HeldOutLoss>>> {
     (policies.iter())
         .map(|p| match p {
-            PolicyKind::Exit { rule } => held_out_loss(model, *rule, threshold, windows).map(Some),
+            PolicyKind::Exit { rule, .. } => {
+                held_out_loss(model, *rule, threshold, windows).map(Some)
+            }
             _ => Ok(None),
         })
         .collect()

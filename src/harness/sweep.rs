@@ -345,7 +345,10 @@ pub fn exit_lanes(passes: usize, has_gate: bool, settings: &ExitSettings) -> Vec
             threshold: Some(threshold),
         });
     (depths.chain(confident).chain(gated))
-        .map(|rule| PolicyKind::Exit { rule })
+        .map(|rule| PolicyKind::Exit {
+            rule,
+            fill: Default::default(),
+        })
         .collect()
 }
 

@@ -55,6 +55,20 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
         ExitThreshold::EVERY_PASS
     }
 
+    /// Fills the K/V entries a token at `pos` skipped by stopping after `exited_at`, from its
+    /// state `hidden` projected through each layer's K/V weights (`step::project_skipped`).
+    fn project_skipped(
+        &self,
+        _cache: &mut KvCache<Self::Kv>,
+        _pos: usize,
+        _exited_at: Pass,
+        _hidden: Self::Hidden,
+    ) -> Result<()> {
+        Err(EngineError::Invalid(
+            "fill=project needs a model's weights; this one replays a recorded run".into(),
+        ))
+    }
+
     /// All R passes over `tokens` at positions `start..`, one batched step per pass (a
     /// prefill, or a draft model reading on): only the last token's pass-R row reads out,
     /// as `readout` asks; returns its logits.
@@ -114,6 +128,16 @@ impl<B: StepBackend> StepModel for B {
 
     fn exit_threshold(&self) -> ExitThreshold {
         self.model().config.exit_threshold
+    }
+
+    fn project_skipped(
+        &self,
+        cache: &mut KvCache<Self::Kv>,
+        pos: usize,
+        exited_at: Pass,
+        hidden: Self::Hidden,
+    ) -> Result<()> {
+        project_skipped(self, cache, pos, exited_at, hidden)
     }
 
     fn empty_kv(&self, capacity: usize) -> Result<Self::Kv> {
@@ -248,6 +272,41 @@ fn sweep<B: StepBackend>(
         logits,
         exit_probabilities,
     })
+}
+
+/// Fills the K/V entries a token at `pos` skipped by stopping after `exited_at` (a lossy early
+/// exit, `policy::exit`) by projection: its last state `hidden` is the input of every layer
+/// of the next pass (exactly so for the first layer, the state propagation of CALM's early
+/// exit for the rest), so each layer's input norm and K/V projections of it, RoPE'd at `pos`,
+/// are written at the next pass and copied into the deeper ones, which share the layers. It
+/// runs the step's attention op, whose query projection and attention output are wasted.
+pub fn project_skipped<B: StepBackend>(
+    backend: &B,
+    cache: &mut KvCache<B::Kv>,
+    pos: usize,
+    exited_at: Pass,
+    hidden: B::Hidden,
+) -> Result<()> {
+    let model = backend.model();
+    if exited_at.is_last(model.passes()) {
+        return Ok(());
+    }
+    let next = exited_at.next();
+    cache.check_slots(&[(next, pos)])?;
+    let slots = [RowSlot {
+        pos,
+        pass: next,
+        readout: ReadoutKind::None,
+        second: false,
+    }];
+    let step = backend.enter_step(&slots, cache)?;
+    let h = backend.embed(vec![RowInput::Hidden(hidden)])?;
+    for (index, layer) in model.weights.layers.iter().enumerate() {
+        let a = backend.rms_norm(&h, &layer.input_layernorm)?;
+        backend.attention(&step, layer, index, &slots, &a, cache)?;
+    }
+    cache.mark_written(next, pos);
+    cache.fill_skipped(pos, next)
 }
 
 /// One shared layer with Ouro's sandwich norms (`engine::format`, "The forward pass").

@@ -11,7 +11,7 @@ use crate::engine::events::StepEvent;
 use crate::engine::exit_gate;
 use crate::engine::model::StepModel;
 use crate::engine::pass::Pass;
-use crate::engine::policy::Policy;
+use crate::engine::policy::{KvFill, Policy};
 
 /// Errors where `policy` exits by the checkpoint's gate and the model has none.
 pub(super) fn check_gate(policy: &dyn Policy, has_gate: bool) -> Result<()> {
@@ -64,7 +64,17 @@ impl<B: StepModel> Pipeline<B> {
         event: &mut StepEvent,
     ) -> Result<()> {
         let started = Instant::now();
-        self.cache.fill_skipped(pos, pass)?;
+        let fill = self.policy.early_exit().map(|e| e.fill).unwrap_or_default();
+        match fill {
+            KvFill::Project => {
+                // The state this step's row left: the walk reads a token out after its step.
+                let hidden = self.window[index].hidden.clone().ok_or_else(|| {
+                    EngineError::Invalid(format!("exit at position {pos}: no state to project"))
+                })?;
+                (self.backend).project_skipped(&mut self.cache, pos, pass, hidden)?;
+            }
+            KvFill::Copy => self.cache.fill_skipped(pos, pass)?,
+        }
         self.window[index].exited = true;
         let filled = started.elapsed();
         event.compute += filled;

@@ -19,11 +19,23 @@
 //! # The skipped passes' KV entries
 //!
 //! A later token still attends, at every pass, to an entry for every earlier position. A token
-//! that stopped at pass p has none for passes p+1..R, so the scheduler fills them by copying its
-//! pass-p K/V entries into the deeper passes' slots, in every layer (`KvCache::fill_skipped`).
-//! That is the zero-cost choice: the alternative, projecting the exited state through each
-//! skipped layer's K/V weights (CALM's propagation of the exited state), reads those weights again for
-//! every exited token, which on a memory-bound step costs a large part of what the exit saved.
+//! that stopped at pass p has none for passes p+1..R, and there are two ways to fill them
+//! ([`KvFill`]):
+//!
+//! - **Copy** (the default): its pass-p K/V entries are copied into the deeper passes' slots, in
+//!   every layer (`KvCache::fill_skipped`). It reads no weights.
+//! - **Project** (`:fill=project`): its exit state is taken as every skipped layer's input, as
+//!   CALM propagates an exited state to the layers it skipped (arXiv 2207.07061), and
+//!   each layer's K/V projections of it are written (`model::step::project_skipped`). For the
+//!   next pass's first layer that is the exact entry. It reads the attention weights of every
+//!   layer once more, about a quarter of a pass's weights at Ouro's proportions.
+//!
+//! Copy is the default. Both were raced on the shipped model (the commit that added the
+//! projection gives the figures): the projection costs up to a fifth of the lane's speed and
+//! kept more of the baseline's text only under the confidence rule, while under the gate, the
+//! checkpoint's own rule, the copy was both faster and no further from the baseline. A fixed
+//! depth (`exit:pass=N`) never reads the filled entries at all: every token stops at N and
+//! attends only at passes up to N, so both fills give the same text there.
 //!
 //! Nothing here is exact: the text is compared with the baseline's as *lossy* (where it first
 //! departs, how much of it agrees), never as identical.
@@ -51,6 +63,18 @@ pub enum ExitRule {
     Pass(Pass),
 }
 
+/// How the K/V entries a stopped token skipped are filled (see "The skipped passes' KV
+/// entries" above).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvFill {
+    /// Copies of its exit pass's entries, in every layer.
+    #[default]
+    Copy,
+    /// Its exit state projected through every layer's input norm and K/V weights once, the
+    /// result written into every deeper pass (`exit:…:fill=project`).
+    Project,
+}
+
 /// What the scheduler must provide a lossy early exit with. Its readouts before pass R are
 /// commits' (`ReadoutKind::Argmax` when greedy: the argmax exact, the other logits within the
 /// f16 head's bound, which is all the confidence rule's softmax needs).
@@ -58,6 +82,8 @@ pub enum ExitRule {
 pub struct EarlyExit {
     /// The rule reads the checkpoint's exit gate.
     pub needs_gate: bool,
+    /// How a stopped token's skipped entries are filled.
+    pub fill: KvFill,
 }
 
 /// The lossy early-exit policy: one token at a time, as the baseline, but it commits at the
@@ -66,6 +92,8 @@ pub struct EarlyExit {
 pub struct Exit {
     /// Where a token stops.
     pub rule: ExitRule,
+    /// How its skipped passes' entries are filled.
+    pub fill: KvFill,
 }
 
 impl Exit {
@@ -137,12 +165,41 @@ impl Policy for Exit {
     fn early_exit(&self) -> Option<EarlyExit> {
         Some(EarlyExit {
             needs_gate: matches!(self.rule, ExitRule::Gate { .. }),
+            fill: self.fill,
         })
     }
 }
 
+/// Reads a rule ([`parse_rule`]) and an optional `:fill=copy|project`.
+pub(super) fn parse_exit(params: &str) -> Result<(ExitRule, KvFill), String> {
+    let (rule, fill) = match params.split_once(":fill=") {
+        Some((rule, "copy")) => (rule, KvFill::Copy),
+        Some((rule, "project")) => (rule, KvFill::Project),
+        Some((_, other)) => {
+            return Err(format!(
+                "fill=`{other}`: expected fill=copy or fill=project"
+            ));
+        }
+        None => (params, KvFill::Copy),
+    };
+    parse_rule(rule).map(|rule| (rule, fill))
+}
+
+/// How [`parse_exit`] writes a lane back.
+pub(super) fn write_exit(
+    rule: ExitRule,
+    fill: KvFill,
+    f: &mut std::fmt::Formatter<'_>,
+) -> std::fmt::Result {
+    write_rule(rule, f)?;
+    match fill {
+        KvFill::Copy => Ok(()),
+        KvFill::Project => f.write_str(":fill=project"),
+    }
+}
+
 /// Reads `gate[=T]`, `confidence=P` or `pass=N`.
-pub(super) fn parse_rule(params: &str) -> Result<ExitRule, String> {
+fn parse_rule(params: &str) -> Result<ExitRule, String> {
     let (key, value) = match params.split_once('=') {
         Some((key, value)) => (key, Some(value)),
         None => (params, None),
@@ -175,7 +232,7 @@ pub(super) fn parse_rule(params: &str) -> Result<ExitRule, String> {
 }
 
 /// How [`parse_rule`] writes a rule back.
-pub(super) fn write_rule(rule: ExitRule, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+fn write_rule(rule: ExitRule, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
     match rule {
         ExitRule::Gate { threshold: None } => f.write_str("exit:gate"),
         ExitRule::Gate {
@@ -208,7 +265,11 @@ mod tests {
         let peaked = [0.0, 9.0, 0.0];
         let flat = [0.0, 0.1, 0.0];
         let at = |rule, logits: &[f32], pass, lambdas: &[f32]| {
-            Exit { rule }.act(&readout(logits, pass, lambdas), &[])
+            Exit {
+                rule,
+                fill: KvFill::Copy,
+            }
+            .act(&readout(logits, pass, lambdas), &[])
         };
         let pass2 = ExitRule::Pass(Pass::new(2).unwrap());
         assert_eq!(at(pass2, &flat, 1, &[]), Action::Nothing);
@@ -241,7 +302,11 @@ mod tests {
             let stopped = (1..=4)
                 .find(|&pass| {
                     let r = readout(&[0.0, 1.0], pass, &lambdas[..pass]);
-                    !matches!(Exit { rule }.act(&r, &[]), Action::Nothing)
+                    let lane = Exit {
+                        rule,
+                        fill: KvFill::Copy,
+                    };
+                    !matches!(lane.act(&r, &[]), Action::Nothing)
                 })
                 .unwrap();
             assert_eq!(stopped, expected.number(), "threshold {threshold}");

@@ -27,7 +27,7 @@ use std::fmt;
 
 pub use decide::{Action, DraftSource, Drafting, Policy, Proposal, Readout, Verdict};
 pub use draft_model::DraftModel;
-pub use exit::{EarlyExit, Exit, ExitRule, top_probability};
+pub use exit::{EarlyExit, Exit, ExitRule, KvFill, top_probability};
 pub use loopspec::LoopSpec;
 pub use self_draft::SelfDraft;
 pub use speed::{Baseline, Dual, Speed};
@@ -77,6 +77,8 @@ pub enum PolicyKind {
     Exit {
         /// Where a token stops.
         rule: ExitRule,
+        /// How its skipped passes' K/V entries are filled.
+        fill: KvFill,
     },
     /// One token at a time through every pass: what the others are held to.
     Baseline,
@@ -105,7 +107,7 @@ impl PolicyKind {
             Self::LoopSpec { d1, d2 } => Box::new(LoopSpec { d1, d2 }),
             Self::SelfDraft { depth, tokens } => Box::new(SelfDraft { depth, tokens }),
             Self::Draft { tokens } => Box::new(DraftModel { tokens }),
-            Self::Exit { rule } => Box::new(Exit { rule }),
+            Self::Exit { rule, fill } => Box::new(Exit { rule, fill }),
             Self::Baseline => Box::new(Baseline),
         }
     }
@@ -171,7 +173,7 @@ impl fmt::Display for PolicyKind {
                 true => f.write_str("draft"),
                 false => write!(f, "draft:g={tokens}"),
             },
-            Self::Exit { rule } => exit::write_rule(*rule, f),
+            Self::Exit { rule, fill } => exit::write_exit(*rule, *fill, f),
             _ => f.write_str(self.build().name()),
         }
     }
@@ -339,7 +341,7 @@ fn parse_self_draft(params: &str) -> Result<PolicyKind, String> {
 }
 
 fn parse_exit(params: &str) -> Result<PolicyKind, String> {
-    exit::parse_rule(params).map(|rule| PolicyKind::Exit { rule })
+    exit::parse_exit(params).map(|(rule, fill)| PolicyKind::Exit { rule, fill })
 }
 
 fn parse_draft(params: &str) -> Result<PolicyKind, String> {
