@@ -138,9 +138,11 @@ pub fn threshold_exit(lambdas: &[f32], threshold: ExitThreshold) -> Pass {
 /// else pass R once every pass's λ is in; `None` while it is still open.
 pub fn known_exit(lambdas: &[f32], passes: usize, threshold: ExitThreshold) -> Option<Pass> {
     let before_last = &lambdas[..lambdas.len().min(passes.saturating_sub(1))];
-    let mut cumulative = 0.0f32;
-    for (r, p) in exits_at(before_last).into_iter().enumerate() {
-        cumulative += p;
+    // `exits_at`'s products, summed as they come: this runs on every commit.
+    let (mut cumulative, mut remaining) = (0.0f32, 1.0f32);
+    for (r, &lambda) in before_last.iter().enumerate() {
+        cumulative += lambda * remaining;
+        remaining *= 1.0 - lambda;
         if cumulative >= threshold.get() {
             return Some(Pass::from_index(r));
         }
