@@ -121,6 +121,51 @@ fn a_size_sweep_measures_every_size_beside_its_bound() {
     );
 }
 
+/// `spex sweep sizes --dtype`: each size also quantized as `spex quantize` writes it, measured
+/// beside bf16 and named by the types it stores; the roofline bound (timed with bf16 weights)
+/// only for bf16. An unknown type is one line.
+#[test]
+fn a_size_sweep_measures_quantized_weights_beside_bf16() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let chart = dir.path().join("sizes.svg");
+    let c = chart.display().to_string();
+    let args = [
+        "sweep",
+        "sizes",
+        "--hidden",
+        "128",
+        "--dtype",
+        "bf16,q8_0",
+        "--threads",
+        "1",
+        "--svg",
+        &c,
+        "--json",
+    ];
+    let sweep: serde_json::Value =
+        serde_json::from_slice(&spex_ok(&args, &[], Path::new("."))).unwrap();
+    let points = sweep["points"].as_array().unwrap();
+    let types: Vec<(&str, &str)> = (points.iter())
+        .map(|p| {
+            (
+                p["weights"].as_str().unwrap(),
+                p["stored"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(types, [("bf16", "bf16"), ("q8_0", "Q8_0")]);
+    assert!(points[0]["ceiling_bound"].as_f64().is_some());
+    assert!(points[1]["ceiling_bound"].is_null());
+    assert!(points[1]["ceiling"].as_f64().unwrap() > 0.0);
+    assert!(points[1]["bytes_per_pass"].as_u64() < points[0]["bytes_per_pass"].as_u64());
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.contains("measured (q8_0)") && svg.contains("roofline bound (bf16)"));
+    assert_clean_error(
+        &["sweep", "sizes", "--dtype", "q5_k"],
+        "\"q5_k\" is not a type spex writes (q8_0, q4_k_m), or bf16",
+    );
+}
+
 /// `spex sweep policies`: every policy on every model, identical outputs, a bar chart; a
 /// `--model` instead of `--models` is one line.
 #[test]

@@ -26,7 +26,7 @@ pub struct QuantizeArgs {
     pub force: bool,
 }
 
-fn parse_file_type(s: &str) -> Result<FileType, String> {
+pub(super) fn parse_file_type(s: &str) -> Result<FileType, String> {
     (FileType::ALL.iter())
         .find(|(_, name)| name.eq_ignore_ascii_case(s))
         .map(|(t, _)| *t)

@@ -1,10 +1,11 @@
 //! `spex sweep sizes`: the ceiling against model size. Each size is a random bf16 checkpoint
-//! of Ouro's proportions written to a temporary folder, loaded on the CPU, its steps timed
+//! of Ouro's proportions written to a temporary folder (and, for `--dtype q8_0|q4_k_m`, that
+//! checkpoint quantized as `spex quantize` writes it), loaded on the CPU, its steps timed
 //! (`harness::sweep::size_point`) beside the roofline's bound from the bandwidth probed over
 //! its own weights, and deleted; a table (or `--json`) and a chart.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use candle_core::DType;
 use clap::Args;
@@ -12,9 +13,11 @@ use clap::Args;
 use super::ModelArgs;
 use super::chart::{Chart, Series, draw};
 use super::device::{DTypeSpec, DeviceSpec};
+use crate::engine::checkpoint::{Origin, quantize_checkpoint};
 use crate::engine::config::ModelShape;
+use crate::engine::gguf::write::FileType;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
-use crate::harness::sweep::{SizeSweep, machine_limits, size_point};
+use crate::harness::sweep::{SizePoint, SizeSweep, machine_limits, size_point};
 
 /// Ouro's vocabulary, the same at every size.
 const VOCAB: usize = 49152;
@@ -30,6 +33,10 @@ pub struct SizeArgs {
     /// heads of 128, an MLP of 2.75 × hidden and a vocabulary of 49152 (2048: its exact shape).
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048", value_parser = super::parse_count::<usize>)]
     pub hidden: Vec<usize>,
+    /// The weight types measured at every size, comma-separated: bf16, and q8_0 or q4_k_m
+    /// (the bf16 checkpoint quantized as `spex quantize` writes it).
+    #[arg(long, value_delimiter = ',', default_value = "bf16", value_parser = parse_weights)]
+    pub dtype: Vec<SweptWeights>,
     /// Decode threads (default: the physical cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -39,6 +46,36 @@ pub struct SizeArgs {
     /// Print one JSON report instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A weight type the size sweep measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SweptWeights {
+    /// The random checkpoint as written.
+    Bf16,
+    /// It quantized into a GGUF file.
+    Quantized(FileType),
+}
+
+impl SweptWeights {
+    /// Its name, as `--dtype` takes it.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::Quantized(t) => (FileType::ALL.iter())
+                .find(|(k, _)| *k == t)
+                .map_or("?", |(_, name)| name),
+        }
+    }
+}
+
+fn parse_weights(s: &str) -> Result<SweptWeights, String> {
+    match s {
+        "bf16" => Ok(SweptWeights::Bf16),
+        _ => super::quantize::parse_file_type(s)
+            .map(SweptWeights::Quantized)
+            .map_err(|e| format!("{e}, or bf16")),
+    }
 }
 
 /// A checkpoint's temporary folder, deleted when dropped (also on an error).
@@ -67,15 +104,28 @@ fn shape(hidden: usize) -> ModelShape {
     }
 }
 
-fn model_args(dir: &std::path::Path, threads: Option<usize>) -> ModelArgs {
+/// `path` (a checkpoint folder, or a GGUF file, whose weights load as stored) on the CPU.
+fn model_args(path: &Path, bf16: bool, threads: Option<usize>) -> ModelArgs {
     ModelArgs {
         context: CONTEXT,
         device: Some(DeviceSpec::Cpu),
-        dtype: Some(DTypeSpec(DType::BF16)),
+        dtype: bf16.then_some(DTypeSpec(DType::BF16)),
         offline: true,
         threads,
-        ..ModelArgs::named(&dir.display().to_string())
+        ..ModelArgs::named(&path.display().to_string())
     }
+}
+
+/// The checkpoint in `dir` as `weights` stores it: the folder, or a GGUF file quantized from
+/// it into the folder.
+fn weights_file(dir: &Path, weights: SweptWeights) -> anyhow::Result<PathBuf> {
+    let SweptWeights::Quantized(file_type) = weights else {
+        return Ok(dir.to_path_buf());
+    };
+    let out = dir.join("model.gguf");
+    let origin = Origin::Dir(dir.to_path_buf());
+    quantize_checkpoint(&origin, "sweep", file_type, &out)?;
+    Ok(out)
 }
 
 pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
@@ -90,7 +140,7 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
     }
     let terminal = std::io::stderr().is_terminal();
     let mut limits = None;
-    let mut points = Vec::with_capacity(hidden.len());
+    let mut points = Vec::with_capacity(hidden.len() * args.dtype.len());
     for (i, &h) in hidden.iter().enumerate() {
         if terminal {
             eprint!("\rspex sweep: size {}/{} (hidden {h})", i + 1, hidden.len());
@@ -104,12 +154,17 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
             ..RandomSpec::default()
         };
         write_random_checkpoint(&dir.0, &spec)?;
-        let session = super::load_model(&model_args(&dir.0, args.threads), &[])?;
-        let machine = match limits {
-            Some(l) => l,
-            None => *limits.insert(machine_limits(&session.loaded)?),
-        };
-        points.push(size_point(&session.loaded, TIMED_AT, machine)?);
+        for &weights in &args.dtype {
+            let path = weights_file(&dir.0, weights)?;
+            let bf16 = weights == SweptWeights::Bf16;
+            let session = super::load_model(&model_args(&path, bf16, args.threads), &[])?;
+            let machine = match limits {
+                Some(l) => l,
+                None => *limits.insert(machine_limits(&session.loaded)?),
+            };
+            let point = size_point(&session.loaded, weights.name(), TIMED_AT, machine)?;
+            points.push(point);
+        }
     }
     if terminal {
         eprintln!();
@@ -121,35 +176,55 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
     report(&sweep, args)
 }
 
-/// The ceiling against hidden size: measured, its roofline bound, and with no overlap.
+/// The ceiling against hidden size: measured for each weight type, and for bf16 its roofline
+/// bound and the ceiling with no overlap.
 fn size_chart(sweep: &SizeSweep, machine: &str) -> Chart {
-    let line = |f: &dyn Fn(&crate::harness::sweep::SizePoint) -> f64| -> Vec<(f64, f64)> {
+    let mut types: Vec<&str> = Vec::new();
+    for p in &sweep.points {
+        if !types.contains(&p.weights.as_str()) {
+            types.push(&p.weights);
+        }
+    }
+    let line = |weights: &str, f: &dyn Fn(&SizePoint) -> Option<f64>| -> Vec<(f64, f64)> {
         (sweep.points.iter())
-            .map(|p| (p.hidden as f64, f(p)))
+            .filter(|p| p.weights == weights)
+            .filter_map(|p| Some((p.hidden as f64, f(p)?)))
             .collect()
     };
+    let mut series = Vec::new();
+    for &weights in &types {
+        type Of = fn(&SizePoint) -> Option<f64>;
+        let bounds: [(&str, bool, Of); 2] = [
+            ("roofline bound", true, |p| p.ceiling_bound),
+            ("no overlap: memory, then arithmetic", false, |p| {
+                p.ceiling_serial
+            }),
+        ];
+        for (name, dashed, f) in bounds {
+            let points = line(weights, &f);
+            if !points.is_empty() {
+                series.push(Series {
+                    name: format!("{name} ({weights})"),
+                    points,
+                    dashed,
+                });
+            }
+        }
+        series.push(Series {
+            name: format!("measured ({weights})"),
+            points: line(weights, &|p| Some(p.ceiling)),
+            dashed: false,
+        });
+    }
     Chart {
-        title: format!("The ceiling against model size on {machine}, bf16"),
+        title: format!(
+            "The ceiling against model size on {machine}, {}",
+            types.join(", ")
+        ),
         x_desc: "hidden size (24 layers × 4 passes; 2048 is Ouro-1.4B)",
         y_desc: "ceiling: R · t(1 row) / t(R rows) (×)",
         x_axis: super::chart::XAxis::Log2,
-        series: vec![
-            Series {
-                name: "roofline bound".into(),
-                points: line(&|p| p.ceiling_bound),
-                dashed: true,
-            },
-            Series {
-                name: "no overlap: memory, then arithmetic".into(),
-                points: line(&|p| p.ceiling_serial),
-                dashed: false,
-            },
-            Series {
-                name: "measured".into(),
-                points: line(&|p| p.ceiling),
-                dashed: false,
-            },
-        ],
+        series,
     }
 }
 
@@ -170,8 +245,9 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
         full / 1e9
     );
     println!(
-        "{:>7} {:>10} {:>8} {:>11} {:>11} {:>8} {:>8} {:>7} {:>11}",
+        "{:>7} {:>14} {:>10} {:>8} {:>11} {:>11} {:>8} {:>8} {:>7} {:>11}",
         "hidden",
+        "weights",
         "MB/pass",
         "GB/s",
         "1 row ms",
@@ -181,18 +257,23 @@ fn report(sweep: &SizeSweep, args: &SizeArgs) -> anyhow::Result<()> {
         "of it",
         "no overlap"
     );
+    let times = |x: Option<f64>| x.map_or("—".into(), |x| format!("{x:.2}×"));
     for p in &sweep.points {
+        let of_bound = p
+            .ceiling_bound
+            .map_or("—".into(), |b| format!("{:.0}%", 100.0 * p.ceiling / b));
         println!(
-            "{:>7} {:>10.0} {:>8.1} {:>11.2} {:>11.2} {:>7.2}× {:>7.2}× {:>6.0}% {:>10.2}×",
+            "{:>7} {:>14} {:>10.0} {:>8.1} {:>11.2} {:>11.2} {:>7.2}× {:>8} {:>7} {:>11}",
             p.hidden,
+            p.stored,
             p.bytes_per_pass as f64 / 1e6,
             p.read_bytes_per_sec / 1e9,
             p.one_row_ms,
             p.full_ms,
             p.ceiling,
-            p.ceiling_bound,
-            100.0 * p.ceiling / p.ceiling_bound,
-            p.ceiling_serial
+            times(p.ceiling_bound),
+            of_bound,
+            times(p.ceiling_serial)
         );
     }
     println!("chart: {}", args.svg.display());

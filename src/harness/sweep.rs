@@ -190,10 +190,15 @@ pub fn policy_point(
     })
 }
 
-/// One model size: its steps measured, and the roofline's bound on them.
+/// One model size in one weight type: its steps measured, and the roofline's bound on them.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SizePoint {
     pub hidden: usize,
+    /// The weight type asked for (`bf16`, `q8_0`, `q4_k_m`).
+    pub weights: String,
+    /// The types its matrices are stored in (`LoopedModel::weight_type`: `q4_k+q6_k`; a
+    /// quantized file's rows too short for a type's blocks take another).
+    pub stored: String,
     /// Weight bytes one pass reads.
     pub bytes_per_pass: u64,
     /// The read bandwidth over this model's own weights (`roofline::weights_read_bytes_per_sec`),
@@ -205,10 +210,11 @@ pub struct SizePoint {
     /// R · t(1 row) / t(R rows), measured.
     pub ceiling: f64,
     /// The same from the roofline's step times with memory and arithmetic overlapped
-    /// (`roofline::step_bound`): the bound.
-    pub ceiling_bound: f64,
+    /// (`roofline::step_bound`): the bound. `None` for quantized weights, whose integer dot
+    /// products the bf16 multiply-add rate does not time.
+    pub ceiling_bound: Option<f64>,
     /// The same with memory, then arithmetic: what a step that cannot overlap them reaches.
-    pub ceiling_serial: f64,
+    pub ceiling_serial: Option<f64>,
 }
 
 /// The machine's arithmetic the roofline is drawn from; its bandwidth is probed beside each
@@ -258,7 +264,12 @@ fn weights_bandwidth(loaded: &LoadedModel) -> Result<f64> {
 /// the bandwidth probed over its weights either side of them: on a machine whose bandwidth
 /// moves from one minute to the next, one probe for the whole sweep set some sizes' steps
 /// against a different machine.
-pub fn size_point(loaded: &LoadedModel, pos: usize, limits: MachineLimits) -> Result<SizePoint> {
+pub fn size_point(
+    loaded: &LoadedModel,
+    weights: &str,
+    pos: usize,
+    limits: MachineLimits,
+) -> Result<SizePoint> {
     let (one_row_rate, full_rate) = limits.multiply_adds_per_sec;
     let model = loaded.model();
     let passes = model.passes();
@@ -272,15 +283,19 @@ pub fn size_point(loaded: &LoadedModel, pos: usize, limits: MachineLimits) -> Re
     let one = super::roofline::step_bound(model, 1, roofline(one_row_rate));
     let full = super::roofline::step_bound(model, passes, roofline(full_rate));
     let r = passes as f64;
+    let stored = model.weight_type();
+    let bf16 = (stored == "bf16").then_some(());
     Ok(SizePoint {
         hidden: model.config.hidden,
+        weights: weights.to_string(),
+        stored,
         bytes_per_pass: super::roofline::layer_bytes_per_pass(model),
         read_bytes_per_sec,
         one_row_ms: times.one_row.as_secs_f64() * 1e3,
         full_ms: times.full.as_secs_f64() * 1e3,
         ceiling: times.ceiling(),
-        ceiling_bound: r * one.overlapped_secs / full.overlapped_secs,
-        ceiling_serial: r * one.serial_secs / full.serial_secs,
+        ceiling_bound: bf16.map(|()| r * one.overlapped_secs / full.overlapped_secs),
+        ceiling_serial: bf16.map(|()| r * one.serial_secs / full.serial_secs),
     })
 }
 
