@@ -457,6 +457,20 @@ fn bad_exit_rules_get_one_line() {
         "exit:gate",
     ];
     assert_clean_error(&args, "exit:gate reads the checkpoint's exit gate");
+    // The held-out score runs the reference forward, which reads float weights.
+    let text = dir.path().join("held_out.txt");
+    std::fs::write(&text, PROMPTS.join("\n")).unwrap();
+    let t = text.display().to_string();
+    let args = [
+        "bench",
+        "--model",
+        &g,
+        "--policy",
+        "exit:pass=1",
+        "--held-out",
+        &t,
+    ];
+    assert_clean_error(&args, "which reads float weights; this model's are Q8_0");
     let err = spex::harness::what_if::WhatIf::of(Vec::new(), &[exit("pass=1")]).unwrap_err();
     assert!(err.to_string().contains("a lossy early exit"), "{err}");
     // A trace of a lossy lane cannot be replayed under other policies.

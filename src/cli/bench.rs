@@ -171,7 +171,7 @@ fn held_out_losses(
         &session.loaded.tokenizer,
         model.config.positions,
     )?;
-    let threshold = (options.exit_threshold).unwrap_or(model.config.exit_threshold);
+    let threshold = options.exit_threshold_or(model.config.exit_threshold);
     Ok(exit_loss::held_out_losses(
         model, policies, threshold, &windows,
     )?)

@@ -243,7 +243,9 @@ impl OuroConfig {
             "pad_token_id": self.eos_token_ids.first(),
             "hidden_act": "silu",
             "torch_dtype": self.torch_dtype,
-            "early_exit_threshold": self.early_exit_threshold.get(),
+            // The shortest decimal that reads back as the f32 (0.7, not 0.699999988).
+            "early_exit_threshold": (self.early_exit_threshold.to_string().parse::<f64>())
+                .unwrap_or(1.0),
         })
     }
 }

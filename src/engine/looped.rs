@@ -59,7 +59,7 @@ pub struct LoopedConfig {
     /// The element type the weights are stored in.
     pub stored_dtype: DType,
     /// Where the exit gate's threshold rule stops a token: the checkpoint's
-    /// `early_exit_threshold`, or what the load overrode it with (`LoadOptions`).
+    /// `early_exit_threshold` (a run may override it: `DecodeOptions::exit_threshold`).
     pub exit_threshold: crate::engine::exit_gate::ExitThreshold,
 }
 

@@ -10,14 +10,14 @@
 //! alone. The decoding lane adds what its copied KV entries change in later tokens
 //! (`policy::exit`), which the bench's agreement and departure measure.
 
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{D, DType, Tensor};
 use serde::Serialize;
 
 use crate::engine::error::{EngineError, Result};
 use crate::engine::exit_gate::{self, ExitThreshold, sigmoid};
 use crate::engine::model::LoopedModel;
 use crate::engine::pass::Pass;
-use crate::engine::policy::{ExitRule, PolicyKind};
+use crate::engine::policy::{ExitRule, PolicyKind, top_probability};
 use crate::engine::tokenizer::TextTokenizer;
 use crate::train::gate::spread_windows;
 
@@ -50,7 +50,7 @@ struct Readouts {
 
 /// Teacher-forces `window` through every pass of `model`.
 fn readouts(model: &LoopedModel, window: &[u32]) -> Result<Readouts> {
-    let ids = Tensor::new(window, &Device::Cpu)?.unsqueeze(0)?;
+    let ids = Tensor::new(window, &model.device)?.unsqueeze(0)?;
     let states = model.hidden_per_pass(&ids)?;
     let log_probs = (model.readouts(&states)?.iter())
         .map(|l| {
@@ -76,7 +76,8 @@ fn readouts(model: &LoopedModel, window: &[u32]) -> Result<Readouts> {
 }
 
 /// The pass `rule` stops position `t` at, under `threshold` where the rule is the gate's
-/// without its own.
+/// without its own. The confidence rule reads the same top-1 probability as the lane
+/// (`policy::top_probability`: the log-softmax is the logits shifted, which it ignores).
 fn stop_at(rule: ExitRule, threshold: ExitThreshold, r: &Readouts, t: usize) -> Pass {
     let passes = r.log_probs.len();
     match rule {
@@ -86,54 +87,90 @@ fn stop_at(rule: ExitRule, threshold: ExitThreshold, r: &Readouts, t: usize) -> 
             exit_gate::threshold_exit(&lambdas, own.unwrap_or(threshold))
         }
         ExitRule::Confidence { min_probability } => (0..passes - 1)
-            .find(|&p| {
-                let top = r.log_probs[p][t]
-                    .iter()
-                    .copied()
-                    .fold(f32::NEG_INFINITY, f32::max);
-                top.exp() >= min_probability
-            })
+            .find(|&p| top_probability(&r.log_probs[p][t]) >= min_probability)
             .map_or(Pass::last(passes), Pass::from_index),
     }
 }
 
-/// The held-out cross-entropy of `rule` over `windows` (token ids; each scores every position
-/// but its last), with the baseline's; `threshold` is the run's gate threshold.
+/// Running sums of one rule's score.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sums {
+    nats: f64,
+    baseline: f64,
+    passes: usize,
+    tokens: usize,
+}
+
+/// The held-out cross-entropy of each of `rules` over `windows` (token ids; each scores every
+/// position but its last), with the baseline's; `threshold` is the run's gate threshold. The
+/// forward runs once per window for all the rules.
+pub fn held_out_scores(
+    model: &LoopedModel,
+    rules: &[ExitRule],
+    threshold: ExitThreshold,
+    windows: &[Vec<u32>],
+) -> Result<Vec<HeldOutLoss>> {
+    check_scorable(model, rules)?;
+    let last = model.passes() - 1;
+    let mut sums = vec![Sums::default(); rules.len()];
+    for window in windows.iter().filter(|w| w.len() >= 2) {
+        let r = readouts(model, window)?;
+        for (t, next) in window.iter().skip(1).map(|&n| n as usize).enumerate() {
+            let baseline = -f64::from(r.log_probs[last][t][next]);
+            for (rule, s) in rules.iter().zip(&mut sums) {
+                let stop = stop_at(*rule, threshold, &r, t);
+                s.nats -= f64::from(r.log_probs[stop.index()][t][next]);
+                s.baseline += baseline;
+                s.passes += stop.number();
+                s.tokens += 1;
+            }
+        }
+    }
+    (sums.into_iter())
+        .map(|s| match s.tokens {
+            0 => Err(EngineError::Invalid(
+                "--held-out: the text gives no window of two tokens to score".into(),
+            )),
+            n => Ok(HeldOutLoss {
+                nats: s.nats / n as f64,
+                baseline_nats: s.baseline / n as f64,
+                passes_per_token: s.passes as f64 / n as f64,
+                tokens: n,
+            }),
+        })
+        .collect()
+}
+
+/// Errors where the reference forward cannot score `rules` on `model`: quantized weights
+/// (it reads float tensors), or the gate's rule on a model without a gate.
+fn check_scorable(model: &LoopedModel, rules: &[ExitRule]) -> Result<()> {
+    let weights = model.weight_type();
+    if !["f32", "bf16", "f16"].contains(&weights.as_str()) {
+        return Err(EngineError::Invalid(format!(
+            "--held-out scores exit rules with the reference forward, which reads float \
+             weights; this model's are {weights}"
+        )));
+    }
+    let gated = rules.iter().any(|r| matches!(r, ExitRule::Gate { .. }));
+    if gated && model.weights.exit_gate.is_none() {
+        return Err(EngineError::Invalid(
+            "exit:gate reads the checkpoint's exit gate, which this model has not".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// [`held_out_scores`] of one rule.
 pub fn held_out_loss(
     model: &LoopedModel,
     rule: ExitRule,
     threshold: ExitThreshold,
     windows: &[Vec<u32>],
 ) -> Result<HeldOutLoss> {
-    if matches!(rule, ExitRule::Gate { .. }) && model.weights.exit_gate.is_none() {
-        return Err(EngineError::Invalid(
-            "exit:gate reads the checkpoint's exit gate, which this model has not".into(),
-        ));
-    }
-    let last = model.passes() - 1;
-    let (mut nats, mut baseline, mut passes, mut tokens) = (0.0f64, 0.0f64, 0usize, 0usize);
-    for window in windows.iter().filter(|w| w.len() >= 2) {
-        let r = readouts(model, window)?;
-        for (t, &next) in window.iter().enumerate().skip(1).map(|(i, n)| (i - 1, n)) {
-            let stop = stop_at(rule, threshold, &r, t);
-            nats -= f64::from(r.log_probs[stop.index()][t][next as usize]);
-            baseline -= f64::from(r.log_probs[last][t][next as usize]);
-            passes += stop.number();
-            tokens += 1;
-        }
-    }
-    if tokens == 0 {
-        return Err(EngineError::Invalid(
-            "--held-out: the text gives no window of two tokens to score".into(),
-        ));
-    }
-    let per = |x: f64| x / tokens as f64;
-    Ok(HeldOutLoss {
-        nats: per(nats),
-        baseline_nats: per(baseline),
-        passes_per_token: passes as f64 / tokens as f64,
-        tokens,
-    })
+    let mut scores = held_out_scores(model, &[rule], threshold, windows)?;
+    scores
+        .pop()
+        .ok_or_else(|| EngineError::Invalid("no rule scored".into()))
 }
 
 /// Windows scored per held-out file, and their most tokens.
@@ -168,12 +205,13 @@ pub fn held_out_losses(
     threshold: ExitThreshold,
     windows: &[Vec<u32>],
 ) -> Result<Vec<Option<HeldOutLoss>>> {
-    (policies.iter())
-        .map(|p| match p {
-            PolicyKind::Exit { rule, .. } => {
-                held_out_loss(model, *rule, threshold, windows).map(Some)
-            }
-            _ => Ok(None),
-        })
-        .collect()
+    let rule_of = |p: &PolicyKind| match p {
+        PolicyKind::Exit { rule, .. } => Some(*rule),
+        _ => None,
+    };
+    let rules: Vec<ExitRule> = policies.iter().filter_map(rule_of).collect();
+    let mut scores = held_out_scores(model, &rules, threshold, windows)?.into_iter();
+    Ok((policies.iter())
+        .map(|p| rule_of(p).and_then(|_| scores.next()))
+        .collect())
 }

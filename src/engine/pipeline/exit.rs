@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::Pipeline;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::events::StepEvent;
-use crate::engine::exit_gate;
+use crate::engine::exit_gate::{self, ExitThreshold};
 use crate::engine::model::StepModel;
 use crate::engine::pass::Pass;
 use crate::engine::policy::{KvFill, Policy};
@@ -42,6 +42,12 @@ impl<B: StepModel> Pipeline<B> {
             .collect()
     }
 
+    /// Where the exit gate stops a token in this run: `--exit-threshold`, else the
+    /// checkpoint's.
+    pub(super) fn exit_threshold(&self) -> ExitThreshold {
+        (self.options).exit_threshold_or(self.backend.exit_threshold())
+    }
+
     /// Where the exit gate stops the token at `index` under the run's threshold, from the λ
     /// of the passes it ran (`exit_gate::known_exit`); `None` without a gate.
     pub(super) fn gate_exit(&self, index: usize) -> Option<Pass> {
@@ -53,9 +59,10 @@ impl<B: StepModel> Pipeline<B> {
     }
 
     /// The token at `index`, at `pos`, stops after `pass`: its deeper passes' KV entries are
-    /// copies of its pass-`pass` ones (`policy::exit`, "The skipped passes' KV entries"), and
-    /// it leaves the window at the end of the step. The copies are part of the step's compute
-    /// (`event`'s and the run's), since the walk runs after the step is timed.
+    /// filled as the policy says, copies of its pass-`pass` ones or projections of its state
+    /// (`policy::exit`, "The skipped passes' KV entries"), and it leaves the window at the end
+    /// of the step. The fill is part of the step's compute (`event`'s and the run's), since the
+    /// walk runs after the step is timed.
     pub(super) fn exit_early(
         &mut self,
         index: usize,

@@ -112,7 +112,6 @@ use in_flight::{InFlight, Readouts};
 use super::drafter::Drafter;
 use super::error::{EngineError, Result};
 use super::events::{Committed, DecodeEvent, FinishReason, Flush, Prediction, RowEvent, StepEvent};
-use super::exit_gate::ExitThreshold;
 use super::kv_cache::KvCache;
 use super::model::{ReadoutKind, RowSlot, StepModel};
 use super::pass::Pass;
@@ -226,12 +225,6 @@ impl<B: StepModel> Pipeline<B> {
     /// R, the passes.
     pub(super) fn passes(&self) -> usize {
         self.backend.passes()
-    }
-
-    /// Where the exit gate stops a token in this run: `--exit-threshold`, else the
-    /// checkpoint's.
-    pub(super) fn exit_threshold(&self) -> ExitThreshold {
-        (self.options.exit_threshold).unwrap_or_else(|| self.backend.exit_threshold())
     }
 
     /// The policy's action on a readout after `pass` that predicts position `pos`, where
@@ -557,12 +550,8 @@ impl<B: StepModel> Pipeline<B> {
         }
         if pass.is_last(passes) || exits {
             let chosen = next.map(|(first, _)| first);
-            let gate_exit = self.gate_exit(index);
-            let committed = self.commit_final(pos, pass, surviving, chosen);
-            event.committed.push(Committed {
-                gate_exit,
-                ..committed
-            });
+            let committed = self.commit_final(index, surviving, chosen);
+            event.committed.push(committed);
             go_on &= self.is_running();
         } else if let Some((first, second)) = next.filter(|_| surviving.is_none())
             && self.may_speculate(pos + 1)
@@ -575,15 +564,17 @@ impl<B: StepModel> Pipeline<B> {
         Ok(Walked::after(go_on, row))
     }
 
-    /// Commits position `pos + 1` after a pass-R readout (or an early exit's): the surviving
-    /// child's token, or the readout's own choice where none survived.
+    /// Commits the position after the token at `index`, after its pass-R readout (or an early
+    /// exit's): the surviving child's token, or the readout's own choice where none survived;
+    /// with where the exit gate would have stopped that token.
     fn commit_final(
         &mut self,
-        pos: usize,
-        pass: Pass,
+        index: usize,
         surviving: Option<usize>,
         chosen: Option<Proposal>,
     ) -> Committed {
+        let (pos, pass) = (self.window[index].pos, self.window[index].last_pass());
+        let gate_exit = self.gate_exit(index);
         let (token, depth) = match surviving {
             Some(child) => (self.window[child].token(), self.window[child].proposed_at),
             None => {
@@ -592,7 +583,10 @@ impl<B: StepModel> Pipeline<B> {
                 (commit.token, pass)
             }
         };
-        self.commit(pos + 1, token, depth, surviving)
+        Committed {
+            gate_exit,
+            ..self.commit(pos + 1, token, depth, surviving)
+        }
     }
 
     /// The candidates in flight for the position after the token at `index`: its child,

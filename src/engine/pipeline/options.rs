@@ -20,6 +20,11 @@ pub struct DecodeOptions {
 }
 
 impl DecodeOptions {
+    /// The run's gate threshold: its own, else the checkpoint's `checkpoint`.
+    pub fn exit_threshold_or(&self, checkpoint: ExitThreshold) -> ExitThreshold {
+        self.exit_threshold.unwrap_or(checkpoint)
+    }
+
     /// Greedy decoding of up to `max_tokens` tokens with a cache of `context` positions.
     pub fn greedy(max_tokens: usize, context: usize) -> Self {
         Self {

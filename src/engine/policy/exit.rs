@@ -30,12 +30,12 @@
 //!   next pass's first layer that is the exact entry. It reads the attention weights of every
 //!   layer once more, about a quarter of a pass's weights at Ouro's proportions.
 //!
-//! Copy is the default. Both were raced on the shipped model (the commit that added the
-//! projection gives the figures): the projection costs up to a fifth of the lane's speed and
-//! kept more of the baseline's text only under the confidence rule, while under the gate, the
-//! checkpoint's own rule, the copy was both faster and no further from the baseline. A fixed
-//! depth (`exit:pass=N`) never reads the filled entries at all: every token stops at N and
-//! attends only at passes up to N, so both fills give the same text there.
+//! Copy is the default: it reads no weights, and raced against the projection on the shipped
+//! model (the commit that added the projection gives the figures) it was, under the gate, the
+//! checkpoint's own rule, both the faster and as close to the baseline's text; the projection
+//! is there to be raced against it. A fixed depth (`exit:pass=N`) never reads the filled
+//! entries at all: every token stops at N and attends only at passes up to N, so both fills
+//! give the same text there.
 //!
 //! Nothing here is exact: the text is compared with the baseline's as *lossy* (where it first
 //! departs, how much of it agrees), never as identical.
@@ -214,9 +214,9 @@ fn parse_rule(params: &str) -> Result<ExitRule, String> {
     };
     match key {
         "gate" if value.is_none() => Ok(ExitRule::Gate { threshold: None }),
-        "gate" => probability("the gate threshold").map(|p| ExitRule::Gate {
-            threshold: ExitThreshold::new(p),
-        }),
+        "gate" => (value.unwrap_or_default().parse::<ExitThreshold>())
+            .map(|t| ExitRule::Gate { threshold: Some(t) })
+            .map_err(|e| format!("the gate threshold {e}")),
         "confidence" => probability("the confidence")
             .map(|min_probability| ExitRule::Confidence { min_probability }),
         "pass" => value

@@ -245,8 +245,10 @@ pub const POLICIES: [PolicyRow; 7] = [
         name: "exit",
         forms: &["exit:gate[=T]", "exit:confidence=P", "exit:pass=N"],
         summary: "LOSSY early exit: a token stops at the first pass where the exit gate's \
-                  cumulative probability reaches T (default 0.5), its top-1 probability reaches \
-                  P, or pass N, and its text may leave the baseline's",
+                  cumulative probability reaches T (default --exit-threshold, else the \
+                  checkpoint's), its top-1 probability reaches P, or pass N, and its text may \
+                  leave the baseline's; :fill=project fills its skipped K/V entries by \
+                  projection, not copies",
         speculative: true,
         parse: parse_exit,
     },
