@@ -318,22 +318,13 @@ pub fn median_run(runs: &[(RunStats, RunStats)]) -> usize {
 
 /// The first output index where the lanes differ, with the baseline's logit margin there.
 fn first_difference(baseline: &LaneResult, other: &LaneResult) -> Option<(usize, f32)> {
-    baseline
-        .tokens
-        .iter()
-        .zip(&other.tokens)
-        .position(|(a, b)| a != b)
-        .or_else(|| {
-            (baseline.tokens.len() != other.tokens.len())
-                .then(|| baseline.tokens.len().min(other.tokens.len()))
-        })
-        .map(|i| {
-            (
-                i,
-                i.checked_sub(1)
-                    .and_then(|j| baseline.margins.get(j))
-                    .copied()
-                    .unwrap_or(f32::NAN),
-            )
-        })
+    (Departure::of(&baseline.tokens, &other.tokens).departs_at).map(|i| {
+        (
+            i,
+            i.checked_sub(1)
+                .and_then(|j| baseline.margins.get(j))
+                .copied()
+                .unwrap_or(f32::NAN),
+        )
+    })
 }

@@ -169,10 +169,10 @@ impl RunView {
 
     /// The identical-output check over the tokens both lanes have committed.
     pub fn agreement(&self) -> Agreement {
-        let (a, b) = (&self.speculative.tokens, &self.baseline.tokens);
-        match a.iter().zip(b).position(|(x, y)| x != y) {
+        let d = self.departure();
+        match d.departs_at {
             Some(i) => Agreement::Differ(i),
-            None => Agreement::Same(a.len().min(b.len())),
+            None => Agreement::Same(d.of),
         }
     }
 }
