@@ -253,9 +253,7 @@ fn held_out_loss_reads_out_each_position_where_its_rule_stops() {
         "{loss:?} against {by_pass:?}"
     );
     let d = dir.path().display().to_string();
-    let text = dir.path().join("held_out.txt");
-    std::fs::write(&text, PROMPTS.join("\n")).unwrap();
-    let t = text.display().to_string();
+    let t = held_out_text(dir.path());
     let bench = |policy: &str| {
         [
             "bench",
@@ -372,6 +370,13 @@ fn a_projected_fill_is_the_next_pass_first_layer_entry() {
     }
 }
 
+/// The prompts as a held-out text file in `dir`; its path.
+fn held_out_text(dir: &std::path::Path) -> String {
+    let text = dir.join("held_out.txt");
+    std::fs::write(&text, PROMPTS.join("\n")).unwrap();
+    text.display().to_string()
+}
+
 fn run_to_end(loaded: &LoadedModel, policy: PolicyKind, prompt: &str) -> Decoder {
     let mut decoder = Decoder::new(loaded, policy.build(), prompt, OPTIONS).unwrap();
     while let Some(event) = decoder.next_event().unwrap() {
@@ -458,9 +463,7 @@ fn bad_exit_rules_get_one_line() {
     ];
     assert_clean_error(&args, "exit:gate reads the checkpoint's exit gate");
     // The held-out score runs the reference forward, which reads float weights.
-    let text = dir.path().join("held_out.txt");
-    std::fs::write(&text, PROMPTS.join("\n")).unwrap();
-    let t = text.display().to_string();
+    let t = held_out_text(dir.path());
     let args = [
         "bench",
         "--model",

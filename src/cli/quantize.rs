@@ -46,10 +46,7 @@ pub fn run(args: &QuantizeArgs) -> anyhow::Result<()> {
     }
     let hub = crate::hub::HubSettings::from_env()?;
     let resolved = super::models::resolve(args.model.as_deref(), &hub, &mut |_| {})?;
-    let name = FileType::ALL
-        .iter()
-        .find(|(t, _)| *t == args.file_type)
-        .map_or("", |(_, n)| *n);
+    let name = args.file_type.name();
     let config = quantize_checkpoint(&resolved.source, &resolved.name, args.file_type, &args.out)?;
     let bytes = std::fs::metadata(&args.out).map_or(0, |m| m.len());
     println!(

@@ -62,9 +62,7 @@ impl SweptWeights {
     fn name(self) -> &'static str {
         match self {
             Self::Bf16 => "bf16",
-            Self::Quantized(t) => (FileType::ALL.iter())
-                .find(|(k, _)| *k == t)
-                .map_or("?", |(_, name)| name),
+            Self::Quantized(t) => t.name(),
         }
     }
 }

@@ -123,14 +123,9 @@ pub fn exit_distribution(lambdas: &[f32]) -> Vec<f32> {
 /// The pass a threshold exit stops at: the first whose cumulative exit probability reaches
 /// `threshold`, else pass R (mlx-lm's `_threshold_exit`).
 pub fn threshold_exit(lambdas: &[f32], threshold: ExitThreshold) -> Pass {
-    let mut cumulative = 0.0f32;
-    for (r, p) in exit_distribution(lambdas).into_iter().enumerate() {
-        cumulative += p;
-        if cumulative >= threshold.get() {
-            return Pass::from_index(r);
-        }
-    }
-    Pass::from_index(lambdas.len().saturating_sub(1))
+    // Every pass's λ is in: the rule has decided (pass R holds the rest of the distribution).
+    known_exit(lambdas, lambdas.len(), threshold)
+        .unwrap_or(Pass::from_index(lambdas.len().saturating_sub(1)))
 }
 
 /// The pass the threshold rule stops a token at, from the λ of the passes it has run so far

@@ -32,6 +32,13 @@ impl FileType {
     /// Every file type, with its name as the CLI takes it.
     pub const ALL: [(Self, &'static str); 2] = [(Self::Q8_0, "q8_0"), (Self::Q4KM, "q4_k_m")];
 
+    /// Its name, as the CLI takes it.
+    pub fn name(self) -> &'static str {
+        (Self::ALL.iter())
+            .find(|(t, _)| *t == self)
+            .map_or("", |(_, name)| name)
+    }
+
     /// Its llama.cpp `general.file_type` (`LLAMA_FTYPE_MOSTLY_Q8_0` is 7, `_Q4_K_M` 15).
     fn code(self) -> u32 {
         match self {

@@ -104,8 +104,7 @@ impl Exit {
             ExitRule::Pass(pass) => r.pass >= pass,
             ExitRule::Gate { threshold } => {
                 let threshold = threshold.unwrap_or(r.exit_threshold);
-                let cumulative: f32 = exit_gate::exits_at(r.lambdas).iter().sum();
-                r.lambdas.len() == r.pass.number() && cumulative >= threshold.get()
+                exit_gate::known_exit(r.lambdas, r.passes, threshold) == Some(r.pass)
             }
             ExitRule::Confidence { min_probability } => {
                 top_probability(r.logits) >= min_probability
