@@ -55,7 +55,8 @@
 //! One file per role: this one holds [`Kernels`] and dispatches (the safe API), then
 //! `portable`, `avx2`, `avx512`, `avx512_bf16`, `neon`, `f16` (the proposal head's matmul),
 //! `weight_element` and `kv_element` (the stored types), `packed` (quantized rows
-//! interleaved), `q8_0` and `q8_neon` (Q8_0), `k_quants`, `k_quants_simd` and `q4k_simd` (Q4_K, Q6_K),
+//! interleaved), `q8_0` and `q8_neon` (Q8_0), `k_quants`, `k_quants_simd` and `q4k_simd` (Q4_K, Q6_K), `affine` and `affine_simd` (mlx's
+//! 4- and 8-bit groups),
 //! `pool` (the decode threads), `prefetch`, `attention` and `subnormals` (the FTZ/DAZ guard).
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -108,11 +109,17 @@ macro_rules! with_weight {
             Weight::Q8_0($q) => $qcall,
             Weight::Q4K($q) => $qcall,
             Weight::Q6K($q) => $qcall,
+            Weight::Affine($q) => $qcall,
         }
     };
 }
 
 mod act_quant;
+mod affine;
+#[cfg(target_arch = "x86_64")]
+mod affine_simd;
+#[cfg(test)]
+mod affine_tests;
 mod attention;
 #[cfg(test)]
 mod attention_tests;
@@ -153,6 +160,7 @@ mod weight_element;
 #[cfg(test)]
 mod weight_tests;
 
+pub use affine::{AffineKind, AffineMatrix, write_block as write_affine_block};
 pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, attend_row};
 pub use isa::{Isa, detected_isa};
 use k_quants::KRows;
@@ -317,6 +325,12 @@ trait QuantizedProduct {
 impl QuantizedProduct for Q8Matrix<'_> {
     fn product(self, t: Tuning, input: &Input<'_>, out: SharedOut<'_>, to: OutLayout) {
         q8_0::product(Q8Isa::for_isa(t.isa), t.prefetch, &input.q8, self, out, to);
+    }
+}
+
+impl QuantizedProduct for AffineMatrix<'_> {
+    fn product(self, t: Tuning, input: &Input<'_>, out: SharedOut<'_>, to: OutLayout) {
+        affine::product(t.isa, input.rows.x, self, out, to);
     }
 }
 

@@ -14,6 +14,7 @@
 
 use half::{bf16, f16};
 
+use super::affine::AffineMatrix;
 use super::k_quants::{self, KMatrix, KQuant, Q4K, Q6K, QK_K};
 use super::q8_0::{Q8Matrix, QK8_0};
 
@@ -171,6 +172,8 @@ pub enum Weight<'a> {
     Q4K(KMatrix<'a, Q4K>),
     /// Stored in GGUF's Q6_K super-blocks, 256 weights each (`k_quants`).
     Q6K(KMatrix<'a, Q6K>),
+    /// Stored in mlx's affine groups (`affine`), multiplied with f32 activations.
+    Affine(AffineMatrix<'a>),
 }
 
 /// A quantized block type the kernels read as stored.
@@ -295,6 +298,7 @@ impl<'a> Weight<'a> {
             Self::Q8_0(w) => w.rows() * w.blocks * QK8_0,
             Self::Q4K(w) => w.rows() * w.blocks * QK_K,
             Self::Q6K(w) => w.rows() * w.blocks * QK_K,
+            Self::Affine(w) => w.rows() * w.inner(),
         }
     }
 
@@ -312,6 +316,7 @@ impl<'a> Weight<'a> {
             Self::Q8_0(w) => w.bytes(),
             Self::Q4K(w) => w.bytes(),
             Self::Q6K(w) => w.bytes(),
+            Self::Affine(w) => w.as_bytes().len(),
         }
     }
 
@@ -334,6 +339,10 @@ impl<'a> Weight<'a> {
                 let inner = w.blocks * QK_K;
                 Self::Q6K(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
             }
+            Self::Affine(w) => {
+                let inner = w.inner();
+                Self::Affine(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
+            }
         }
     }
 
@@ -351,6 +360,7 @@ impl<'a> Weight<'a> {
                 Self::Q8_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Q4K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Q6K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
+                Self::Affine(w) => w.as_bytes().align_to::<u64>().1,
             }
         }
     }
@@ -379,6 +389,7 @@ impl<'a> Weight<'a> {
             }
             Self::Q4K(w) => widen_k(w, range, out),
             Self::Q6K(w) => widen_k(w, range, out),
+            Self::Affine(w) => w.widen_into(range, out),
         }
     }
 }
