@@ -13,7 +13,7 @@ use clap::Args;
 use super::ModelArgs;
 use super::chart::{Chart, Series, draw};
 use super::device::{DTypeSpec, DeviceSpec};
-use crate::engine::checkpoint::{Origin, quantize_checkpoint};
+use crate::engine::checkpoint::{Origin, QuantizeTarget, quantize_checkpoint};
 use crate::engine::config::ModelShape;
 use crate::engine::gguf::write::FileType;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
@@ -122,7 +122,7 @@ fn weights_file(dir: &Path, weights: SweptWeights) -> anyhow::Result<PathBuf> {
     };
     let out = dir.join("model.gguf");
     let origin = Origin::Dir(dir.to_path_buf());
-    quantize_checkpoint(&origin, "sweep", file_type, &out)?;
+    quantize_checkpoint(&origin, "sweep", QuantizeTarget::Gguf(file_type), &out)?;
     Ok(out)
 }
 

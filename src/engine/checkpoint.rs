@@ -32,6 +32,8 @@ pub struct Checkpoint {
     pub weight_files: Vec<PathBuf>,
     /// Its `tokenizer.json`.
     pub tokenizer_file: PathBuf,
+    /// Its mlx quantization, where its matrices are mlx-quantized (`engine::mlx`).
+    pub quantization: Option<crate::engine::mlx::Quantization>,
 }
 
 impl Checkpoint {
@@ -46,7 +48,8 @@ impl Checkpoint {
         if !config_file.exists() {
             return Err(EngineError::file(&config_file, "missing"));
         }
-        let config = OuroConfig::load(&config_file)?.looped();
+        let ouro = OuroConfig::load(&config_file)?;
+        let (config, quantization) = (ouro.looped(), ouro.quantization);
         let tokenizer_file = dir.join("tokenizer.json");
         if !tokenizer_file.exists() {
             return Err(EngineError::file(&tokenizer_file, "missing"));
@@ -60,6 +63,7 @@ impl Checkpoint {
             weight_files: weight_files(dir)?,
             config,
             tokenizer_file,
+            quantization,
         })
     }
 
@@ -84,7 +88,8 @@ impl Checkpoint {
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Backend> {
         check_device_room(device, &self.config, dtype, &self.dir)?;
-        let files = TensorFiles::open(&self.weight_files)?;
+        let files =
+            TensorFiles::open(&self.weight_files)?.with_quantization(self.quantization.clone());
         if Backend::runs_on_host(device, dtype, options) {
             return self.load_host(files, dtype, options, progress);
         }
@@ -103,10 +108,24 @@ impl Checkpoint {
         options: LoadOptions,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Backend> {
-        let specs = host_matrix_specs(&self.config);
-        let total_bytes = (specs.iter())
-            .map(|(_, shape)| (shape.elem_count() * dtype.size_in_bytes()) as u64)
-            .sum();
+        let mut specs = host_matrix_specs(&self.config);
+        let quantization = self.quantization.as_ref();
+        if quantization.is_some() && !self.config.tied {
+            // mlx quantizes the embedding too: it stays in blocks, its rows dequantized as
+            // they are looked up (as a GGUF file's).
+            specs.push((
+                super::format::EMBED_TOKENS.to_string(),
+                (self.config.vocab, self.config.hidden).into(),
+            ));
+        }
+        let stored_bytes = |(name, shape): &(String, candle_core::Shape)| match quantization {
+            Some(q) => {
+                let kind = q.kind_of(name);
+                shape.elem_count() / kind.group() * kind.block_bytes()
+            }
+            None => shape.elem_count() * dtype.size_in_bytes(),
+        };
+        let total_bytes = specs.iter().map(|s| stored_bytes(s) as u64).sum();
         let mut read_bytes = 0;
         let mut read = |bytes: u64| {
             read_bytes += bytes;
@@ -115,12 +134,19 @@ impl Checkpoint {
                 total_bytes,
             });
         };
-        let tensors = match dtype {
+        let mut tensors = match quantization {
+            Some(_) => files.read_affine_into_arena(&specs, &mut read),
+            None => Ok(Default::default()),
+        }
+        .map_err(|e| self.tensor_error(e))?;
+        specs.retain(|(name, _)| !tensors.contains_key(name));
+        let dense = match dtype {
             DType::BF16 => files.read_into_arena::<half::bf16>(&specs, &mut read),
             DType::F16 => files.read_into_arena::<half::f16>(&specs, &mut read),
             _ => files.read_into_arena::<f32>(&specs, &mut read),
         }
         .map_err(|e| self.tensor_error(e))?;
+        tensors.extend(dense);
         let preloaded = Preloaded { files, tensors };
         let vb = VarBuilder::from_backend(Box::new(preloaded), dtype, Device::Cpu);
         let weights = Weights::load(&vb, &self.config)
@@ -162,9 +188,13 @@ impl Checkpoint {
 /// The element type the checkpoint in `dir` stores its weights in, by its config; `None`
 /// where the config cannot be read (loading then names the fault).
 pub fn stored_dtype(dir: &Path) -> Option<DType> {
+    // mlx-quantized matrices compute in f32 on the host, as a GGUF file's.
     OuroConfig::load(&dir.join("config.json"))
         .ok()
-        .map(|c| c.stored_dtype())
+        .map(|c| match c.quantization {
+            Some(_) => DType::F32,
+            None => c.stored_dtype(),
+        })
 }
 
 /// Whether `dir` holds a checkpoint's files (a config, weights or a shard index): what a
@@ -536,45 +566,111 @@ pub fn gguf_tokenizer_file(path: &Path) -> Option<PathBuf> {
     Some(path.with_file_name("tokenizer.json")).filter(|p| p.exists())
 }
 
-/// Quantizes the spex checkpoint at `origin` (a directory or the embedded model; its weights
-/// read in f32) into a GGUF file at `out` named `name`, its matrices in `file_type`. Returns
-/// the model's shape.
-pub fn quantize_checkpoint(
-    origin: &crate::engine::checkpoint::Origin,
-    name: &str,
-    file_type: super::gguf::write::FileType,
-    out: &Path,
-) -> Result<LoopedConfig> {
+/// What `spex quantize` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantizeTarget {
+    /// A GGUF file in llama.cpp's Ouro layout.
+    Gguf(super::gguf::write::FileType),
+    /// An mlx-community checkpoint directory, its matrices in this kind.
+    Mlx(crate::engine::kernels::AffineKind),
+}
+
+/// A source checkpoint's parts, as `quantize_checkpoint` reads them.
+struct Source {
+    config: LoopedConfig,
+    vb: VarBuilder<'static>,
+    tokenizer_path: PathBuf,
+    tokenizer_bytes: Vec<u8>,
+    /// Every tensor, by name (read for an mlx target only).
+    tensors: Vec<(String, candle_core::Tensor)>,
+}
+
+/// Reads `origin` for quantizing: its weights in f32 through a builder, and every tensor as
+/// stored where `all` asks.
+fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
     use crate::engine::files::{FileKind, read_capped};
-    let f32 = candle_core::DType::F32;
-    let (config, vb, tokenizer_path, tokenizer_bytes) = match origin {
+    let f32 = DType::F32;
+    match origin {
         Origin::Dir(dir) => {
             let checkpoint = Checkpoint::open(dir)?;
+            if checkpoint.quantization.is_some() {
+                return Err(EngineError::file(
+                    dir.join("config.json"),
+                    "already quantized (mlx): quantize a checkpoint of float weights",
+                ));
+            }
             let files = TensorFiles::open(&checkpoint.weight_files)?;
-            let vb = candle_nn::VarBuilder::from_backend(Box::new(files), f32, Device::Cpu);
+            let mut tensors = Vec::new();
+            for path in checkpoint.weight_files.iter().filter(|_| all) {
+                let read = candle_core::safetensors::load(path, &Device::Cpu)
+                    .map_err(|e| EngineError::file(path, e))?;
+                tensors.extend(read);
+            }
+            let vb = VarBuilder::from_backend(Box::new(files), f32, Device::Cpu);
             let bytes = read_capped(&checkpoint.tokenizer_file, FileKind::Tokenizer)?;
-            (checkpoint.config, vb, checkpoint.tokenizer_file, bytes)
+            Ok(Source {
+                config: checkpoint.config,
+                vb,
+                tokenizer_path: checkpoint.tokenizer_file,
+                tokenizer_bytes: bytes,
+                tensors,
+            })
         }
         Origin::Embedded(bytes) => {
             let config = bytes.looped_config()?;
-            let vb = candle_nn::VarBuilder::from_buffered_safetensors(
-                bytes.weights.to_vec(),
-                f32,
-                &Device::Cpu,
-            )
-            .map_err(|e| EngineError::file("<embedded>/model.safetensors", e))?;
-            (
+            let at = "<embedded>/model.safetensors";
+            let vb =
+                VarBuilder::from_buffered_safetensors(bytes.weights.to_vec(), f32, &Device::Cpu)
+                    .map_err(|e| EngineError::file(at, e))?;
+            let tensors = match all {
+                true => candle_core::safetensors::load_buffer(bytes.weights, &Device::Cpu)
+                    .map_err(|e| EngineError::file(at, e))?
+                    .into_iter()
+                    .collect(),
+                false => Vec::new(),
+            };
+            Ok(Source {
                 config,
                 vb,
-                "<embedded>/tokenizer.json".into(),
-                bytes.tokenizer.to_vec(),
-            )
+                tokenizer_path: "<embedded>/tokenizer.json".into(),
+                tokenizer_bytes: bytes.tokenizer.to_vec(),
+                tensors,
+            })
         }
-        Origin::Gguf(path) => {
-            return Err(EngineError::file(
-                path,
-                "already a GGUF file: quantize a spex checkpoint",
-            ));
+        Origin::Gguf(path) => Err(EngineError::file(
+            path,
+            "already a GGUF file: quantize a spex checkpoint",
+        )),
+    }
+}
+
+/// Quantizes the spex checkpoint at `origin` (a directory or the embedded model) into `out`,
+/// named `name`: a GGUF file, or an mlx checkpoint directory. Returns the model's shape.
+pub fn quantize_checkpoint(
+    origin: &crate::engine::checkpoint::Origin,
+    name: &str,
+    target: QuantizeTarget,
+    out: &Path,
+) -> Result<LoopedConfig> {
+    let source = quantize_source(origin, matches!(target, QuantizeTarget::Mlx(_)))?;
+    let Source {
+        config,
+        vb,
+        tokenizer_path,
+        tokenizer_bytes,
+        tensors,
+    } = source;
+    let file_type = match target {
+        QuantizeTarget::Gguf(file_type) => file_type,
+        QuantizeTarget::Mlx(kind) => {
+            let job = crate::engine::mlx::write::MlxJob {
+                config: config.to_json(),
+                tensors,
+                tokenizer: &tokenizer_bytes,
+                kind,
+            };
+            crate::engine::mlx::write::write_mlx(job, out)?;
+            return Ok(config);
         }
     };
     let weights = Weights::load(&vb, &config).map_err(|e| EngineError::file(&tokenizer_path, e))?;

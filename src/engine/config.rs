@@ -47,6 +47,8 @@ pub struct OuroConfig {
     /// The cumulative exit probability at which Ouro's exit gate stops a token
     /// (`engine::exit_gate`); Ouro's default, 1.0 (every pass), when absent.
     pub early_exit_threshold: ExitThreshold,
+    /// mlx's `quantization` block, where the matrices are mlx-quantized (`engine::mlx`).
+    pub quantization: Option<crate::engine::mlx::Quantization>,
 }
 
 /// The element types a checkpoint's `torch_dtype` names, with their names: the one table
@@ -122,6 +124,13 @@ impl OuroConfig {
             eos_token_ids: fields.token_ids("eos_token_id")?,
             torch_dtype: fields.string_or("torch_dtype", "float32")?,
             early_exit_threshold: fields.threshold_or("early_exit_threshold")?,
+            quantization: match fields.map.get(crate::engine::mlx::QUANTIZATION) {
+                None | Some(Value::Null) => None,
+                Some(block) => Some(
+                    crate::engine::mlx::Quantization::parse(block)
+                        .map_err(|(field, message)| fields.error(&field, message))?,
+                ),
+            },
         };
         if !TORCH_DTYPES
             .iter()
@@ -270,6 +279,7 @@ impl From<&LoopedConfig> for OuroConfig {
             eos_token_ids: c.eos_token_ids.clone(),
             torch_dtype: torch_dtype_name(c.stored_dtype).to_string(),
             early_exit_threshold: c.exit_threshold,
+            quantization: None,
         }
     }
 }
@@ -427,6 +437,7 @@ impl ModelShape {
             eos_token_ids: vec![0],
             torch_dtype: torch_dtype.to_string(),
             early_exit_threshold: ExitThreshold::EVERY_PASS,
+            quantization: None,
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod kernels;
 pub mod kv_cache;
 pub mod looped;
 pub mod memory;
+pub mod mlx;
 pub mod model;
 pub mod pass;
 pub mod pipeline;

@@ -15,7 +15,9 @@ use candle_nn::var_builder::SimpleBackend;
 use safetensors::tensor::{Metadata, TensorInfo};
 
 use super::error::{EngineError, Result};
+use super::kernels::AffineKind;
 use super::memory::{Arena, ArenaElement};
+use super::mlx::{self, Stored};
 
 /// Headers beyond this are not a plausible safetensors file (the format caps them at 100 MB).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -31,6 +33,8 @@ struct Shard {
 /// The tensors of one checkpoint's safetensors files, read on demand.
 pub struct TensorFiles {
     shards: Vec<Shard>,
+    /// The checkpoint's mlx quantization, where it has one: the kind of each packed matrix.
+    quantization: Option<mlx::Quantization>,
 }
 
 impl TensorFiles {
@@ -38,7 +42,18 @@ impl TensorFiles {
     /// tensors point past its end, is an error naming it.
     pub fn open(paths: &[PathBuf]) -> Result<Self> {
         let shards = paths.iter().map(|p| open_shard(p)).collect::<Result<_>>()?;
-        Ok(Self { shards })
+        Ok(Self {
+            shards,
+            quantization: None,
+        })
+    }
+
+    /// The same files, their packed matrices read as `quantization` says.
+    pub fn with_quantization(self, quantization: Option<mlx::Quantization>) -> Self {
+        Self {
+            quantization,
+            ..self
+        }
     }
 
     fn find(&self, name: &str) -> Option<(&Shard, &TensorInfo)> {
@@ -117,8 +132,106 @@ impl TensorFiles {
         Ok(true)
     }
 
-    /// The tensor as stored (its file dtype), on `device`.
+    /// Tensor `name`'s bytes as stored, and its table entry.
+    fn read_bytes(&self, name: &str) -> candle_core::Result<(Vec<u8>, &TensorInfo)> {
+        let (shard, info) =
+            self.find(name)
+                .ok_or_else(|| candle_core::Error::CannotFindTensor {
+                    path: name.to_string(),
+                })?;
+        let (start, end) = info.data_offsets;
+        let mut bytes = vec![0u8; end - start];
+        let mut file = shard
+            .file
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("a tensor read panicked".into()))?;
+        file.seek(SeekFrom::Start(shard.data_start + start as u64))?;
+        file.read_exact(&mut bytes)?;
+        Ok((bytes, info))
+    }
+
+    /// Weight `name` where the files store it as mlx's three tensors (`engine::mlx`): the
+    /// packed words, scales and biases, checked to agree (`None` where it has no scales).
+    pub fn read_quantized(&self, name: &str) -> candle_core::Result<Option<(Stored, AffineKind)>> {
+        let Some((scales, biases)) = mlx::companions(name).filter(|(s, _)| self.find(s).is_some())
+        else {
+            return Ok(None);
+        };
+        let bad = |why: String| candle_core::Error::Msg(format!("{name}: {why}"));
+        let (packed, info) = self.read_bytes(name)?;
+        let (rows, words) = match (info.dtype, info.shape.as_slice()) {
+            (safetensors::Dtype::U32, &[rows, words]) => (rows, words),
+            (dtype, shape) => {
+                return Err(bad(format!(
+                    "{dtype:?} {shape:?}: mlx stores a quantized matrix as 2-d uint32 words"
+                )));
+            }
+        };
+        let float = |n: &str| -> candle_core::Result<Vec<f32>> {
+            let t = self.read(n, &Device::Cpu)?;
+            t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+        };
+        let kind = (self.quantization.as_ref())
+            .map_or_else(|| AffineKind::new(4, 64), |q| Some(q.kind_of(name)))
+            .ok_or_else(|| bad("no quantization block in config.json".to_string()))?;
+        let stored = Stored {
+            packed,
+            scales: float(&scales)?,
+            biases: float(&biases)?,
+            rows,
+            inner: words * 32 / kind.bits() as usize,
+        };
+        stored.check(kind).map_err(bad)?;
+        Ok(Some((stored, kind)))
+    }
+
+    /// Reads the quantized matrices among `specs` into one host arena of blocks
+    /// (`mlx::blocks_shape`), each checked to have its spec's dense shape; the arena's views,
+    /// by name.
+    pub fn read_affine_into_arena(
+        &self,
+        specs: &[(String, Shape)],
+        progress: &mut dyn FnMut(u64),
+    ) -> candle_core::Result<HashMap<String, Tensor>> {
+        let mut read = Vec::new();
+        for (name, shape) in specs {
+            let Some((stored, kind)) = self.read_quantized(name)? else {
+                continue;
+            };
+            if shape.dims() != [stored.rows, stored.inner] {
+                return Err(candle_core::Error::UnexpectedShape {
+                    msg: format!("shape mismatch for {name}"),
+                    expected: shape.clone(),
+                    got: (stored.rows, stored.inner).into(),
+                });
+            }
+            read.push((name.clone(), stored, kind));
+        }
+        let shapes: Vec<Shape> = (read.iter())
+            .map(|(_, s, kind)| mlx::blocks_shape(*kind, s.rows, s.inner))
+            .collect();
+        let mut arena = Arena::<u8>::new(&shapes)?;
+        let mut blocks = Vec::new();
+        for (i, (_, stored, kind)) in read.iter().enumerate() {
+            blocks.clear();
+            stored.blocks(*kind, &mut blocks);
+            arena.slot_mut(i).copy_from_slice(&blocks);
+            progress(blocks.len() as u64);
+        }
+        let views = arena.finish(&Device::Cpu)?;
+        Ok(read
+            .into_iter()
+            .map(|(name, _, _)| name)
+            .zip(views)
+            .collect())
+    }
+
+    /// The tensor as stored (its file dtype), on `device`; an mlx-quantized matrix
+    /// dequantized to f32.
     fn read(&self, name: &str, device: &Device) -> candle_core::Result<Tensor> {
+        if let Some((stored, kind)) = self.read_quantized(name)? {
+            return mlx::dequantize(&stored, kind, device);
+        }
         let (shard, info) =
             self.find(name)
                 .ok_or_else(|| candle_core::Error::CannotFindTensor {
@@ -250,6 +363,8 @@ impl SimpleBackend for Preloaded {
         device: &Device,
     ) -> candle_core::Result<Tensor> {
         match self.tensors.get(name) {
+            // Quantized blocks, as they are (`read_affine_into_arena` checked the shape).
+            Some(tensor) if tensor.dtype() == DType::U8 => Ok(tensor.clone()),
             // Read with this shape into the arena (`read_stored_into` checked it).
             Some(tensor) if tensor.shape() == &shape => tensor.to_dtype(dtype),
             _ => self.files.get(shape, name, init, dtype, device),

@@ -17,7 +17,7 @@
 //!
 //! A host model keeps each quantized matrix as a `U8` tensor of shape `[rows, blocks, block
 //! bytes]` in the kernels' layout (`kernels::repack`), in the weight arena
-//! (`model::quant_kind_of` tells its kind from the block bytes, which differ for every GGUF
+//! (`model::block_kind_of` tells its kind from the block bytes, which differ for every GGUF
 //! block type); a GPU model gets the matrices dequantized.
 
 pub mod load;

@@ -212,9 +212,28 @@ impl<'a> Block<'a> {
 pub fn write_block(kind: AffineKind, scale: f32, bias: f32, q: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(&scale.to_le_bytes());
     out.extend_from_slice(&bias.to_le_bytes());
+    pack(kind, q, out);
+}
+
+/// The integers `q` (each below `2^bits`) packed as mlx packs them into its `uint32` words,
+/// read as little-endian bytes: 4-bit `2i` in byte `i`'s low nibble, `2i + 1` in its high one.
+pub fn pack(kind: AffineKind, q: &[u8], out: &mut Vec<u8>) {
     match kind.bits {
         4 => out.extend(q.chunks_exact(2).map(|p| p[0] | (p[1] << 4))),
         _ => out.extend_from_slice(q),
+    }
+}
+
+/// [`pack`]'s inverse: a group's packed bytes, one integer a byte into `q`.
+pub fn unpack(kind: AffineKind, bytes: &[u8], q: &mut [u8]) {
+    match kind.bits {
+        4 => {
+            for (pair, &byte) in q.chunks_exact_mut(2).zip(bytes) {
+                pair[0] = byte & 0x0F;
+                pair[1] = byte >> 4;
+            }
+        }
+        _ => q.copy_from_slice(bytes),
     }
 }
 

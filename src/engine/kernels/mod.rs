@@ -160,7 +160,10 @@ mod weight_element;
 #[cfg(test)]
 mod weight_tests;
 
-pub use affine::{AffineKind, AffineMatrix, write_block as write_affine_block};
+pub use affine::{
+    AffineKind, AffineMatrix, pack as pack_affine, unpack as unpack_affine,
+    write_block as write_affine_block,
+};
 pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, attend_row};
 pub use isa::{Isa, detected_isa};
 use k_quants::KRows;

@@ -12,12 +12,13 @@ use super::backend::StepBackend;
 use super::half_head::HalfHead;
 use super::host_buffers;
 use super::host_kv::{HostKv, KvBuffers};
-use super::{LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
+use super::{BlockKind, LayerWeights, LoadOptions, LoopedModel, ReadoutKind, RowInput, RowSlot};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::exit_gate::{ExitGate, sigmoid};
 use crate::engine::kernels::prefetch::{Choice, Prefetch};
 use crate::engine::kernels::{
-    self, HeadSpan, Kernels, KvElement, Matrix, Packed, QuantKind, SubnormalsFlushed, Weight,
+    self, AffineMatrix, HeadSpan, Kernels, KvElement, Matrix, Packed, QuantKind, SubnormalsFlushed,
+    Weight,
 };
 use crate::engine::kv_cache::KvCache;
 
@@ -29,7 +30,7 @@ struct HostView<'a> {
     /// The last dimension: a matrix's row length.
     inner: usize,
     /// The block kind of a matrix of quantized blocks.
-    quant: Option<QuantKind>,
+    quant: Option<BlockKind>,
 }
 
 impl<'a> HostView<'a> {
@@ -42,7 +43,7 @@ impl<'a> HostView<'a> {
         }
         // A quantized matrix is `[rows, blocks, block bytes]` (`gguf`): its rows hold the
         // blocks' weights.
-        let quant = super::quant_kind_of(t);
+        let quant = super::block_kind_of(t);
         let inner = match quant {
             Some(kind) => layout.dims()[1] * kind.block_weights(),
             None => layout.dims().last().copied().unwrap_or(1),
@@ -63,7 +64,14 @@ impl<'a> HostView<'a> {
             (Storage::Cpu(CpuStorage::F32(v)), _) => Ok(Weight::F32(&v[range])),
             (Storage::Cpu(CpuStorage::BF16(v)), _) => Ok(Weight::Bf16(&v[range])),
             (Storage::Cpu(CpuStorage::F16(v)), _) => Ok(Weight::F16(&v[range])),
-            (Storage::Cpu(CpuStorage::U8(v)), Some(kind)) => {
+            (Storage::Cpu(CpuStorage::U8(v)), Some(BlockKind::Affine(kind))) => {
+                let groups = self.inner / kind.group();
+                let rows = self.len / (groups * kind.block_bytes()).max(1);
+                AffineMatrix::new(&v[range], rows, groups, kind)
+                    .map(Weight::Affine)
+                    .map_err(EngineError::Invalid)
+            }
+            (Storage::Cpu(CpuStorage::U8(v)), Some(BlockKind::Gguf(kind))) => {
                 let blocks = self.inner / kind.block_weights();
                 let rows = self.len / (blocks * kind.block_bytes()).max(1);
                 let bytes = &v[range];

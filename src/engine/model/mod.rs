@@ -294,12 +294,42 @@ pub enum LoadProgress {
     TimingSteps,
 }
 
-/// The block kind of a host tensor of quantized blocks, `[rows, blocks, block bytes]` of
-/// `U8` (`gguf`), if `t` is one: the block bytes differ for every kind.
-pub fn quant_kind_of(t: &Tensor) -> Option<crate::engine::kernels::QuantKind> {
+/// The kind of blocks a host tensor of quantized weights holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockKind {
+    /// GGUF's blocks, `[rows, blocks, block bytes]` of `U8` (`gguf`): the block bytes differ
+    /// for every kind.
+    Gguf(crate::engine::kernels::QuantKind),
+    /// mlx's affine groups, `[rows, groups, ·, ·]` of `U8` (`kernels::AffineKind::dims`).
+    Affine(crate::engine::kernels::AffineKind),
+}
+
+impl BlockKind {
+    /// Weights a block holds along a row.
+    pub fn block_weights(self) -> usize {
+        match self {
+            Self::Gguf(k) => k.block_weights(),
+            Self::Affine(k) => k.group(),
+        }
+    }
+
+    /// Its name in headers (`Q4_K`, `mlx4/g64`).
+    pub fn name(self) -> String {
+        match self {
+            Self::Gguf(k) => k.name().to_string(),
+            Self::Affine(k) => k.name(),
+        }
+    }
+}
+
+/// The block kind of a host tensor of quantized blocks, if `t` is one.
+pub fn block_kind_of(t: &Tensor) -> Option<BlockKind> {
     match (t.dtype(), t.dims()) {
-        (DType::U8, &[_, _, bytes]) => {
-            (crate::engine::kernels::QuantKind::ALL.into_iter()).find(|k| k.block_bytes() == bytes)
+        (DType::U8, &[_, _, bytes]) => (crate::engine::kernels::QuantKind::ALL.into_iter())
+            .find(|k| k.block_bytes() == bytes)
+            .map(BlockKind::Gguf),
+        (DType::U8, &[_, _, a, b]) => {
+            crate::engine::kernels::AffineKind::from_dims([a, b]).map(BlockKind::Affine)
         }
         _ => None,
     }
@@ -417,18 +447,26 @@ impl LoopedModel {
     /// of quantized matrices (`gguf`), joined by `+` where a file mixes them (`Q4_K+Q6_K`, a
     /// Q4_K_M file), else the element type (`bf16`).
     pub fn weight_type(&self) -> String {
-        let stored: Vec<_> = (self.weights.layers.iter())
-            .flat_map(|l| {
-                crate::engine::format::LayerTensor::ALL.map(|t| quant_kind_of(l.tensor(t)))
-            })
-            .flatten()
-            .collect();
-        let kinds: Vec<&str> = (crate::engine::kernels::QuantKind::ALL.into_iter())
-            .filter(|k| stored.contains(k))
-            .map(|k| k.name())
-            .collect();
+        let mut kinds: Vec<BlockKind> = Vec::new();
+        for layer in &self.weights.layers {
+            for t in crate::engine::format::LayerTensor::ALL {
+                if let Some(k) = block_kind_of(layer.tensor(t))
+                    && !kinds.contains(&k)
+                {
+                    kinds.push(k);
+                }
+            }
+        }
+        // GGUF's kinds in their fixed order (`Q4_K+Q6_K`), mlx's after.
+        let rank = |k: &BlockKind| match k {
+            BlockKind::Gguf(q) => (crate::engine::kernels::QuantKind::ALL.iter())
+                .position(|a| a == q)
+                .unwrap_or(0),
+            BlockKind::Affine(a) => 8 + a.bits() as usize,
+        };
+        kinds.sort_by_key(rank);
         if !kinds.is_empty() {
-            return kinds.join("+");
+            return kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join("+");
         }
         let first = self.weights.layers.first().map(|l| &l.q_proj);
         format!("{:?}", first.map_or(self.dtype, |t| t.dtype())).to_lowercase()
