@@ -12,6 +12,7 @@ use common::{
 use spex::engine::LoadedModel;
 use spex::engine::gguf::write::FileType;
 use spex::engine::kernels;
+use spex::engine::kernels::AffineKind;
 use spex::engine::model::{Backend, KvDtype, LoadOptions};
 use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::write_random_checkpoint;
@@ -284,6 +285,33 @@ fn every_shape_quantized(suite: Suite, file_type: FileType) -> Tally {
         assert_lanes_equal_on(&loaded, prompts, suite, &label, &mut tally);
     }
     tally
+}
+
+/// Every lane of `suite` on mlx-quantized weights (`spex quantize --type mlx-…` of a bf16
+/// checkpoint) on every shape of every variant: float activations against affine groups.
+fn every_shape_mlx(suite: Suite, kind: AffineKind) -> Tally {
+    let mut tally = Tally::default();
+    let prompts = &exactness_prompts(6)[..];
+    for (variant, layers, passes) in stored_shapes() {
+        let seed = (layers * 10 + passes) as u64;
+        let (_dir, out) = common::mlx_pair(variant, layers, passes, seed, kind);
+        let loaded = LoadedModel::load(out.path(), &Device::Cpu, DType::F32).expect("load");
+        assert!(matches!(loaded.backend, Backend::Host(_)), "host kernels");
+        let stored = loaded.model().weight_type();
+        assert_eq!(stored, kind.name(), "K={layers}");
+        let label = format!("{stored} {variant:?} K={layers} R={passes}");
+        assert_lanes_equal_on(&loaded, prompts, suite, &label, &mut tally);
+    }
+    tally
+}
+
+/// The pipelined policies on mlx's 4-bit groups of 64 (mlx-community's usual files).
+#[test]
+fn speed_equals_baseline_on_every_shape_with_mlx_4bit_weights() {
+    let kind = AffineKind::new(4, 64).unwrap();
+    let tally = every_shape_mlx(Suite::Pipelined, kind);
+    let prompts = exactness_prompts(6).len();
+    assert!(tally.flips > 17 * prompts, "{} flips", tally.flips);
 }
 
 /// The pipelined policies on Q8_0 weights: every lane equals the baseline, token for token.

@@ -575,6 +575,12 @@ pub enum QuantizeTarget {
     Mlx(crate::engine::kernels::AffineKind),
 }
 
+impl From<super::gguf::write::FileType> for QuantizeTarget {
+    fn from(t: super::gguf::write::FileType) -> Self {
+        Self::Gguf(t)
+    }
+}
+
 /// A source checkpoint's parts, as `quantize_checkpoint` reads them.
 struct Source {
     config: LoopedConfig,

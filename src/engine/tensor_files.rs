@@ -157,7 +157,7 @@ impl TensorFiles {
         else {
             return Ok(None);
         };
-        let bad = |why: String| candle_core::Error::Msg(format!("{name}: {why}"));
+        let bad = |why: String| candle_core::Error::Msg(format!("tensor {name}: {why}"));
         let (packed, info) = self.read_bytes(name)?;
         let (rows, words) = match (info.dtype, info.shape.as_slice()) {
             (safetensors::Dtype::U32, &[rows, words]) => (rows, words),

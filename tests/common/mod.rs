@@ -167,9 +167,36 @@ pub fn quantized_pair(
     let out = TempDir::new().expect("temp dir");
     let file = out.path().join("model.gguf");
     let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
-    spex::engine::checkpoint::quantize_checkpoint(&origin, "test", file_type, &file)
+    spex::engine::checkpoint::quantize_checkpoint(&origin, "test", file_type.into(), &file)
         .expect("quantize");
     (dir, out, file)
+}
+
+/// A random checkpoint (its float weights in `dtype`) and its mlx quantization in `kind`
+/// (`spex quantize --type mlx-…`), in another folder: rows of 64 and a 96-wide MLP, so that a
+/// group of 64 leaves `down_proj` dense, as mlx-lm would.
+pub fn mlx_pair(
+    variant: Variant,
+    layers: usize,
+    passes: usize,
+    seed: u64,
+    kind: spex::engine::kernels::AffineKind,
+) -> (TempDir, TempDir) {
+    let mut spec = spec(layers, passes, variant, seed);
+    (
+        spec.shape.hidden,
+        spec.shape.head_dim,
+        spec.shape.intermediate,
+    ) = (64, 16, 96);
+    spec.dtype = DType::BF16;
+    let dir = TempDir::new().expect("temp dir");
+    write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
+    let out = TempDir::new().expect("temp dir");
+    let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
+    let target = spex::engine::checkpoint::QuantizeTarget::Mlx(kind);
+    spex::engine::checkpoint::quantize_checkpoint(&origin, "test", target, out.path())
+        .expect("quantize");
+    (dir, out)
 }
 
 /// Decodes `prompt` on `loaded` with `policy`: every step's rows, and the tokens committed.

@@ -166,7 +166,8 @@ impl Stored {
             || self.packed.len() != packed
         {
             return Err(format!(
-                "{} packed bytes, {} scales and {} biases are not {} rows of {} weights in {}",
+                "{} packed bytes, {} scales and {} biases for {} rows are not {} weights a row \
+                 in {} (config.json's `quantization`)",
                 self.packed.len(),
                 self.scales.len(),
                 self.biases.len(),

@@ -77,7 +77,9 @@ pub fn write_mlx(job: MlxJob<'_>, out: &Path) -> Result<()> {
         map.insert(QUANTIZATION.to_string(), quantization.to_json());
         map.insert("quantization_config".to_string(), quantization.to_json());
     }
-    crate::engine::checkpoint::write_json(&out.join("config.json"), &config)?;
+    let path = out.join("config.json");
+    let text = serde_json::to_string_pretty(&config).map_err(|e| EngineError::file(&path, e))?;
+    crate::engine::files::write_atomically(&path, |w| w.write_all((text + "\n").as_bytes()))?;
     let tokenizer = out.join("tokenizer.json");
     crate::engine::files::write_atomically(&tokenizer, |w| w.write_all(job.tokenizer))
 }
