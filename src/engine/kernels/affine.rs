@@ -16,7 +16,9 @@
 //!
 //! Row invariance: every (input row, weight row) pair has 16 lanes fed in the order of k, each
 //! step `lane = x·(s·q + b) + lane` with both products fused, and the lanes are summed by
-//! [`hsum16`]. Every ISA (AVX-512's one register, AVX2's two, the portable loops) computes exactly
+//! [`hsum16`]. At 8 bits lane `l` takes weights `l`, `l + 16`, …; at 4 bits each 32 weights are
+//! 16 bytes and lane `l` takes byte `l`'s two, `2l` then `2l + 1`, so that a vector kernel splits
+//! the nibbles with one AND and one shift (the activations reordered to match once a call). Every ISA (AVX-512's one register, AVX2's two, the portable loops) computes exactly
 //! that, so a result has the same bits whatever the rows, the grouping, the thread split or the
 //! ISA.
 
@@ -252,6 +254,18 @@ fn dot(x: &[f32], w: AffineMatrix<'_>, j: usize) -> f32 {
     for g in 0..w.groups {
         let block = Block::of(row, kind, g);
         let xg = &x[g * kind.group..(g + 1) * kind.group];
+        if kind.bits == 4 {
+            // A chunk of 32 is 16 bytes: lane l takes byte l's two weights, 2l then 2l + 1.
+            for (c, xc) in xg.chunks_exact(32).enumerate() {
+                for half in 0..2 {
+                    for (l, lane) in lanes.iter_mut().enumerate() {
+                        let i = 2 * l + half;
+                        *lane = xc[i].mul_add(block.weight(c * 32 + i), *lane);
+                    }
+                }
+            }
+            continue;
+        }
         for (c, xc) in xg.chunks_exact(16).enumerate() {
             for (l, (lane, &xv)) in lanes.iter_mut().zip(xc).enumerate() {
                 *lane = xv.mul_add(block.weight(c * 16 + l), *lane);
@@ -259,6 +273,18 @@ fn dot(x: &[f32], w: AffineMatrix<'_>, j: usize) -> f32 {
         }
     }
     hsum16(&lanes)
+}
+
+/// Rows of `x` (`inner` each) with every 32 values reordered as 4-bit chunks are read: the 16
+/// even-indexed first, then the 16 odd-indexed (byte l of a chunk holds weights 2l and 2l + 1,
+/// whose nibbles split into an even and an odd vector with one AND and one shift).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn deinterleave(x: &[f32], out: &mut Vec<f32>) {
+    out.clear();
+    for chunk in x.chunks_exact(32) {
+        out.extend(chunk.iter().step_by(2));
+        out.extend(chunk.iter().skip(1).step_by(2));
+    }
 }
 
 /// `out[j·to.col + r·to.row]` = row `r` of `x` (rows of `w.inner()`) · weight row `j` of `w`,

@@ -4,16 +4,38 @@
 
 use std::arch::x86_64::*;
 
-use super::affine::{AffineMatrix, hsum16};
+use super::affine::{AffineMatrix, deinterleave, hsum16};
 use super::{Isa, OutLayout, SharedOut, X86_ROW_BLOCK, row_blocks, row_starts};
 
 /// Weight bytes a run of weight rows holds where the input rows are several blocks: each
 /// block reads the run while it is still in L1 (`super::sweep`'s reason).
 const RUN_BYTES: usize = 16 << 10;
 
+/// How far ahead of a weight row's current block its lines are prefetched into L1: the
+/// hardware prefetchers alone left the 4-bit 1-row step waiting on memory at a third of the
+/// read bandwidth (4, 8 and 16 KiB measured alike; the smallest keeps J rows' lines in L1).
+const PREFETCH_BYTES: usize = 4096;
+
 /// [`super::affine::product`] on AVX-512 or AVX2 (`isa`, which `Kernels::new` checked the
 /// CPU has).
 pub(super) fn product(isa: Isa, x: &[f32], w: AffineMatrix<'_>, out: SharedOut<'_>, to: OutLayout) {
+    if w.kind().bits() == 4 {
+        return DEINTERLEAVED.with_borrow_mut(|xp| {
+            deinterleave(x, xp);
+            sweep(isa, xp, w, out, to);
+        });
+    }
+    sweep(isa, x, w, out, to);
+}
+
+thread_local! {
+    /// The calling thread's activations reordered for 4-bit chunks ([`deinterleave`]),
+    /// reused from call to call.
+    static DEINTERLEAVED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`product`] over `x` as the kernels read it (deinterleaved at 4 bits).
+fn sweep(isa: Isa, x: &[f32], w: AffineMatrix<'_>, out: SharedOut<'_>, to: OutLayout) {
     let inner = w.inner();
     let rows = x.len() / inner.max(1);
     let blocks = row_blocks(rows, X86_ROW_BLOCK);
@@ -32,15 +54,22 @@ pub(super) fn product(isa: Isa, x: &[f32], w: AffineMatrix<'_>, out: SharedOut<'
             // SAFETY: `isa` was checked against the CPU (`Kernels::new`); `xs` holds `n`
             // whole rows of `inner`, the weights' row length.
             unsafe {
+                // Bits, group and rows as constants: the chunk loop unrolls, each chunk's
+                // nibble half fixed.
+                macro_rules! groups {
+                    ($kernel:ident, $bits:literal) => {
+                        match w.kind().group() {
+                            32 => with_rows!(n, R => $kernel::<R, $bits, 32>(xs, wr, run_out, to, block.start)),
+                            64 => with_rows!(n, R => $kernel::<R, $bits, 64>(xs, wr, run_out, to, block.start)),
+                            _ => with_rows!(n, R => $kernel::<R, $bits, 128>(xs, wr, run_out, to, block.start)),
+                        }
+                    };
+                }
                 match (isa, w.kind().bits()) {
-                    (Isa::Avx2Fma, 4) => {
-                        with_rows!(n, R => avx2::<R, 4>(xs, wr, run_out, to, block.start))
-                    }
-                    (Isa::Avx2Fma, _) => {
-                        with_rows!(n, R => avx2::<R, 8>(xs, wr, run_out, to, block.start))
-                    }
-                    (_, 4) => with_rows!(n, R => avx512::<R, 4>(xs, wr, run_out, to, block.start)),
-                    _ => with_rows!(n, R => avx512::<R, 8>(xs, wr, run_out, to, block.start)),
+                    (Isa::Avx2Fma, 4) => groups!(avx2, 4),
+                    (Isa::Avx2Fma, _) => groups!(avx2, 8),
+                    (_, 4) => groups!(avx512, 4),
+                    _ => groups!(avx512, 8),
                 }
             }
         }
@@ -52,7 +81,7 @@ pub(super) fn product(isa: Isa, x: &[f32], w: AffineMatrix<'_>, out: SharedOut<'
 /// # Safety
 /// The CPU must have AVX-512F, BW and VL, AVX2 and FMA; `xs` holds `R` rows of `w.inner()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn avx512<const R: usize, const B: u32>(
+unsafe fn avx512<const R: usize, const B: u32, const G: usize>(
     xs: &[f32],
     w: AffineMatrix<'_>,
     out: SharedOut<'_>,
@@ -63,31 +92,23 @@ unsafe fn avx512<const R: usize, const B: u32>(
     // SAFETY: the caller's features and rows; the weight rows are `w`'s.
     unsafe {
         for j in (0..full).step_by(4) {
-            pairs_512::<R, 4, B>(xs, w, j, out, to, first);
+            pairs_512::<R, 4, B, G>(xs, w, j, out, to, first);
         }
         for j in full..w.rows() {
-            pairs_512::<R, 1, B>(xs, w, j, out, to, first);
+            pairs_512::<R, 1, B, G>(xs, w, j, out, to, first);
         }
     }
 }
 
-/// Sixteen integers from `p` (8 bytes of 4-bit ones, 16 of 8-bit) as `s·q + b`.
+/// Sixteen 8-bit integers from `p` as `s·q + b`.
 ///
 /// # Safety
-/// AVX-512F/BW; the bytes must be readable.
+/// AVX-512F; 16 bytes must be readable at `p`.
 #[inline(always)]
-unsafe fn dequant16<const B: u32>(p: *const u8, s: __m512, b: __m512) -> __m512 {
+unsafe fn dequant16(p: *const u8, s: __m512, b: __m512) -> __m512 {
     // SAFETY: the caller's features and bounds.
     unsafe {
-        let q = if B == 4 {
-            let v = _mm_loadl_epi64(p as *const __m128i);
-            // Each byte twice: lane 2i takes its low nibble, lane 2i + 1 its high one.
-            let wide = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, v));
-            let shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-            _mm512_and_si512(_mm512_srlv_epi32(wide, shifts), _mm512_set1_epi32(0x0F))
-        } else {
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
-        };
+        let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, b)
     }
 }
@@ -98,7 +119,7 @@ unsafe fn dequant16<const B: u32>(p: *const u8, s: __m512, b: __m512) -> __m512 
 /// # Safety
 /// As [`avx512`], and `j0 + J ≤ w.rows()`.
 #[inline(always)]
-unsafe fn pairs_512<const R: usize, const J: usize, const B: u32>(
+unsafe fn pairs_512<const R: usize, const J: usize, const B: u32, const G: usize>(
     xs: &[f32],
     w: AffineMatrix<'_>,
     j0: usize,
@@ -107,7 +128,7 @@ unsafe fn pairs_512<const R: usize, const J: usize, const B: u32>(
     first: usize,
 ) {
     let (kind, inner) = (w.kind(), w.inner());
-    let (group, block_bytes) = (kind.group(), kind.block_bytes());
+    let (group, block_bytes) = (G, kind.block_bytes());
     let row_bytes = w.as_bytes().len() / w.rows();
     let x: [*const f32; R] = row_starts(xs, inner);
     let wj: [*const u8; J] = row_starts(&w.as_bytes()[j0 * row_bytes..], row_bytes);
@@ -120,13 +141,54 @@ unsafe fn pairs_512<const R: usize, const J: usize, const B: u32>(
             let mut s = [_mm512_setzero_ps(); J];
             let mut b = [_mm512_setzero_ps(); J];
             for j in 0..J {
+                let ahead = wj[j].wrapping_add(at + PREFETCH_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
                 s[j] = _mm512_set1_ps((wj[j].add(at) as *const f32).read_unaligned());
                 b[j] = _mm512_set1_ps((wj[j].add(at + 4) as *const f32).read_unaligned());
+            }
+            if B == 4 {
+                // The group's 16 weights `s·q + b`, q = 0..15, each one FMA as the definition
+                // computes it: each nibble then selects its weight with one `vpermps` (which
+                // reads an index lane's low 4 bits: the low nibble as it is).
+                let iota = _mm512_setr_ps(
+                    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                    15.0,
+                );
+                let mut table = [_mm512_setzero_ps(); J];
+                for j in 0..J {
+                    table[j] = _mm512_fmadd_ps(iota, s[j], b[j]);
+                }
+                // Chunks of 32 weights, 16 bytes: the even weights, then the odd ones.
+                for c in 0..group / 32 {
+                    let mut bytes = [_mm512_setzero_si512(); J];
+                    for j in 0..J {
+                        let p = wj[j].add(at + 8 + c * 16) as *const __m128i;
+                        bytes[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p));
+                    }
+                    for half in 0..2 {
+                        let mut wk = [_mm512_setzero_ps(); J];
+                        for j in 0..J {
+                            let q = match half {
+                                0 => bytes[j],
+                                _ => _mm512_srli_epi32::<4>(bytes[j]),
+                            };
+                            wk[j] = _mm512_permutexvar_ps(q, table[j]);
+                        }
+                        let k = g * group + c * 32 + half * 16;
+                        for r in 0..R {
+                            let xr = _mm512_loadu_ps(x[r].add(k));
+                            for j in 0..J {
+                                acc[r][j] = _mm512_fmadd_ps(xr, wk[j], acc[r][j]);
+                            }
+                        }
+                    }
+                }
+                continue;
             }
             for c in 0..group / 16 {
                 let mut wk = [_mm512_setzero_ps(); J];
                 for j in 0..J {
-                    wk[j] = dequant16::<B>(wj[j].add(at + 8 + c * 2 * B as usize), s[j], b[j]);
+                    wk[j] = dequant16(wj[j].add(at + 8 + c * 16), s[j], b[j]);
                 }
                 let k = g * group + c * 16;
                 for r in 0..R {
@@ -153,7 +215,7 @@ unsafe fn pairs_512<const R: usize, const J: usize, const B: u32>(
 /// # Safety
 /// The CPU must have AVX2 and FMA; `xs` holds `R` rows of `w.inner()`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn avx2<const R: usize, const B: u32>(
+unsafe fn avx2<const R: usize, const B: u32, const G: usize>(
     xs: &[f32],
     w: AffineMatrix<'_>,
     out: SharedOut<'_>,
@@ -165,41 +227,40 @@ unsafe fn avx2<const R: usize, const B: u32>(
         let mut j = 0;
         if R <= 2 {
             while j + 2 <= w.rows() {
-                pairs_avx2::<R, 2, B>(xs, w, j, out, to, first);
+                pairs_avx2::<R, 2, B, G>(xs, w, j, out, to, first);
                 j += 2;
             }
         }
         while j < w.rows() {
-            pairs_avx2::<R, 1, B>(xs, w, j, out, to, first);
+            pairs_avx2::<R, 1, B, G>(xs, w, j, out, to, first);
             j += 1;
         }
     }
 }
 
-/// Sixteen integers from `p` as `s·q + b`, lanes 0–7 and 8–15.
+/// Sixteen weights as `s·q + b`, lanes 0–7 and 8–15: 8-bit integers at `p`, or the low
+/// (`half` 0) or high nibbles of the 16 bytes at `p`.
 ///
 /// # Safety
-/// AVX2 and FMA; the bytes must be readable.
+/// AVX2 and FMA; 16 bytes must be readable at `p`.
 #[inline(always)]
-unsafe fn dequant16_avx2<const B: u32>(p: *const u8, s: __m256, b: __m256) -> [__m256; 2] {
+unsafe fn dequant16_avx2<const B: u32>(
+    p: *const u8,
+    half: usize,
+    s: __m256,
+    b: __m256,
+) -> [__m256; 2] {
     // SAFETY: the caller's features and bounds.
     unsafe {
-        let (lo, hi) = if B == 4 {
-            let v = _mm_loadl_epi64(p as *const __m128i);
-            let d = _mm_unpacklo_epi8(v, v);
-            let shifts = _mm256_set_epi32(4, 0, 4, 0, 4, 0, 4, 0);
-            let nib = _mm256_set1_epi32(0x0F);
-            let lo = _mm256_cvtepu8_epi32(d);
-            let hi = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(d, d));
-            (
-                _mm256_and_si256(_mm256_srlv_epi32(lo, shifts), nib),
-                _mm256_and_si256(_mm256_srlv_epi32(hi, shifts), nib),
-            )
-        } else {
-            (
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)),
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i)),
-            )
+        let lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        let hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i));
+        let (lo, hi) = match (B, half) {
+            (4, 0) => {
+                let nib = _mm256_set1_epi32(0x0F);
+                (_mm256_and_si256(lo, nib), _mm256_and_si256(hi, nib))
+            }
+            (4, _) => (_mm256_srli_epi32::<4>(lo), _mm256_srli_epi32::<4>(hi)),
+            _ => (lo, hi),
         };
         [
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s, b),
@@ -213,7 +274,7 @@ unsafe fn dequant16_avx2<const B: u32>(p: *const u8, s: __m256, b: __m256) -> [_
 /// # Safety
 /// As [`avx2`], and `j0 + J ≤ w.rows()`.
 #[inline(always)]
-unsafe fn pairs_avx2<const R: usize, const J: usize, const B: u32>(
+unsafe fn pairs_avx2<const R: usize, const J: usize, const B: u32, const G: usize>(
     xs: &[f32],
     w: AffineMatrix<'_>,
     j0: usize,
@@ -222,7 +283,7 @@ unsafe fn pairs_avx2<const R: usize, const J: usize, const B: u32>(
     first: usize,
 ) {
     let (kind, inner) = (w.kind(), w.inner());
-    let (group, block_bytes) = (kind.group(), kind.block_bytes());
+    let (group, block_bytes) = (G, kind.block_bytes());
     let row_bytes = w.as_bytes().len() / w.rows();
     let x: [*const f32; R] = row_starts(xs, inner);
     let wj: [*const u8; J] = row_starts(&w.as_bytes()[j0 * row_bytes..], row_bytes);
@@ -234,14 +295,19 @@ unsafe fn pairs_avx2<const R: usize, const J: usize, const B: u32>(
             let mut s = [_mm256_setzero_ps(); J];
             let mut b = [_mm256_setzero_ps(); J];
             for j in 0..J {
+                let ahead = wj[j].wrapping_add(at + PREFETCH_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
                 s[j] = _mm256_set1_ps((wj[j].add(at) as *const f32).read_unaligned());
                 b[j] = _mm256_set1_ps((wj[j].add(at + 4) as *const f32).read_unaligned());
             }
             for c in 0..group / 16 {
                 let mut wk = [[_mm256_setzero_ps(); 2]; J];
                 for j in 0..J {
-                    let p = wj[j].add(at + 8 + c * 2 * B as usize);
-                    wk[j] = dequant16_avx2::<B>(p, s[j], b[j]);
+                    let (p, half) = match B {
+                        4 => (wj[j].add(at + 8 + c / 2 * 16), c % 2),
+                        _ => (wj[j].add(at + 8 + c * 16), 0),
+                    };
+                    wk[j] = dequant16_avx2::<B>(p, half, s[j], b[j]);
                 }
                 let k = g * group + c * 16;
                 for r in 0..R {
