@@ -244,7 +244,10 @@ fn a_quantized_checkpoint_generates_and_bad_ones_are_one_line() {
     // The file says 8 bits where the words hold 4: the tensor is named.
     let (_d, bad) = mlx_pair(Variant::Tied, 1, 2, 3, kind(4, 64));
     edit_config(bad.path(), |c| c["quantization"]["bits"] = 8.into());
-    assert_generate_fails(bad.path(), "q_proj.weight: 2048 packed bytes, 64 scales");
+    assert_generate_fails(
+        bad.path(),
+        "q_proj.weight: 8 words a row are 32 weights of 8 bits",
+    );
 
     common::assert_clean_error(
         &[

@@ -59,9 +59,11 @@ fn target(args: &QuantizeArgs) -> anyhow::Result<QuantizeTarget> {
         return Ok(QuantizeTarget::Gguf(file_type));
     };
     let kind = AffineKind::new(*bits, args.group_size).ok_or_else(|| {
+        let sizes: Vec<String> = AffineKind::GROUP_SIZES.map(|g| g.to_string()).to_vec();
         anyhow::anyhow!(
-            "--group-size: {} is not a group size spex writes (32, 64, 128)",
-            args.group_size
+            "--group-size: {} is not a group size spex writes ({})",
+            args.group_size,
+            sizes.join(", ")
         )
     })?;
     Ok(QuantizeTarget::Mlx(kind))

@@ -87,7 +87,21 @@ impl Checkpoint {
         options: LoadOptions,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Backend> {
-        check_device_room(device, &self.config, dtype, &self.dir)?;
+        if self.quantization.is_some() && Backend::runs_on_host(device, dtype, options) {
+            // Quantized matrices stay as stored: the files' bytes, not the dense shape's.
+            let file_bytes = (self.weight_files.iter())
+                .map(|f| std::fs::metadata(f).map_or(0, |m| m.len() as usize))
+                .sum::<usize>();
+            let timing = 2 * crate::engine::memory::kv_cache_bytes(
+                &self.config,
+                crate::engine::memory::TIMING_POSITIONS,
+                4,
+            );
+            let what = format!("{}'s weights", self.dir.display());
+            crate::engine::memory::check_host_room(&what, file_bytes * 10 / 9 + timing)?;
+        } else {
+            check_device_room(device, &self.config, dtype, &self.dir)?;
+        }
         let files =
             TensorFiles::open(&self.weight_files)?.with_quantization(self.quantization.clone());
         if Backend::runs_on_host(device, dtype, options) {
@@ -119,11 +133,11 @@ impl Checkpoint {
             ));
         }
         let stored_bytes = |(name, shape): &(String, candle_core::Shape)| match quantization {
-            Some(q) => {
+            Some(q) if files.is_quantized(name) => {
                 let kind = q.kind_of(name);
                 shape.elem_count() / kind.group() * kind.block_bytes()
             }
-            None => shape.elem_count() * dtype.size_in_bytes(),
+            _ => shape.elem_count() * dtype.size_in_bytes(),
         };
         let total_bytes = specs.iter().map(|s| stored_bytes(s) as u64).sum();
         let mut read_bytes = 0;
@@ -207,8 +221,7 @@ pub fn holds_checkpoint(dir: &Path) -> bool {
         })
 }
 
-/// The name of a sharded checkpoint's index, which maps every tensor to its shard.
-pub const SHARD_INDEX: &str = "model.safetensors.index.json";
+pub use super::format::SHARD_INDEX;
 
 /// The shard files an index (`model.safetensors.index.json`) names in its `weight_map`,
 /// each once, in order. A name outside the index's folder (absolute, or through `..`) is an
@@ -320,10 +333,16 @@ impl Origin {
     }
 
     /// The type its weights are stored in, read from the config or the GGUF header without
-    /// loading them (`bf16`, `Q4_K_M`); `None` where neither can be read.
+    /// loading them (`bf16`, `Q4_K_M`, `mlx4/g64`); `None` where neither can be read.
     pub fn weight_type(&self) -> Option<String> {
         match self {
-            Self::Dir(dir) => stored_dtype(dir).map(|d| d.as_str().to_string()),
+            Self::Dir(dir) => {
+                let config = OuroConfig::load(&dir.join("config.json")).ok()?;
+                Some(match config.quantization {
+                    Some(q) => q.kind.name(),
+                    None => config.stored_dtype().as_str().to_string(),
+                })
+            }
             Self::Gguf(path) => crate::engine::gguf::load::GgufFile::open(path)
                 .ok()?
                 .weight_type_name()

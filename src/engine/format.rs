@@ -52,6 +52,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::looped::LoopedConfig;
 
+/// The name of a sharded checkpoint's index, which maps every tensor to its shard.
+pub const SHARD_INDEX: &str = "model.safetensors.index.json";
 /// The token embedding, `[vocab, hidden]`.
 pub const EMBED_TOKENS: &str = "model.embed_tokens.weight";
 /// The norm after the last layer of every pass, `[hidden]`.

@@ -150,14 +150,25 @@ impl TensorFiles {
         Ok((bytes, info))
     }
 
+    /// Whether the files store weight `name` as mlx's packed words with scales beside them.
+    pub fn is_quantized(&self, name: &str) -> bool {
+        mlx::companions(name).is_some_and(|(scales, _)| self.find(&scales).is_some())
+    }
+
     /// Weight `name` where the files store it as mlx's three tensors (`engine::mlx`): the
-    /// packed words, scales and biases, checked to agree (`None` where it has no scales).
+    /// packed words, scales and biases, checked to agree with config.json's kind for it
+    /// (`None` where it has no scales).
     pub fn read_quantized(&self, name: &str) -> candle_core::Result<Option<(Stored, AffineKind)>> {
-        let Some((scales, biases)) = mlx::companions(name).filter(|(s, _)| self.find(s).is_some())
+        let Some((scales, biases)) = mlx::companions(name).filter(|_| self.is_quantized(name))
         else {
             return Ok(None);
         };
         let bad = |why: String| candle_core::Error::Msg(format!("tensor {name}: {why}"));
+        let kind = (self.quantization.as_ref())
+            .map(|q| q.kind_of(name))
+            .ok_or_else(|| {
+                bad("packed beside scales, but config.json has no `quantization`".into())
+            })?;
         let (packed, info) = self.read_bytes(name)?;
         let (rows, words) = match (info.dtype, info.shape.as_slice()) {
             (safetensors::Dtype::U32, &[rows, words]) => (rows, words),
@@ -167,19 +178,33 @@ impl TensorFiles {
                 )));
             }
         };
+        let inner = words * 32 / kind.bits() as usize;
+        if inner == 0 || !inner.is_multiple_of(kind.group()) {
+            return Err(bad(format!(
+                "{words} words a row are {inner} weights of {} bits: no whole groups of {} \
+                 (config.json's `quantization`)",
+                kind.bits(),
+                kind.group()
+            )));
+        }
         let float = |n: &str| -> candle_core::Result<Vec<f32>> {
             let t = self.read(n, &Device::Cpu)?;
+            if t.dims() != [rows, inner / kind.group()] {
+                return Err(bad(format!(
+                    "{n} is {:?}, expected [{rows}, {}] for {}",
+                    t.dims(),
+                    inner / kind.group(),
+                    kind.name()
+                )));
+            }
             t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
         };
-        let kind = (self.quantization.as_ref())
-            .map_or_else(|| AffineKind::new(4, 64), |q| Some(q.kind_of(name)))
-            .ok_or_else(|| bad("no quantization block in config.json".to_string()))?;
         let stored = Stored {
             packed,
             scales: float(&scales)?,
             biases: float(&biases)?,
             rows,
-            inner: words * 32 / kind.bits() as usize,
+            inner,
         };
         stored.check(kind).map_err(bad)?;
         Ok(Some((stored, kind)))
@@ -232,11 +257,7 @@ impl TensorFiles {
         if let Some((stored, kind)) = self.read_quantized(name)? {
             return mlx::dequantize(&stored, kind, device);
         }
-        let (shard, info) =
-            self.find(name)
-                .ok_or_else(|| candle_core::Error::CannotFindTensor {
-                    path: name.to_string(),
-                })?;
+        let (bytes, info) = self.read_bytes(name)?;
         let dtype = weight_dtype(info.dtype).ok_or_else(|| {
             candle_core::Error::Msg(format!(
                 "{name} is stored as {:?}, a type spex cannot read as weights (f32, bf16 and \
@@ -244,16 +265,6 @@ impl TensorFiles {
                 info.dtype
             ))
         })?;
-        let (start, end) = info.data_offsets;
-        let mut bytes = vec![0u8; end - start];
-        {
-            let mut file = shard
-                .file
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("a tensor read panicked".into()))?;
-            file.seek(SeekFrom::Start(shard.data_start + start as u64))?;
-            file.read_exact(&mut bytes)?;
-        }
         Tensor::from_raw_buffer(&bytes, dtype, &info.shape, &Device::Cpu)?.to_device(device)
     }
 }

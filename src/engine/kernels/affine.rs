@@ -10,9 +10,9 @@
 //! stream of reads.
 //!
 //! Why float activations, unlike Q8_0 and the K-quants: mlx multiplies the activations as they
-//! are (`x · (s·q + b)` for every weight, in the model's float type), and mlx-lm's output is the
-//! oracle these files are held to. So each weight is dequantized in registers by one FMA and
-//! multiplied like an f32 weight; nothing is rounded that mlx does not round.
+//! are, in the model's float type, and mlx-lm's output is the oracle these files are held to
+//! (`tests/reference/mlx_quant.py`). So each weight is dequantized in registers (`s·q + b`, one
+//! FMA) and multiplied like an f32 weight; the activations are never quantized.
 //!
 //! Row invariance: every (input row, weight row) pair has 16 lanes fed in the order of k, each
 //! step `lane = x·(s·q + b) + lane` with both products fused, and the lanes are summed by
@@ -203,15 +203,23 @@ impl<'a> Block<'a> {
         }
     }
 
-    /// Weight `i` of the group: `s·q + b`, one rounding.
+    /// Weight `i` of the group.
     #[inline(always)]
     fn weight(&self, i: usize) -> f32 {
-        self.scale.mul_add(f32::from(self.q(i)), self.bias)
+        weight(self.scale, self.q(i), self.bias)
     }
 }
 
-/// Writes a block: `scale`, `bias` and the integers `q` (each below `2^bits`) packed.
-pub fn write_block(kind: AffineKind, scale: f32, bias: f32, q: &[u8], out: &mut Vec<u8>) {
+/// A weight: `scale·q + bias` with one rounding (the vector kernels' one FMA).
+#[inline(always)]
+pub fn weight(scale: f32, q: u8, bias: f32) -> f32 {
+    scale.mul_add(f32::from(q), bias)
+}
+
+/// Writes a block: `scale`, `bias` and the integers `q` (each below `2^bits`) packed (the
+/// tests' blocks; a file's are copied as stored, `mlx::Stored::blocks`).
+#[cfg(test)]
+pub(super) fn write_block(kind: AffineKind, scale: f32, bias: f32, q: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(&scale.to_le_bytes());
     out.extend_from_slice(&bias.to_le_bytes());
     pack(kind, q, out);

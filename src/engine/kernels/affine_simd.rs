@@ -5,11 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::affine::{AffineMatrix, deinterleave, hsum16};
-use super::{Isa, OutLayout, SharedOut, X86_ROW_BLOCK, row_blocks, row_starts};
-
-/// Weight bytes a run of weight rows holds where the input rows are several blocks: each
-/// block reads the run while it is still in L1 (`super::sweep`'s reason).
-const RUN_BYTES: usize = 16 << 10;
+use super::{Isa, OutLayout, RUN_BYTES, SharedOut, X86_ROW_BLOCK, row_blocks, row_starts};
 
 /// How far ahead of a weight row's current block its lines are prefetched into L1: the
 /// hardware prefetchers alone left the 4-bit 1-row step waiting on memory at a third of the
@@ -146,57 +142,10 @@ unsafe fn pairs_512<const R: usize, const J: usize, const B: u32, const G: usize
                 s[j] = _mm512_set1_ps((wj[j].add(at) as *const f32).read_unaligned());
                 b[j] = _mm512_set1_ps((wj[j].add(at + 4) as *const f32).read_unaligned());
             }
-            if B == 4 {
-                // The group's 16 weights `s·q + b`, q = 0..15, each one FMA as the definition
-                // computes it: each nibble then selects its weight with one `vpermps` (which
-                // reads an index lane's low 4 bits: the low nibble as it is).
-                let iota = _mm512_setr_ps(
-                    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
-                    15.0,
-                );
-                let mut table = [_mm512_setzero_ps(); J];
-                for j in 0..J {
-                    table[j] = _mm512_fmadd_ps(iota, s[j], b[j]);
-                }
-                // Chunks of 32 weights, 16 bytes: the even weights, then the odd ones.
-                for c in 0..group / 32 {
-                    let mut bytes = [_mm512_setzero_si512(); J];
-                    for j in 0..J {
-                        let p = wj[j].add(at + 8 + c * 16) as *const __m128i;
-                        bytes[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p));
-                    }
-                    for half in 0..2 {
-                        let mut wk = [_mm512_setzero_ps(); J];
-                        for j in 0..J {
-                            let q = match half {
-                                0 => bytes[j],
-                                _ => _mm512_srli_epi32::<4>(bytes[j]),
-                            };
-                            wk[j] = _mm512_permutexvar_ps(q, table[j]);
-                        }
-                        let k = g * group + c * 32 + half * 16;
-                        for r in 0..R {
-                            let xr = _mm512_loadu_ps(x[r].add(k));
-                            for j in 0..J {
-                                acc[r][j] = _mm512_fmadd_ps(xr, wk[j], acc[r][j]);
-                            }
-                        }
-                    }
-                }
-                continue;
-            }
-            for c in 0..group / 16 {
-                let mut wk = [_mm512_setzero_ps(); J];
-                for j in 0..J {
-                    wk[j] = dequant16(wj[j].add(at + 8 + c * 16), s[j], b[j]);
-                }
-                let k = g * group + c * 16;
-                for r in 0..R {
-                    let xr = _mm512_loadu_ps(x[r].add(k));
-                    for j in 0..J {
-                        acc[r][j] = _mm512_fmadd_ps(xr, wk[j], acc[r][j]);
-                    }
-                }
+            let k = g * group;
+            match B {
+                4 => group4_512::<R, J, G>(&mut acc, x, wj, at + 8, k, s, b),
+                _ => group8_512::<R, J, G>(&mut acc, x, wj, at + 8, k, s, b),
             }
         }
         let mut lanes = [0f32; 16];
@@ -205,6 +154,102 @@ unsafe fn pairs_512<const R: usize, const J: usize, const B: u32, const G: usize
                 _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
                 out.set((j0 + j) * to.col + (first + r) * to.row, hsum16(&lanes));
             }
+        }
+    }
+}
+
+/// Every (row, weight row) accumulator += the row's 16 values at `k` times the weight row's
+/// 16 dequantized weights `wk`.
+///
+/// # Safety
+/// AVX-512F; 16 floats readable at `k` of every row.
+#[inline(always)]
+unsafe fn fma_rows<const R: usize, const J: usize>(
+    acc: &mut [[__m512; J]; R],
+    x: [*const f32; R],
+    k: usize,
+    wk: [__m512; J],
+) {
+    // SAFETY: the caller's features and bounds.
+    unsafe {
+        for r in 0..R {
+            let xr = _mm512_loadu_ps(x[r].add(k));
+            for j in 0..J {
+                acc[r][j] = _mm512_fmadd_ps(xr, wk[j], acc[r][j]);
+            }
+        }
+    }
+}
+
+/// One group of 4-bit weights (packed from `wj[j] + at`, activations from `k` on): the
+/// group's 16 weights `s·q + b`, q = 0..15, each one FMA as the definition computes it, then
+/// each nibble selects its weight with one `vpermps` (which reads an index lane's low 4 bits:
+/// the low nibble as it is). Chunks of 32 weights, 16 bytes: the even weights, then the odd.
+///
+/// # Safety
+/// AVX-512F; the group's bytes readable in every weight row, its values in every row.
+#[inline(always)]
+unsafe fn group4_512<const R: usize, const J: usize, const G: usize>(
+    acc: &mut [[__m512; J]; R],
+    x: [*const f32; R],
+    wj: [*const u8; J],
+    at: usize,
+    k: usize,
+    s: [__m512; J],
+    b: [__m512; J],
+) {
+    // SAFETY: the caller's features and bounds.
+    unsafe {
+        let iota = _mm512_setr_ps(
+            0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+        );
+        let mut table = [_mm512_setzero_ps(); J];
+        for j in 0..J {
+            table[j] = _mm512_fmadd_ps(iota, s[j], b[j]);
+        }
+        for c in 0..G / 32 {
+            let mut bytes = [_mm512_setzero_si512(); J];
+            for j in 0..J {
+                let p = wj[j].add(at + c * 16) as *const __m128i;
+                bytes[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p));
+            }
+            for half in 0..2 {
+                let mut wk = [_mm512_setzero_ps(); J];
+                for j in 0..J {
+                    let q = match half {
+                        0 => bytes[j],
+                        _ => _mm512_srli_epi32::<4>(bytes[j]),
+                    };
+                    wk[j] = _mm512_permutexvar_ps(q, table[j]);
+                }
+                fma_rows(acc, x, k + c * 32 + half * 16, wk);
+            }
+        }
+    }
+}
+
+/// One group of 8-bit weights: chunks of 16 bytes in order.
+///
+/// # Safety
+/// As [`group4_512`].
+#[inline(always)]
+unsafe fn group8_512<const R: usize, const J: usize, const G: usize>(
+    acc: &mut [[__m512; J]; R],
+    x: [*const f32; R],
+    wj: [*const u8; J],
+    at: usize,
+    k: usize,
+    s: [__m512; J],
+    b: [__m512; J],
+) {
+    // SAFETY: the caller's features and bounds.
+    unsafe {
+        for c in 0..G / 16 {
+            let mut wk = [_mm512_setzero_ps(); J];
+            for j in 0..J {
+                wk[j] = dequant16(wj[j].add(at + c * 16), s[j], b[j]);
+            }
+            fma_rows(acc, x, k + c * 16, wk);
         }
     }
 }

@@ -161,8 +161,7 @@ mod weight_element;
 mod weight_tests;
 
 pub use affine::{
-    AffineKind, AffineMatrix, pack as pack_affine, unpack as unpack_affine,
-    write_block as write_affine_block,
+    AffineKind, AffineMatrix, pack as pack_affine, unpack as unpack_affine, weight as affine_weight,
 };
 pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, attend_row};
 pub use isa::{Isa, detected_isa};

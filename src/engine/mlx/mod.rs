@@ -5,11 +5,12 @@
 //! `X.biases` (one a group of `group_size` weights, in the model's float type); the weight is
 //! `scale·q + bias` (`kernels::affine`).
 //!
-//! Reading: each matrix's bits and group size come from its own tensors' shapes (mlx-lm
-//! quantizes Ouro's exit gate at 8 bits whatever the rest), checked against the kinds the
-//! kernels read. For the host kernels the matrices are read into the weight arena as blocks
-//! (`read_blocks_into_arena`); anything else (another device, the exit gate, a matrix the
-//! kernels do not stream) is dequantized ([`dequantize`]). Writing (`spex quantize --type
+//! Reading: each matrix's bits and group size come from the block's entry for its module, else
+//! its default (mlx-lm quantizes Ouro's exit gate at 8 bits whatever the rest; the shapes alone
+//! cannot tell 4 bits in groups of 64 from 8 in groups of 32), and its tensors' shapes are
+//! checked against them. For the host kernels the matrices are read into the weight arena as
+//! blocks (`TensorFiles::read_affine_into_arena`); anything else (another device, the exit
+//! gate, a matrix the kernels do not stream) is dequantized ([`dequantize`]). Writing (`spex quantize --type
 //! mlx-4bit`): [`quantize_rows`] and `write`.
 
 use std::collections::HashMap;
@@ -17,9 +18,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Shape, Tensor};
 use serde_json::Value;
 
-use super::kernels::{
-    AffineKind, pack_affine as pack, unpack_affine as unpack, write_affine_block,
-};
+use super::kernels::{AffineKind, affine_weight, pack_affine as pack, unpack_affine as unpack};
 
 pub mod write;
 
@@ -179,33 +178,34 @@ impl Stored {
         Ok(())
     }
 
-    /// Its blocks in the kernels' layout, row after row.
+    /// Its blocks in the kernels' layout, row after row: each group's scale and bias, then
+    /// its packed bytes as mlx packs them (the kernels' order too).
     pub fn blocks(&self, kind: AffineKind, out: &mut Vec<u8>) {
-        let packed = kind.packed_bytes();
-        let mut q = vec![0u8; kind.group()];
-        for (i, (&s, &b)) in self.scales.iter().zip(&self.biases).enumerate() {
-            let bytes = &self.packed[i * packed..(i + 1) * packed];
-            unpack(kind, bytes, &mut q);
-            write_affine_block(kind, s, b, &q, out);
+        let packed = self.packed.chunks_exact(kind.packed_bytes());
+        for ((&s, &b), bytes) in self.scales.iter().zip(&self.biases).zip(packed) {
+            out.extend_from_slice(&s.to_le_bytes());
+            out.extend_from_slice(&b.to_le_bytes());
+            out.extend_from_slice(bytes);
         }
     }
 
-    /// Its weights, dequantized (`s·q + b`, fused as the kernels compute it).
+    /// Its weights, dequantized by the kernels' one rule (`kernels::affine_weight`).
     pub fn dequantize(&self, kind: AffineKind) -> Vec<f32> {
         let packed = kind.packed_bytes();
         let mut q = vec![0u8; kind.group()];
         let mut out = Vec::with_capacity(self.rows * self.inner);
         for (i, (&s, &b)) in self.scales.iter().zip(&self.biases).enumerate() {
             unpack(kind, &self.packed[i * packed..(i + 1) * packed], &mut q);
-            out.extend(q.iter().map(|&q| s.mul_add(f32::from(q), b)));
+            out.extend(q.iter().map(|&q| affine_weight(s, q, b)));
         }
         out
     }
 }
 
-/// `rows` rows of `w` quantized to `kind` as mlx's affine rule does: per group, the scale
+/// `rows` rows of `w` quantized to `kind` by an affine min–max rule: per group, the scale
 /// spans its minimum to its maximum in `2^bits − 1` steps and the bias is the minimum, both
 /// rounded to `scale_dtype` first so that the integers are chosen against the values stored.
+/// (mlx's own `quantize` also keeps zero exact; any affine rule reads back alike.)
 /// The packed bytes, scales and biases (as f32 of `scale_dtype`'s values).
 pub fn quantize_rows(
     w: &[f32],

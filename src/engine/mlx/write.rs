@@ -38,6 +38,7 @@ pub struct MlxJob<'a> {
 /// Writes `job` into directory `out` (each file atomically).
 pub fn write_mlx(job: MlxJob<'_>, out: &Path) -> Result<()> {
     std::fs::create_dir_all(out).map_err(|e| EngineError::file(out, e))?;
+    remove_weights(out)?;
     let file = out.join("model.safetensors");
     let mut quantization = Quantization {
         kind: job.kind,
@@ -82,6 +83,22 @@ pub fn write_mlx(job: MlxJob<'_>, out: &Path) -> Result<()> {
     crate::engine::files::write_atomically(&path, |w| w.write_all((text + "\n").as_bytes()))?;
     let tokenizer = out.join("tokenizer.json");
     crate::engine::files::write_atomically(&tokenizer, |w| w.write_all(job.tokenizer))
+}
+
+/// Removes the weights a checkpoint already in `out` holds (its `*.safetensors` and shard
+/// index), which a replaced checkpoint must not leave for a loader to read beside the new one.
+fn remove_weights(out: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(out).map_err(|e| EngineError::file(out, e))?;
+    for path in entries.flatten().map(|e| e.path()) {
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if name.ends_with(".safetensors") || name == crate::engine::format::SHARD_INDEX {
+            std::fs::remove_file(&path).map_err(|e| EngineError::file(&path, e))?;
+        }
+    }
+    Ok(())
 }
 
 /// `tensor` (`[rows, inner]`) quantized: its scales and biases in its own float type, and its

@@ -57,7 +57,7 @@ impl<'a> HostView<'a> {
         })
     }
 
-    /// The elements as the matmuls take them: f32, bf16 or f16, or Q8_0 blocks.
+    /// The elements as the matmuls take them: f32, bf16 or f16, or quantized blocks.
     fn weight(&self) -> Result<Weight<'_>> {
         let range = self.start..self.start + self.len;
         match (&*self.guard, self.quant) {
