@@ -248,7 +248,7 @@ fn a_quantized_file_generates_and_bad_ones_are_one_line() {
     let f = file.display().to_string();
     common::assert_clean_error(
         &["quantize", "--type", "q5_k", "--out", "x.gguf"],
-        "is not a type spex writes (q8_0, q4_k_m)",
+        "is not a type spex writes (q8_0, q4_k_m, mlx-4bit, mlx-8bit;",
     );
     common::assert_clean_error(
         &["quantize", "--model", &f, "--out", "/tmp/never.gguf"],

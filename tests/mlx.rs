@@ -219,8 +219,8 @@ fn assert_generate_fails(model: &std::path::Path, needle: &str) {
 #[test]
 fn a_quantized_checkpoint_generates_and_bad_ones_are_one_line() {
     let (_dir, out) = mlx_pair(Variant::Tied, 1, 2, 3, kind(4, 64));
-    let model = out.path().display().to_string();
-    let (ok, stderr) = common::spex(&["generate", "--model", &model, "--prompt", "To be"]);
+    let quantized = out.path().display().to_string();
+    let (ok, stderr) = common::spex(&["generate", "--model", &quantized, "--prompt", "To be"]);
     assert!(ok, "{stderr}");
 
     for (edit, needle) in [
@@ -253,7 +253,7 @@ fn a_quantized_checkpoint_generates_and_bad_ones_are_one_line() {
         &[
             "quantize",
             "--model",
-            &model,
+            &quantized,
             "--type",
             "mlx-4bit",
             "--out",
@@ -262,19 +262,25 @@ fn a_quantized_checkpoint_generates_and_bad_ones_are_one_line() {
         "already quantized (mlx)",
     );
     common::assert_clean_error(
-        &[
-            "quantize",
-            "--type",
-            "mlx-4bit",
-            "--group-size",
-            "48",
-            "--out",
-            "/tmp/never",
-        ],
-        "--group-size: 48 is not a group size spex writes",
+        &["quantize", "--type", "mlx-4bit-g48", "--out", "/tmp/never"],
+        "\"mlx-4bit-g48\" is not a type spex writes (q8_0, q4_k_m, mlx-4bit, mlx-8bit; mlx types \
+         take -g32 or -g128",
     );
-    common::assert_clean_error(
-        &["quantize", "--type", "q5_k", "--out", "/tmp/never"],
-        "is not a type spex writes (q8_0, q4_k_m), or mlx-4bit, mlx-8bit",
-    );
+    // The other group sizes are written by name.
+    let out = tempfile::TempDir::new().unwrap();
+    let g32 = out.path().join("g32").display().to_string();
+    let model = _dir.path().display().to_string();
+    let args = [
+        "quantize",
+        "--model",
+        &model,
+        "--type",
+        "mlx-8bit-g32",
+        "--out",
+        &g32,
+    ];
+    let (ok, stderr) = common::spex(&args);
+    assert!(ok, "{stderr}");
+    let loaded = LoadedModel::load(std::path::Path::new(&g32), &Device::Cpu, DType::F32).unwrap();
+    assert_eq!(loaded.model().weight_type(), "mlx8/g32");
 }

@@ -135,7 +135,7 @@ fn a_size_sweep_measures_quantized_weights_beside_bf16() {
         "--hidden",
         "128",
         "--dtype",
-        "bf16,q8_0",
+        "bf16,q8_0,mlx-4bit",
         "--threads",
         "1",
         "--svg",
@@ -153,7 +153,10 @@ fn a_size_sweep_measures_quantized_weights_beside_bf16() {
             )
         })
         .collect();
-    assert_eq!(types, [("bf16", "bf16"), ("q8_0", "Q8_0")]);
+    assert_eq!(
+        types,
+        [("bf16", "bf16"), ("q8_0", "Q8_0"), ("mlx-4bit", "mlx4/g64")]
+    );
     assert!(points[0]["ceiling_bound"].as_f64().is_some());
     assert!(points[1]["ceiling_bound"].is_null());
     assert!(points[1]["ceiling"].as_f64().unwrap() > 0.0);
@@ -162,7 +165,7 @@ fn a_size_sweep_measures_quantized_weights_beside_bf16() {
     assert!(svg.contains("measured (q8_0)") && svg.contains("roofline bound (bf16)"));
     assert_clean_error(
         &["sweep", "sizes", "--dtype", "q5_k"],
-        "\"q5_k\" is not a type spex writes (q8_0, q4_k_m), or bf16",
+        "\"q5_k\" is not a type spex writes (q8_0, q4_k_m, mlx-4bit, mlx-8bit;",
     );
 }
 

@@ -15,7 +15,6 @@ use super::chart::{Chart, Series, draw};
 use super::device::{DTypeSpec, DeviceSpec};
 use crate::engine::checkpoint::{Origin, QuantizeTarget, quantize_checkpoint};
 use crate::engine::config::ModelShape;
-use crate::engine::gguf::write::FileType;
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use crate::harness::sweep::{SizePoint, SizeSweep, machine_limits, size_point};
 
@@ -33,8 +32,8 @@ pub struct SizeArgs {
     /// heads of 128, an MLP of 2.75 × hidden and a vocabulary of 49152 (2048: its exact shape).
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048", value_parser = super::parse_count::<usize>)]
     pub hidden: Vec<usize>,
-    /// The weight types measured at every size, comma-separated: bf16, and q8_0 or q4_k_m
-    /// (the bf16 checkpoint quantized as `spex quantize` writes it).
+    /// The weight types measured at every size, comma-separated: bf16, and any type `spex
+    /// quantize` writes (q8_0, q4_k_m, mlx-4bit, …: the bf16 checkpoint quantized by it).
     #[arg(long, value_delimiter = ',', default_value = "bf16", value_parser = parse_weights)]
     pub dtype: Vec<SweptWeights>,
     /// Decode threads (default: the physical cores).
@@ -53,15 +52,15 @@ pub struct SizeArgs {
 pub enum SweptWeights {
     /// The random checkpoint as written.
     Bf16,
-    /// It quantized into a GGUF file.
-    Quantized(FileType),
+    /// It quantized as `spex quantize` writes it.
+    Quantized(QuantizeTarget),
 }
 
 impl SweptWeights {
     /// Its name, as `--dtype` takes it.
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Self::Bf16 => "bf16",
+            Self::Bf16 => "bf16".to_string(),
             Self::Quantized(t) => t.name(),
         }
     }
@@ -70,7 +69,7 @@ impl SweptWeights {
 fn parse_weights(s: &str) -> Result<SweptWeights, String> {
     match s {
         "bf16" => Ok(SweptWeights::Bf16),
-        _ => super::quantize::parse_file_type(s)
+        _ => super::quantize::parse_target(s)
             .map(SweptWeights::Quantized)
             .map_err(|e| format!("{e}, or bf16")),
     }
@@ -114,15 +113,18 @@ fn model_args(path: &Path, bf16: bool, threads: Option<usize>) -> ModelArgs {
     }
 }
 
-/// The checkpoint in `dir` as `weights` stores it: the folder, or a GGUF file quantized from
-/// it into the folder.
+/// The checkpoint in `dir` as `weights` stores it: the folder, or a GGUF file or mlx folder
+/// quantized from it inside the folder.
 fn weights_file(dir: &Path, weights: SweptWeights) -> anyhow::Result<PathBuf> {
-    let SweptWeights::Quantized(file_type) = weights else {
+    let SweptWeights::Quantized(target) = weights else {
         return Ok(dir.to_path_buf());
     };
-    let out = dir.join("model.gguf");
+    let out = match target {
+        QuantizeTarget::Gguf(_) => dir.join("model.gguf"),
+        QuantizeTarget::Mlx(_) => dir.join(target.name()),
+    };
     let origin = Origin::Dir(dir.to_path_buf());
-    quantize_checkpoint(&origin, "sweep", QuantizeTarget::Gguf(file_type), &out)?;
+    quantize_checkpoint(&origin, "sweep", target, &out)?;
     Ok(out)
 }
 
@@ -160,7 +162,7 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
                 Some(l) => l,
                 None => *limits.insert(machine_limits(&session.loaded)?),
             };
-            let point = size_point(&session.loaded, weights.name(), TIMED_AT, machine)?;
+            let point = size_point(&session.loaded, &weights.name(), TIMED_AT, machine)?;
             points.push(point);
         }
     }

@@ -594,6 +594,52 @@ pub enum QuantizeTarget {
     Mlx(crate::engine::kernels::AffineKind),
 }
 
+impl QuantizeTarget {
+    /// Its name, as `spex quantize --type` takes it: `q8_0`, `q4_k_m`, `mlx-4bit` (groups of
+    /// 64, mlx-lm's default), `mlx-8bit-g32`.
+    pub fn name(self) -> String {
+        match self {
+            Self::Gguf(t) => t.name().to_string(),
+            Self::Mlx(k) if k.group() == 64 => format!("mlx-{}bit", k.bits()),
+            Self::Mlx(k) => format!("mlx-{}bit-g{}", k.bits(), k.group()),
+        }
+    }
+
+    /// Every target, by name.
+    pub fn all() -> Vec<Self> {
+        let gguf = super::gguf::write::FileType::ALL.map(|(t, _)| Self::Gguf(t));
+        let mlx = (crate::engine::kernels::AffineKind::BITS.iter())
+            .flat_map(|&b| {
+                (crate::engine::kernels::AffineKind::GROUP_SIZES.iter())
+                    .filter_map(move |&g| crate::engine::kernels::AffineKind::new(b, g))
+            })
+            .map(Self::Mlx);
+        gguf.into_iter().chain(mlx).collect()
+    }
+}
+
+impl std::str::FromStr for QuantizeTarget {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let all = Self::all();
+        all.iter()
+            .find(|t| t.name().eq_ignore_ascii_case(s))
+            .copied()
+            .ok_or_else(|| {
+                let names: Vec<String> = (all.iter())
+                    .map(|t| t.name())
+                    .filter(|n| !n.contains("-g"))
+                    .collect();
+                format!(
+                    "\"{s}\" is not a type spex writes ({}; mlx types take -g32 or -g128 for other \
+                 groups than 64)",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
 impl From<super::gguf::write::FileType> for QuantizeTarget {
     fn from(t: super::gguf::write::FileType) -> Self {
         Self::Gguf(t)
