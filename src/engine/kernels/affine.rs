@@ -263,12 +263,13 @@ fn dot(x: &[f32], w: AffineMatrix<'_>, j: usize) -> f32 {
         let block = Block::of(row, kind, g);
         let xg = &x[g * kind.group..(g + 1) * kind.group];
         if kind.bits == 4 {
-            // A chunk of 32 is 16 bytes: lane l takes byte l's two weights, 2l then 2l + 1.
+            // A chunk of 32 is 16 bytes: lane l takes byte l's two weights, 2l then 2l + 1,
+            // whose activations `x` holds at l and 16 + l ([`deinterleave`]).
             for (c, xc) in xg.chunks_exact(32).enumerate() {
                 for half in 0..2 {
                     for (l, lane) in lanes.iter_mut().enumerate() {
-                        let i = 2 * l + half;
-                        *lane = xc[i].mul_add(block.weight(c * 32 + i), *lane);
+                        let weight = block.weight(c * 32 + 2 * l + half);
+                        *lane = xc[16 * half + l].mul_add(weight, *lane);
                     }
                 }
             }
@@ -285,8 +286,8 @@ fn dot(x: &[f32], w: AffineMatrix<'_>, j: usize) -> f32 {
 
 /// Rows of `x` (`inner` each) with every 32 values reordered as 4-bit chunks are read: the 16
 /// even-indexed first, then the 16 odd-indexed (byte l of a chunk holds weights 2l and 2l + 1,
-/// whose nibbles split into an even and an odd vector with one AND and one shift).
-#[cfg(target_arch = "x86_64")]
+/// whose nibbles split into an even and an odd vector with one AND and one shift). Done once
+/// a product, for every thread and 4-bit matrix (`super::Input`).
 pub(super) fn deinterleave(x: &[f32], out: &mut Vec<f32>) {
     out.clear();
     for chunk in x.chunks_exact(32) {
@@ -295,8 +296,8 @@ pub(super) fn deinterleave(x: &[f32], out: &mut Vec<f32>) {
     }
 }
 
-/// `out[j·to.col + r·to.row]` = row `r` of `x` (rows of `w.inner()`) · weight row `j` of `w`,
-/// for every row and weight row, on `isa`'s kernel.
+/// `out[j·to.col + r·to.row]` = row `r` of `x` (rows of `w.inner()`, [`deinterleave`]d for a
+/// 4-bit `w`) · weight row `j` of `w`, for every row and weight row, on `isa`'s kernel.
 pub(super) fn product(
     isa: super::Isa,
     x: &[f32],

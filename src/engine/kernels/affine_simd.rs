@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::affine::{AffineMatrix, deinterleave, hsum16};
+use super::affine::{AffineMatrix, hsum16};
 use super::{Isa, OutLayout, RUN_BYTES, SharedOut, X86_ROW_BLOCK, row_blocks, row_starts};
 
 /// How far ahead of a weight row's current block its lines are prefetched into L1: the
@@ -15,23 +15,6 @@ const PREFETCH_BYTES: usize = 4096;
 /// [`super::affine::product`] on AVX-512 or AVX2 (`isa`, which `Kernels::new` checked the
 /// CPU has).
 pub(super) fn product(isa: Isa, x: &[f32], w: AffineMatrix<'_>, out: SharedOut<'_>, to: OutLayout) {
-    if w.kind().bits() == 4 {
-        return DEINTERLEAVED.with_borrow_mut(|xp| {
-            deinterleave(x, xp);
-            sweep(isa, xp, w, out, to);
-        });
-    }
-    sweep(isa, x, w, out, to);
-}
-
-thread_local! {
-    /// The calling thread's activations reordered for 4-bit chunks ([`deinterleave`]),
-    /// reused from call to call.
-    static DEINTERLEAVED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// [`product`] over `x` as the kernels read it (deinterleaved at 4 bits).
-fn sweep(isa: Isa, x: &[f32], w: AffineMatrix<'_>, out: SharedOut<'_>, to: OutLayout) {
     let inner = w.inner();
     let rows = x.len() / inner.max(1);
     let blocks = row_blocks(rows, X86_ROW_BLOCK);

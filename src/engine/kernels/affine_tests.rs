@@ -25,6 +25,9 @@ fn matrix(kind: AffineKind, outs: usize, inner: usize, seed: &mut u64) -> (Vec<u
 
 fn run(isa: Isa, x: &[f32], w: AffineMatrix<'_>) -> Vec<f32> {
     let rows = x.len() / w.inner();
+    let mut ordered = Vec::new();
+    affine::deinterleave(x, &mut ordered);
+    let x = if w.kind().bits() == 4 { &ordered } else { x };
     let mut out = vec![f32::NAN; rows * w.rows()];
     let to = OutLayout {
         col: 1,

@@ -266,16 +266,18 @@ struct Input<'a> {
     rows: Rows<'a>,
     q8: QuantizedRows,
     qk: KRows,
+    /// The rows reordered as 4-bit affine chunks are read (`affine::deinterleave`).
+    nibble_order: Vec<f32>,
 }
 
 thread_local! {
     /// The calling thread's spare quantized-activation buffers.
-    static SPARE_Q8: std::cell::Cell<(QuantizedRows, KRows)> = std::cell::Cell::default();
+    static SPARE_Q8: std::cell::Cell<(QuantizedRows, KRows, Vec<f32>)> = std::cell::Cell::default();
 }
 
 impl<'a> Input<'a> {
     fn new(t: Tuning, rows: Rows<'a>, weights: &[Weight<'_>]) -> Self {
-        let (mut q8, mut qk) = SPARE_Q8.take();
+        let (mut q8, mut qk, mut nibble_order) = SPARE_Q8.take();
         let isa = Q8Isa::for_isa(t.isa);
         if weights.iter().any(|w| matches!(w, Weight::Q8_0(_))) {
             q8.quantize(isa, &rows);
@@ -286,13 +288,25 @@ impl<'a> Input<'a> {
         {
             qk.quantize(isa, &rows);
         }
-        Self { rows, q8, qk }
+        if (weights.iter()).any(|w| matches!(w, Weight::Affine(a) if a.kind().bits() == 4)) {
+            affine::deinterleave(rows.x, &mut nibble_order);
+        }
+        Self {
+            rows,
+            q8,
+            qk,
+            nibble_order,
+        }
     }
 }
 
 impl Drop for Input<'_> {
     fn drop(&mut self) {
-        SPARE_Q8.set((std::mem::take(&mut self.q8), std::mem::take(&mut self.qk)));
+        SPARE_Q8.set((
+            std::mem::take(&mut self.q8),
+            std::mem::take(&mut self.qk),
+            std::mem::take(&mut self.nibble_order),
+        ));
     }
 }
 
@@ -332,7 +346,11 @@ impl QuantizedProduct for Q8Matrix<'_> {
 
 impl QuantizedProduct for AffineMatrix<'_> {
     fn product(self, t: Tuning, input: &Input<'_>, out: SharedOut<'_>, to: OutLayout) {
-        affine::product(t.isa, input.rows.x, self, out, to);
+        let x = match self.kind().bits() {
+            4 => &input.nibble_order,
+            _ => input.rows.x,
+        };
+        affine::product(t.isa, x, self, out, to);
     }
 }
 
