@@ -278,6 +278,7 @@ fn every_shape_quantized(suite: Suite, file_type: FileType) -> Tally {
         let stored = loaded.model().weight_type();
         let want = match file_type {
             FileType::Q8_0 => "Q8_0",
+            FileType::Q4_0 => "Q4_0",
             FileType::Q4KM => "Q4_K+Q6_K",
         };
         assert_eq!(stored, want, "{file_type:?} K={layers}");
@@ -326,6 +327,14 @@ fn speed_equals_baseline_on_every_shape_with_q8_0_weights() {
 #[test]
 fn speed_equals_baseline_on_every_shape_with_q4_k_m_weights() {
     let tally = every_shape_quantized(Suite::Pipelined, FileType::Q4KM);
+    let prompts = exactness_prompts(6).len();
+    assert!(tally.flips > 17 * prompts, "{} flips", tally.flips);
+}
+
+/// The pipelined policies on Q4_0 weights (its LM head in Q6_K, as llama.cpp writes it).
+#[test]
+fn speed_equals_baseline_on_every_shape_with_q4_0_weights() {
+    let tally = every_shape_quantized(Suite::Pipelined, FileType::Q4_0);
     let prompts = exactness_prompts(6).len();
     assert!(tally.flips > 17 * prompts, "{} flips", tally.flips);
 }

@@ -82,6 +82,17 @@ fn quantized_logits_lie_near_the_dequantized_models() {
     quantized_logits_near(FileType::Q8_0, 0.02, 0.15);
 }
 
+/// The same for Q4_0, whose activations round as Q8_0's do.
+#[test]
+fn q4_0_logits_lie_near_the_dequantized_models() {
+    quantized_logits_near(FileType::Q4_0, BEHIND_Q4_0, PROBABILITY_Q4_0);
+}
+
+/// Twice the worst seen, as for Q8_0.
+const BEHIND_Q4_0: f32 = 0.007;
+/// Twice the worst seen.
+const PROBABILITY_Q4_0: f32 = 0.23;
+
 /// The same for Q4_K_M, whose activations round per 256 values (`block_q8_K`).
 #[test]
 fn q4_k_m_logits_lie_near_the_dequantized_models() {
@@ -215,18 +226,18 @@ fn a_quantized_file_generates_and_bad_ones_are_one_line() {
         "general.architecture`: \"llama\" is not a looped model",
     );
 
-    let q4 = out.path().join("q4_0.gguf");
+    let q4 = out.path().join("q4_1.gguf");
     rewrite(&file, &q4, |_, tensors| {
         for (name, t) in tensors.iter_mut() {
             if name == "blk.0.ffn_up.weight" {
                 let wide = t.dequantize(&Device::Cpu).unwrap();
-                *t = QTensor::quantize(&wide, GgmlDType::Q4_0).unwrap();
+                *t = QTensor::quantize(&wide, GgmlDType::Q4_1).unwrap();
             }
         }
     });
     assert_generate_fails(
         &q4,
-        "tensor `blk.0.ffn_up.weight`: Q4_0 is a type spex cannot read yet",
+        "tensor `blk.0.ffn_up.weight`: Q4_1 is a type spex cannot read yet",
     );
 
     let bytes = std::fs::read(&file).unwrap();
@@ -248,7 +259,7 @@ fn a_quantized_file_generates_and_bad_ones_are_one_line() {
     let f = file.display().to_string();
     common::assert_clean_error(
         &["quantize", "--type", "q5_k", "--out", "x.gguf"],
-        "is not a type spex writes (q8_0, q4_k_m, mlx-4bit, mlx-8bit;",
+        "is not a type spex writes (q8_0, q4_0, q4_k_m, mlx-4bit, mlx-8bit;",
     );
     common::assert_clean_error(
         &["quantize", "--model", &f, "--out", "/tmp/never.gguf"],

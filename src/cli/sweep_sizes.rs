@@ -1,6 +1,6 @@
 //! `spex sweep sizes`: the ceiling against model size. Each size is a random bf16 checkpoint
-//! of Ouro's proportions written to a temporary folder (and, for `--dtype q8_0|q4_k_m`, that
-//! checkpoint quantized as `spex quantize` writes it), loaded on the CPU, its steps timed
+//! of Ouro's proportions written to a temporary folder (and, for `--dtype q8_0|q4_0|q4_k_m`,
+//! that checkpoint quantized as `spex quantize` writes it), loaded on the CPU, its steps timed
 //! (`harness::sweep::size_point`) beside the roofline's bound from the bandwidth probed over
 //! its own weights, and deleted; a table (or `--json`) and a chart.
 
@@ -33,7 +33,7 @@ pub struct SizeArgs {
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048", value_parser = super::parse_count::<usize>)]
     pub hidden: Vec<usize>,
     /// The weight types measured at every size, comma-separated: bf16, and any type `spex
-    /// quantize` writes (q8_0, q4_k_m, mlx-4bit, …: the bf16 checkpoint quantized by it).
+    /// quantize` writes (q8_0, q4_0, q4_k_m, mlx-4bit, …: the bf16 checkpoint quantized by it).
     #[arg(long, value_delimiter = ',', default_value = "bf16", value_parser = parse_weights)]
     pub dtype: Vec<SweptWeights>,
     /// Decode threads (default: the physical cores).

@@ -142,7 +142,7 @@ pub fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>>
         .collect()
 }
 
-/// A random checkpoint whose matrices' rows are whole Q8_0 blocks, and its GGUF (in another
+/// A random checkpoint whose matrices' rows are whole blocks of `file_type`, and its GGUF (in another
 /// folder: no tokenizer.json beside it).
 pub fn quantized_pair(
     variant: Variant,
@@ -152,7 +152,7 @@ pub fn quantized_pair(
     file_type: spex::engine::gguf::write::FileType,
 ) -> (TempDir, TempDir, std::path::PathBuf) {
     let mut spec = spec(layers, passes, variant, seed);
-    // Rows of whole blocks: 32 weights for Q8_0, 256 for the K-quants.
+    // Rows of whole blocks: 32 weights for Q8_0, 256 for the K-quants (Q4_0's head is Q6_K).
     let wide = file_type != spex::engine::gguf::write::FileType::Q8_0;
     (
         spec.shape.hidden,

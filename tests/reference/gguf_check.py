@@ -1,14 +1,15 @@
 """What `spex quantize` writes, read by an independent reader: llama.cpp's own `gguf` package
 (gguf-py, from PyPI). Checks that the file is GGUF v3 with architecture `ouro` and the shape
 keys of the source config.json, that every tensor of the source checkpoint (the exit gate
-aside) is in it under llama.cpp's Ouro name, and that each Q8_0 tensor's bytes equal
-gguf-py's own Q8_0 quantization of the source tensor (its `attn_q`/`attn_k` rows permuted as
-llama.cpp's converter does), and its dequantization lies within the block's rounding of the
-source. Vectors are F32 and equal. In a Q4_K_M file (`general.file_type` 15) each matrix has
-the type llama.cpp's `llama_tensor_get_type` gives it (Q6_K for the head and for `attn_v`
-and `ffn_down` where `use_more_bits`, else Q4_K), and gguf-py's dequantization of it lies
-within two steps of its sub-block's range of the source (a row in the wrong order, or a
-nibble in the wrong place, would be off by the whole range).
+aside) is in it under llama.cpp's Ouro name with the type llama.cpp's `llama_tensor_get_type`
+gives it, and that each Q8_0 or Q4_0 tensor's bytes equal gguf-py's own quantization of the
+source tensor (its `attn_q`/`attn_k` rows permuted as llama.cpp's converter does), and its
+dequantization lies within the block's rounding of the source. Vectors are F32 and equal.
+The types: Q8_0 everywhere in a Q8_0 file (`general.file_type` 7); in a Q4_0 file (2) Q4_0,
+the head Q6_K; in a Q4_K_M file (15) Q6_K for the head and for `attn_v` and `ffn_down` where
+`use_more_bits`, else Q4_K. gguf-py's dequantization of a K-quant lies within two steps of
+its sub-block's range of the source (a row in the wrong order, or a nibble in the wrong
+place, would be off by the whole range).
 
 usage: python3 gguf_check.py CHECKPOINT_DIR FILE.gguf   (needs gguf, numpy, safetensors)
 """
@@ -50,15 +51,25 @@ def use_more_bits(i, n):
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def q4_k_m_type(target, layers, config):
-    """llama.cpp's `llama_tensor_get_type` for LLAMA_FTYPE_MOSTLY_Q4_K_M."""
+def want_type(target, file_type, config, inner):
+    """llama.cpp's `llama_tensor_get_type` for LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_0 and _Q4_K_M: a row
+    of no whole block falls back to Q8_0, and of no whole Q8_0 block to F32."""
     Q = GGMLQuantizationType
     tied = config.get("tie_word_embeddings", False)
-    if target == "output.weight" or (tied and target == "token_embd.weight"):
-        return Q.Q6_K
-    if target.endswith((".attn_v.weight", ".ffn_down.weight")) and use_more_bits(int(target.split(".")[1]), layers):
-        return Q.Q6_K
-    return Q.Q4_K
+    head = target == "output.weight" or (tied and target == "token_embd.weight")
+    layers = config["num_hidden_layers"]
+    if file_type == 7:
+        kind = Q.Q8_0
+    elif head:
+        kind = Q.Q6_K
+    elif file_type == 2:
+        kind = Q.Q4_0
+    elif target.endswith((".attn_v.weight", ".ffn_down.weight")) and use_more_bits(int(target.split(".")[1]), layers):
+        kind = Q.Q6_K
+    else:
+        kind = Q.Q4_K
+    block = 256 if kind in (Q.Q4_K, Q.Q6_K) else 32
+    return kind if inner % block == 0 else Q.Q8_0 if inner % 32 == 0 else Q.F32
 
 
 def field(reader, key):
@@ -89,14 +100,16 @@ def main(checkpoint, path):
         value = value.astype(np.float32)
         if ".attn_q." in target or ".attn_k." in target:
             value = permute(value, value.shape[0] // head_dim)
-        if t.tensor_type == GGMLQuantizationType.F32:
+        Q = GGMLQuantizationType
+        if value.ndim == 2:
+            want = want_type(target, file_type, config, value.shape[1])
+            assert t.tensor_type == want, (target, t.tensor_type, want)
+        if t.tensor_type == Q.F32:
             got = np.asarray(t.data).reshape(value.shape)
             assert np.array_equal(got, value), target
-        elif file_type == 15:
-            want_type = q4_k_m_type(target, config["num_hidden_layers"], config)
-            assert t.tensor_type == want_type, (target, t.tensor_type, want_type)
+        elif t.tensor_type in (Q.Q4_K, Q.Q6_K):
             got = dequantize(t.data, t.tensor_type).reshape(value.shape)
-            run = 32 if want_type == GGMLQuantizationType.Q4_K else 16
+            run = 32 if t.tensor_type == Q.Q4_K else 16
             v = value.reshape(-1, run)
             span = (v.max(1, keepdims=True) - np.minimum(v.min(1, keepdims=True), 0)) if run == 32 \
                 else np.abs(v).max(1, keepdims=True) * 2
@@ -104,17 +117,20 @@ def main(checkpoint, path):
             err = np.abs(got - value).reshape(-1, run)
             assert (err <= 2 * step + 1e-30).all(), f"{target}: off by more than two steps"
         else:
-            assert t.tensor_type == GGMLQuantizationType.Q8_0, (target, t.tensor_type)
-            want = quantize(value, GGMLQuantizationType.Q8_0)
+            assert t.tensor_type in (Q.Q8_0, Q.Q4_0), (target, t.tensor_type)
+            want = quantize(value, t.tensor_type)
             assert np.array_equal(np.asarray(t.data).reshape(want.shape), want), f"{target}: bytes differ from gguf-py's"
             got = dequantize(t.data, t.tensor_type).reshape(value.shape)
-            step = np.abs(value.reshape(-1, 32)).max(1, keepdims=True) / 127
+            levels = 127 if t.tensor_type == Q.Q8_0 else 8
+            step = np.abs(value.reshape(-1, 32)).max(1, keepdims=True) / levels
             err = np.abs(got - value).reshape(-1, 32)
-            # Half a step, and the f16 scale's rounding (2^-11 of it) times up to 127.
-            assert (err <= (0.5 + 127 / 2048) * step * 1.001 + 1e-30).all(), f"{target}: off by more than the block's rounding"
+            # Half a step (Q4_0: a whole one, where the top value clamps from 8 to 7), and the
+            # f16 scale's rounding (2^-11 of it) times up to `levels`.
+            rounding = 0.5 if t.tensor_type == Q.Q8_0 else 1.0
+            assert (err <= (rounding + levels / 2048) * step * 1.001 + 1e-30).all(), f"{target}: off by more than the block's rounding"
         checked += 1
     assert not tensors, f"tensors the checkpoint lacks: {sorted(tensors)}"
-    what = "lie within two steps of" if file_type == 15 else "equal gguf-py's Q8_0 of"
+    what = {15: "lie within two steps of", 2: "equal gguf-py's Q4_0 (the head: within two steps) of"}.get(file_type, "equal gguf-py's Q8_0 of")
     print(f"{path}: {checked} tensors {what} {checkpoint}")
 
 

@@ -102,6 +102,7 @@ pub fn is_permuted(t: LayerTensor) -> bool {
 pub fn ggml_type(kind: QuantKind) -> GgmlDType {
     match kind {
         QuantKind::Q8_0 => GgmlDType::Q8_0,
+        QuantKind::Q4_0 => GgmlDType::Q4_0,
         QuantKind::Q4K => GgmlDType::Q4K,
         QuantKind::Q6K => GgmlDType::Q6K,
     }

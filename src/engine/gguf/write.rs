@@ -14,7 +14,7 @@ use candle_core::{Device, Tensor};
 use super::{ARCHITECTURE, config_key, ggml_type, gguf_name, gguf_row};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::format::{self, LayerTensor};
-use crate::engine::kernels::{BlockQ8_0, QK8_0, QuantKind};
+use crate::engine::kernels::{BlockQ4_0, BlockQ8_0, QK8_0, QuantKind};
 use crate::engine::looped::LoopedConfig;
 use crate::engine::model::Weights;
 
@@ -23,6 +23,8 @@ use crate::engine::model::Weights;
 pub enum FileType {
     /// Every matrix in Q8_0.
     Q8_0,
+    /// Every matrix in Q4_0 but the LM head, in Q6_K (as llama.cpp's quantizer writes it).
+    Q4_0,
     /// llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the LM head and for `attn_v` and
     /// `ffn_down` in the first and last eighth of the layers and every third between.
     Q4KM,
@@ -30,7 +32,11 @@ pub enum FileType {
 
 impl FileType {
     /// Every file type, with its name as the CLI takes it.
-    pub const ALL: [(Self, &'static str); 2] = [(Self::Q8_0, "q8_0"), (Self::Q4KM, "q4_k_m")];
+    pub const ALL: [(Self, &'static str); 3] = [
+        (Self::Q8_0, "q8_0"),
+        (Self::Q4_0, "q4_0"),
+        (Self::Q4KM, "q4_k_m"),
+    ];
 
     /// Its name, as the CLI takes it.
     pub fn name(self) -> &'static str {
@@ -39,10 +45,12 @@ impl FileType {
             .map_or("", |(_, name)| name)
     }
 
-    /// Its llama.cpp `general.file_type` (`LLAMA_FTYPE_MOSTLY_Q8_0` is 7, `_Q4_K_M` 15).
+    /// Its llama.cpp `general.file_type` (`LLAMA_FTYPE_MOSTLY_Q8_0` is 7, `_Q4_0` 2,
+    /// `_Q4_K_M` 15).
     fn code(self) -> u32 {
         match self {
             Self::Q8_0 => 7,
+            Self::Q4_0 => 2,
             Self::Q4KM => 15,
         }
     }
@@ -59,7 +67,8 @@ impl FileType {
         };
         let kind = match (self, role) {
             (Self::Q8_0, _) => QuantKind::Q8_0,
-            (Self::Q4KM, MatrixRole::Head) => QuantKind::Q6K,
+            (Self::Q4_0 | Self::Q4KM, MatrixRole::Head) => QuantKind::Q6K,
+            (Self::Q4_0, _) => QuantKind::Q4_0,
             (Self::Q4KM, MatrixRole::Layer(layer, LayerTensor::VProj | LayerTensor::DownProj))
                 if more_bits(layer) =>
             {
@@ -209,8 +218,9 @@ fn gguf_or(name: &str) -> candle_core::Result<String> {
 }
 
 /// One tensor as the file stores it: a matrix quantized (rows permuted where it is `attn_q`
-/// or `attn_k`), a vector in F32. Q8_0 is spex's own rounding (which gguf-py's equals); the
-/// K-quants are candle's port of llama.cpp's `quantize_row_q4_K_ref` and `_q6_K_ref`.
+/// or `attn_k`), a vector in F32. Q8_0 and Q4_0 are spex's own rounding (which gguf-py's
+/// equals); the K-quants are candle's port of llama.cpp's `quantize_row_q4_K_ref` and
+/// `_q6_K_ref`.
 fn encode(
     tensor: &Tensor,
     role: Option<MatrixRole>,
@@ -236,13 +246,20 @@ fn encode(
     let stored: Vec<f32> = (order.iter())
         .flat_map(|&source| values[source * inner..(source + 1) * inner].iter().copied())
         .collect();
-    if kind != QuantKind::Q8_0 {
-        let stored = Tensor::from_vec(stored, (rows, inner), &Device::Cpu)?;
-        return QTensor::quantize(&stored, ggml_type(kind));
-    }
-    let mut bytes = Vec::with_capacity(rows * inner / QK8_0 * std::mem::size_of::<BlockQ8_0>());
+    let mut bytes = Vec::with_capacity(rows * inner / kind.block_weights() * kind.block_bytes());
     for block in stored.chunks_exact(QK8_0) {
-        bytes.extend_from_slice(bytemuck::bytes_of(&BlockQ8_0::quantize(block)));
+        match kind {
+            QuantKind::Q8_0 => {
+                bytes.extend_from_slice(bytemuck::bytes_of(&BlockQ8_0::quantize(block)))
+            }
+            QuantKind::Q4_0 => {
+                bytes.extend_from_slice(bytemuck::bytes_of(&BlockQ4_0::quantize(block)))
+            }
+            QuantKind::Q4K | QuantKind::Q6K => {
+                let stored = Tensor::from_vec(stored, (rows, inner), &Device::Cpu)?;
+                return QTensor::quantize(&stored, ggml_type(kind));
+            }
+        }
     }
     let storage = QStorage::from_data(bytes.into(), &Device::Cpu, ggml_type(kind))?;
     QTensor::new(storage, (rows, inner))

@@ -28,7 +28,7 @@ use super::{OutLayout, SharedOut};
 
 /// An affine quantization's integer width and group size: bits 4 or 8, groups of 32, 64 or
 /// 128 weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct AffineKind {
     bits: u32,
     group: usize,

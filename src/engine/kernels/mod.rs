@@ -55,7 +55,7 @@
 //! One file per role: this one holds [`Kernels`] and dispatches (the safe API), then
 //! `portable`, `avx2`, `avx512`, `avx512_bf16`, `neon`, `f16` (the proposal head's matmul),
 //! `weight_element` and `kv_element` (the stored types), `packed` (quantized rows
-//! interleaved), `q8_0` and `q8_neon` (Q8_0), `k_quants`, `k_quants_simd` and `q4k_simd` (Q4_K, Q6_K), `affine` and `affine_simd` (mlx's
+//! interleaved), `q8_0` and `q8_neon` (Q8_0), `q4_0` (Q4_0), `k_quants`, `k_quants_simd` and `q4k_simd` (Q4_K, Q6_K), `affine` and `affine_simd` (mlx's
 //! 4- and 8-bit groups),
 //! `pool` (the decode threads), `prefetch`, `attention` and `subnormals` (the FTZ/DAZ guard).
 
@@ -107,6 +107,7 @@ macro_rules! with_weight {
             Weight::Bf16($w) => $call,
             Weight::F16($w) => $call,
             Weight::Q8_0($q) => $qcall,
+            Weight::Q4_0($q) => $qcall,
             Weight::Q4K($q) => $qcall,
             Weight::Q6K($q) => $qcall,
             Weight::Affine($q) => $qcall,
@@ -146,6 +147,7 @@ mod packed;
 pub mod pool;
 mod portable;
 pub mod prefetch;
+mod q4_0;
 mod q4k_simd;
 mod q8_0;
 #[cfg(target_arch = "aarch64")]
@@ -170,7 +172,8 @@ pub use k_quants::{BlockQ4K, BlockQ6K, GroupQ4K, GroupQ6K, KMatrix, KQuant, Q4K,
 pub use kv_element::KvElement;
 pub use packed::{GROUP_ROWS, Interleave, Packed};
 pub use prefetch::Prefetch;
-pub use q8_0::{BlockQ8_0, BlockQ8_0x8, KindQ8_0, Q8Matrix, QK8_0};
+pub use q4_0::{BlockQ4_0, BlockQ4_0x8, KindQ4_0, Q4Matrix};
+pub use q8_0::{BlockQ8_0, BlockQ8_0x8, Blocks32, KindQ8_0, Q8Matrix, QK8_0};
 use q8_0::{Q8Isa, QuantizedRows};
 use settings::Tuning;
 pub use settings::{KernelOptions, Kernels};
@@ -279,7 +282,7 @@ impl<'a> Input<'a> {
     fn new(t: Tuning, rows: Rows<'a>, weights: &[Weight<'_>]) -> Self {
         let (mut q8, mut qk, mut nibble_order) = SPARE_Q8.take();
         let isa = Q8Isa::for_isa(t.isa);
-        if weights.iter().any(|w| matches!(w, Weight::Q8_0(_))) {
+        if (weights.iter()).any(|w| matches!(w, Weight::Q8_0(_) | Weight::Q4_0(_))) {
             q8.quantize(isa, &rows);
         }
         if weights
@@ -344,6 +347,12 @@ impl QuantizedProduct for Q8Matrix<'_> {
     }
 }
 
+impl QuantizedProduct for Q4Matrix<'_> {
+    fn product(self, t: Tuning, input: &Input<'_>, out: SharedOut<'_>, to: OutLayout) {
+        q8_0::product(Q8Isa::for_isa(t.isa), t.prefetch, &input.q8, self, out, to);
+    }
+}
+
 impl QuantizedProduct for AffineMatrix<'_> {
     fn product(self, t: Tuning, input: &Input<'_>, out: SharedOut<'_>, to: OutLayout) {
         let x = match self.kind().bits() {
@@ -365,6 +374,7 @@ impl<K: k_quants_simd::Groups> QuantizedProduct for KMatrix<'_, K> {
 pub fn repack(kind: QuantKind, bytes: &mut [u8], rows: usize, blocks: usize) {
     match kind {
         QuantKind::Q8_0 => packed::repack::<KindQ8_0>(bytes, rows, blocks),
+        QuantKind::Q4_0 => packed::repack::<KindQ4_0>(bytes, rows, blocks),
         QuantKind::Q4K => packed::repack::<Q4K>(bytes, rows, blocks),
         QuantKind::Q6K => packed::repack::<Q6K>(bytes, rows, blocks),
     }

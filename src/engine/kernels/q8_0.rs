@@ -131,32 +131,85 @@ impl Interleave for KindQ8_0 {
 /// A Q8_0 matrix in the kernels' layout (`packed`).
 pub type Q8Matrix<'a> = Packed<'a, KindQ8_0>;
 
-impl Q8Matrix<'_> {
+/// A block type of 32 weights that the one definition (module docs) multiplies against
+/// [`QuantizedRows`]: Q8_0, and Q4_0 (`q4_0`), whose weights are its nibbles less 8.
+pub trait Blocks32: Interleave {
+    /// Row `j`'s scale and 32 weights in a group's block.
+    fn group_row(item: &Self::Group, j: usize) -> (f16, [i8; QK8_0]);
+    /// A block's scale and 32 weights as stored.
+    fn block_row(b: &Self::Block) -> (f16, [i8; QK8_0]);
+}
+
+impl Blocks32 for KindQ8_0 {
+    fn group_row(item: &BlockQ8_0x8, j: usize) -> (f16, [i8; QK8_0]) {
+        let mut qs = [0i8; QK8_0];
+        for (k4, four) in qs.chunks_exact_mut(4).enumerate() {
+            let at = 32 * k4 + 4 * j;
+            four.copy_from_slice(&item.qs[at..at + 4]);
+        }
+        (item.d[j], qs)
+    }
+
+    fn block_row(b: &BlockQ8_0) -> (f16, [i8; QK8_0]) {
+        (b.d, b.qs)
+    }
+}
+
+impl<K: Blocks32> Packed<'_, K> {
     /// Row `row`'s block `k`: its scale and its 32 weights.
     pub fn block(self, row: usize, k: usize) -> (f16, [i8; QK8_0]) {
         match self.locate(row, k) {
-            Located::Tail(b) => (b.d, b.qs),
-            Located::Group(item, j) => {
-                let mut qs = [0i8; QK8_0];
-                for (k4, four) in qs.chunks_exact_mut(4).enumerate() {
-                    let at = 32 * k4 + 4 * j;
-                    four.copy_from_slice(&item.qs[at..at + 4]);
-                }
-                (item.d[j], qs)
+            Located::Tail(b) => K::block_row(b),
+            Located::Group(item, j) => K::group_row(item, j),
+        }
+    }
+
+    /// Elements `range`, widened to f32: each weight times its block's scale (exact).
+    pub fn widen_into(self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        let inner = self.blocks * QK8_0;
+        for row in range.start / inner..range.end.div_ceil(inner) {
+            for k in 0..self.blocks {
+                let (d, qs) = self.block(row, k);
+                let at = row * inner + k * QK8_0;
+                let (lo, hi) = (range.start.max(at), range.end.min(at + QK8_0));
+                let d = d.to_f32();
+                out.extend(
+                    qs[lo.saturating_sub(at)..hi.saturating_sub(at)]
+                        .iter()
+                        .map(|&q| f32::from(q) * d),
+                );
             }
         }
     }
 }
 
+/// [`Blocks32`]'s vector kernels: one block of rows times every group of a run.
+pub(super) trait Groups32: Blocks32 {
+    /// `xs` times every group of `groups` with `isa`'s kernels, into `out` as [`product`]
+    /// lays it (`first`: the block's first row).
+    fn groups(
+        isa: Q8Isa,
+        plan: Prefetch,
+        xs: QuantRowsView<'_>,
+        groups: &[Self::Group],
+        out: SharedOut<'_>,
+        to: OutLayout,
+        first: usize,
+    );
+}
+
 /// Activation rows quantized per block of 32 for the integer products: `qs` (`rows × inner`
-/// bytes), the same bytes offset by 128 as unsigned (`qu`, VNNI's unsigned operand) and one
-/// f32 scale per block (`scales`). The scale stays f32 (llama.cpp rounds it to f16): it is one
+/// bytes), the same bytes offset by 128 as unsigned (`qu`, VNNI's unsigned operand), 8 times
+/// each block's sum (`sums8`, what Q4_0's offset of 8 takes off an unsigned nibble's product)
+/// and one f32 scale per block (`scales`). The scale stays f32 (llama.cpp rounds it to f16): it is one
 /// float a block, and an f16 would add a rounding.
 #[derive(Debug, Default)]
 pub struct QuantizedRows {
     qs: Vec<i8>,
     #[cfg(target_arch = "x86_64")]
     qu: Vec<u8>,
+    #[cfg(target_arch = "x86_64")]
+    sums8: Vec<i32>,
     scales: Vec<f32>,
     blocks: usize,
 }
@@ -179,6 +232,9 @@ impl QuantizedRows {
         {
             self.qu.clear();
             self.qu.extend(self.qs.iter().map(|&q| (q as u8) ^ 0x80));
+            self.sums8.clear();
+            let sum8 = |b: &[i8]| 8 * b.iter().map(|&q| i32::from(q)).sum::<i32>();
+            self.sums8.extend(self.qs.chunks_exact(QK8_0).map(sum8));
         }
     }
 
@@ -189,6 +245,8 @@ impl QuantizedRows {
         QuantRowsView {
             #[cfg(target_arch = "x86_64")]
             qu: &self.qu[bytes.clone()],
+            #[cfg(target_arch = "x86_64")]
+            sums8: &self.sums8[range.start * b..range.end * b],
             qs: &self.qs[bytes],
             scales: &self.scales[range.start * b..range.end * b],
             blocks: b,
@@ -208,7 +266,10 @@ pub(super) struct QuantRowsView<'a> {
     pub(super) qs: &'a [i8],
     /// The same offset by 128, unsigned.
     #[cfg(target_arch = "x86_64")]
-    qu: &'a [u8],
+    pub(super) qu: &'a [u8],
+    /// Each block's sum times 8, row after row.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) sums8: &'a [i32],
     /// Each row's block scales, row after row.
     pub(super) scales: &'a [f32],
     /// Blocks a row.
@@ -278,16 +339,16 @@ impl Q8Isa {
 /// `out[j·to.col + r·to.row]` = activation row `r` of `x` · weight row `j` of `w`, for every
 /// row and weight row: in runs of weight groups, each run times every block of up to
 /// [`row_block`] rows; the tail rows by the portable loops.
-pub(super) fn product(
+pub(super) fn product<K: Groups32>(
     isa: Q8Isa,
     plan: Prefetch,
     x: &QuantizedRows,
-    w: Q8Matrix<'_>,
+    w: Packed<'_, K>,
     out: SharedOut<'_>,
     to: OutLayout,
 ) {
     let (b, rows) = (w.blocks, x.len());
-    let group_bytes = b * std::mem::size_of::<BlockQ8_0x8>();
+    let group_bytes = b * std::mem::size_of::<K::Group>();
     let run_groups = (RUN_BYTES / group_bytes.max(1)).max(1);
     let groups = w.groups.len() / b.max(1);
     for start in (0..groups).step_by(run_groups) {
@@ -297,15 +358,29 @@ pub(super) fn product(
         for first in (0..rows).step_by(most) {
             let xs = x.rows(first..(first + most).min(rows));
             let at = out.from(start * GROUP_ROWS * to.col);
-            groups_dispatch(isa, plan, xs, run, at, to, first);
+            K::groups(isa, plan, xs, run, at, to, first);
         }
     }
     let tail_out = out.from(groups * GROUP_ROWS * to.col);
-    portable_rows(x.rows(0..rows), w.tail, tail_out, to);
+    portable_rows::<K>(x.rows(0..rows), w.tail, tail_out, to);
 }
 
-/// One block of rows times every group of `groups`.
-fn groups_dispatch(
+impl Groups32 for KindQ8_0 {
+    fn groups(
+        isa: Q8Isa,
+        plan: Prefetch,
+        xs: QuantRowsView<'_>,
+        groups: &[BlockQ8_0x8],
+        out: SharedOut<'_>,
+        to: OutLayout,
+        first: usize,
+    ) {
+        q8_0_groups(isa, plan, xs, groups, out, to, first);
+    }
+}
+
+/// Q8_0's block of rows times every group of `groups`.
+fn q8_0_groups(
     isa: Q8Isa,
     plan: Prefetch,
     xs: QuantRowsView<'_>,
@@ -316,7 +391,7 @@ fn groups_dispatch(
 ) {
     let _ = plan; // The portable loops leave prefetching to the hardware.
     match isa {
-        Q8Isa::Portable => portable_groups(xs, groups, out, to, first),
+        Q8Isa::Portable => portable_groups::<KindQ8_0>(xs, groups, out, to, first),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Q8Isa::Avx2` is made only where the model's instruction set has AVX2, FMA
         // and F16C (`Kernels::new` checked the CPU); `xs` holds whole rows of blocks and
@@ -361,15 +436,15 @@ fn portable_dot(
 }
 
 /// The portable loops over whole groups.
-fn portable_groups(
+pub(super) fn portable_groups<K: Blocks32>(
     xs: QuantRowsView<'_>,
-    groups: &[BlockQ8_0x8],
+    groups: &[K::Group],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     let b = xs.blocks.max(1);
-    let m = Q8Matrix {
+    let m = Packed::<K> {
         groups,
         tail: &[],
         blocks: b,
@@ -383,11 +458,16 @@ fn portable_groups(
 }
 
 /// The portable loops over rows as stored (a matrix's tail).
-fn portable_rows(xs: QuantRowsView<'_>, rows: &[BlockQ8_0], out: SharedOut<'_>, to: OutLayout) {
+fn portable_rows<K: Blocks32>(
+    xs: QuantRowsView<'_>,
+    rows: &[K::Block],
+    out: SharedOut<'_>,
+    to: OutLayout,
+) {
     let b = xs.blocks.max(1);
     for (j, w_row) in rows.chunks_exact(b).enumerate() {
         for r in 0..xs.rows() {
-            let sum = portable_dot(xs, r, |k| (w_row[k].d, w_row[k].qs));
+            let sum = portable_dot(xs, r, |k| K::block_row(&w_row[k]));
             out.set(j * to.col + r * to.row, sum);
         }
     }
@@ -417,9 +497,9 @@ pub(super) fn prefetch<T>(plan: Prefetch, item: &T) {
 /// The CPU must have AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn scales8(item: &BlockQ8_0x8) -> __m256 {
+pub(super) unsafe fn scales8(d: &[f16; GROUP_ROWS]) -> __m256 {
     // SAFETY: the caller's features; `d` is 16 bytes.
-    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) }
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().cast())) }
 }
 
 /// Four activation bytes at `p`, broadcast to every 32-bit lane: `vbroadcastss` from memory,
@@ -481,7 +561,7 @@ unsafe fn avx2_groups<const R: usize>(
                 *a = _mm256_sign_epi8(*w, *w);
             }
             // SAFETY: the features.
-            let dw = unsafe { scales8(item) };
+            let dw = unsafe { scales8(&item.d) };
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let xp = xs.qs[(r * b + k) * QK8_0..].as_ptr();
                 let mut isum = _mm256_setzero_si256();
@@ -534,7 +614,7 @@ unsafe fn vnni_groups<const R: usize>(
             }
             let offset = _mm256_slli_epi32::<7>(sum);
             // SAFETY: the features.
-            let dw = unsafe { scales8(item) };
+            let dw = unsafe { scales8(&item.d) };
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let xp = xs.qu[(r * b + k) * QK8_0..].as_ptr();
                 let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());

@@ -10,6 +10,7 @@ use std::arch::aarch64::*;
 use half::f16;
 
 use super::packed::GROUP_ROWS;
+use super::q4_0::BlockQ4_0x8;
 use super::q8_0::{BlockQ8_0x8, QuantRowsView};
 use super::{OutLayout, SharedOut};
 
@@ -58,15 +59,65 @@ pub(super) unsafe fn store8(
     }
 }
 
+/// A group's block of 8 rows as `sdot` takes it.
+pub(super) trait SdotGroup {
+    /// The 8 rows' scales.
+    fn scales(&self) -> &[f16; GROUP_ROWS];
+    /// The 32 signed weights of the 8 rows: `[2·k4]` holds bytes `4·k4..4·k4 + 4` of rows
+    /// 0..4, a 4-byte lane each, and `[2·k4 + 1]` those of rows 4..8.
+    ///
+    /// # Safety
+    /// The CPU must have NEON.
+    unsafe fn weights(&self) -> [int8x16_t; 16];
+}
+
+impl SdotGroup for BlockQ8_0x8 {
+    fn scales(&self) -> &[f16; GROUP_ROWS] {
+        &self.d
+    }
+
+    #[inline(always)]
+    unsafe fn weights(&self) -> [int8x16_t; 16] {
+        // SAFETY: the caller's feature; the block's 256 bytes are readable.
+        std::array::from_fn(|i| unsafe { vld1q_s8(self.qs.as_ptr().add(16 * i)) })
+    }
+}
+
+impl SdotGroup for BlockQ4_0x8 {
+    fn scales(&self) -> &[f16; GROUP_ROWS] {
+        &self.d
+    }
+
+    /// Each 16 bytes hold weights `4·k..4·k + 4` (low nibbles) and `16 + 4·k..` (high) of 4
+    /// rows (`q4_0`'s layout); each nibble less 8.
+    #[inline(always)]
+    unsafe fn weights(&self) -> [int8x16_t; 16] {
+        // SAFETY: the caller's feature; the block's 128 bytes are readable.
+        unsafe {
+            let (mut w, eight) = ([vdupq_n_s8(0); 16], vdupq_n_s8(8));
+            for k in 0..4 {
+                for half in 0..2 {
+                    let v = vld1q_u8(self.qs.as_ptr().add(32 * k + 16 * half));
+                    let lo = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F)));
+                    let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                    w[2 * k + half] = vsubq_s8(lo, eight);
+                    w[2 * (k + 4) + half] = vsubq_s8(hi, eight);
+                }
+            }
+            w
+        }
+    }
+}
+
 /// Every group of `groups` times each row of `xs`, into `out` as `q8_0::product` lays it.
 ///
 /// # Safety
 /// The CPU must have the dot-product extension; `xs` holds whole rows of `xs.blocks` blocks
 /// and `groups` whole groups of as many.
 #[target_feature(enable = "neon,dotprod")]
-pub(super) unsafe fn sdot_groups(
+pub(super) unsafe fn sdot_groups<G: SdotGroup>(
     xs: QuantRowsView<'_>,
-    groups: &[BlockQ8_0x8],
+    groups: &[G],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
@@ -77,19 +128,19 @@ pub(super) unsafe fn sdot_groups(
         for r in 0..xs.rows() {
             let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
             for (k, item) in group.iter().enumerate() {
-                let d: [f32; GROUP_ROWS] = item.d.map(f16::to_f32);
+                let d: [f32; GROUP_ROWS] = item.scales().map(f16::to_f32);
                 let xp = xs.qs[(r * b + k) * 32..].as_ptr();
+                // SAFETY: the caller's features.
+                let w = unsafe { item.weights() };
                 let (mut ilo, mut ihi) = (vdupq_n_s32(0), vdupq_n_s32(0));
                 for k4 in 0..8 {
-                    // SAFETY: the block's 256 bytes and the row's 32 at `xp` are readable;
-                    // the caller's features.
+                    // SAFETY: the row's 32 bytes at `xp` are readable; the caller's features.
                     unsafe {
                         let x4 = vreinterpretq_s8_s32(vdupq_n_s32(std::ptr::read_unaligned(
                             xp.add(4 * k4).cast::<i32>(),
                         )));
-                        let w = item.qs.as_ptr().add(32 * k4);
-                        ilo = sdot(ilo, vld1q_s8(w), x4);
-                        ihi = sdot(ihi, vld1q_s8(w.add(16)), x4);
+                        ilo = sdot(ilo, w[2 * k4], x4);
+                        ihi = sdot(ihi, w[2 * k4 + 1], x4);
                     }
                 }
                 let dx = vdupq_n_f32(xs.scales[r * b + k]);

@@ -16,6 +16,7 @@ use half::{bf16, f16};
 
 use super::affine::AffineMatrix;
 use super::k_quants::{self, KMatrix, KQuant, Q4K, Q6K, QK_K};
+use super::q4_0::Q4Matrix;
 use super::q8_0::{Q8Matrix, QK8_0};
 
 #[cfg(target_arch = "aarch64")]
@@ -168,6 +169,9 @@ pub enum Weight<'a> {
     /// Stored in GGUF's Q8_0 blocks, 32 weights each, in the kernels' layout (`q8_0`),
     /// multiplied with integer dot products over quantized activations.
     Q8_0(Q8Matrix<'a>),
+    /// Stored in GGUF's Q4_0 blocks, 32 weights each, in the kernels' layout (`q4_0`),
+    /// multiplied as Q8_0 is.
+    Q4_0(Q4Matrix<'a>),
     /// Stored in GGUF's Q4_K super-blocks, 256 weights each (`k_quants`).
     Q4K(KMatrix<'a, Q4K>),
     /// Stored in GGUF's Q6_K super-blocks, 256 weights each (`k_quants`).
@@ -176,11 +180,13 @@ pub enum Weight<'a> {
     Affine(AffineMatrix<'a>),
 }
 
-/// A quantized block type the kernels read as stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A quantized block type the kernels read as stored (ordered as [`Self::ALL`] lists them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum QuantKind {
     /// 32 weights: an f16 scale and 32 bytes ([`super::BlockQ8_0`]).
     Q8_0,
+    /// 32 weights: an f16 scale and 16 bytes of nibbles ([`super::BlockQ4_0`]).
+    Q4_0,
     /// 256 weights in 8 sub-blocks with 6-bit scales and mins ([`super::BlockQ4K`]).
     Q4K,
     /// 256 weights in 16 sub-blocks with 8-bit scales ([`super::BlockQ6K`]).
@@ -189,12 +195,13 @@ pub enum QuantKind {
 
 impl QuantKind {
     /// Every kind.
-    pub const ALL: [Self; 3] = [Self::Q8_0, Self::Q4K, Self::Q6K];
+    pub const ALL: [Self; 4] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K];
 
     /// Its name as llama.cpp prints it.
     pub fn name(self) -> &'static str {
         match self {
             Self::Q8_0 => "Q8_0",
+            Self::Q4_0 => "Q4_0",
             Self::Q4K => "Q4_K",
             Self::Q6K => "Q6_K",
         }
@@ -203,7 +210,7 @@ impl QuantKind {
     /// Weights a block holds.
     pub fn block_weights(self) -> usize {
         match self {
-            Self::Q8_0 => QK8_0,
+            Self::Q8_0 | Self::Q4_0 => QK8_0,
             Self::Q4K | Self::Q6K => QK_K,
         }
     }
@@ -212,6 +219,7 @@ impl QuantKind {
     pub fn block_bytes(self) -> usize {
         match self {
             Self::Q8_0 => std::mem::size_of::<super::BlockQ8_0>(),
+            Self::Q4_0 => std::mem::size_of::<super::BlockQ4_0>(),
             Self::Q4K => std::mem::size_of::<super::BlockQ4K>(),
             Self::Q6K => std::mem::size_of::<super::BlockQ6K>(),
         }
@@ -264,6 +272,12 @@ impl<'a> From<Q8Matrix<'a>> for Weight<'a> {
     }
 }
 
+impl<'a> From<Q4Matrix<'a>> for Weight<'a> {
+    fn from(w: Q4Matrix<'a>) -> Self {
+        Self::Q4_0(w)
+    }
+}
+
 impl<'a> From<KMatrix<'a, Q4K>> for Weight<'a> {
     fn from(w: KMatrix<'a, Q4K>) -> Self {
         Self::Q4K(w)
@@ -296,6 +310,7 @@ impl<'a> Weight<'a> {
             Self::Bf16(w) => w.len(),
             Self::F16(w) => w.len(),
             Self::Q8_0(w) => w.rows() * w.blocks * QK8_0,
+            Self::Q4_0(w) => w.rows() * w.blocks * QK8_0,
             Self::Q4K(w) => w.rows() * w.blocks * QK_K,
             Self::Q6K(w) => w.rows() * w.blocks * QK_K,
             Self::Affine(w) => w.rows() * w.inner(),
@@ -314,6 +329,7 @@ impl<'a> Weight<'a> {
             Self::Bf16(w) => std::mem::size_of_val(w),
             Self::F16(w) => std::mem::size_of_val(w),
             Self::Q8_0(w) => w.bytes(),
+            Self::Q4_0(w) => w.bytes(),
             Self::Q4K(w) => w.bytes(),
             Self::Q6K(w) => w.bytes(),
             Self::Affine(w) => w.as_bytes().len(),
@@ -330,6 +346,10 @@ impl<'a> Weight<'a> {
             Self::Q8_0(w) => {
                 let inner = w.blocks * QK8_0;
                 Self::Q8_0(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
+            }
+            Self::Q4_0(w) => {
+                let inner = w.blocks * QK8_0;
+                Self::Q4_0(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
             }
             Self::Q4K(w) => {
                 let inner = w.blocks * QK_K;
@@ -358,6 +378,7 @@ impl<'a> Weight<'a> {
                 Self::Bf16(w) => w.align_to::<u64>().1,
                 Self::F16(w) => w.align_to::<u64>().1,
                 Self::Q8_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
+                Self::Q4_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Q4K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Q6K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Affine(w) => w.as_bytes().align_to::<u64>().1,
@@ -371,22 +392,8 @@ impl<'a> Weight<'a> {
             Self::F32(w) => out.extend_from_slice(&w[range]),
             Self::Bf16(w) => out.extend(w[range].iter().map(|v| v.to_f32())),
             Self::F16(w) => out.extend(w[range].iter().map(|v| WeightElement::to_f32(*v))),
-            Self::Q8_0(w) => {
-                let inner = w.blocks * QK8_0;
-                for row in range.start / inner..range.end.div_ceil(inner) {
-                    for k in 0..w.blocks {
-                        let (d, qs) = w.block(row, k);
-                        let at = row * inner + k * QK8_0;
-                        let (lo, hi) = (range.start.max(at), range.end.min(at + QK8_0));
-                        let d = d.to_f32();
-                        out.extend(
-                            qs[lo.saturating_sub(at)..hi.saturating_sub(at)]
-                                .iter()
-                                .map(|&q| f32::from(q) * d),
-                        );
-                    }
-                }
-            }
+            Self::Q8_0(w) => w.widen_into(range, out),
+            Self::Q4_0(w) => w.widen_into(range, out),
             Self::Q4K(w) => widen_k(w, range, out),
             Self::Q6K(w) => widen_k(w, range, out),
             Self::Affine(w) => w.widen_into(range, out),

@@ -77,6 +77,7 @@ impl<'a> HostView<'a> {
                 let bytes = &v[range];
                 match kind {
                     QuantKind::Q8_0 => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q8_0),
+                    QuantKind::Q4_0 => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q4_0),
                     QuantKind::Q4K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q4K),
                     QuantKind::Q6K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q6K),
                 }

@@ -294,8 +294,10 @@ pub enum LoadProgress {
     TimingSteps,
 }
 
-/// The kind of blocks a host tensor of quantized weights holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The kind of blocks a host tensor of quantized weights holds, ordered as headers list them:
+/// GGUF's kinds first, in [`QuantKind::ALL`](crate::engine::kernels::QuantKind::ALL)'s order,
+/// then mlx's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum BlockKind {
     /// GGUF's blocks, `[rows, blocks, block bytes]` of `U8` (`gguf`): the block bytes differ
     /// for every kind.
@@ -457,14 +459,7 @@ impl LoopedModel {
                 }
             }
         }
-        // GGUF's kinds in their fixed order (`Q4_K+Q6_K`), mlx's after.
-        let rank = |k: &BlockKind| match k {
-            BlockKind::Gguf(q) => (crate::engine::kernels::QuantKind::ALL.iter())
-                .position(|a| a == q)
-                .unwrap_or(0),
-            BlockKind::Affine(a) => 8 + a.bits() as usize,
-        };
-        kinds.sort_by_key(rank);
+        kinds.sort();
         if !kinds.is_empty() {
             return kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join("+");
         }
