@@ -30,12 +30,15 @@ fn pre_tokenizer(name: &str) -> Option<Json> {
 }
 
 /// The `tokenizer.ggml.*` keys of the tokenizer in `tokenizer.json` (parsed: `tokenizer`,
-/// from `path`), with `bos` and `eos` as its special ids.
+/// from `path`), with `bos` and `eos` as its special ids, its tokens padded to `rows` (the
+/// embedding's rows: llama.cpp takes the token list's length for them) with `[PADn]` tokens of
+/// type unused, as llama.cpp's converter pads them.
 pub fn metadata(
     tokenizer: &Json,
     path: &std::path::Path,
     bos: Option<u32>,
     eos: Option<u32>,
+    rows: usize,
 ) -> Result<Vec<(String, Value)>> {
     let err = |m: &str| EngineError::file(path, m);
     let model = &tokenizer["model"];
@@ -71,7 +74,7 @@ pub fn metadata(
         entries.retain(|e| e.0 != id as usize);
         entries.push((id as usize, content.to_string(), kind));
     }
-    let size = entries.iter().map(|e| e.0 + 1).max().unwrap_or(0);
+    let size = entries.iter().map(|e| e.0 + 1).max().unwrap_or(0).max(rows);
     let mut tokens: Vec<(String, i32)> = (0..size).map(|i| (format!("[PAD{i}]"), UNUSED)).collect();
     for (id, token, kind) in entries {
         tokens[id] = (token, kind);

@@ -123,6 +123,7 @@ pub fn write_gguf(job: &QuantizeJob<'_>, out: &Path) -> Result<()> {
         job.tokenizer_path,
         job.config.bos_token_id,
         job.config.eos_token_ids.first().copied(),
+        job.config.vocab,
     )?);
     let tensors = tensors(job).map_err(|e| EngineError::file(out, e))?;
     let meta_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();

@@ -18,8 +18,9 @@
 //! step `lane = x·(s·q + b) + lane` with both products fused, and the lanes are summed by
 //! [`hsum16`]. At 8 bits lane `l` takes weights `l`, `l + 16`, …; at 4 bits each 32 weights are
 //! 16 bytes and lane `l` takes byte `l`'s two, `2l` then `2l + 1`, so that a vector kernel splits
-//! the nibbles with one AND and one shift (the activations reordered to match once a call). Every ISA (AVX-512's one register, AVX2's two, the portable loops) computes exactly
-//! that, so a result has the same bits whatever the rows, the grouping, the thread split or the
+//! the nibbles with one AND and one shift (the activations reordered to match once a call).
+//! Every ISA (AVX-512's one register, AVX2's two, NEON's four, the portable loops) computes
+//! exactly that, so a result has the same bits whatever the rows, the grouping, the thread split or the
 //! ISA.
 
 #[cfg(target_arch = "x86_64")]
@@ -154,7 +155,7 @@ impl<'a> AffineMatrix<'a> {
     }
 
     /// Row `r`'s blocks.
-    fn row(self, r: usize) -> &'a [u8] {
+    pub(super) fn row(self, r: usize) -> &'a [u8] {
         let row_bytes = self.groups * self.kind.block_bytes();
         &self.blocks[r * row_bytes..(r + 1) * row_bytes]
     }
@@ -308,6 +309,10 @@ pub(super) fn product(
     #[cfg(target_arch = "x86_64")]
     if matches!(isa, Isa::Avx512 | Isa::Avx512Bf16 | Isa::Avx2Fma) {
         return super::affine_simd::product(isa, x, w, out, to);
+    }
+    #[cfg(target_arch = "aarch64")]
+    if isa == super::Isa::Neon {
+        return super::affine_neon::product(x, w, out, to);
     }
     let _ = isa;
     portable(x, w, out, to);

@@ -117,6 +117,8 @@ macro_rules! with_weight {
 
 mod act_quant;
 mod affine;
+#[cfg(target_arch = "aarch64")]
+mod affine_neon;
 #[cfg(target_arch = "x86_64")]
 mod affine_simd;
 #[cfg(test)]
