@@ -16,13 +16,17 @@ const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
 const UNUSED: i32 = 5;
 
-/// The pre-tokenizers spex writes and reads, by llama.cpp's names (`tokenizer.ggml.pre`):
-/// GPT-2's byte-level split (spex's own tokenizers), and SmolLM's digits-then-byte-level split
-/// (Ouro's).
+/// GPT-2's byte-level pre-tokenizer, by llama.cpp's name (not the model's, `gpt2`).
+const GPT2: &str = "gpt-2";
+
+/// The pre-tokenizers spex writes and reads, by llama.cpp's names (`tokenizer.ggml.pre`, as
+/// its `llama-vocab.cpp` knows them): GPT-2's byte-level split (spex's own tokenizers), and
+/// SmolLM's digits-then-byte-level split (Ouro's).
 fn pre_tokenizer(name: &str) -> Option<Json> {
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     match name {
-        "gpt2" => Some(byte_level),
+        // `gpt2`: the name spex wrote before it took llama.cpp's.
+        GPT2 | "gpt2" => Some(byte_level),
         "smollm" => Some(json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true}, byte_level]})),
         _ => None,
@@ -45,7 +49,7 @@ pub fn metadata(
     if model["type"] != "BPE" {
         return Err(err("only a BPE tokenizer can be written to GGUF"));
     }
-    let pre = (["gpt2", "smollm"].into_iter())
+    let pre = ([GPT2, "smollm"].into_iter())
         .find(|name| pre_tokenizer(name).as_ref() == Some(&tokenizer["pre_tokenizer"]))
         .ok_or_else(|| err("its pre_tokenizer is neither GPT-2's byte level nor SmolLM's"))?;
     let vocab = model["vocab"]
@@ -151,11 +155,11 @@ pub fn tokenizer(file: &GgufFile) -> Result<tokenizers::Tokenizer> {
     }
     let pre = file
         .string("tokenizer.ggml.pre")
-        .unwrap_or_else(|_| "gpt2".into());
+        .unwrap_or_else(|_| GPT2.into());
     let pre_tokenizer = pre_tokenizer(&pre).ok_or_else(|| {
         file.key_error(
             "tokenizer.ggml.pre",
-            &format!("\"{pre}\" is not a pre-tokenizer spex builds (gpt2, smollm)"),
+            &format!("\"{pre}\" is not a pre-tokenizer spex builds ({GPT2}, smollm)"),
         )
     })?;
     let tokens = strings("tokenizer.ggml.tokens")?;

@@ -19,7 +19,10 @@
 //! block's integer sum, and one FMA a block scales 8 outputs. Without the layout every block's
 //! lanes had to be scaled apart (8 lanes of 4 products each), which left a 4-row step
 //! computing twice as long as a 1-row step read its weights. (llama.cpp's CPU backend repacks
-//! Q8_0 alike.) The layout moves bytes only: a group takes the 8 rows' bytes.
+//! Q8_0 alike.) The layout keeps the rows' bytes, each offset by 128 to an unsigned byte:
+//! `vpdpbusd` takes one operand unsigned, and with the weights as that operand the offset's
+//! product `128 · Σx` is the activations' (once a row and block for every weight row), not
+//! each weight block's (once a block, paid again at every step).
 //!
 //! # One result on every ISA
 //!
@@ -54,15 +57,16 @@ pub struct BlockQ8_0 {
     pub qs: [i8; QK8_0],
 }
 
-/// One block of each of 8 weight rows, interleaved ([`KindQ8_0::pack`]): `d[j]` is row `j`'s scale and
-/// `qs[32k + 4j + t]` its weight `4k + t`.
+/// One block of each of 8 weight rows, interleaved ([`KindQ8_0::pack`]): `d[j]` is row `j`'s
+/// scale and `qu[32k + 4j + t]` its weight `4k + t` plus 128, unsigned: `vpdpbusd`'s unsigned
+/// operand as stored, the activations its signed one.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BlockQ8_0x8 {
     /// The 8 rows' scales.
     pub d: [f16; GROUP_ROWS],
-    /// Their weights, 4 bytes of each row in turn.
-    pub qs: [i8; QK8_0 * GROUP_ROWS],
+    /// Their weights plus 128, 4 bytes of each row in turn.
+    pub qu: [u8; QK8_0 * GROUP_ROWS],
 }
 
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
@@ -73,7 +77,7 @@ const _: () = assert!(std::mem::size_of::<BlockQ8_0x8>() == 8 * 34);
 unsafe impl bytemuck::Zeroable for BlockQ8_0 {}
 // SAFETY: as above; `Copy` and `'static`.
 unsafe impl bytemuck::Pod for BlockQ8_0 {}
-// SAFETY: `repr(C)` of 8 f16 (16 bytes, align 2) and 256 i8 at offset 16: 272 bytes, no
+// SAFETY: `repr(C)` of 8 f16 (16 bytes, align 2) and 256 u8 at offset 16: 272 bytes, no
 // padding, every bit pattern valid.
 unsafe impl bytemuck::Zeroable for BlockQ8_0x8 {}
 // SAFETY: as above; `Copy` and `'static`.
@@ -115,13 +119,15 @@ impl Interleave for KindQ8_0 {
     fn pack(rows: &[BlockQ8_0; GROUP_ROWS]) -> BlockQ8_0x8 {
         let mut item = BlockQ8_0x8 {
             d: [f16::ZERO; GROUP_ROWS],
-            qs: [0; QK8_0 * GROUP_ROWS],
+            qu: [0; QK8_0 * GROUP_ROWS],
         };
         for (j, b) in rows.iter().enumerate() {
             item.d[j] = b.d;
             for k4 in 0..QK8_0 / 4 {
                 let at = 32 * k4 + 4 * j;
-                item.qs[at..at + 4].copy_from_slice(&b.qs[4 * k4..4 * k4 + 4]);
+                for t in 0..4 {
+                    item.qu[at + t] = (b.qs[4 * k4 + t] as u8) ^ 0x80;
+                }
             }
         }
         item
@@ -145,7 +151,9 @@ impl Blocks32 for KindQ8_0 {
         let mut qs = [0i8; QK8_0];
         for (k4, four) in qs.chunks_exact_mut(4).enumerate() {
             let at = 32 * k4 + 4 * j;
-            four.copy_from_slice(&item.qs[at..at + 4]);
+            for (q, &u) in four.iter_mut().zip(&item.qu[at..at + 4]) {
+                *q = (u ^ 0x80) as i8;
+            }
         }
         (item.d[j], qs)
     }
@@ -199,15 +207,13 @@ pub(super) trait Groups32: Blocks32 {
 }
 
 /// Activation rows quantized per block of 32 for the integer products: `qs` (`rows × inner`
-/// bytes), the same bytes offset by 128 as unsigned (`qu`, VNNI's unsigned operand), 8 times
-/// each block's sum (`sums8`, what Q4_0's offset of 8 takes off an unsigned nibble's product)
-/// and one f32 scale per block (`scales`). The scale stays f32 (llama.cpp rounds it to f16): it is one
+/// bytes), 8 times each block's sum (`sums8`: the weights are `vpdpbusd`'s unsigned operand,
+/// offset by 128 for Q8_0 and by 8 for Q4_0, and `offset · Σx` comes off each product) and
+/// one f32 scale per block (`scales`). The scale stays f32 (llama.cpp rounds it to f16): it is one
 /// float a block, and an f16 would add a rounding.
 #[derive(Debug, Default)]
 pub struct QuantizedRows {
     qs: Vec<i8>,
-    #[cfg(target_arch = "x86_64")]
-    qu: Vec<u8>,
     #[cfg(target_arch = "x86_64")]
     sums8: Vec<i32>,
     scales: Vec<f32>,
@@ -230,8 +236,6 @@ impl QuantizedRows {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            self.qu.clear();
-            self.qu.extend(self.qs.iter().map(|&q| (q as u8) ^ 0x80));
             self.sums8.clear();
             let sum8 = |b: &[i8]| 8 * b.iter().map(|&q| i32::from(q)).sum::<i32>();
             self.sums8.extend(self.qs.chunks_exact(QK8_0).map(sum8));
@@ -243,8 +247,6 @@ impl QuantizedRows {
         let b = self.blocks;
         let bytes = range.start * b * QK8_0..range.end * b * QK8_0;
         QuantRowsView {
-            #[cfg(target_arch = "x86_64")]
-            qu: &self.qu[bytes.clone()],
             #[cfg(target_arch = "x86_64")]
             sums8: &self.sums8[range.start * b..range.end * b],
             qs: &self.qs[bytes],
@@ -264,9 +266,6 @@ impl QuantizedRows {
 pub(super) struct QuantRowsView<'a> {
     /// The rows' quantized values, row after row.
     pub(super) qs: &'a [i8],
-    /// The same offset by 128, unsigned.
-    #[cfg(target_arch = "x86_64")]
-    pub(super) qu: &'a [u8],
     /// Each block's sum times 8, row after row.
     #[cfg(target_arch = "x86_64")]
     pub(super) sums8: &'a [i32],
@@ -532,7 +531,7 @@ pub(super) unsafe fn store8(acc: __m256, out: SharedOut<'_>, to: OutLayout, row:
 
 /// AVX2's products of the one definition: per group block and row, 8 × (`|w| · sign(x, w)`
 /// with `vpmaddubsw`, no pair overflowing as 128 · 127 · 2 < 2¹⁵, then `vpmaddwd` by ones)
-/// summed into each weight row's lane.
+/// summed into each weight row's lane (the weights' offset of 128 undone once a block).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `xs` holds `R` rows of `xs.blocks` blocks and
@@ -548,7 +547,7 @@ unsafe fn avx2_groups<const R: usize>(
     first: usize,
 ) {
     let b = xs.blocks;
-    let ones = _mm256_set1_epi16(1);
+    let (ones, offset) = (_mm256_set1_epi16(1), _mm256_set1_epi8(i8::MIN));
     for (g, group) in groups.chunks_exact(b).enumerate() {
         let mut acc = [_mm256_setzero_ps(); R];
         for (k, item) in group.iter().enumerate() {
@@ -557,7 +556,8 @@ unsafe fn avx2_groups<const R: usize>(
             let mut aw = [_mm256_setzero_si256(); 8];
             for (k4, (w, a)) in wq.iter_mut().zip(&mut aw).enumerate() {
                 // SAFETY: the features; the block's 256 bytes are readable.
-                *w = unsafe { _mm256_loadu_si256(item.qs.as_ptr().add(32 * k4).cast()) };
+                let stored = unsafe { _mm256_loadu_si256(item.qu.as_ptr().add(32 * k4).cast()) };
+                *w = _mm256_xor_si256(stored, offset);
                 *a = _mm256_sign_epi8(*w, *w);
             }
             // SAFETY: the features.
@@ -584,8 +584,8 @@ unsafe fn avx2_groups<const R: usize>(
 }
 
 /// AVX-512 VNNI's products of the one definition: per group block and row, 8 `vpdpbusd` of the
-/// activations offset by 128 (unsigned) and the weights, less 128 · Σw (the weights' own
-/// `vpdpbusd` with ones, once a block for every row): each lane a weight row's integer sum.
+/// weights as stored (offset by 128, unsigned) and the activations, less 128 · Σx (16 times
+/// `sums8`, once a row and block): each lane a weight row's integer sum.
 ///
 /// # Safety
 /// The CPU must have AVX-512F, VL and VNNI, AVX2, FMA and F16C; as [`avx2_groups`] otherwise.
@@ -600,31 +600,28 @@ unsafe fn vnni_groups<const R: usize>(
     first: usize,
 ) {
     let b = xs.blocks;
-    let ones = _mm256_set1_epi8(1);
     for (g, group) in groups.chunks_exact(b).enumerate() {
         let mut acc = [_mm256_setzero_ps(); R];
         for (k, item) in group.iter().enumerate() {
             prefetch(plan, item);
             let mut wq = [_mm256_setzero_si256(); 8];
-            let mut sum = _mm256_setzero_si256();
             for (k4, w) in wq.iter_mut().enumerate() {
                 // SAFETY: the features; the block's 256 bytes are readable.
-                *w = unsafe { _mm256_loadu_si256(item.qs.as_ptr().add(32 * k4).cast()) };
-                sum = _mm256_dpbusd_epi32(sum, ones, *w);
+                *w = unsafe { _mm256_loadu_si256(item.qu.as_ptr().add(32 * k4).cast()) };
             }
-            let offset = _mm256_slli_epi32::<7>(sum);
             // SAFETY: the features.
             let dw = unsafe { scales8(&item.d) };
             for (r, acc_r) in acc.iter_mut().enumerate() {
-                let xp = xs.qu[(r * b + k) * QK8_0..].as_ptr();
+                let xp = xs.qs[(r * b + k) * QK8_0..].as_ptr();
                 let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
                 for k4 in (0..8).step_by(2) {
                     // SAFETY: row `r` holds block `k`'s 32 bytes at `xp`.
                     let (x0, x1) =
                         unsafe { (broadcast4(xp.add(4 * k4)), broadcast4(xp.add(4 * k4 + 4))) };
-                    even = _mm256_dpbusd_epi32(even, x0, wq[k4]);
-                    odd = _mm256_dpbusd_epi32(odd, x1, wq[k4 + 1]);
+                    even = _mm256_dpbusd_epi32(even, wq[k4], x0);
+                    odd = _mm256_dpbusd_epi32(odd, wq[k4 + 1], x1);
                 }
+                let offset = _mm256_set1_epi32(16 * xs.sums8[r * b + k]);
                 let isum = _mm256_sub_epi32(_mm256_add_epi32(even, odd), offset);
                 let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs.scales[r * b + k]));
                 *acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc_r);

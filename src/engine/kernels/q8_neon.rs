@@ -76,10 +76,14 @@ impl SdotGroup for BlockQ8_0x8 {
         &self.d
     }
 
+    /// The stored bytes less 128 (`q8_0`'s layout).
     #[inline(always)]
     unsafe fn weights(&self) -> [int8x16_t; 16] {
         // SAFETY: the caller's feature; the block's 256 bytes are readable.
-        std::array::from_fn(|i| unsafe { vld1q_s8(self.qs.as_ptr().add(16 * i)) })
+        std::array::from_fn(|i| unsafe {
+            let stored = vld1q_u8(self.qu.as_ptr().add(16 * i));
+            vreinterpretq_s8_u8(veorq_u8(stored, vdupq_n_u8(0x80)))
+        })
     }
 }
 
