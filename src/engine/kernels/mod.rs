@@ -156,6 +156,8 @@ mod q8_0;
 mod q8_neon;
 #[cfg(test)]
 mod q8_tests;
+#[cfg(target_arch = "x86_64")]
+mod q8_vnni;
 mod settings;
 mod subnormals;
 #[cfg(test)]

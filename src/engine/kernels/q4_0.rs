@@ -179,7 +179,7 @@ impl Groups32 for KindQ4_0 {
             // SAFETY: `Q8Isa::Avx512Vnni` is made only where AVX-512 (F, BW, VL) was checked
             // and VNNI detected; as above otherwise.
             Q8Isa::Avx512Vnni => unsafe {
-                with_rows!(xs.rows(), R => vnni_groups::<R>(plan, xs, groups, out, to, first))
+                with_rows!(xs.rows(), R => super::q8_vnni::groups::<_, R>(plan, xs, groups, out, to, first))
             },
             #[cfg(target_arch = "aarch64")]
             // SAFETY: `Q8Isa::NeonDot` is made only where the dot-product extension was
@@ -260,50 +260,17 @@ unsafe fn avx2_groups<const R: usize>(
     }
 }
 
-/// AVX-512 VNNI's products of the one definition: per group block and row, 8 `vpdpbusd` of the
-/// nibbles (unsigned) and the activations, less `8 · Σx`.
-///
-/// # Safety
-/// The CPU must have AVX-512F, VL and VNNI, AVX2, FMA and F16C; as [`avx2_groups`] otherwise.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn vnni_groups<const R: usize>(
-    plan: Prefetch,
-    xs: QuantRowsView<'_>,
-    groups: &[BlockQ4_0x8],
-    out: SharedOut<'_>,
-    to: OutLayout,
-    first: usize,
-) {
-    let b = xs.blocks;
-    for (g, group) in groups.chunks_exact(b).enumerate() {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (k, item) in group.iter().enumerate() {
-            prefetch(plan, item);
-            // SAFETY: the features.
-            let (w, dw) = (nibbles(item), unsafe { scales8(&item.d) });
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let xp = xs.qs[(r * b + k) * QK8_0..].as_ptr();
-                let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for k4 in (0..8).step_by(2) {
-                    // SAFETY: row `r` holds block `k`'s 32 bytes at `xp`.
-                    let (x0, x1) =
-                        unsafe { (broadcast4(xp.add(4 * k4)), broadcast4(xp.add(4 * k4 + 4))) };
-                    even = _mm256_dpbusd_epi32(even, w[k4], x0);
-                    odd = _mm256_dpbusd_epi32(odd, w[k4 + 1], x1);
-                }
-                let isum = _mm256_sub_epi32(
-                    _mm256_add_epi32(even, odd),
-                    _mm256_set1_epi32(xs.sums8[r * b + k]),
-                );
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs.scales[r * b + k]));
-                *acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc_r);
-            }
-        }
-        let at = out.from(g * GROUP_ROWS * to.col);
-        for (r, a) in acc.into_iter().enumerate() {
-            // SAFETY: the features.
-            unsafe { store8(a, at, to, first + r) };
-        }
+impl super::q8_vnni::VnniGroup for BlockQ4_0x8 {
+    const SHIFT: u32 = 0;
+
+    fn scales(&self) -> &[f16; GROUP_ROWS] {
+        &self.d
+    }
+
+    #[inline(always)]
+    unsafe fn weights(&self) -> [__m256i; 8] {
+        // SAFETY: the caller's feature.
+        unsafe { nibbles(self) }
     }
 }

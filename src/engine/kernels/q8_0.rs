@@ -209,7 +209,9 @@ pub(super) trait Groups32: Blocks32 {
 /// Activation rows quantized per block of 32 for the integer products: `qs` (`rows × inner`
 /// bytes), 8 times each block's sum (`sums8`: the weights are `vpdpbusd`'s unsigned operand,
 /// offset by 128 for Q8_0 and by 8 for Q4_0, and `offset · Σx` comes off each product) and
-/// one f32 scale per block (`scales`). The scale stays f32 (llama.cpp rounds it to f16): it is one
+/// one f32 scale per block (`scales`); for VNNI's pairs of rows (`q8_vnni`) the same of rows
+/// `2p` and `2p + 1` interleaved (`pair_*`: 4 bytes of each in turn, and the two rows' sums and
+/// scales side by side; an odd last row paired with itself). The scale stays f32 (llama.cpp rounds it to f16): it is one
 /// float a block, and an f16 would add a rounding.
 #[derive(Debug, Default)]
 pub struct QuantizedRows {
@@ -217,6 +219,8 @@ pub struct QuantizedRows {
     #[cfg(target_arch = "x86_64")]
     sums8: Vec<i32>,
     scales: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    pairs: Pairs,
     blocks: usize,
 }
 
@@ -239,16 +243,53 @@ impl QuantizedRows {
             self.sums8.clear();
             let sum8 = |b: &[i8]| 8 * b.iter().map(|&q| i32::from(q)).sum::<i32>();
             self.sums8.extend(self.qs.chunks_exact(QK8_0).map(sum8));
+            self.pairs.clear();
+            if isa == Q8Isa::Avx512Vnni && input.rows > 1 {
+                self.interleave_pairs(input.rows);
+            }
         }
     }
 
-    /// Rows `range` of it.
+    /// Fills [`Pairs`] from the rows.
+    #[cfg(target_arch = "x86_64")]
+    fn interleave_pairs(&mut self, rows: usize) {
+        let b = self.blocks;
+        for p in 0..rows.div_ceil(2) {
+            let pair = [2 * p, (2 * p + 1).min(rows - 1)];
+            for k in 0..b {
+                let block = |r: usize| &self.qs[(r * b + k) * QK8_0..(r * b + k + 1) * QK8_0];
+                let (x0, x1) = (block(pair[0]), block(pair[1]));
+                for (a, c) in x0.chunks_exact(4).zip(x1.chunks_exact(4)) {
+                    self.pairs.qs.extend_from_slice(a);
+                    self.pairs.qs.extend_from_slice(c);
+                }
+                for r in pair {
+                    self.pairs.sums8.push(self.sums8[r * b + k]);
+                    self.pairs.scales.push(self.scales[r * b + k]);
+                }
+            }
+        }
+    }
+
+    /// Rows `range` of it (from an even row where it has pairs).
     fn rows(&self, range: std::ops::Range<usize>) -> QuantRowsView<'_> {
         let b = self.blocks;
         let bytes = range.start * b * QK8_0..range.end * b * QK8_0;
+        #[cfg(target_arch = "x86_64")]
+        let pairs = range.start / 2..range.end.div_ceil(2);
         QuantRowsView {
             #[cfg(target_arch = "x86_64")]
             sums8: &self.sums8[range.start * b..range.end * b],
+            #[cfg(target_arch = "x86_64")]
+            pair_qs: self
+                .pairs
+                .qs
+                .get(pairs.start * b * 2 * QK8_0..)
+                .unwrap_or(&[]),
+            #[cfg(target_arch = "x86_64")]
+            pair_sums8: self.pairs.sums8.get(pairs.start * b * 2..).unwrap_or(&[]),
+            #[cfg(target_arch = "x86_64")]
+            pair_scales: self.pairs.scales.get(pairs.start * b * 2..).unwrap_or(&[]),
             qs: &self.qs[bytes],
             scales: &self.scales[range.start * b..range.end * b],
             blocks: b,
@@ -261,6 +302,24 @@ impl QuantizedRows {
     }
 }
 
+/// [`QuantizedRows`]' rows by pairs, for VNNI.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Default)]
+struct Pairs {
+    qs: Vec<i8>,
+    sums8: Vec<i32>,
+    scales: Vec<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Pairs {
+    fn clear(&mut self) {
+        self.qs.clear();
+        self.sums8.clear();
+        self.scales.clear();
+    }
+}
+
 /// Some rows of a [`QuantizedRows`].
 #[derive(Debug, Clone, Copy)]
 pub(super) struct QuantRowsView<'a> {
@@ -269,6 +328,15 @@ pub(super) struct QuantRowsView<'a> {
     /// Each block's sum times 8, row after row.
     #[cfg(target_arch = "x86_64")]
     pub(super) sums8: &'a [i32],
+    /// The rows' pairs (from the first), interleaved ([`QuantizedRows`]).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) pair_qs: &'a [i8],
+    /// The pairs' block sums times 8, the two rows side by side.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) pair_sums8: &'a [i32],
+    /// The pairs' block scales, the two rows side by side.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) pair_scales: &'a [f32],
     /// Each row's block scales, row after row.
     pub(super) scales: &'a [f32],
     /// Blocks a row.
@@ -402,7 +470,7 @@ fn q8_0_groups(
         // SAFETY: `Q8Isa::Avx512Vnni` is made only where AVX-512 (F, BW, VL) was checked and
         // VNNI detected; as above otherwise.
         Q8Isa::Avx512Vnni => unsafe {
-            with_rows!(xs.rows(), R => vnni_groups::<R>(plan, xs, groups, out, to, first))
+            with_rows!(xs.rows(), R => super::q8_vnni::groups::<_, R>(plan, xs, groups, out, to, first))
         },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: `Q8Isa::NeonDot` is made only where the dot-product extension was detected;
@@ -583,54 +651,19 @@ unsafe fn avx2_groups<const R: usize>(
     }
 }
 
-/// AVX-512 VNNI's products of the one definition: per group block and row, 8 `vpdpbusd` of the
-/// weights as stored (offset by 128, unsigned) and the activations, less 128 · Σx (16 times
-/// `sums8`, once a row and block): each lane a weight row's integer sum.
-///
-/// # Safety
-/// The CPU must have AVX-512F, VL and VNNI, AVX2, FMA and F16C; as [`avx2_groups`] otherwise.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn vnni_groups<const R: usize>(
-    plan: Prefetch,
-    xs: QuantRowsView<'_>,
-    groups: &[BlockQ8_0x8],
-    out: SharedOut<'_>,
-    to: OutLayout,
-    first: usize,
-) {
-    let b = xs.blocks;
-    for (g, group) in groups.chunks_exact(b).enumerate() {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (k, item) in group.iter().enumerate() {
-            prefetch(plan, item);
-            let mut wq = [_mm256_setzero_si256(); 8];
-            for (k4, w) in wq.iter_mut().enumerate() {
-                // SAFETY: the features; the block's 256 bytes are readable.
-                *w = unsafe { _mm256_loadu_si256(item.qu.as_ptr().add(32 * k4).cast()) };
-            }
-            // SAFETY: the features.
-            let dw = unsafe { scales8(&item.d) };
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let xp = xs.qs[(r * b + k) * QK8_0..].as_ptr();
-                let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for k4 in (0..8).step_by(2) {
-                    // SAFETY: row `r` holds block `k`'s 32 bytes at `xp`.
-                    let (x0, x1) =
-                        unsafe { (broadcast4(xp.add(4 * k4)), broadcast4(xp.add(4 * k4 + 4))) };
-                    even = _mm256_dpbusd_epi32(even, wq[k4], x0);
-                    odd = _mm256_dpbusd_epi32(odd, wq[k4 + 1], x1);
-                }
-                let offset = _mm256_set1_epi32(16 * xs.sums8[r * b + k]);
-                let isum = _mm256_sub_epi32(_mm256_add_epi32(even, odd), offset);
-                let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs.scales[r * b + k]));
-                *acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc_r);
-            }
-        }
-        let at = out.from(g * GROUP_ROWS * to.col);
-        for (r, a) in acc.into_iter().enumerate() {
-            // SAFETY: the features.
-            unsafe { store8(a, at, to, first + r) };
-        }
+impl super::q8_vnni::VnniGroup for BlockQ8_0x8 {
+    const SHIFT: u32 = 4;
+
+    fn scales(&self) -> &[f16; GROUP_ROWS] {
+        &self.d
+    }
+
+    #[inline(always)]
+    unsafe fn weights(&self) -> [__m256i; 8] {
+        // SAFETY: the caller's feature; the block's 256 bytes are readable.
+        std::array::from_fn(|k4| unsafe {
+            _mm256_loadu_si256(self.qu.as_ptr().add(32 * k4).cast())
+        })
     }
 }
