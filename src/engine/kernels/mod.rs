@@ -154,6 +154,7 @@ mod q4k_simd;
 mod q8_0;
 #[cfg(target_arch = "aarch64")]
 mod q8_neon;
+mod q8_rows;
 #[cfg(test)]
 mod q8_tests;
 #[cfg(target_arch = "x86_64")]
