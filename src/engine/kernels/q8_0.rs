@@ -139,7 +139,7 @@ impl Interleave for KindQ8_0 {
 pub type Q8Matrix<'a> = Packed<'a, KindQ8_0>;
 
 /// A block type of 32 weights that the one definition (module docs) multiplies against
-/// [`QuantizedRows`]: Q8_0, and Q4_0 (`q4_0`), whose weights are its nibbles less 8.
+/// `QuantizedRows`: Q8_0, and Q4_0 (`q4_0`), whose weights are its nibbles less 8.
 pub trait Blocks32: Interleave {
     /// Row `j`'s scale and 32 weights in a group's block.
     fn group_row(item: &Self::Group, j: usize) -> (f16, [i8; QK8_0]);
