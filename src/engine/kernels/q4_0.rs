@@ -26,9 +26,10 @@ use half::f16;
 use std::arch::x86_64::*;
 
 use super::packed::{GROUP_ROWS, Interleave, Packed};
-use super::q8_0::{Blocks32, Groups32, Q8Isa, QK8_0, QuantRowsView, portable_groups};
+use super::q8_0::{Blocks32, Groups32, QK8_0};
 #[cfg(target_arch = "x86_64")]
-use super::q8_0::{broadcast4, prefetch, scales8, store8};
+use super::q8_0::{QuantRowsView, broadcast4, prefetch, scales8, store8};
+#[cfg(target_arch = "x86_64")]
 use super::{OutLayout, Prefetch, SharedOut};
 
 /// GGUF's `block_q4_0`: weight `i < 16` is `((qs[i] & 15) − 8) · d`, weight `16 + i` is
@@ -156,8 +157,8 @@ impl Blocks32 for KindQ4_0 {
 pub type Q4Matrix<'a> = Packed<'a, KindQ4_0>;
 
 impl Groups32 for KindQ4_0 {
-    fn groups(
-        isa: Q8Isa,
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx2_groups<const R: usize>(
         plan: Prefetch,
         xs: QuantRowsView<'_>,
         groups: &[BlockQ4_0x8],
@@ -165,27 +166,8 @@ impl Groups32 for KindQ4_0 {
         to: OutLayout,
         first: usize,
     ) {
-        let _ = plan; // The portable loops leave prefetching to the hardware.
-        match isa {
-            Q8Isa::Portable => portable_groups::<Self>(xs, groups, out, to, first),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Q8Isa::Avx2` is made only where the model's instruction set has AVX2,
-            // FMA and F16C; `xs` holds whole rows of blocks and `groups` whole groups of as
-            // many.
-            Q8Isa::Avx2 => unsafe {
-                with_rows!(xs.rows(), R => avx2_groups::<R>(plan, xs, groups, out, to, first))
-            },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Q8Isa::Avx512Vnni` is made only where AVX-512 (F, BW, VL) was checked
-            // and VNNI detected; as above otherwise.
-            Q8Isa::Avx512Vnni => unsafe {
-                with_rows!(xs.rows(), R => super::q8_vnni::groups::<_, R>(plan, xs, groups, out, to, first))
-            },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: `Q8Isa::NeonDot` is made only where the dot-product extension was
-            // detected; `xs` holds whole rows of blocks and `groups` whole groups of as many.
-            Q8Isa::NeonDot => unsafe { super::q8_neon::sdot_groups(xs, groups, out, to, first) },
-        }
+        // SAFETY: the caller's.
+        unsafe { avx2_groups::<R>(plan, xs, groups, out, to, first) }
     }
 }
 

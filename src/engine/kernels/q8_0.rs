@@ -192,12 +192,32 @@ impl<K: Blocks32> Packed<'_, K> {
     }
 }
 
-/// [`Blocks32`]'s vector kernels: one block of rows times every group of a run.
-pub(super) trait Groups32: Blocks32 {
-    /// `xs` times every group of `groups` with `isa`'s kernels, into `out` as [`product`]
-    /// lays it (`first`: the block's first row).
-    fn groups(
-        isa: Q8Isa,
+/// A group of 8 rows' blocks that this architecture's shared kernels take: VNNI's
+/// (`q8_vnni`) on x86, `sdot`'s (`q8_neon`) on aarch64.
+#[cfg(target_arch = "x86_64")]
+pub(super) trait SimdGroup: super::q8_vnni::VnniGroup {}
+#[cfg(target_arch = "x86_64")]
+impl<G: super::q8_vnni::VnniGroup> SimdGroup for G {}
+#[cfg(target_arch = "aarch64")]
+pub(super) trait SimdGroup: super::q8_neon::SdotGroup {}
+#[cfg(target_arch = "aarch64")]
+impl<G: super::q8_neon::SdotGroup> SimdGroup for G {}
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+pub(super) trait SimdGroup {}
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+impl<G> SimdGroup for G {}
+
+/// [`Blocks32`]'s vector kernels ([`groups_dispatch`]): the shared VNNI and `sdot` ones through
+/// [`SimdGroup`], and the one that differs by block type, AVX2's.
+pub(super) trait Groups32: Blocks32<Group: SimdGroup> {
+    /// AVX2's products of `R` rows and every group of `groups`, into `out` as [`product`] lays
+    /// it (`first`: the block's first row).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `xs` holds `R` rows of `xs.blocks` blocks and
+    /// `groups` whole groups of as many.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx2_groups<const R: usize>(
         plan: Prefetch,
         xs: QuantRowsView<'_>,
         groups: &[Self::Group],
@@ -283,7 +303,7 @@ pub(super) fn product<K: Groups32>(
         for first in (0..rows).step_by(most) {
             let xs = x.rows(first..(first + most).min(rows));
             let at = out.from(start * GROUP_ROWS * to.col);
-            K::groups(isa, plan, xs, run, at, to, first);
+            groups_dispatch::<K>(isa, plan, xs, run, at, to, first);
         }
     }
     let tail_out = out.from(groups * GROUP_ROWS * to.col);
@@ -291,8 +311,8 @@ pub(super) fn product<K: Groups32>(
 }
 
 impl Groups32 for KindQ8_0 {
-    fn groups(
-        isa: Q8Isa,
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn avx2_groups<const R: usize>(
         plan: Prefetch,
         xs: QuantRowsView<'_>,
         groups: &[BlockQ8_0x8],
@@ -300,29 +320,30 @@ impl Groups32 for KindQ8_0 {
         to: OutLayout,
         first: usize,
     ) {
-        q8_0_groups(isa, plan, xs, groups, out, to, first);
+        // SAFETY: the caller's.
+        unsafe { avx2_groups::<R>(plan, xs, groups, out, to, first) }
     }
 }
 
-/// Q8_0's block of rows times every group of `groups`.
-fn q8_0_groups(
+/// `K`'s block of rows times every group of `groups`, on `isa`'s kernels.
+fn groups_dispatch<K: Groups32>(
     isa: Q8Isa,
     plan: Prefetch,
     xs: QuantRowsView<'_>,
-    groups: &[BlockQ8_0x8],
+    groups: &[K::Group],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     let _ = plan; // The portable loops leave prefetching to the hardware.
     match isa {
-        Q8Isa::Portable => portable_groups::<KindQ8_0>(xs, groups, out, to, first),
+        Q8Isa::Portable => portable_groups::<K>(xs, groups, out, to, first),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Q8Isa::Avx2` is made only where the model's instruction set has AVX2, FMA
         // and F16C (`Kernels::new` checked the CPU); `xs` holds whole rows of blocks and
         // `groups` whole groups of as many.
         Q8Isa::Avx2 => unsafe {
-            with_rows!(xs.rows(), R => avx2_groups::<R>(plan, xs, groups, out, to, first))
+            with_rows!(xs.rows(), R => K::avx2_groups::<R>(plan, xs, groups, out, to, first))
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Q8Isa::Avx512Vnni` is made only where AVX-512 (F, BW, VL) was checked and
@@ -361,7 +382,7 @@ fn portable_dot(
 }
 
 /// The portable loops over whole groups.
-pub(super) fn portable_groups<K: Blocks32>(
+fn portable_groups<K: Blocks32>(
     xs: QuantRowsView<'_>,
     groups: &[K::Group],
     out: SharedOut<'_>,
