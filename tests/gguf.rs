@@ -106,7 +106,6 @@ const PROBABILITY_Q4_K_M: f32 = 0.21;
 
 fn quantized_logits_near(file_type: FileType, behind_bound: f32, probability_bound: f32) {
     use spex::engine::model::KvDtype;
-    use spex::engine::{DecodeOptions, PolicyKind, Sampling};
     let (mut compared, mut worst, mut worst_behind) = (0, 0f32, 0f32);
     for (variant, seed) in [
         (Variant::Tied, 9),
@@ -126,30 +125,10 @@ fn quantized_logits_near(file_type: FileType, behind_bound: f32, probability_bou
         };
         let deq =
             LoadedModel::load_gguf(&file, &Device::Cpu, DType::F32, candle, &mut |_| {}).unwrap();
-        for prompt in common::PROMPTS.iter().take(4) {
-            let decode = DecodeOptions {
-                max_tokens: 12,
-                context: 128,
-                sampling: Sampling::GREEDY,
-                exit_threshold: None,
-            };
-            let (rows, tokens) = common::decoded_rows(&host, PolicyKind::Baseline, prompt, decode);
-            let mut ids = host.tokenizer.encode(prompt).unwrap();
-            ids.extend(&tokens);
-            let reference = common::reference_logits(&deq, &ids);
-            for row in rows.iter().filter(|r| r.verified && !r.dropped) {
-                let Some(p) = &row.prediction else { continue };
-                let logits = &reference[row.pass.index()][row.pos];
-                let mut order: Vec<usize> = (0..logits.len()).collect();
-                order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-                let top = logits[order[0]];
-                let behind = (top - logits[p.token.id as usize]) / top.abs().max(1.0);
-                worst_behind = worst_behind.max(behind);
-                let z: f32 = logits.iter().map(|l| (l - top).exp()).sum();
-                let want = (logits[p.token.id as usize] - top).exp() / z;
-                worst = worst.max((p.prob - want).abs());
-                compared += 1;
-            }
+        for gap in common::readout_gaps(&host, &deq) {
+            worst_behind = worst_behind.max(gap.behind);
+            worst = worst.max(gap.probability.abs());
+            compared += 1;
         }
     }
     assert!(worst <= probability_bound, "probabilities off by {worst}");

@@ -131,35 +131,18 @@ fn logits_equal_the_dequantized_models_up_to_summation_order() {
         };
         let host = LoadedModel::load_with(out.path(), &Device::Cpu, DType::F32, f32_kv).unwrap();
         let deq = LoadedModel::load_with(out.path(), &Device::Cpu, DType::F32, candle()).unwrap();
-        for prompt in common::PROMPTS.iter().take(4) {
-            let decode = DecodeOptions {
-                max_tokens: 12,
-                context: 128,
-                sampling: Sampling::GREEDY,
-                exit_threshold: None,
-            };
-            let (rows, tokens) = common::decoded_rows(&host, PolicyKind::Baseline, prompt, decode);
-            let mut ids = host.tokenizer.encode(prompt).unwrap();
-            ids.extend(&tokens);
-            let reference = common::reference_logits(&deq, &ids);
-            for row in rows.iter().filter(|r| r.verified && !r.dropped) {
-                let Some(p) = &row.prediction else { continue };
-                let logits = &reference[row.pass.index()][row.pos];
-                let top = logits.iter().copied().fold(f32::MIN, f32::max);
-                let behind = (top - logits[p.token.id as usize]) / top.abs().max(1.0);
-                assert!(
-                    behind <= 1e-5,
-                    "{variant:?} {k:?}: {behind} behind the best"
-                );
-                let z: f32 = logits.iter().map(|l| (l - top).exp()).sum();
-                let want = (logits[p.token.id as usize] - top).exp() / z;
-                assert!(
-                    (p.prob - want).abs() <= 1e-4,
-                    "{variant:?}: {} vs {want}",
-                    p.prob
-                );
-                compared += 1;
-            }
+        for gap in common::readout_gaps(&host, &deq) {
+            assert!(
+                gap.behind <= 1e-5,
+                "{variant:?} {k:?}: {} behind the best",
+                gap.behind
+            );
+            assert!(
+                gap.probability.abs() <= 1e-4,
+                "{variant:?}: probability off by {}",
+                gap.probability
+            );
+            compared += 1;
         }
     }
     assert!(compared >= 100, "{compared} readouts compared");

@@ -219,6 +219,47 @@ pub fn decoded_rows(
     }
 }
 
+/// One baseline readout against the reference forward's logits: how far its token's logit lies
+/// behind the largest (relative to it), and its probability less the reference's.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadoutGap {
+    /// `(top − logit) / max(|top|, 1)`.
+    pub behind: f32,
+    /// The readout's probability less the reference's softmax probability of its token.
+    pub probability: f32,
+}
+
+/// Every verified readout of `host`'s greedy baseline over the first four prompts (12 tokens
+/// each) against `reference`'s full-sequence logits (`reference_logits`): the quantized
+/// kernels' results beside a dequantize-to-f32 model of the same file.
+pub fn readout_gaps(host: &LoadedModel, reference: &LoadedModel) -> Vec<ReadoutGap> {
+    let decode = DecodeOptions {
+        max_tokens: 12,
+        context: 128,
+        sampling: spex::engine::Sampling::GREEDY,
+        exit_threshold: None,
+    };
+    let mut gaps = Vec::new();
+    for prompt in PROMPTS.iter().take(4) {
+        let (rows, tokens) = decoded_rows(host, PolicyKind::Baseline, prompt, decode);
+        let mut ids = host.tokenizer.encode(prompt).expect("encode");
+        ids.extend(&tokens);
+        let logits_by_pass = reference_logits(reference, &ids);
+        for row in rows.iter().filter(|r| r.verified && !r.dropped) {
+            let Some(p) = &row.prediction else { continue };
+            let logits = &logits_by_pass[row.pass.index()][row.pos];
+            let top = logits.iter().copied().fold(f32::MIN, f32::max);
+            let logit = logits[p.token.id as usize];
+            let z: f32 = logits.iter().map(|l| (l - top).exp()).sum();
+            gaps.push(ReadoutGap {
+                behind: (top - logit) / top.abs().max(1.0),
+                probability: p.prob - (logit - top).exp() / z,
+            });
+        }
+    }
+    gaps
+}
+
 /// A small spec with the given shape.
 pub fn spec(layers: usize, passes: usize, variant: Variant, seed: u64) -> RandomSpec {
     let (tied, kv_heads) = match variant {

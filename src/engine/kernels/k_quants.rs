@@ -478,10 +478,6 @@ impl KRowsView<'_> {
     }
 }
 
-/// Weight-row runs of about this many bytes are multiplied by every block of rows before the
-/// next run, so a run read once from memory serves the later blocks from L1 and L2.
-const RUN_BYTES: usize = 32 << 10;
-
 /// `out[j·to.col + r·to.row]` = activation row `r` of `x` · weight row `j` of `w`: in runs of
 /// weight groups, each run times every block of up to `row_block` rows; the tail rows by the
 /// portable loops.
@@ -493,26 +489,18 @@ pub(super) fn product<K: super::k_quants_simd::Groups>(
     out: SharedOut<'_>,
     to: OutLayout,
 ) {
-    let (b, rows) = (w.blocks, x.len());
-    let group_bytes = b * std::mem::size_of::<K::Group>();
-    let run_groups = (RUN_BYTES / group_bytes.max(1)).max(1);
-    let groups = w.groups.len() / b.max(1);
+    let rows = x.len();
     let most = super::k_quants_simd::row_block(isa);
-    for start in (0..groups).step_by(run_groups) {
-        let end = (start + run_groups).min(groups);
-        let run = &w.groups[start * b..end * b];
-        for first in (0..rows).step_by(most) {
-            let xs = x.rows(first..(first + most).min(rows));
-            let at = out.from(start * GROUP_ROWS * to.col);
-            K::groups(isa, plan, xs, run, at, to, first);
-        }
-    }
+    w.runs_by_rows(rows, most, |start, run, range| {
+        let at = out.from(start * GROUP_ROWS * to.col);
+        K::groups(isa, plan, x.rows(range.clone()), run, at, to, range.start);
+    });
     let tail = KMatrix::<K> {
         groups: &[],
         tail: w.tail,
-        blocks: b,
+        blocks: w.blocks,
     };
-    let tail_out = out.from(groups * GROUP_ROWS * to.col);
+    let tail_out = out.from(w.grouped_rows() * to.col);
     portable(x.rows(0..rows), tail, tail_out, to, 0);
 }
 

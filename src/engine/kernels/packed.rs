@@ -25,6 +25,9 @@ pub trait Interleave: Copy + std::fmt::Debug + 'static {
     fn pack(rows: &[Self::Block; GROUP_ROWS]) -> Self::Group;
 }
 
+/// Weight-row runs of about this many bytes ([`Packed::runs_by_rows`]).
+const RUN_BYTES: usize = 32 << 10;
+
 /// A matrix of `K` blocks in the kernels' layout (module docs).
 #[derive(Debug, Clone, Copy)]
 pub struct Packed<'a, K: Interleave> {
@@ -85,6 +88,26 @@ impl<'a, K: Interleave> Packed<'a, K> {
             groups: &self.groups[group_start / g * b..group_end / g * b],
             tail: &self.tail[tail_start * b..tail_end * b],
             blocks: b,
+        }
+    }
+
+    /// Its whole groups in runs of about [`RUN_BYTES`], each run with every block of up to
+    /// `most` of `rows` activation rows in turn: `each(first group of the run, the run, rows)`.
+    /// Why: a run read once from memory serves the later blocks of rows from L1 and L2.
+    pub(super) fn runs_by_rows(
+        self,
+        rows: usize,
+        most: usize,
+        mut each: impl FnMut(usize, &'a [K::Group], std::ops::Range<usize>),
+    ) {
+        let b = self.blocks.max(1);
+        let run_groups = (RUN_BYTES / (b * std::mem::size_of::<K::Group>()).max(1)).max(1);
+        let groups = self.groups.len() / b;
+        for start in (0..groups).step_by(run_groups) {
+            let run = &self.groups[start * b..(start + run_groups).min(groups) * b];
+            for first in (0..rows).step_by(most.max(1)) {
+                each(start, run, first..(first + most).min(rows));
+            }
         }
     }
 

@@ -227,9 +227,6 @@ pub(super) trait Groups32: Blocks32<Group: SimdGroup> {
     );
 }
 
-/// Weight-row runs of about this many bytes are multiplied by every block of rows before the
-/// next run, so a run read once from memory serves the later blocks from L1 and L2.
-const RUN_BYTES: usize = 32 << 10;
 /// Rows a kernel call takes at most: their accumulators and the group's 8 weight vectors stay
 /// in registers (AVX2's 16 also hold the weights' magnitudes; AVX-512's 32 take a `dual`
 /// step's 5 rows and a sixth in one block).
@@ -292,21 +289,12 @@ pub(super) fn product<K: Groups32>(
     out: SharedOut<'_>,
     to: OutLayout,
 ) {
-    let (b, rows) = (w.blocks, x.len());
-    let group_bytes = b * std::mem::size_of::<K::Group>();
-    let run_groups = (RUN_BYTES / group_bytes.max(1)).max(1);
-    let groups = w.groups.len() / b.max(1);
-    for start in (0..groups).step_by(run_groups) {
-        let end = (start + run_groups).min(groups);
-        let run = &w.groups[start * b..end * b];
-        let most = row_block(isa);
-        for first in (0..rows).step_by(most) {
-            let xs = x.rows(first..(first + most).min(rows));
-            let at = out.from(start * GROUP_ROWS * to.col);
-            groups_dispatch::<K>(isa, plan, xs, run, at, to, first);
-        }
-    }
-    let tail_out = out.from(groups * GROUP_ROWS * to.col);
+    let rows = x.len();
+    w.runs_by_rows(rows, row_block(isa), |start, run, range| {
+        let at = out.from(start * GROUP_ROWS * to.col);
+        groups_dispatch::<K>(isa, plan, x.rows(range.clone()), run, at, to, range.start);
+    });
+    let tail_out = out.from(w.grouped_rows() * to.col);
     portable_rows::<K>(x.rows(0..rows), w.tail, tail_out, to);
 }
 
