@@ -67,6 +67,15 @@ fn second_candidate(loaded: &LoadedModel, ids: &[u32], pos: usize) -> (u32, Vec<
     (alt[pos], reference_logits(loaded, &alt)[0][pos].clone())
 }
 
+/// Whether position `pos` gets a second candidate beside its pass-1 row: the first position
+/// after the prompt's first, every sixth, and the three about the cache's tile boundary (64).
+/// Each costs a reference forward over the positions before it, so a second at every
+/// position made the test quadratic in the sequence (five minutes of the aarch64 CI under
+/// qemu); a second's rows are the same code at any position.
+fn has_second(pos: usize) -> bool {
+    pos > 0 && (pos % 6 == 1 || (63..=65).contains(&pos))
+}
+
 /// The rows of step `step` of the staggered pattern: (position, pass index, second).
 fn step_members(step: usize, positions: usize, passes: usize) -> Vec<(usize, usize, bool)> {
     (0..passes)
@@ -76,7 +85,7 @@ fn step_members(step: usize, positions: usize, passes: usize) -> Vec<(usize, usi
                 .map(|p| (p, r))
         })
         .flat_map(|(p, r)| {
-            let second = (r == 0 && p > 0).then_some((p, r, true));
+            let second = (r == 0 && has_second(p)).then_some((p, r, true));
             std::iter::once((p, r, false)).chain(second)
         })
         .collect()
@@ -132,9 +141,10 @@ fn check_pipelined_steps_on<B: StepBackend>(
     let ids = tile_crossing_ids(loaded);
     let reference = reference_logits(loaded, &ids);
     let passes = loaded.model().passes();
-    let seconds: Vec<(u32, Vec<f32>)> = (1..ids.len())
-        .map(|pos| second_candidate(loaded, &ids, pos))
+    let seconds: Vec<Option<(u32, Vec<f32>)>> = (0..ids.len())
+        .map(|pos| has_second(pos).then(|| second_candidate(loaded, &ids, pos)))
         .collect();
+    let second_at = |pos: usize| seconds[pos].as_ref().expect("a second at this position");
     let capacity = ids.len() + 5;
     let mut cache = KvCache::new(backend.new_store(capacity).unwrap(), passes, capacity);
     let mut hidden: Vec<Option<RowInput<B::Hidden>>> =
@@ -150,7 +160,7 @@ fn check_pipelined_steps_on<B: StepBackend>(
             .map(|&(pos, pass, second)| StepRow {
                 slot: slot(pos, pass, passes, second),
                 input: match second {
-                    true => RowInput::Token(seconds[pos - 1].0),
+                    true => RowInput::Token(second_at(pos).0),
                     false => hidden[pos].take().unwrap(),
                 },
             })
@@ -158,7 +168,7 @@ fn check_pipelined_steps_on<B: StepBackend>(
         let out = spex::engine::model::step(backend, rows, &mut cache).unwrap();
         for ((&(pos, pass, second), h), logits) in members.iter().zip(out.hidden).zip(out.logits) {
             let want = match second {
-                true => &seconds[pos - 1].1,
+                true => &second_at(pos).1,
                 false => &reference[pass][pos],
             };
             // Readouts may come from the f16 head, within its bound (at pass R only the logits
