@@ -21,6 +21,10 @@ use crate::harness::race::{RaceControl, RaceEvent};
 pub const TEMPERATURES: [f32; 8] = [0.0, 0.3, 0.5, 0.7, 0.8, 1.0, 1.2, 1.5];
 /// Points of the speedup sparkline.
 const MAX_HISTORY: usize = 400;
+/// Presenter mode's place in [`RATES`]: 2 steps per second, the pace for a talk.
+const PRESENTER_RATE: usize = 1;
+const _: () = assert!(matches!(RATES[PRESENTER_RATE], Some(r) if r == 2.0));
+
 /// Selectable SPEED steps per second; `None` is flat out.
 pub const RATES: [Option<f64>; 9] = [
     Some(1.0),
@@ -208,10 +212,7 @@ impl App {
     /// Presenter mode on, at the pace for a talk: 2 steps per second.
     pub fn presenting(mut self) -> Self {
         self.present = true;
-        self.rate_index = RATES
-            .iter()
-            .position(|&r| r == Some(2.0))
-            .expect("2 steps/s is a rate: this is a bug");
+        self.rate_index = PRESENTER_RATE;
         self
     }
 

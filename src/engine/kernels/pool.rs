@@ -98,6 +98,19 @@ impl Pool {
     /// A pool of `threads` threads in all: the caller and `threads − 1` workers; an error if
     /// the system cannot start them.
     pub fn new(threads: usize) -> std::io::Result<Self> {
+        let mut pool = Self::serial();
+        for part in 1..threads.max(1) {
+            let shared = pool.shared.clone();
+            let worker = std::thread::Builder::new()
+                .name(format!("spex-step-{part}"))
+                .spawn(move || work(&shared, part))?;
+            pool.workers.push(worker);
+        }
+        Ok(pool)
+    }
+
+    /// A pool of the caller alone: no thread to start.
+    pub fn serial() -> Self {
         let shared = Arc::new(Shared {
             mailbox: Padded(Mailbox::default()),
             done: Padded(AtomicUsize::new(0)),
@@ -107,19 +120,11 @@ impl Pool {
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
         });
-        let mut pool = Self {
+        Self {
             shared,
             workers: Vec::new(),
             busy: Mutex::new(()),
-        };
-        for part in 1..threads.max(1) {
-            let shared = pool.shared.clone();
-            let worker = std::thread::Builder::new()
-                .name(format!("spex-step-{part}"))
-                .spawn(move || work(&shared, part))?;
-            pool.workers.push(worker);
         }
-        Ok(pool)
     }
 
     /// Threads a job is split over, the caller's included.

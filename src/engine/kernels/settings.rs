@@ -65,7 +65,13 @@ impl Kernels {
 
     /// The CPU's best ISA and the default plan, on the calling thread alone (tests, tools).
     pub fn single_threaded() -> Self {
-        Self::new(KernelOptions::default()).expect("the detected ISA on one thread: this is a bug")
+        Self {
+            tuning: Tuning {
+                isa: detected_isa(),
+                prefetch: Prefetch::L1,
+            },
+            pool: Arc::new(pool::Pool::serial()),
+        }
     }
 
     /// The same kernels and threads with another prefetch plan.

@@ -270,18 +270,14 @@ impl HostBackend {
         let products = (views.iter())
             .map(HostView::weight)
             .collect::<Result<Vec<_>>>()?;
-        let mut outs: Vec<Vec<f32>> = (products.iter())
-            .map(|w| host_buffers::take(x.rows * (w.len() / inner)))
-            .collect();
+        let mut outs: [Vec<f32>; N] =
+            std::array::from_fn(|i| host_buffers::take(x.rows * (products[i].len() / inner)));
         let mut pairs: Vec<(Weight<'_>, &mut [f32])> = (products.into_iter())
             .zip(outs.iter_mut().map(Vec::as_mut_slice))
             .collect();
         self.kernels.matmuls_t(&x.data, x.rows, inner, &mut pairs);
-        let mut outs = outs.into_iter();
-        Ok(std::array::from_fn(|_| HostRows {
-            data: outs.next().expect("one output per weight: this is a bug"),
-            rows: x.rows,
-        }))
+        drop(pairs);
+        Ok(outs.map(|data| HostRows { data, rows: x.rows }))
     }
 
     /// The attention of every row (each first candidate's K/V already in the cache, each

@@ -53,15 +53,19 @@ impl RowSpan {
 
 /// The rows' spans as the op's `[rows, 3]` u32 metadata, uploaded once per step.
 pub fn spans_tensor(spans: &[RowSpan], device: &candle_core::Device) -> Result<Tensor> {
-    let to_u32 = |x: usize| u32::try_from(x).expect("cache rows fit in u32: this is a bug");
+    let to_u32 = |x: usize| {
+        u32::try_from(x)
+            .map_err(|_| op_error("decode attention", format!("cache row {x} past u32")))
+    };
     let flat: Vec<u32> = (spans.iter())
         .flat_map(|s| {
-            [s.start, s.len]
-                .map(to_u32)
-                .into_iter()
-                .chain([s.extra.map_or(NO_EXTRA, to_u32)])
+            [
+                to_u32(s.start),
+                to_u32(s.len),
+                s.extra.map_or(Ok(NO_EXTRA), to_u32),
+            ]
         })
-        .collect();
+        .collect::<candle_core::Result<_>>()?;
     Ok(Tensor::from_vec(flat, (spans.len(), 3), device)?)
 }
 
