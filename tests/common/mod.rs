@@ -143,7 +143,8 @@ pub fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>>
 }
 
 /// A random checkpoint whose matrices' rows are whole blocks of `file_type`, and its GGUF (in another
-/// folder: no tokenizer.json beside it).
+/// folder: no tokenizer.json beside it): rows of whole K-quant super-blocks but for Q8_0, so
+/// that Q4_0's LM head is Q6_K, as llama.cpp writes it.
 pub fn quantized_pair(
     variant: Variant,
     layers: usize,
@@ -151,9 +152,22 @@ pub fn quantized_pair(
     seed: u64,
     file_type: spex::engine::gguf::write::FileType,
 ) -> (TempDir, TempDir, std::path::PathBuf) {
-    let mut spec = spec(layers, passes, variant, seed);
-    // Rows of whole blocks: 32 weights for Q8_0, 256 for the K-quants (Q4_0's head is Q6_K).
     let wide = file_type != spex::engine::gguf::write::FileType::Q8_0;
+    quantized_pair_with(variant, layers, passes, seed, file_type, wide)
+}
+
+/// [`quantized_pair`] with rows of whole K-quant super-blocks (256 wide) where `wide`, else 64
+/// wide: the narrow shape holds a twentieth of the MLP's weights, and there a Q4_0 file's LM
+/// head falls back to Q8_0.
+pub fn quantized_pair_with(
+    variant: Variant,
+    layers: usize,
+    passes: usize,
+    seed: u64,
+    file_type: spex::engine::gguf::write::FileType,
+    wide: bool,
+) -> (TempDir, TempDir, std::path::PathBuf) {
+    let mut spec = spec(layers, passes, variant, seed);
     (
         spec.shape.hidden,
         spec.shape.head_dim,
