@@ -1,5 +1,5 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--kv-cache f16|f32] [--prefetch l1|l2] [--only shipped|kernels|rows --rows N|attention|stream|quantized|roofline]`:
+//! [--kv-cache f16|f32] [--prefetch l1|l2] [--only shipped|kernels|rows --rows N|attention|stream|quantized --layers N|roofline]`:
 //! step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
@@ -189,10 +189,11 @@ fn stream_table(kernels: &Kernels) {
     }
 }
 
-/// `--only quantized`: one layer's projections at Ouro-1.4B's shape (2048 wide, MLP 5632),
-/// eight layers of them (400 MB of bf16, more than any L3), in bf16, Q8_0, Q4_K and Q6_K, by
-/// rows: the cost of a step's extra rows where the weights stream from DRAM.
-fn quantized_table(kernels: &Kernels) {
+/// `--only quantized [--layers N]`: one layer's projections at Ouro-1.4B's shape (2048 wide,
+/// MLP 5632), eight layers of them (400 MB of bf16, more than any L3) or `N`, in bf16, Q8_0,
+/// Q4_K and Q6_K, by rows: the cost of a step's extra rows where the weights stream from
+/// DRAM, or with one layer (29 MB of Q4_K) the kernels' arithmetic where they stay in cache.
+fn quantized_table(kernels: &Kernels, layers: usize) {
     use spex::engine::kernels::{BlockQ8_0, Packed, QK8_0, QuantKind, Weight, repack};
     let shapes = [
         (2048, 2048),
@@ -206,7 +207,7 @@ fn quantized_table(kernels: &Kernels) {
     let mut dense = Vec::new();
     let mut q8 = Vec::new();
     let mut k_quants: [Vec<(Vec<u8>, usize)>; 2] = [Vec::new(), Vec::new()];
-    for layer in 0..8 {
+    for layer in 0..layers {
         for (m, &(outs, inner)) in shapes.iter().enumerate() {
             let w: Vec<f32> = (0..outs * inner)
                 .map(|i| (((i + m + layer) * 7919) % 1000) as f32 / 1000.0 - 0.5)
@@ -369,7 +370,10 @@ fn main() {
         Some("rows") => return profile_rows(options),
         Some("attention") => return attention_table(&kernels),
         Some("stream") => return stream_table(&kernels),
-        Some("quantized") => return quantized_table(&kernels),
+        Some("quantized") => {
+            let layers = arg_value("--layers").map_or(8, |n| n.parse().expect("--layers N"));
+            return quantized_table(&kernels, layers);
+        }
         Some("roofline") => return roofline::table(options),
         _ => {}
     }
