@@ -245,3 +245,34 @@ fn a_quantized_file_generates_and_bad_ones_are_one_line() {
         "already a GGUF file",
     );
 }
+
+/// The bench header names a GGUF file's block types and the integer products they take:
+/// `--isa portable` takes the portable loops on any CPU.
+#[test]
+fn bench_names_the_block_types_and_their_integer_products() {
+    let (_dir, out, file) = quantized_pair(Variant::Tied, 1, 2, 3, FileType::Q8_0);
+    let prompts = out.path().join("prompts.txt");
+    std::fs::write(&prompts, "To be, or not to be\n").unwrap();
+    let (file, prompts) = (file.display().to_string(), prompts.display().to_string());
+    let args = [
+        "bench",
+        "--model",
+        &file,
+        "--max-tokens",
+        "2",
+        "--runs",
+        "1",
+    ];
+    let args = [&args[..], &["--prompts", &prompts, "--isa", "portable"]].concat();
+    let table = common::spex_ok(&args, &[], std::path::Path::new("."));
+    let table = String::from_utf8(table).unwrap();
+    assert!(
+        table.contains("Q8_0 weights (portable integer products)"),
+        "{table}"
+    );
+    let json = [&args[..], &["--json"]].concat();
+    let report = common::spex_ok(&json, &[], std::path::Path::new("."));
+    let report: serde_json::Value = serde_json::from_slice(&report).unwrap();
+    assert_eq!(report["weight_type"], "Q8_0");
+    assert_eq!(report["integer_products"], "portable");
+}

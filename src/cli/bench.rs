@@ -47,10 +47,12 @@ fn backend_note(loaded: &crate::engine::LoadedModel) -> String {
     let info = loaded.backend.info();
     match info.host {
         Some(host) => format!(
-            "kernels {:?} on {} thread(s), {} weights",
+            "kernels {:?} on {} thread(s), {} weights{}",
             host.isa,
             host.threads,
-            loaded.model().weight_type()
+            loaded.model().weight_type(),
+            host.integer_products
+                .map_or(String::new(), |p| format!(" ({p} integer products)"))
         ),
         None => format!(
             "candle ops in {dtype}, each decode step padded to {} rows",
@@ -327,6 +329,8 @@ fn json_report(
         "backend": info.name,
         "step_rows": info.step_rows,
         "kernel_isa": host.map(|h| format!("{:?}", h.isa)),
+        "weight_type": session.loaded.model().weight_type(),
+        "integer_products": host.and_then(|h| h.integer_products),
         "threads": host.map(|h| h.threads),
         "prefetch": host.and_then(|h| h.prefetch.as_ref()).map(|c| c.plan().name()),
         "cpu": cpu_model(),

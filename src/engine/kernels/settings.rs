@@ -100,6 +100,20 @@ impl Kernels {
         self.tuning.isa
     }
 
+    /// The integer dot products GGUF's quantized matrices take on this ISA and CPU, as the
+    /// headers name them: `VNNI`, `AVX2`, `NEON sdot` or `portable`.
+    pub fn integer_products(&self) -> &'static str {
+        match super::q8_0::Q8Isa::for_isa(self.tuning.isa) {
+            super::q8_0::Q8Isa::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            super::q8_0::Q8Isa::Avx2 => "AVX2",
+            #[cfg(target_arch = "x86_64")]
+            super::q8_0::Q8Isa::Avx512Vnni => "VNNI",
+            #[cfg(target_arch = "aarch64")]
+            super::q8_0::Q8Isa::NeonDot => "NEON sdot",
+        }
+    }
+
     /// The prefetch plan they run.
     pub fn prefetch(&self) -> Prefetch {
         self.tuning.prefetch

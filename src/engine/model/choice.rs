@@ -10,7 +10,7 @@ use candle_core::{DType, Device};
 use super::device::DeviceBackend;
 use super::host::{HOST_DTYPES, HostBackend};
 use super::timing::{self, StepTimes};
-use super::{KvDtype, LoadOptions, LoopedModel, Weights};
+use super::{BlockKind, KvDtype, LoadOptions, LoopedModel, Weights};
 use crate::engine::error::Result;
 use crate::engine::kernels::{Isa, Kernels, Matrix, prefetch};
 use crate::engine::looped::LoopedConfig;
@@ -116,6 +116,9 @@ impl Backend {
                     threads: b.kernels().pool().threads(),
                     kv_dtype: b.options().kv_dtype,
                     prefetch: b.prefetch_choice().cloned(),
+                    integer_products: (self.model().block_kinds().iter())
+                        .any(|k| matches!(k, BlockKind::Gguf(_)))
+                        .then(|| b.kernels().integer_products()),
                 }),
                 step_rows: None,
                 accelerator: None,
@@ -175,4 +178,7 @@ pub struct HostInfo {
     pub kv_dtype: KvDtype,
     /// The prefetch plan and, where it was timed, each candidate's steps.
     pub prefetch: Option<prefetch::Choice>,
+    /// The integer dot products of GGUF's quantized matrices (`Kernels::integer_products`),
+    /// where the model holds any.
+    pub integer_products: Option<&'static str>,
 }

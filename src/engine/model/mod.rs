@@ -445,10 +445,9 @@ impl LoopedModel {
         self.config.passes
     }
 
-    /// The type its layers' matrices are stored in, as the headers name it: the block types
-    /// of quantized matrices (`gguf`), joined by `+` where a file mixes them (`Q4_K+Q6_K`, a
-    /// Q4_K_M file), else the element type (`bf16`).
-    pub fn weight_type(&self) -> String {
+    /// The block types of its layers' quantized matrices, in order, each once (none where
+    /// every matrix is dense).
+    pub fn block_kinds(&self) -> Vec<BlockKind> {
         let mut kinds: Vec<BlockKind> = Vec::new();
         for layer in &self.weights.layers {
             for t in crate::engine::format::LayerTensor::ALL {
@@ -460,6 +459,14 @@ impl LoopedModel {
             }
         }
         kinds.sort();
+        kinds
+    }
+
+    /// The type its layers' matrices are stored in, as the headers name it: the block types
+    /// of quantized matrices (`gguf`), joined by `+` where a file mixes them (`Q4_K+Q6_K`, a
+    /// Q4_K_M file), else the element type (`bf16`).
+    pub fn weight_type(&self) -> String {
+        let kinds = self.block_kinds();
         if !kinds.is_empty() {
             return kinds.iter().map(|k| k.name()).collect::<Vec<_>>().join("+");
         }
