@@ -7,7 +7,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use super::k_quants::{KRows, Q4K, Q6K, QK_K, decoded, product};
 use super::packed::{Interleave, Packed, repack};
 use super::q8_0::Q8Isa;
-use super::tests::{lcg, supported_isas, with_threads};
+use super::tests::{assert_within_activation_rounding, lcg, supported_isas, with_threads};
 use super::*;
 
 /// `outs × inner` random weights quantized to `dtype` by candle (GGUF's bytes), and the same
@@ -174,35 +174,8 @@ fn within_rounding<K: k_quants_simd::Groups>(dtype: GgmlDType) {
         inner,
         view::<K>(&bytes, outs, inner),
     );
-    for r in 0..3 {
-        let xr = &x[r * inner..(r + 1) * inner];
-        for j in 0..outs {
-            let wr = &wide[j * inner..(j + 1) * inner];
-            let exact: f64 = xr
-                .iter()
-                .zip(wr)
-                .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                .sum();
-            // Each activation is off by at most half its super-block's step max|x| / 127; the
-            // float steps add a relative 1e-5 of Σ|x·w| at most.
-            let bound: f64 = (xr.chunks_exact(QK_K).zip(wr.chunks_exact(QK_K)))
-                .map(|(xb, wb)| {
-                    let d = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
-                    f64::from(d / 2.0 * wb.iter().map(|v| v.abs()).sum::<f32>())
-                })
-                .sum::<f64>()
-                + 1e-5
-                    * xr.iter()
-                        .zip(wr)
-                        .map(|(a, b)| f64::from((a * b).abs()))
-                        .sum::<f64>();
-            let err = (f64::from(got[r * outs + j]) - exact).abs();
-            assert!(
-                err <= bound,
-                "{dtype:?} row {r} col {j}: error {err} over bound {bound}"
-            );
-        }
-    }
+    let label = format!("{dtype:?}");
+    assert_within_activation_rounding(&x, &wide, &got, inner, QK_K, &label);
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use super::q4_0::{BlockQ4_0, KindQ4_0};
 use super::q8_0::{BlockQ8_0, Groups32, KindQ8_0, Q8Isa, QK8_0, QuantizedRows, product};
-use super::tests::{lcg, supported_isas, with_threads};
+use super::tests::{assert_within_activation_rounding, lcg, supported_isas, with_threads};
 use super::*;
 
 /// A block type of 32 weights as the tests make and widen it.
@@ -125,36 +125,8 @@ fn within_rounding<K: Kind>() {
     let (w, wide) = q8_matrix::<K>(outs, inner, &mut seed);
     let x: Vec<f32> = (0..3 * inner).map(|_| 2.0 * lcg(&mut seed)).collect();
     let got = run::<K>(Q8Isa::for_isa(detected_isa()), &x, 3, inner, &w);
-    for r in 0..3 {
-        let xr = &x[r * inner..(r + 1) * inner];
-        for j in 0..outs {
-            let wr = &wide[j * inner..(j + 1) * inner];
-            let exact: f64 = xr
-                .iter()
-                .zip(wr)
-                .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                .sum();
-            // Each activation is off by at most half its block's step d = max|x| / 127; the
-            // f32 sums add a relative 1e-5 of Σ|x·w| at most.
-            let bound: f64 = (xr.chunks_exact(QK8_0).zip(wr.chunks_exact(QK8_0)))
-                .map(|(xb, wb)| {
-                    let d = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
-                    let abs_w: f32 = wb.iter().map(|v| v.abs()).sum();
-                    f64::from(d / 2.0 * abs_w)
-                })
-                .sum::<f64>()
-                + 1e-5
-                    * xr.iter()
-                        .zip(wr)
-                        .map(|(a, b)| f64::from((a * b).abs()))
-                        .sum::<f64>();
-            let err = (f64::from(got[r * outs + j]) - exact).abs();
-            assert!(
-                err <= bound,
-                "row {r} col {j}: error {err} over bound {bound}"
-            );
-        }
-    }
+    let label = std::any::type_name::<K>();
+    assert_within_activation_rounding(&x, &wide, &got, inner, QK8_0, label);
 }
 
 fn threads_serial<K: Kind>()

@@ -33,6 +33,43 @@ fn transposed(rows: usize) -> OutLayout {
     OutLayout { col: rows, row: 1 }
 }
 
+/// Asserts that `got` (rows × outs, row-major) lies within the activations' rounding of the
+/// f64 product of `x` (rows × inner) and `wide` (outs × inner, the weights dequantized), the
+/// activations quantized to 8 bits per `block` values: each is off by at most half its
+/// block's step max|x| / 127, and the float steps add a relative 1e-5 of Σ|x·w| at most.
+pub(super) fn assert_within_activation_rounding(
+    x: &[f32],
+    wide: &[f32],
+    got: &[f32],
+    inner: usize,
+    block: usize,
+    label: &str,
+) {
+    let outs = wide.len() / inner;
+    for (r, xr) in x.chunks_exact(inner).enumerate() {
+        for (j, wr) in wide.chunks_exact(inner).enumerate() {
+            let products = || {
+                xr.iter()
+                    .zip(wr)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            };
+            let exact: f64 = products().sum();
+            let bound: f64 = (xr.chunks_exact(block).zip(wr.chunks_exact(block)))
+                .map(|(xb, wb)| {
+                    let d = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                    f64::from(d / 2.0 * wb.iter().map(|v| v.abs()).sum::<f32>())
+                })
+                .sum::<f64>()
+                + 1e-5 * products().map(f64::abs).sum::<f64>();
+            let err = (f64::from(got[r * outs + j]) - exact).abs();
+            assert!(
+                err <= bound,
+                "{label} row {r} col {j}: error {err} over bound {bound}"
+            );
+        }
+    }
+}
+
 /// The instruction sets this CPU can run, the detected one last.
 pub(super) fn supported_isas() -> Vec<Isa> {
     let mut isas = vec![Isa::Portable];
