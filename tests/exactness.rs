@@ -265,8 +265,8 @@ fn every_shape_quantized(suite: Suite, file_type: FileType) -> Tally {
     let prompts = &exactness_prompts(6)[..];
     for (variant, layers, passes) in stored_shapes() {
         let seed = (layers * 10 + passes) as u64;
-        // Q4_0 on narrow rows: its blocks are Q8_0's size, and its Q6_K head is Q4_K_M's
-        // (the wide shape made this suite take 8 minutes of the aarch64 CI under qemu).
+        // Q4_0 on narrow rows (a twentieth of the wide shape's MLP): its blocks are Q8_0's
+        // size, and the Q6_K head the wide shape would give it is the Q4_K_M suite's.
         let wide = file_type == FileType::Q4KM;
         let (_dir, _out, file) =
             common::quantized_pair_with(variant, layers, passes, seed, file_type, wide);

@@ -70,8 +70,8 @@ fn second_candidate(loaded: &LoadedModel, ids: &[u32], pos: usize) -> (u32, Vec<
 /// Whether position `pos` gets a second candidate beside its pass-1 row: the first position
 /// after the prompt's first, every sixth, and the three about the cache's tile boundary (64).
 /// Each costs a reference forward over the positions before it, so a second at every
-/// position made the test quadratic in the sequence (five minutes of the aarch64 CI under
-/// qemu); a second's rows are the same code at any position.
+/// position would make the test quadratic in the sequence; a second's rows are the same code
+/// at any position.
 fn has_second(pos: usize) -> bool {
     pos > 0 && (pos % 6 == 1 || (63..=65).contains(&pos))
 }
