@@ -267,7 +267,7 @@ fn every_shape_quantized(suite: Suite, file_type: FileType) -> Tally {
         let seed = (layers * 10 + passes) as u64;
         // Q4_0 on narrow rows (a twentieth of the wide shape's MLP): its blocks are Q8_0's
         // size, and the Q6_K head the wide shape would give it is the Q4_K_M suite's.
-        let wide = file_type == FileType::Q4KM;
+        let wide = matches!(file_type, FileType::Q4KM | FileType::Q5KM);
         let (_dir, _out, file) =
             common::quantized_pair_with(variant, layers, passes, seed, file_type, wide);
         let loaded = LoadedModel::load_gguf(
@@ -283,7 +283,9 @@ fn every_shape_quantized(suite: Suite, file_type: FileType) -> Tally {
         let want = match file_type {
             FileType::Q8_0 => "Q8_0",
             FileType::Q4_0 => "Q4_0",
+            FileType::Q4KS => "Q4_K+Q5_K",
             FileType::Q4KM => "Q4_K+Q6_K",
+            FileType::Q5KM => "Q5_K+Q6_K",
         };
         assert_eq!(stored, want, "{file_type:?} K={layers}");
         let label = format!("{stored} {variant:?} K={layers} R={passes}");
@@ -331,6 +333,14 @@ fn speed_equals_baseline_on_every_shape_with_q8_0_weights() {
 #[test]
 fn speed_equals_baseline_on_every_shape_with_q4_k_m_weights() {
     let tally = every_shape_quantized(Suite::Pipelined, FileType::Q4KM);
+    let prompts = exactness_prompts(6).len();
+    assert!(tally.flips > 17 * prompts, "{} flips", tally.flips);
+}
+
+/// The pipelined policies on Q5_K_M weights (Q5_K and Q6_K matrices).
+#[test]
+fn speed_equals_baseline_on_every_shape_with_q5_k_m_weights() {
+    let tally = every_shape_quantized(Suite::Pipelined, FileType::Q5KM);
     let prompts = exactness_prompts(6).len();
     assert!(tally.flips > 17 * prompts, "{} flips", tally.flips);
 }

@@ -104,6 +104,22 @@ const BEHIND_Q4_K_M: f32 = 0.004;
 /// Twice the worst seen.
 const PROBABILITY_Q4_K_M: f32 = 0.21;
 
+/// The same for Q4_K_S and Q5_K_M, whose Q5_K matrices lie beside Q4_K or Q6_K ones.
+#[test]
+fn q4_k_s_and_q5_k_m_logits_lie_near_the_dequantized_models() {
+    quantized_logits_near(FileType::Q4KS, BEHIND_Q4_K_S, PROBABILITY_Q4_K_S);
+    quantized_logits_near(FileType::Q5KM, BEHIND_Q5_K_M, PROBABILITY_Q5_K_M);
+}
+
+/// Twice the worst seen, as for Q8_0.
+const BEHIND_Q4_K_S: f32 = 0.04;
+/// Twice the worst seen.
+const PROBABILITY_Q4_K_S: f32 = 0.35;
+/// Twice the worst seen, as for Q8_0.
+const BEHIND_Q5_K_M: f32 = 0.03;
+/// Twice the worst seen.
+const PROBABILITY_Q5_K_M: f32 = 0.19;
+
 fn quantized_logits_near(file_type: FileType, behind_bound: f32, probability_bound: f32) {
     use spex::engine::model::KvDtype;
     let (mut compared, mut worst, mut worst_behind) = (0, 0f32, 0f32);
@@ -238,7 +254,7 @@ fn a_quantized_file_generates_and_bad_ones_are_one_line() {
     let f = file.display().to_string();
     common::assert_clean_error(
         &["quantize", "--type", "q5_k", "--out", "x.gguf"],
-        "is not a type spex writes (q8_0, q4_0, q4_k_m, mlx-4bit, mlx-8bit;",
+        "is not a type spex writes (q8_0, q4_0, q4_k_s, q4_k_m, q5_k_m, mlx-4bit, mlx-8bit;",
     );
     common::assert_clean_error(
         &["quantize", "--model", &f, "--out", "/tmp/never.gguf"],

@@ -246,7 +246,7 @@ fn a_quantized_checkpoint_generates_and_bad_ones_are_one_line() {
     );
     common::assert_clean_error(
         &["quantize", "--type", "mlx-4bit-g48", "--out", "/tmp/never"],
-        "\"mlx-4bit-g48\" is not a type spex writes (q8_0, q4_0, q4_k_m, mlx-4bit, mlx-8bit; mlx types \
+        "\"mlx-4bit-g48\" is not a type spex writes (q8_0, q4_0, q4_k_s, q4_k_m, q5_k_m, mlx-4bit, mlx-8bit; mlx types \
          take -g32 or -g128",
     );
     // The other group sizes are written by name.

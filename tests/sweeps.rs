@@ -165,7 +165,7 @@ fn a_size_sweep_measures_quantized_weights_beside_bf16() {
     assert!(svg.contains("measured (q8_0)") && svg.contains("roofline bound (bf16)"));
     assert_clean_error(
         &["sweep", "sizes", "--dtype", "q5_k"],
-        "\"q5_k\" is not a type spex writes (q8_0, q4_0, q4_k_m, mlx-4bit, mlx-8bit;",
+        "\"q5_k\" is not a type spex writes (q8_0, q4_0, q4_k_s, q4_k_m, q5_k_m, mlx-4bit, mlx-8bit;",
     );
 }
 

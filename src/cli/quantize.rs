@@ -16,9 +16,10 @@ pub struct QuantizeArgs {
     /// hub repo (default: models.toml's default entry).
     #[arg(long)]
     pub model: Option<String>,
-    /// The matrices' type: q8_0, q4_0 (its LM head in Q6_K, as llama.cpp writes it) or q4_k_m
-    /// (llama.cpp's Q4_K/Q6_K mix), written as a GGUF file; or mlx-4bit or mlx-8bit (mlx's affine groups of 64; -g32 or -g128 after it for
-    /// other groups), written as a checkpoint directory.
+    /// The matrices' type: q8_0, q4_0 (its LM head in Q6_K, as llama.cpp writes it), q4_k_s,
+    /// q4_k_m or q5_k_m (llama.cpp's K-quant mixes), written as a GGUF file; or mlx-4bit or
+    /// mlx-8bit (mlx's affine groups of 64; -g32 or -g128 after it for other groups), written
+    /// as a checkpoint directory.
     #[arg(long = "type", default_value = "q8_0", value_parser = parse_target)]
     pub target: QuantizeTarget,
     /// The GGUF file, or the mlx checkpoint directory, to write.

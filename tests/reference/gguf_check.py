@@ -7,9 +7,11 @@ source tensor (its `attn_q`/`attn_k` rows permuted as llama.cpp's converter does
 dequantization lies within the block's rounding of the source. Vectors are F32 and equal.
 The types: Q8_0 everywhere in a Q8_0 file (`general.file_type` 7); in a Q4_0 file (2) Q4_0,
 the head Q6_K; in a Q4_K_M file (15) Q6_K for the head and for `attn_v` and `ffn_down` where
-`use_more_bits`, else Q4_K. gguf-py's dequantization of a K-quant lies within two steps of
-its sub-block's range of the source (a row in the wrong order, or a nibble in the wrong
-place, would be off by the whole range).
+`use_more_bits`, else Q4_K; in a Q5_K_M file (17) the same with Q5_K for Q4_K; in a Q4_K_S
+file (14) Q6_K for the head, Q5_K for the first four `attn_v` and the first eighth of the
+`ffn_down`, else Q4_K. gguf-py's dequantization of a K-quant lies within two steps of its
+sub-block's range of the source (a row in the wrong order, or a nibble or a fifth bit in the
+wrong place, would be off by the whole range or half of it).
 
 usage: python3 gguf_check.py CHECKPOINT_DIR FILE.gguf   (needs gguf, numpy, safetensors)
 """
@@ -52,23 +54,27 @@ def use_more_bits(i, n):
 
 
 def want_type(target, file_type, config, inner):
-    """llama.cpp's `llama_tensor_get_type` for LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_0 and _Q4_K_M: a row
-    of no whole block falls back to Q8_0, and of no whole Q8_0 block to F32."""
+    """llama.cpp's `llama_tensor_get_type` for LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_0, _Q4_K_S, _Q4_K_M
+    and _Q5_K_M: a row of no whole block falls back to Q8_0, and of no whole Q8_0 block to F32."""
     Q = GGMLQuantizationType
     tied = config.get("tie_word_embeddings", False)
     head = target == "output.weight" or (tied and target == "token_embd.weight")
     layers = config["num_hidden_layers"]
+    layer = int(target.split(".")[1]) if target.startswith("blk.") else None
+    v, down = target.endswith(".attn_v.weight"), target.endswith(".ffn_down.weight")
     if file_type == 7:
         kind = Q.Q8_0
     elif head:
         kind = Q.Q6_K
     elif file_type == 2:
         kind = Q.Q4_0
-    elif target.endswith((".attn_v.weight", ".ffn_down.weight")) and use_more_bits(int(target.split(".")[1]), layers):
+    elif file_type in (15, 17) and (v or down) and use_more_bits(layer, layers):
         kind = Q.Q6_K
+    elif file_type == 14 and ((v and layer < 4) or (down and layer < layers // 8)):
+        kind = Q.Q5_K
     else:
-        kind = Q.Q4_K
-    block = 256 if kind in (Q.Q4_K, Q.Q6_K) else 32
+        kind = Q.Q5_K if file_type == 17 else Q.Q4_K
+    block = 256 if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
     return kind if inner % block == 0 else Q.Q8_0 if inner % 32 == 0 else Q.F32
 
 
@@ -107,13 +113,13 @@ def main(checkpoint, path):
         if t.tensor_type == Q.F32:
             got = np.asarray(t.data).reshape(value.shape)
             assert np.array_equal(got, value), target
-        elif t.tensor_type in (Q.Q4_K, Q.Q6_K):
+        elif t.tensor_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
             got = dequantize(t.data, t.tensor_type).reshape(value.shape)
-            run = 32 if t.tensor_type == Q.Q4_K else 16
+            run = 16 if t.tensor_type == Q.Q6_K else 32
             v = value.reshape(-1, run)
             span = (v.max(1, keepdims=True) - np.minimum(v.min(1, keepdims=True), 0)) if run == 32 \
                 else np.abs(v).max(1, keepdims=True) * 2
-            step = span / (15 if run == 32 else 63)
+            step = span / {Q.Q4_K: 15, Q.Q5_K: 31, Q.Q6_K: 63}[t.tensor_type]
             err = np.abs(got - value).reshape(-1, run)
             assert (err <= 2 * step + 1e-30).all(), f"{target}: off by more than two steps"
         else:
@@ -130,7 +136,7 @@ def main(checkpoint, path):
             assert (err <= (rounding + levels / 2048) * step * 1.001 + 1e-30).all(), f"{target}: off by more than the block's rounding"
         checked += 1
     assert not tensors, f"tensors the checkpoint lacks: {sorted(tensors)}"
-    what = {15: "lie within two steps of", 2: "equal gguf-py's Q4_0 (the head: within two steps) of"}.get(file_type, "equal gguf-py's Q8_0 of")
+    what = {14: "lie within two steps of", 15: "lie within two steps of", 17: "lie within two steps of", 2: "equal gguf-py's Q4_0 (the head: within two steps) of"}.get(file_type, "equal gguf-py's Q8_0 of")
     print(f"{path}: {checked} tensors {what} {checkpoint}")
 
 

@@ -104,6 +104,7 @@ pub fn ggml_type(kind: QuantKind) -> GgmlDType {
         QuantKind::Q8_0 => GgmlDType::Q8_0,
         QuantKind::Q4_0 => GgmlDType::Q4_0,
         QuantKind::Q4K => GgmlDType::Q4K,
+        QuantKind::Q5K => GgmlDType::Q5K,
         QuantKind::Q6K => GgmlDType::Q6K,
     }
 }

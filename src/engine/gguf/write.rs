@@ -25,17 +25,24 @@ pub enum FileType {
     Q8_0,
     /// Every matrix in Q4_0 but the LM head, in Q6_K (as llama.cpp's quantizer writes it).
     Q4_0,
+    /// llama.cpp's Q4_K_S mix: Q4_K, with Q6_K for the LM head and Q5_K for the first four
+    /// `attn_v` and the first eighth of the `ffn_down` matrices.
+    Q4KS,
     /// llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the LM head and for `attn_v` and
     /// `ffn_down` in the first and last eighth of the layers and every third between.
     Q4KM,
+    /// llama.cpp's Q5_K_M mix: Q4_K_M's with Q5_K for Q4_K.
+    Q5KM,
 }
 
 impl FileType {
     /// Every file type, with its name as the CLI takes it.
-    pub const ALL: [(Self, &'static str); 3] = [
+    pub const ALL: [(Self, &'static str); 5] = [
         (Self::Q8_0, "q8_0"),
         (Self::Q4_0, "q4_0"),
+        (Self::Q4KS, "q4_k_s"),
         (Self::Q4KM, "q4_k_m"),
+        (Self::Q5KM, "q5_k_m"),
     ];
 
     /// Its name, as the CLI takes it.
@@ -45,36 +52,45 @@ impl FileType {
             .map_or("", |(_, name)| name)
     }
 
-    /// Its llama.cpp `general.file_type` (`LLAMA_FTYPE_MOSTLY_Q8_0` is 7, `_Q4_0` 2,
-    /// `_Q4_K_M` 15).
+    /// Its llama.cpp `general.file_type` (`LLAMA_FTYPE_MOSTLY_*`: `Q8_0` is 7, `Q4_0` 2,
+    /// `Q4_K_S` 14, `Q4_K_M` 15, `Q5_K_M` 17).
     fn code(self) -> u32 {
         match self {
             Self::Q8_0 => 7,
             Self::Q4_0 => 2,
+            Self::Q4KS => 14,
             Self::Q4KM => 15,
+            Self::Q5KM => 17,
         }
     }
 
     /// The block type of matrix `role` of a model of `layers` layers, as llama.cpp's
     /// `llama_tensor_get_type` picks it, where rows of `inner` weights take it. A row that
-    /// does not hold whole super-blocks takes Q8_0 (llama.cpp takes Q5_0 for Q4_K, which spex
-    /// does not read) and one that holds no whole Q8_0 block is F32 (`None`).
+    /// does not hold whole super-blocks takes Q8_0 (llama.cpp takes Q5_0 or Q5_1 for a
+    /// K-quant, which spex does not read) and one that holds no whole Q8_0 block is F32
+    /// (`None`).
     fn kind(self, role: MatrixRole, layers: usize, inner: usize) -> Option<QuantKind> {
         let more_bits = |i: usize| {
             i < layers / 8 || i >= 7 * layers / 8 || {
                 i >= layers / 8 && (i - layers / 8) % 3 == 2
             }
         };
+        use LayerTensor::{DownProj, VProj};
         let kind = match (self, role) {
             (Self::Q8_0, _) => QuantKind::Q8_0,
-            (Self::Q4_0 | Self::Q4KM, MatrixRole::Head) => QuantKind::Q6K,
+            (_, MatrixRole::Head) => QuantKind::Q6K,
             (Self::Q4_0, _) => QuantKind::Q4_0,
-            (Self::Q4KM, MatrixRole::Layer(layer, LayerTensor::VProj | LayerTensor::DownProj))
+            (Self::Q4KM | Self::Q5KM, MatrixRole::Layer(layer, VProj | DownProj))
                 if more_bits(layer) =>
             {
                 QuantKind::Q6K
             }
-            (Self::Q4KM, _) => QuantKind::Q4K,
+            (Self::Q4KS, MatrixRole::Layer(layer, VProj)) if layer < 4 => QuantKind::Q5K,
+            (Self::Q4KS, MatrixRole::Layer(layer, DownProj)) if layer < layers / 8 => {
+                QuantKind::Q5K
+            }
+            (Self::Q4KS | Self::Q4KM, _) => QuantKind::Q4K,
+            (Self::Q5KM, _) => QuantKind::Q5K,
         };
         if inner.is_multiple_of(kind.block_weights()) {
             Some(kind)
@@ -220,8 +236,8 @@ fn gguf_or(name: &str) -> candle_core::Result<String> {
 
 /// One tensor as the file stores it: a matrix quantized (rows permuted where it is `attn_q`
 /// or `attn_k`), a vector in F32. Q8_0 and Q4_0 are spex's own rounding (which gguf-py's
-/// equals); the K-quants are candle's port of llama.cpp's `quantize_row_q4_K_ref` and
-/// `_q6_K_ref`.
+/// equals); the K-quants are candle's port of llama.cpp's `quantize_row_q4_K_ref`, `_q5_K_ref`
+/// and `_q6_K_ref`.
 fn encode(
     tensor: &Tensor,
     role: Option<MatrixRole>,
@@ -256,7 +272,7 @@ fn encode(
             QuantKind::Q4_0 => {
                 bytes.extend_from_slice(bytemuck::bytes_of(&BlockQ4_0::quantize(block)))
             }
-            QuantKind::Q4K | QuantKind::Q6K => {
+            QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => {
                 let stored = Tensor::from_vec(stored, (rows, inner), &Device::Cpu)?;
                 return QTensor::quantize(&stored, ggml_type(kind));
             }

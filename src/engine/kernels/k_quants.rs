@@ -1,8 +1,9 @@
-//! K-quant weights (GGUF's `block_q4_K` and `block_q6_K`, the two types a Q4_K_M file holds:
-//! super-blocks of 256 weights with 6- or 8-bit sub-block scales, 4.5 and 6.56 bits a weight)
-//! multiplied as stored, with integer dot products. Called by the matmul dispatch
-//! (`super::product_columns`) for [`Weight::Q4K`](super::Weight) and
-//! [`Weight::Q6K`](super::Weight) matrices, in `packed`'s layout ([`GroupQ4K`], [`GroupQ6K`]).
+//! K-quant weights (GGUF's `block_q4_K`, `block_q5_K` and `block_q6_K`, the types Q4_K_M,
+//! Q4_K_S and Q5_K_M files hold: super-blocks of 256 weights with 6- or 8-bit sub-block
+//! scales, 4.5, 5.5 and 6.56 bits a weight) multiplied as stored, with integer dot products.
+//! Called by the matmul dispatch (`super::product_columns`) for [`Weight::Q4K`](super::Weight),
+//! [`Weight::Q5K`](super::Weight) and [`Weight::Q6K`](super::Weight) matrices, in `packed`'s
+//! layout ([`GroupQ4K`], [`GroupQ5K`](super::GroupQ5K), [`GroupQ6K`]).
 //!
 //! Why integers: as for Q8_0 (`q8_0`), a stream 3× thinner than bf16 leaves no room for f32
 //! arithmetic over R rows under the weight reads (SPEED, arXiv 2310.12072, §3). Each
@@ -14,13 +15,13 @@
 //!
 //! For activation row `r` (scale `dx`, values `x`, 16- and 32-value sums `sum16`, `sum32`) and
 //! one weight row, over the super-blocks in order from `acc = 0`:
-//! - **Q4_K** (weights `d·sc[s]·q − dmin·m[s]`, `q` in 0..16, 8 sub-blocks of 32):
-//!   `isum = Σₛ sc[s]·Σᵢ q·x`, `msum = Σₛ m[s]·sum32[s]`, then
+//! - **Q4_K and Q5_K** (weights `d·sc[s]·q − dmin·m[s]`, `q` in 0..16 or 0..32, 8 sub-blocks
+//!   of 32): `isum = Σₛ sc[s]·Σᵢ q·x`, `msum = Σₛ m[s]·sum32[s]`, then
 //!   `acc = fma(isum, d·dx, acc)` and `acc = fma(msum, dmin·(−dx), acc)`.
 //! - **Q6_K** (weights `d·sc[s]·(q − 32)`, `q` in 0..64, 16 sub-blocks of 16):
 //!   `isum = Σₛ sc[s]·(Σᵢ q·x − 32·sum16[s])`, then `acc = fma(isum, d·dx, acc)`.
 //!
-//! The sums are exact integers on any ISA (the bounds are under 2³¹: 8·63·32·15·127 for Q4_K,
+//! The sums are exact integers on any ISA (the bounds are under 2³¹: 8·63·32·31·127 for Q5_K,
 //! 16·128·16·32·127 for Q6_K) and the float part is one sequence of roundings, so the portable
 //! loops and every vector kernel agree bit for bit, and a row's result depends on nothing but
 //! its own inputs: speculative output on these weights equals the baseline's.
@@ -224,21 +225,32 @@ impl Interleave for Q4K {
     fn pack(rows: &[BlockQ4K; GROUP_ROWS]) -> GroupQ4K {
         let mut g: GroupQ4K = bytemuck::Zeroable::zeroed();
         for (j, b) in rows.iter().enumerate() {
-            let u = Self::decode(b);
-            (g.d[j], g.dmin[j]) = (b.d, b.dmin);
-            for s in 0..8 {
-                let (sc, m) = (u.sc[2 * s] as u8, u.m[s] as u8);
-                let e = q4k_entry(j, s);
-                g.scales[e] = (sc & 15) | (m & 15) << 4;
-                g.scales[64 + e % 32] |= ((sc >> 4) | (m >> 4) << 2) << (4 * (e / 32));
-                for n in 0..16 {
-                    let w = 32 * s + n;
-                    g.qs[128 * s + 64 * (n / 8) + 8 * j + n % 8] = u.q[w] | u.q[w + 16] << 4;
-                }
-            }
+            pack_q4k_row(&mut g, j, &Self::decode(b));
         }
         g
     }
+}
+
+/// Puts a super-block's scales, mins and the low 4 bits of its integers into row `j` of a
+/// [`GroupQ4K`] (Q4_K's whole integers; Q5_K's low bits, `q5k` adding the fifth).
+pub(super) fn pack_q4k_row(g: &mut GroupQ4K, j: usize, u: &Decoded) {
+    (g.d[j], g.dmin[j]) = (u.d, u.dmin);
+    for s in 0..8 {
+        let (sc, m) = (u.sc[2 * s] as u8, u.m[s] as u8);
+        let e = q4k_entry(j, s);
+        g.scales[e] = (sc & 15) | (m & 15) << 4;
+        g.scales[64 + e % 32] |= ((sc >> 4) | (m >> 4) << 2) << (4 * (e / 32));
+        for n in 0..16 {
+            let w = 32 * s + n;
+            g.qs[q4k_byte(j, s, n)] = (u.q[w] & 15) | (u.q[w + 16] & 15) << 4;
+        }
+    }
+}
+
+/// The byte of a [`GroupQ4K`]'s `qs` holding row `j`'s weights `32s + n` (low nibble) and
+/// `32s + 16 + n` (high), for `n < 16`.
+pub(super) const fn q4k_byte(j: usize, s: usize, n: usize) -> usize {
+    128 * s + 64 * (n / 8) + 8 * j + n % 8
 }
 
 impl KQuant for Q4K {
@@ -264,7 +276,7 @@ impl KQuant for Q4K {
             (u.sc[2 * s], u.sc[2 * s + 1]) = (sc.into(), sc.into());
             u.m[s] = m.into();
             for n in 0..16 {
-                let byte = g.qs[128 * s + 64 * (n / 8) + 8 * j + n % 8];
+                let byte = g.qs[q4k_byte(j, s, n)];
                 (u.q[32 * s + n], u.q[32 * s + 16 + n]) = (byte & 0xF, byte >> 4);
             }
         }
@@ -272,24 +284,36 @@ impl KQuant for Q4K {
     }
 
     fn dequantize(b: &Decoded, out: &mut [f32]) {
-        let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
-        for (i, o) in out.iter_mut().enumerate().take(QK_K) {
-            let s = i / 32;
-            *o = d * b.sc[2 * s] as f32 * f32::from(b.q[i]) - dmin * b.m[s] as f32;
-        }
+        dequantize_with_mins(b, out);
     }
 
     #[inline(always)]
     fn step(b: &Decoded, x: KBlock<'_>, acc: f32) -> f32 {
-        let (mut isum, mut msum) = (0i32, 0i32);
-        for s in 0..8 {
-            let run = 32 * s..32 * s + 32;
-            isum += b.sc[2 * s] * idot(&b.q[run.clone()], &x.x[run]);
-            msum += b.m[s] * i32::from(x.sum32[s]);
-        }
-        let acc = (isum as f32).mul_add(b.d.to_f32() * x.dx, acc);
-        (msum as f32).mul_add(b.dmin.to_f32() * -x.dx, acc)
+        step_with_mins(b, x, acc)
     }
+}
+
+/// `dequantize` of the types with mins (Q4_K, Q5_K): weight `d·sc·q − dmin·m`, 8 sub-blocks of
+/// 32, as llama.cpp's `dequantize_row_q4_K` and `_q5_K` compute it.
+pub(super) fn dequantize_with_mins(b: &Decoded, out: &mut [f32]) {
+    let (d, dmin) = (b.d.to_f32(), b.dmin.to_f32());
+    for (i, o) in out.iter_mut().enumerate().take(QK_K) {
+        let s = i / 32;
+        *o = d * b.sc[2 * s] as f32 * f32::from(b.q[i]) - dmin * b.m[s] as f32;
+    }
+}
+
+/// `step` of the types with mins (Q4_K, Q5_K; module docs).
+#[inline(always)]
+pub(super) fn step_with_mins(b: &Decoded, x: KBlock<'_>, acc: f32) -> f32 {
+    let (mut isum, mut msum) = (0i32, 0i32);
+    for s in 0..8 {
+        let run = 32 * s..32 * s + 32;
+        isum += b.sc[2 * s] * idot(&b.q[run.clone()], &x.x[run]);
+        msum += b.m[s] * i32::from(x.sum32[s]);
+    }
+    let acc = (isum as f32).mul_add(b.d.to_f32() * x.dx, acc);
+    (msum as f32).mul_add(b.dmin.to_f32() * -x.dx, acc)
 }
 
 impl Interleave for Q6K {

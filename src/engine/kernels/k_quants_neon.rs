@@ -1,10 +1,11 @@
-//! Q4_K's and Q6_K's products of `k_quants`' one definition on aarch64 with the dot-product extension,
-//! over [`GroupQ4K`]'s lane-pair layout: a 16-byte register holds 8 weights of each of 2 rows
-//! (a 4-byte lane per row and half), so `sdot` against 8 activation bytes duplicated in both
-//! halves adds 4 products into each lane, as `vpdpbusd` does on x86 (both operands signed
-//! here: the weights are 0..16). Adjacent lanes hold one row's two halves, so one pairwise add
-//! gives 4 rows' sub-block sums, which the scales multiply exactly (`vmlaq_s32`); the mins come
-//! from the activations' 32-value sums. The float part is the definition's two FMAs a
+//! Q4_K's, Q5_K's and Q6_K's products of `k_quants`' one definition on aarch64 with the
+//! dot-product extension, over [`GroupQ4K`]'s lane-pair layout: a 16-byte register holds 8
+//! weights of each of 2 rows (a 4-byte lane per row and half), so `sdot` against 8 activation
+//! bytes duplicated in both halves adds 4 products into each lane, as `vpdpbusd` does on x86
+//! (both operands signed here: the weights are 0..32). Adjacent lanes hold one row's two
+//! halves, so one pairwise add gives 4 rows' sub-block sums, which the scales multiply exactly
+//! (`vmlaq_s32`); the mins come from the activations' 32-value sums. Q5_K's fifth bits (`q5k`)
+//! join the nibbles as 16 where set. The float part is the definition's two FMAs a
 //! super-block, so the results have the portable loops' bits (the kernels' tests hold them to
 //! it under qemu).
 
@@ -14,6 +15,7 @@ use half::f16;
 
 use super::k_quants::{GroupQ4K, GroupQ6K, KBlock, KRowsView, q4k_scale_min};
 use super::packed::GROUP_ROWS;
+use super::q5k::NibbleGroup;
 use super::q8_neon::{sdot, store8};
 use super::{OutLayout, SharedOut};
 
@@ -49,12 +51,14 @@ unsafe fn duplicated8(p: *const i8) -> int8x16_t {
 /// # Safety
 /// The CPU must have the dot-product extension.
 #[target_feature(enable = "neon,dotprod")]
-unsafe fn block_sums(
+unsafe fn block_sums<G: NibbleGroup>(
     x: KBlock<'_>,
-    item: &GroupQ4K,
+    whole: &G,
     scales: &[[[i32; GROUP_ROWS]; 8]; 2],
 ) -> ([int32x4_t; 2], [int32x4_t; 2]) {
-    let nib = vdupq_n_u8(0x0F);
+    let (nib, sixteen, item) = (vdupq_n_u8(0x0F), vdupq_n_u8(16), whole.low());
+    // Each byte's bit `bit` of `h` as 16: Q5_K's fifth bits.
+    let fifth = |h, bit: u8| vandq_u8(vtstq_u8(h, vdupq_n_u8(1 << bit)), sixteen);
     let mut isum = [vdupq_n_s32(0); 2];
     let mut msum = [vdupq_n_s32(0); 2];
     for (s, (sc, m)) in scales[0].iter().zip(&scales[1]).enumerate() {
@@ -67,8 +71,15 @@ unsafe fn block_sums(
                 // SAFETY: the group's 1024 bytes are readable; the features.
                 unsafe {
                     let v = vld1q_u8(item.qs.as_ptr().add(128 * s + 64 * u + 16 * pair));
-                    let lo = vreinterpretq_s8_u8(vandq_u8(v, nib));
-                    let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                    let (mut lo, mut hi) = (vandq_u8(v, nib), vshrq_n_u8::<4>(v));
+                    if G::FIFTH {
+                        // Run 2s + u is run 4t + c (`q5k`).
+                        let h = vld1q_u8(whole.fifth().as_ptr().add(64 * (s / 2) + 16 * pair));
+                        let c = (2 * (s % 2) + u) as u8;
+                        lo = vorrq_u8(lo, fifth(h, 2 * c));
+                        hi = vorrq_u8(hi, fifth(h, 2 * c + 1));
+                    }
+                    let (lo, hi) = (vreinterpretq_s8_u8(lo), vreinterpretq_s8_u8(hi));
                     *part = sdot(sdot(*part, lo, xv[u]), hi, xv[2 + u]);
                 }
             }
@@ -95,20 +106,21 @@ unsafe fn block_sums(
 /// # Safety
 /// The CPU must have the dot-product extension; `group` holds `xs.blocks` super-blocks.
 #[target_feature(enable = "neon,dotprod")]
-unsafe fn group_sums(
+unsafe fn group_sums<G: NibbleGroup>(
     xs: KRowsView<'_>,
-    group: &[GroupQ4K],
+    group: &[G],
     rows: std::ops::Range<usize>,
 ) -> [[float32x4_t; 2]; MOST_ROWS] {
     let mut acc = [[vdupq_n_f32(0.0); 2]; MOST_ROWS];
-    for (k, item) in group.iter().enumerate() {
+    for (k, whole) in group.iter().enumerate() {
+        let item = whole.low();
         let scales = scales_by_row(item);
         let d = item.d.map(f16::to_f32);
         let dmin = item.dmin.map(f16::to_f32);
         for (r, acc) in rows.clone().zip(acc.iter_mut()) {
             let x = xs.block(r, k);
             // SAFETY: the features.
-            let (isum, msum) = unsafe { block_sums(x, item, &scales) };
+            let (isum, msum) = unsafe { block_sums(x, whole, &scales) };
             for half in 0..2 {
                 // SAFETY: `d` and `dmin` hold 8 floats.
                 let (dv, dminv) = unsafe {
@@ -156,21 +168,21 @@ unsafe fn store_groups<G>(
     }
 }
 
-/// Q4_K's groups (module docs).
+/// Q4_K's and Q5_K's groups (module docs).
 ///
 /// # Safety
 /// The CPU must have the dot-product extension; `xs` holds whole rows of `xs.blocks`
 /// super-blocks and `groups` whole groups of as many.
 #[target_feature(enable = "neon,dotprod")]
-pub(super) unsafe fn q4k_sdot(
+pub(super) unsafe fn q4k_sdot<G: NibbleGroup>(
     xs: KRowsView<'_>,
-    groups: &[GroupQ4K],
+    groups: &[G],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
 ) {
     // SAFETY: the caller's.
-    let sums = |group: &[GroupQ4K], rows| unsafe { group_sums(xs, group, rows) };
+    let sums = |group: &[G], rows| unsafe { group_sums(xs, group, rows) };
     // SAFETY: the caller's.
     unsafe { store_groups(xs, groups, out, to, first, sums) };
 }

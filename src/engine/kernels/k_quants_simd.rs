@@ -1,6 +1,6 @@
 //! The K-quant kernels' vector loops: `k_quants`' one definition over 8 interleaved weight rows
 //! at once. Called by `k_quants::product` for whole groups; Q6_K's here, each vector lane a
-//! weight row, Q4_K's in `q4k_simd`.
+//! weight row, Q4_K's and Q5_K's in `q4k_simd`.
 //!
 //! Q6_K's layout is Q4_K's (`q4k_simd`): 8 weights of each row in every 64 bytes, a 4-byte
 //! lane per row and half, against 8 activation bytes broadcast to every lane pair. Its
@@ -21,6 +21,7 @@ use super::k_quants::{KMatrix, KQuant, KRowsView, Q4K, Q6K, portable};
 use super::packed::GROUP_ROWS;
 #[cfg(target_arch = "x86_64")]
 use super::q4k_simd::{broadcast8, broadcast8_512, q4k_avx2, q4k_vnni, rows_in_order};
+use super::q5k::Q5K;
 use super::q8_0::Q8Isa;
 #[cfg(target_arch = "x86_64")]
 use super::q8_0::{prefetch, store8};
@@ -66,9 +67,10 @@ fn portable_groups<K: KQuant>(
     portable(xs, w, out, to, first);
 }
 
-/// [`Groups`] for a type whose x86 kernels are `$avx2` and `$vnni`.
+/// [`Groups`] for a type whose kernels are `$avx2`, `$vnni` and `$neon` (`$group`: a
+/// kernel's group type parameter, where it has one).
 macro_rules! groups_impl {
-    ($kind:ty, $avx2:ident, $vnni:ident $(, $neon:ident)?) => {
+    ($kind:ty, $avx2:ident, $vnni:ident, $neon:ident $(, $group:ty)?) => {
         impl Groups for $kind {
             fn groups(
                 isa: Q8Isa,
@@ -86,22 +88,20 @@ macro_rules! groups_impl {
                     // (`Kernels::new`); `xs` holds whole rows of `xs.blocks` super-blocks and
                     // `groups` whole groups of as many.
                     Q8Isa::Avx2 => unsafe {
-                        with_rows!(xs.rows(), R => $avx2::<R>(plan, xs, groups, out, to, first))
+                        with_rows!(xs.rows(), R => $avx2::<R $(, $group)?>(plan, xs, groups, out, to, first))
                     },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `Q8Isa::Avx512Vnni` is made only where AVX-512 (F, BW, VL) was
                     // checked and VNNI detected; as above otherwise.
                     Q8Isa::Avx512Vnni => unsafe {
-                        with_rows!(xs.rows(), R => $vnni::<R>(plan, xs, groups, out, to, first))
+                        with_rows!(xs.rows(), R => $vnni::<R $(, $group)?>(plan, xs, groups, out, to, first))
                     },
-                    $(
                     #[cfg(target_arch = "aarch64")]
                     // SAFETY: `Q8Isa::NeonDot` is made only where the dot-product extension
                     // was detected; as above otherwise.
                     Q8Isa::NeonDot => unsafe {
                         super::k_quants_neon::$neon(xs, groups, out, to, first)
                     },
-                    )?
                     _ => portable_groups::<$kind>(xs, groups, out, to, first),
                 }
             }
@@ -109,7 +109,8 @@ macro_rules! groups_impl {
     };
 }
 
-groups_impl!(Q4K, q4k_avx2, q4k_vnni, q4k_sdot);
+groups_impl!(Q4K, q4k_avx2, q4k_vnni, q4k_sdot, _);
+groups_impl!(Q5K, q4k_avx2, q4k_vnni, q4k_sdot, _);
 groups_impl!(Q6K, q6k_avx2, q6k_vnni, q6k_sdot);
 
 /// The weights of sub-blocks `2p` and `2p + 1`, 32 bytes from `at` in each 64-byte run (rows

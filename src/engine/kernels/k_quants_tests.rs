@@ -6,6 +6,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 
 use super::k_quants::{KRows, Q4K, Q6K, QK_K, decoded, product};
 use super::packed::{Interleave, Packed, repack};
+use super::q5k::Q5K;
 use super::q8_0::Q8Isa;
 use super::tests::{assert_within_activation_rounding, lcg, supported_isas, with_threads};
 use super::*;
@@ -88,7 +89,50 @@ fn isas_give_the_portable_bits<K: k_quants_simd::Groups>(dtype: GgmlDType) {
 #[test]
 fn every_isa_gives_the_portable_bits_whatever_the_rows() {
     isas_give_the_portable_bits::<Q4K>(GgmlDType::Q4K);
+    isas_give_the_portable_bits::<Q5K>(GgmlDType::Q5K);
     isas_give_the_portable_bits::<Q6K>(GgmlDType::Q6K);
+}
+
+/// Every ISA against the portable loops on `rows` rows of blocks `block` (16 rows of 2
+/// super-blocks) times activations all `+1`, all `−1` and of alternating sign: the largest
+/// sums the kernels' 16-bit lanes hold.
+fn extremes_give_the_portable_bits<K: k_quants_simd::Groups>(block: K::Block) {
+    let (outs, inner) = (16, 512);
+    let mut bytes: Vec<u8> = (0..outs * 2)
+        .flat_map(|_| bytemuck::bytes_of(&block).to_vec())
+        .collect();
+    repack::<K>(&mut bytes, outs, 2);
+    let w = view::<K>(&bytes, outs, inner);
+    for x in [
+        |_| 1.0,
+        |_| -1.0,
+        |i: usize| if i.is_multiple_of(2) { 1.0 } else { -1.0 },
+    ] {
+        let x: Vec<f32> = (0..inner).map(x).collect();
+        let want = run(Q8Isa::Portable, &x, 1, inner, w);
+        for isa in supported_isas() {
+            let got = run(Q8Isa::for_isa(isa), &x, 1, inner, w);
+            assert_eq!(got, want, "{:?} {isa:?}", K::KIND);
+        }
+    }
+}
+
+#[test]
+fn the_largest_integers_give_the_portable_bits() {
+    let one = half::f16::ONE;
+    let mut q4: BlockQ4K = bytemuck::Zeroable::zeroed();
+    (q4.d, q4.dmin, q4.scales, q4.qs) = (one, one, [0xFF; 12], [0xFF; QK_K / 2]);
+    extremes_give_the_portable_bits::<Q4K>(q4);
+    let mut q5: BlockQ5K = bytemuck::Zeroable::zeroed();
+    (q5.d, q5.dmin, q5.scales) = (one, one, [0xFF; 12]);
+    (q5.qh, q5.qs) = ([0xFF; QK_K / 8], [0xFF; QK_K / 2]);
+    extremes_give_the_portable_bits::<Q5K>(q5);
+    let mut q6: BlockQ6K = bytemuck::Zeroable::zeroed();
+    (q6.d, q6.scales) = (one, [-128; QK_K / 16]);
+    (q6.ql, q6.qh) = ([0xFF; QK_K / 2], [0xFF; QK_K / 4]);
+    extremes_give_the_portable_bits::<Q6K>(q6);
+    (q6.ql, q6.qh) = ([0; QK_K / 2], [0; QK_K / 4]);
+    extremes_give_the_portable_bits::<Q6K>(q6);
 }
 
 fn layout_keeps_the_weights<K: KQuant>(dtype: GgmlDType)
@@ -122,44 +166,36 @@ where
 #[test]
 fn the_layout_keeps_every_weight_and_dequantizes_as_llama_cpp() {
     layout_keeps_the_weights::<Q4K>(GgmlDType::Q4K);
+    layout_keeps_the_weights::<Q5K>(GgmlDType::Q5K);
     layout_keeps_the_weights::<Q6K>(GgmlDType::Q6K);
+}
+
+fn grouped_rows_decode_as_stored<K: KQuant>(dtype: GgmlDType) {
+    let mut seed = 9;
+    let (outs, inner) = (16, 512);
+    let (stored, _) = quantized(outs, inner, dtype, &mut seed);
+    let mut bytes = stored.clone();
+    repack::<K>(&mut bytes, outs, 2);
+    let blocks: &[K::Block] = bytemuck::cast_slice(&stored);
+    for row in 0..outs {
+        for k in 0..2 {
+            let a = K::decode(&blocks[row * 2 + k]);
+            let b = decoded(view::<K>(&bytes, outs, inner), row, k);
+            assert_eq!(
+                (a.d, a.dmin, a.sc, a.m),
+                (b.d, b.dmin, b.sc, b.m),
+                "{dtype:?} {row} {k}"
+            );
+            assert_eq!(a.q, b.q, "{dtype:?} {row} {k}");
+        }
+    }
 }
 
 #[test]
 fn grouped_rows_decode_as_their_stored_blocks() {
-    let mut seed = 9;
-    let (outs, inner) = (16, 512);
-    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
-        let (stored, _) = quantized(outs, inner, dtype, &mut seed);
-        let mut bytes = stored.clone();
-        match dtype {
-            GgmlDType::Q4K => repack::<Q4K>(&mut bytes, outs, 2),
-            _ => repack::<Q6K>(&mut bytes, outs, 2),
-        }
-        for row in 0..outs {
-            for k in 0..2 {
-                let (a, b) = if dtype == GgmlDType::Q4K {
-                    let s: &[BlockQ4K] = bytemuck::cast_slice(&stored);
-                    (
-                        Q4K::decode(&s[row * 2 + k]),
-                        decoded(view::<Q4K>(&bytes, outs, inner), row, k),
-                    )
-                } else {
-                    let s: &[BlockQ6K] = bytemuck::cast_slice(&stored);
-                    (
-                        Q6K::decode(&s[row * 2 + k]),
-                        decoded(view::<Q6K>(&bytes, outs, inner), row, k),
-                    )
-                };
-                assert_eq!(
-                    (a.d, a.dmin, a.sc, a.m),
-                    (b.d, b.dmin, b.sc, b.m),
-                    "{dtype:?} {row} {k}"
-                );
-                assert_eq!(a.q, b.q, "{dtype:?} {row} {k}");
-            }
-        }
-    }
+    grouped_rows_decode_as_stored::<Q4K>(GgmlDType::Q4K);
+    grouped_rows_decode_as_stored::<Q5K>(GgmlDType::Q5K);
+    grouped_rows_decode_as_stored::<Q6K>(GgmlDType::Q6K);
 }
 
 fn within_rounding<K: k_quants_simd::Groups>(dtype: GgmlDType) {
@@ -181,6 +217,7 @@ fn within_rounding<K: k_quants_simd::Groups>(dtype: GgmlDType) {
 #[test]
 fn products_lie_within_the_activations_rounding_of_the_f32_product() {
     within_rounding::<Q4K>(GgmlDType::Q4K);
+    within_rounding::<Q5K>(GgmlDType::Q5K);
     within_rounding::<Q6K>(GgmlDType::Q6K);
 }
 
@@ -189,20 +226,32 @@ fn threads_and_pooled_products_give_the_serial_bits() {
     let mut seed = 5;
     let (outs, inner) = (1024, 256);
     let (w4, _) = packed::<Q4K>(outs, inner, GgmlDType::Q4K, &mut seed);
+    let (w5, _) = packed::<Q5K>(outs, inner, GgmlDType::Q5K, &mut seed);
     let (w6, _) = packed::<Q6K>(outs, inner, GgmlDType::Q6K, &mut seed);
-    let (w4, w6) = (view::<Q4K>(&w4, outs, inner), view::<Q6K>(&w6, outs, inner));
+    let w4 = view::<Q4K>(&w4, outs, inner);
+    let w5 = view::<Q5K>(&w5, outs, inner);
+    let w6 = view::<Q6K>(&w6, outs, inner);
     let x: Vec<f32> = (0..5 * inner).map(|_| lcg(&mut seed)).collect();
     let isa = Q8Isa::for_isa(detected_isa());
-    let (s4, s6) = (run(isa, &x, 5, inner, w4), run(isa, &x, 5, inner, w6));
+    let serial = [
+        run(isa, &x, 5, inner, w4),
+        run(isa, &x, 5, inner, w5),
+        run(isa, &x, 5, inner, w6),
+    ];
     for threads in [1, 2, 3] {
         let k = with_threads(threads);
-        let (mut a, mut b) = (vec![0f32; 5 * outs], vec![0f32; 5 * outs]);
+        let mut got = [(); 3].map(|_| vec![0f32; 5 * outs]);
+        let [a, b, c] = &mut got;
         k.matmuls_t(
             &x,
             5,
             inner,
-            &mut [(Weight::Q4K(w4), &mut a), (Weight::Q6K(w6), &mut b)],
+            &mut [
+                (Weight::Q4K(w4), a),
+                (Weight::Q5K(w5), b),
+                (Weight::Q6K(w6), c),
+            ],
         );
-        assert_eq!((&a, &b), (&s4, &s6), "{threads} threads");
+        assert_eq!(got, serial, "{threads} threads");
     }
 }

@@ -109,6 +109,7 @@ macro_rules! with_weight {
             Weight::Q8_0($q) => $qcall,
             Weight::Q4_0($q) => $qcall,
             Weight::Q4K($q) => $qcall,
+            Weight::Q5K($q) => $qcall,
             Weight::Q6K($q) => $qcall,
             Weight::Affine($q) => $qcall,
         }
@@ -151,6 +152,7 @@ mod portable;
 pub mod prefetch;
 mod q4_0;
 mod q4k_simd;
+mod q5k;
 mod q8_0;
 #[cfg(target_arch = "aarch64")]
 mod q8_neon;
@@ -178,6 +180,7 @@ pub use kv_element::KvElement;
 pub use packed::{GROUP_ROWS, Interleave, Packed};
 pub use prefetch::Prefetch;
 pub use q4_0::{BlockQ4_0, BlockQ4_0x8, KindQ4_0, Q4Matrix};
+pub use q5k::{BlockQ5K, GroupQ5K, Q5K};
 pub use q8_0::{BlockQ8_0, BlockQ8_0x8, Blocks32, KindQ8_0, Q8Matrix, QK8_0};
 use q8_0::{Q8Isa, QuantizedRows};
 use settings::Tuning;
@@ -292,7 +295,7 @@ impl<'a> Input<'a> {
         }
         if weights
             .iter()
-            .any(|w| matches!(w, Weight::Q4K(_) | Weight::Q6K(_)))
+            .any(|w| matches!(w, Weight::Q4K(_) | Weight::Q5K(_) | Weight::Q6K(_)))
         {
             qk.quantize(isa, &rows);
         }
@@ -381,6 +384,7 @@ pub fn repack(kind: QuantKind, bytes: &mut [u8], rows: usize, blocks: usize) {
         QuantKind::Q8_0 => packed::repack::<KindQ8_0>(bytes, rows, blocks),
         QuantKind::Q4_0 => packed::repack::<KindQ4_0>(bytes, rows, blocks),
         QuantKind::Q4K => packed::repack::<Q4K>(bytes, rows, blocks),
+        QuantKind::Q5K => packed::repack::<Q5K>(bytes, rows, blocks),
         QuantKind::Q6K => packed::repack::<Q6K>(bytes, rows, blocks),
     }
 }

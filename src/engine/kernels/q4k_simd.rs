@@ -1,28 +1,35 @@
-//! Q4_K's vector kernels: `k_quants`' one definition over a [`GroupQ4K`]'s 8 rows at once.
-//! Called through `k_quants_simd::Groups` for whole groups.
+//! Q4_K's and Q5_K's vector kernels: `k_quants`' one definition over a [`GroupQ4K`](super::GroupQ4K)'s 8 rows
+//! at once (a Q5_K group is one with fifth bits beside it, `q5k`). Called through
+//! `k_quants_simd::Groups` for whole groups.
 //!
 //! The layout puts 8 weights of each row in every 64 bytes, a 4-byte lane for each row and
 //! half, so one `vpdpbusd` (AVX-512 VNNI, 16 lanes) or two `vpmaddubsw` (AVX2, 8 lanes) take 64
 //! weights against 8 activation bytes broadcast to every lane pair. A weight row's 32-weight
 //! sub-block sum thus lies in two lanes, and the layout keeps those two adjacent:
-//! - **VNNI**: a lane's 16 products are under 2¹⁵ in magnitude (16 · 15 · 127 = 30480), so
-//!   `vpackssdw` packs two sub-blocks' lanes to 16 bits without saturating, and one `vpdpwssd`
-//!   against each lane's scale pair both multiplies by the sub-block scale and adds the two
-//!   halves: no `vpmulld`, and one multiply-accumulate per two sub-blocks and row.
-//! - **AVX2**: `vpmaddubsw`'s pairs (≤ 2 · 15 · 127) add four to a 16-bit lane (≤ 15240), and
+//! - **VNNI**: a lane's 16 Q4_K products are under 2¹⁵ in magnitude (16 · 15 · 127 = 30480),
+//!   so `vpackssdw` packs two sub-blocks' lanes to 16 bits without saturating, and one
+//!   `vpdpwssd` against each lane's scale pair both multiplies by the sub-block scale and adds
+//!   the two halves: no `vpmulld`, and one multiply-accumulate per two sub-blocks and row.
+//!   Q5_K's 16 (16 · 31 · 127) are not, so its lanes are packed as two sums of 8 products,
+//!   the low nibbles' and the high's, and take two `vpdpwssd`.
+//! - **AVX2**: `vpmaddubsw`'s pairs (≤ 2 · 31 · 127) add four to a 16-bit lane (≤ 31496), and
 //!   one `vpmaddwd` against the scale pair gives the lane's scaled sum.
 //!
-//! The mins are `vpmaddwd`/`vpdpwssd` of the 32-value activation sums against each row's min
-//! pairs, once a super-block and row. Every sum is the exact integer of the one definition, and
-//! the float part is its two FMAs, so the results are the portable loops' bits.
+//! Q5_K's fifth bits join the nibbles as 16 where set (a byte mask, then a masked add on
+//! AVX-512). The mins are `vpmaddwd`/`vpdpwssd` of the 32-value activation sums against each
+//! row's min pairs, once a super-block and row. Every sum is the exact integer of the one
+//! definition, and the float part is its two FMAs, so the results are the portable loops'
+//! bits.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::k_quants::{GroupQ4K, KBlock, KRowsView};
+use super::k_quants::{KBlock, KRowsView};
 #[cfg(target_arch = "x86_64")]
 use super::packed::GROUP_ROWS;
+#[cfg(target_arch = "x86_64")]
+use super::q5k::NibbleGroup;
 #[cfg(target_arch = "x86_64")]
 use super::q8_0::{prefetch, store8};
 #[cfg(target_arch = "x86_64")]
@@ -109,17 +116,27 @@ pub(super) fn rows_in_order(v: [__m256i; 2]) -> __m256i {
     _mm256_permute4x64_epi64::<0xD8>(_mm256_hadd_epi32(v[0], v[1]))
 }
 
-/// Q4_K's one definition for `R` rows over whole groups, with AVX2 (module docs).
+/// Each byte's bit `bit` of `h` as 16 (AVX2): Q5_K's fifth bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn fifth_avx2(h: __m256i, bit: u8) -> __m256i {
+    let one = _mm256_set1_epi8(1 << bit);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, one), one);
+    _mm256_and_si256(set, _mm256_set1_epi8(16))
+}
+
+/// Q4_K's and Q5_K's one definition for `R` rows over whole groups, with AVX2 (module docs).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `xs` holds `R` rows of `xs.blocks` super-blocks and
 /// `groups` whole groups of as many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q4k_avx2<const R: usize>(
+pub(super) unsafe fn q4k_avx2<const R: usize, G: NibbleGroup>(
     plan: Prefetch,
     xs: KRowsView<'_>,
-    groups: &[GroupQ4K],
+    groups: &[G],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
@@ -127,8 +144,9 @@ pub(super) unsafe fn q4k_avx2<const R: usize>(
     let (b, nib) = (xs.blocks, _mm256_set1_epi8(0x0F));
     for (g, group) in groups.chunks_exact(b).enumerate() {
         let mut acc = [_mm256_setzero_ps(); R];
-        for (k, item) in group.iter().enumerate() {
-            prefetch(plan, item);
+        for (k, whole) in group.iter().enumerate() {
+            prefetch(plan, whole);
+            let item = whole.low();
             let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
             let halves = entries_by_half(&item.scales);
             let mut isum = [[_mm256_setzero_si256(); 2]; R];
@@ -156,12 +174,22 @@ pub(super) unsafe fn q4k_avx2<const R: usize>(
                             _mm256_loadu_si256(item.qs.as_ptr().add(base + 64).cast()),
                         )
                     };
-                    let w = [
+                    let mut w = [
                         _mm256_and_si256(v0, nib),
                         _mm256_and_si256(v1, nib),
                         _mm256_and_si256(_mm256_srli_epi16::<4>(v0), nib),
                         _mm256_and_si256(_mm256_srli_epi16::<4>(v1), nib),
                     ];
+                    if G::FIFTH {
+                        // Runs 2s and 2s + 1 are runs 4t + c and 4t + c + 1 (`q5k`).
+                        let at = 64 * usize::from(s / 2) + 32 * q;
+                        // SAFETY: the features; the fifth bits hold 64 bytes from `64 (s / 2)`.
+                        let h = unsafe { _mm256_loadu_si256(whole.fifth()[at..].as_ptr().cast()) };
+                        let c = 2 * (s % 2);
+                        for (w, bit) in w.iter_mut().zip([2 * c, 2 * c + 2, 2 * c + 1, 2 * c + 3]) {
+                            *w = _mm256_or_si256(*w, fifth_avx2(h, bit));
+                        }
+                    }
                     for (x, isum) in x.iter().zip(isum.iter_mut()) {
                         let xp = x.x[32 * usize::from(s)..][..32].as_ptr();
                         // SAFETY: the features; `xp` holds the sub-block's 32 bytes.
@@ -259,17 +287,27 @@ fn gather_rows(i: __m512i, m: __m512i) -> __m512i {
     _mm512_permutex2var_epi32(fold(i), idx, fold(m))
 }
 
-/// Q4_K's one definition for `R` rows over whole groups, with AVX-512 VNNI (module docs).
+/// `w` with 16 added where `h`'s bytes have bit `bit` set (AVX-512): Q5_K's fifth bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn with_fifth_512(w: __m512i, h: __m512i, bit: u8) -> __m512i {
+    let set = _mm512_test_epi8_mask(h, _mm512_set1_epi8(1 << bit));
+    _mm512_mask_add_epi8(w, set, w, _mm512_set1_epi8(16))
+}
+
+/// Q4_K's and Q5_K's one definition for `R` rows over whole groups, with AVX-512 VNNI (module
+/// docs).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW and VNNI, AVX2, FMA and F16C; `xs` holds `R` rows of
 /// `xs.blocks` super-blocks and `groups` whole groups of as many.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn q4k_vnni<const R: usize>(
+pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
     plan: Prefetch,
     xs: KRowsView<'_>,
-    groups: &[GroupQ4K],
+    groups: &[G],
     out: SharedOut<'_>,
     to: OutLayout,
     first: usize,
@@ -288,8 +326,9 @@ pub(super) unsafe fn q4k_vnni<const R: usize>(
     let sign_high = _mm512_and_si512(sign_high, _mm512_set1_epi32(i32::MIN));
     for (g, group) in groups.chunks_exact(b).enumerate() {
         let mut acc = [_mm256_setzero_ps(); R];
-        for (k, item) in group.iter().enumerate() {
-            prefetch(plan, item);
+        for (k, whole) in group.iter().enumerate() {
+            prefetch(plan, whole);
+            let item = whole.low();
             let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
             let (sc8, m8) = entries_512(&item.scales);
             let mut isum = [_mm512_setzero_si512(); R];
@@ -298,6 +337,10 @@ pub(super) unsafe fn q4k_vnni<const R: usize>(
                 let step = _mm512_set1_epi8(4 * t as i8);
                 let sc = _mm512_shuffle_epi8(sc8, _mm512_add_epi8(sc_ctl, step));
                 let m = _mm512_shuffle_epi8(m8, _mm512_add_epi8(m_ctl, step));
+                // SAFETY: the features; the fifth bits hold 64 bytes from `64t`.
+                let h = G::FIFTH.then(|| unsafe {
+                    _mm512_loadu_si512(whole.fifth()[64 * t..].as_ptr().cast())
+                });
                 let w: [[__m512i; 4]; 2] = std::array::from_fn(|odd| {
                     let base = 128 * (2 * t + odd);
                     // SAFETY: the features; sub-block 2t + odd's 128 bytes are readable.
@@ -307,26 +350,42 @@ pub(super) unsafe fn q4k_vnni<const R: usize>(
                             _mm512_loadu_si512(item.qs.as_ptr().add(base + 64).cast()),
                         )
                     };
-                    [
+                    let mut w = [
                         _mm512_and_si512(v0, nib),
                         _mm512_and_si512(v1, nib),
                         _mm512_and_si512(_mm512_srli_epi16::<4>(v0), nib),
                         _mm512_and_si512(_mm512_srli_epi16::<4>(v1), nib),
-                    ]
+                    ];
+                    if let Some(h) = h {
+                        // Runs 4t + 2·odd and 4t + 2·odd + 1 (`q5k`).
+                        let c = 4 * odd as u8;
+                        for (w, bit) in w.iter_mut().zip([c, c + 2, c + 1, c + 3]) {
+                            *w = with_fifth_512(*w, h, bit);
+                        }
+                    }
+                    w
                 });
                 for (r, x) in x.iter().enumerate() {
                     let xp = x.x[64 * t..][..64].as_ptr();
-                    let part = |odd: usize| {
+                    // Sub-block 2t + odd's products with weights `w[odd][range]`.
+                    let part = |odd: usize, range: std::ops::Range<usize>| {
                         let mut part = _mm512_setzero_si512();
-                        for (i, &w) in w[odd].iter().enumerate() {
+                        for i in range {
                             // SAFETY: the features; `xp` holds both sub-blocks' 64 bytes.
                             let xb = unsafe { broadcast8_512(xp.add(32 * odd + 8 * i)) };
-                            part = _mm512_dpbusd_epi32(part, w, xb);
+                            part = _mm512_dpbusd_epi32(part, w[odd][i], xb);
                         }
                         part
                     };
-                    let packed = _mm512_packs_epi32(part(0), part(1));
-                    isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
+                    if G::FIFTH {
+                        for range in [0..2, 2..4] {
+                            let packed = _mm512_packs_epi32(part(0, range.clone()), part(1, range));
+                            isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
+                        }
+                    } else {
+                        let packed = _mm512_packs_epi32(part(0, 0..4), part(1, 0..4));
+                        isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
+                    }
                     let sums = x.sum32[2 * t..][..2].as_ptr();
                     // SAFETY: the features; `sums` holds 2 sums (4 bytes).
                     let sums = unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(sums.cast())) };

@@ -17,6 +17,7 @@ use half::{bf16, f16};
 use super::affine::AffineMatrix;
 use super::k_quants::{self, KMatrix, KQuant, Q4K, Q6K, QK_K};
 use super::q4_0::Q4Matrix;
+use super::q5k::Q5K;
 use super::q8_0::{Q8Matrix, QK8_0};
 
 #[cfg(target_arch = "aarch64")]
@@ -174,6 +175,8 @@ pub enum Weight<'a> {
     Q4_0(Q4Matrix<'a>),
     /// Stored in GGUF's Q4_K super-blocks, 256 weights each (`k_quants`).
     Q4K(KMatrix<'a, Q4K>),
+    /// Stored in GGUF's Q5_K super-blocks, 256 weights each (`k_quants`, `q5k`).
+    Q5K(KMatrix<'a, Q5K>),
     /// Stored in GGUF's Q6_K super-blocks, 256 weights each (`k_quants`).
     Q6K(KMatrix<'a, Q6K>),
     /// Stored in mlx's affine groups (`affine`), multiplied with f32 activations.
@@ -189,13 +192,16 @@ pub enum QuantKind {
     Q4_0,
     /// 256 weights in 8 sub-blocks with 6-bit scales and mins ([`super::BlockQ4K`]).
     Q4K,
+    /// 256 weights in 8 sub-blocks as Q4_K's, each weight with a fifth bit
+    /// ([`super::BlockQ5K`]).
+    Q5K,
     /// 256 weights in 16 sub-blocks with 8-bit scales ([`super::BlockQ6K`]).
     Q6K,
 }
 
 impl QuantKind {
     /// Every kind.
-    pub const ALL: [Self; 4] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q6K];
+    pub const ALL: [Self; 5] = [Self::Q8_0, Self::Q4_0, Self::Q4K, Self::Q5K, Self::Q6K];
 
     /// Its name as llama.cpp prints it.
     pub fn name(self) -> &'static str {
@@ -203,6 +209,7 @@ impl QuantKind {
             Self::Q8_0 => "Q8_0",
             Self::Q4_0 => "Q4_0",
             Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
         }
     }
@@ -211,7 +218,7 @@ impl QuantKind {
     pub fn block_weights(self) -> usize {
         match self {
             Self::Q8_0 | Self::Q4_0 => QK8_0,
-            Self::Q4K | Self::Q6K => QK_K,
+            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
         }
     }
 
@@ -221,6 +228,7 @@ impl QuantKind {
             Self::Q8_0 => std::mem::size_of::<super::BlockQ8_0>(),
             Self::Q4_0 => std::mem::size_of::<super::BlockQ4_0>(),
             Self::Q4K => std::mem::size_of::<super::BlockQ4K>(),
+            Self::Q5K => std::mem::size_of::<super::BlockQ5K>(),
             Self::Q6K => std::mem::size_of::<super::BlockQ6K>(),
         }
     }
@@ -284,6 +292,12 @@ impl<'a> From<KMatrix<'a, Q4K>> for Weight<'a> {
     }
 }
 
+impl<'a> From<KMatrix<'a, Q5K>> for Weight<'a> {
+    fn from(w: KMatrix<'a, Q5K>) -> Self {
+        Self::Q5K(w)
+    }
+}
+
 impl<'a> From<KMatrix<'a, Q6K>> for Weight<'a> {
     fn from(w: KMatrix<'a, Q6K>) -> Self {
         Self::Q6K(w)
@@ -312,6 +326,7 @@ impl<'a> Weight<'a> {
             Self::Q8_0(w) => w.rows() * w.blocks * QK8_0,
             Self::Q4_0(w) => w.rows() * w.blocks * QK8_0,
             Self::Q4K(w) => w.rows() * w.blocks * QK_K,
+            Self::Q5K(w) => w.rows() * w.blocks * QK_K,
             Self::Q6K(w) => w.rows() * w.blocks * QK_K,
             Self::Affine(w) => w.rows() * w.inner(),
         }
@@ -331,6 +346,7 @@ impl<'a> Weight<'a> {
             Self::Q8_0(w) => w.bytes(),
             Self::Q4_0(w) => w.bytes(),
             Self::Q4K(w) => w.bytes(),
+            Self::Q5K(w) => w.bytes(),
             Self::Q6K(w) => w.bytes(),
             Self::Affine(w) => w.as_bytes().len(),
         }
@@ -354,6 +370,10 @@ impl<'a> Weight<'a> {
             Self::Q4K(w) => {
                 let inner = w.blocks * QK_K;
                 Self::Q4K(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
+            }
+            Self::Q5K(w) => {
+                let inner = w.blocks * QK_K;
+                Self::Q5K(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
             }
             Self::Q6K(w) => {
                 let inner = w.blocks * QK_K;
@@ -380,6 +400,7 @@ impl<'a> Weight<'a> {
                 Self::Q8_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Q4_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Q4K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
+                Self::Q5K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Q6K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
                 Self::Affine(w) => w.as_bytes().align_to::<u64>().1,
             }
@@ -395,6 +416,7 @@ impl<'a> Weight<'a> {
             Self::Q8_0(w) => w.widen_into(range, out),
             Self::Q4_0(w) => w.widen_into(range, out),
             Self::Q4K(w) => widen_k(w, range, out),
+            Self::Q5K(w) => widen_k(w, range, out),
             Self::Q6K(w) => widen_k(w, range, out),
             Self::Affine(w) => w.widen_into(range, out),
         }

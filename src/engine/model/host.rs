@@ -79,6 +79,7 @@ impl<'a> HostView<'a> {
                     QuantKind::Q8_0 => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q8_0),
                     QuantKind::Q4_0 => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q4_0),
                     QuantKind::Q4K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q4K),
+                    QuantKind::Q5K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q5K),
                     QuantKind::Q6K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q6K),
                 }
                 .map_err(EngineError::Invalid)
