@@ -9,7 +9,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::checkpoint::LoadedModel;
-use super::error::{EngineError, Result};
+use super::error::Result;
 use super::kv_cache::KvCache;
 use super::model::{Backend, ReadoutKind, StepModel};
 use super::policy::Proposal;
@@ -54,7 +54,7 @@ impl<B: StepModel> ModelDrafter<B> {
     /// Reads `tokens` on from the text read so far, through every pass; returns the last
     /// token's final readout (a proposal's: drafts may be approximate).
     fn read_on(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let last = (self.backend).read_tokens(
+        let logits = (self.backend).read_tokens(
             &mut self.cache,
             self.read.len(),
             tokens,
@@ -62,7 +62,7 @@ impl<B: StepModel> ModelDrafter<B> {
         )?;
         self.read.extend_from_slice(tokens);
         self.cache.set_committed(self.read.len());
-        last.ok_or_else(|| EngineError::Invalid("the draft model read no token".into()))
+        Ok(logits)
     }
 }
 

@@ -71,14 +71,15 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
 
     /// All R passes over `tokens` at positions `start..`, one batched step per pass (a
     /// prefill, or a draft model reading on): only the last token's pass-R row reads out,
-    /// as `readout` asks; returns its logits.
+    /// as `readout` asks; returns its logits (an error where there were none: no token, or
+    /// `ReadoutKind::None`).
     fn read_tokens(
         &self,
         cache: &mut KvCache<Self::Kv>,
         start: usize,
         tokens: &[u32],
         readout: ReadoutKind,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Vec<f32>> {
         let passes = self.passes();
         let mut inputs: Vec<RowInput<Self::Hidden>> =
             tokens.iter().map(|&id| RowInput::Token(id)).collect();
@@ -102,7 +103,12 @@ pub trait StepModel: Send + Sync + fmt::Debug + 'static {
             inputs = out.hidden.into_iter().map(RowInput::Hidden).collect();
             last = out.logits.into_iter().next_back().flatten();
         }
-        Ok(last)
+        last.ok_or_else(|| {
+            EngineError::Invalid(format!(
+                "reading {} token(s) from position {start}: no readout of the last one",
+                tokens.len()
+            ))
+        })
     }
 }
 

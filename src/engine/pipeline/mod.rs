@@ -107,7 +107,7 @@ mod verdict;
 
 pub use options::DecodeOptions;
 
-use in_flight::{InFlight, Readouts};
+use in_flight::{Decided, InFlight, Readouts};
 
 use super::drafter::Drafter;
 use super::error::{EngineError, Result};
@@ -365,19 +365,18 @@ impl<B: StepModel> Pipeline<B> {
         pos < self.cache.capacity() && pos + 1 - self.prompt.len() < self.options.max_tokens
     }
 
-    /// Drops the window from `index` on and rolls their KV entries back in every pass.
-    fn flush_from(&mut self, index: usize) -> Flush {
-        let flushed: Vec<InFlight<B::Hidden>> = self.window.drain(index..).collect();
-        let first_pos = flushed
-            .first()
-            .expect("flush of an empty tail: this is a bug")
-            .pos;
-        Flush {
-            first_pos,
-            last_pos: flushed.last().map_or(first_pos, |t| t.pos),
+    /// Drops the window from `index` on and rolls their KV entries back in every pass: the
+    /// flush, or `None` where nothing lay there.
+    fn flush_from(&mut self, index: usize) -> Option<Flush> {
+        let flushed: Vec<InFlight<B::Hidden>> =
+            self.window.drain(index.min(self.window.len())..).collect();
+        let (first, last) = (flushed.first()?.pos, flushed.last()?.pos);
+        Some(Flush {
+            first_pos: first,
+            last_pos: last,
             rows_wasted: flushed.iter().map(InFlight::rows_done).sum(),
-            kv_freed_per_pass: self.cache.rollback(first_pos),
-        }
+            kv_freed_per_pass: self.cache.rollback(first),
+        })
     }
 
     /// One batched step over the window's tokens that run (each token's row, then the side
@@ -397,6 +396,14 @@ impl<B: StepModel> Pipeline<B> {
             .collect();
         let started = Instant::now();
         let out = self.backend.run_step(rows, &mut self.cache)?;
+        if out.hidden.len() != slots.len() || out.logits.len() != slots.len() {
+            return Err(EngineError::Invalid(format!(
+                "the model's step returned {} hidden states and {} readouts for {} rows",
+                out.hidden.len(),
+                out.logits.len(),
+                slots.len()
+            )));
+        }
         let lambdas = self.lambdas_by_row(&running, out.exit_probabilities.as_deref());
         let actions: Vec<Option<Action>> = (out.logits.iter().zip(&slots).enumerate())
             .map(|(k, (logits, s))| {
@@ -436,7 +443,7 @@ impl<B: StepModel> Pipeline<B> {
 
     /// Hands each row's new hidden state and exit probability back to its token (in the order
     /// the step ran them: the window, then the side candidates) and returns the readouts by
-    /// window entry.
+    /// window entry. `hidden`, `logits` and `actions` hold one entry a row.
     fn take_outputs(
         &mut self,
         running: &[bool],
@@ -449,29 +456,27 @@ impl<B: StepModel> Pipeline<B> {
         let mut outputs = hidden
             .into_iter()
             .zip(logits.into_iter().zip(actions).map(|(l, a)| l.zip(a)));
-        let mut next = |t: &mut InFlight<B::Hidden>| {
-            let (h, readout) = outputs
-                .next()
-                .expect("the step returns one output per row: this is a bug");
+        let mut take = |t: &mut InFlight<B::Hidden>, (h, readout): (B::Hidden, Option<Decided>)| {
             t.hidden = Some(h);
             t.lambdas.extend(gates.next());
             t.passes_done += 1;
             readout
         };
-        let mut readouts: Vec<Readouts> = (self.window.iter_mut().zip(running))
-            .map(|(t, &ran)| match ran {
-                true => Readouts {
-                    main: next(t),
-                    side: None,
-                    ran,
-                },
-                false => Readouts::default(),
+        let mut readouts: Vec<Readouts> = (running.iter())
+            .map(|&ran| Readouts {
+                ran,
+                ..Readouts::default()
             })
             .collect();
-        for (t, r) in self.window.iter_mut().zip(&mut readouts) {
-            if let Some(side) = t.side.as_deref_mut().filter(|_| r.ran) {
-                r.side = next(side);
-            }
+        let ran = (self.window.iter_mut().zip(&mut readouts)).filter(|(_, r)| r.ran);
+        for ((t, r), out) in ran.zip(&mut outputs) {
+            r.main = take(t, out);
+        }
+        let sides = (self.window.iter_mut().zip(&mut readouts))
+            .filter(|(_, r)| r.ran)
+            .filter_map(|(t, r)| Some((t.side.as_deref_mut()?, r)));
+        for ((side, r), out) in sides.zip(&mut outputs) {
+            r.side = take(side, out);
         }
         readouts
     }

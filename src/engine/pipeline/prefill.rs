@@ -16,11 +16,7 @@ impl<B: StepModel> Pipeline<B> {
         let started = Instant::now();
         let n = self.prompt.len();
         let readout = self.commit_readout();
-        let last_logits = self
-            .backend
-            .read_tokens(&mut self.cache, 0, &self.prompt, readout)?;
-        let logits =
-            last_logits.expect("prefill reads out the last position at pass R: this is a bug");
+        let logits = (self.backend).read_tokens(&mut self.cache, 0, &self.prompt, readout)?;
         // Non-finite weights (or a config that divides by zero) show first here: every later
         // choice would be the argmax of NaNs, the end-of-text token at once.
         if let Some(i) = logits.iter().position(|l| !l.is_finite()) {

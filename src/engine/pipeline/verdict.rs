@@ -49,7 +49,7 @@ impl<B: StepModel> Pipeline<B> {
             }
             Verdict::Reject(instead) => {
                 self.drop_side(index, event);
-                event.flushes.push(self.flush_from(index + 1));
+                event.flushes.extend(self.flush_from(index + 1));
                 readouts.truncate(index + 1);
                 Ok((false, Some(instead)))
             }
@@ -80,9 +80,7 @@ impl<B: StepModel> Pipeline<B> {
             .side
             .take()
             .expect("a second candidate is kept only where one is in flight: this is a bug");
-        if self.window.len() > index + 2 {
-            event.flushes.push(self.flush_from(index + 2));
-        }
+        event.flushes.extend(self.flush_from(index + 2));
         let first = self
             .window
             .remove(index + 1)
