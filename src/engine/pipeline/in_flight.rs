@@ -67,9 +67,9 @@ impl<H> InFlight<H> {
         Pass::from_index(self.passes_done)
     }
 
-    /// The pass it ran last, whose readout the walk is looking at.
-    pub(super) fn last_pass(&self) -> Pass {
-        Pass::new(self.passes_done).expect("asked only of a token that ran a pass: this is a bug")
+    /// The pass it ran last, if it ran one.
+    pub(super) fn last_pass(&self) -> Option<Pass> {
+        Pass::new(self.passes_done)
     }
 
     /// Rows computed for it and its side candidate.
@@ -102,6 +102,6 @@ pub(super) type Decided = (Vec<f32>, Action);
 pub(super) struct Readouts {
     pub(super) main: Option<Decided>,
     pub(super) side: Option<Decided>,
-    /// Whether its row ran in this step (a token waiting for a draft does not).
-    pub(super) ran: bool,
+    /// The pass its row ran in this step, if it ran (a token waiting for a draft does not).
+    pub(super) ran: Option<Pass>,
 }

@@ -462,18 +462,15 @@ impl<B: StepModel> Pipeline<B> {
             t.passes_done += 1;
             readout
         };
-        let mut readouts: Vec<Readouts> = (running.iter())
-            .map(|&ran| Readouts {
-                ran,
-                ..Readouts::default()
-            })
-            .collect();
-        let ran = (self.window.iter_mut().zip(&mut readouts)).filter(|(_, r)| r.ran);
+        let mut readouts: Vec<Readouts> = running.iter().map(|_| Readouts::default()).collect();
+        let ran = (self.window.iter_mut().zip(&mut readouts).zip(running))
+            .filter_map(|(t_r, &ran)| ran.then_some(t_r));
         for ((t, r), out) in ran.zip(&mut outputs) {
+            r.ran = Some(t.next_pass());
             r.main = take(t, out);
         }
         let sides = (self.window.iter_mut().zip(&mut readouts))
-            .filter(|(_, r)| r.ran)
+            .filter(|(_, r)| r.ran.is_some())
             .filter_map(|(t, r)| Some((t.side.as_deref_mut()?, r)));
         for ((side, r), out) in sides.zip(&mut outputs) {
             r.side = take(side, out);
@@ -487,16 +484,16 @@ impl<B: StepModel> Pipeline<B> {
     fn walk(&mut self, mut readouts: Vec<Readouts>, event: &mut StepEvent) -> Result<()> {
         let mut index = 0;
         while index < readouts.len() {
-            if !readouts[index].ran {
+            let Some(pass) = readouts[index].ran else {
                 index += 1; // a token waiting for a draft: no row, nothing to walk
                 continue;
-            }
-            let walked = self.walk_row(index, &mut readouts, event)?;
+            };
+            let walked = self.walk_row(index, pass, &mut readouts, event)?;
             let (Walked::GoOn(row) | Walked::Stop(row)) = &walked;
             event.rows.push(row.clone());
             let waiting = self.window.get(index).and_then(|t| t.side.as_deref());
-            if let Some(side) = waiting.filter(|s| s.passes_done > 0) {
-                event.rows.push(self.row_event(side, false));
+            if let Some((side, pass)) = waiting.and_then(|s| Some((s, s.last_pass()?))) {
+                event.rows.push(self.row_event(side, pass, false));
             }
             if matches!(walked, Walked::Stop(_)) {
                 break;
@@ -506,21 +503,22 @@ impl<B: StepModel> Pipeline<B> {
         Ok(())
     }
 
-    /// The walk (module docs, step 3) for the token at `index`, which just finished its pass:
+    /// The walk (module docs, step 3) for the token at `index`, which just finished `pass`:
     /// the policy's action on its readout settles, starts or commits what follows it.
     /// Returns its event and whether the walk goes on to younger rows (not after a flush,
     /// which removed them, nor after the run ended).
     fn walk_row(
         &mut self,
         index: usize,
+        pass: Pass,
         readouts: &mut Vec<Readouts>,
         event: &mut StepEvent,
     ) -> Result<Walked> {
         let passes = self.passes();
         let Readouts { main, side, .. } = std::mem::take(&mut readouts[index]);
         let t = &self.window[index];
-        let (pos, pass) = (t.pos, t.last_pass());
-        let mut row = self.row_event(t, false);
+        let pos = t.pos;
+        let mut row = self.row_event(t, pass, false);
         let Some((logits, action)) = main else {
             return Ok(Walked::GoOn(row));
         };
@@ -543,9 +541,11 @@ impl<B: StepModel> Pipeline<B> {
                 }
             }
             Action::Settle(verdict) => {
+                event
+                    .flips
+                    .extend(self.flip(index, pass, &verdict, &candidates)?);
                 let rejected_for;
-                (go_on, rejected_for) =
-                    self.settle(index, verdict, &candidates, side, readouts, event)?;
+                (go_on, rejected_for) = self.settle(index, verdict, side, readouts, event)?;
                 next = rejected_for.map(|p| (p, None));
             }
         }
@@ -555,7 +555,7 @@ impl<B: StepModel> Pipeline<B> {
         }
         if pass.is_last(passes) || exits {
             let chosen = next.map(|(first, _)| first);
-            let committed = self.commit_final(index, surviving, chosen);
+            let committed = self.commit_final(index, pass, surviving, chosen)?;
             event.committed.push(committed);
             go_on &= self.is_running();
         } else if let Some((first, second)) = next.filter(|_| surviving.is_none())
@@ -567,31 +567,6 @@ impl<B: StepModel> Pipeline<B> {
             }
         }
         Ok(Walked::after(go_on, row))
-    }
-
-    /// Commits the position after the token at `index`, after its pass-R readout (or an early
-    /// exit's): the surviving child's token, or the readout's own choice where none survived;
-    /// with where the exit gate would have stopped that token.
-    fn commit_final(
-        &mut self,
-        index: usize,
-        surviving: Option<usize>,
-        chosen: Option<Proposal>,
-    ) -> Committed {
-        let (pos, pass) = (self.window[index].pos, self.window[index].last_pass());
-        let gate_exit = self.gate_exit(index);
-        let (token, depth) = match surviving {
-            Some(child) => (self.window[child].token(), self.window[child].proposed_at),
-            None => {
-                let commit =
-                    chosen.expect("a pass-R or exit action commits or settles: this is a bug");
-                (commit.token, pass)
-            }
-        };
-        Committed {
-            gate_exit,
-            ..self.commit(pos + 1, token, depth, surviving)
-        }
     }
 
     /// The candidates in flight for the position after the token at `index`: its child,

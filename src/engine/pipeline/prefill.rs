@@ -27,10 +27,10 @@ impl<B: StepModel> Pipeline<B> {
             )));
         }
         let last = Pass::last(self.passes());
-        let first = self
-            .act(&logits, last, n, &[], &[])
-            .shown(&[])
-            .expect("pass R with nothing in flight commits: this is a bug");
+        let action = self.act(&logits, last, n, &[], &[]);
+        let Some(first) = action.shown(&[]) else {
+            return Err(self.policy_error("answered the prompt's pass-R readout without a commit"));
+        };
         self.phase = Phase::Decoding;
         let committed = self.commit(n, first, last, None);
         Ok(PrefillEvent {

@@ -9,6 +9,7 @@ use super::in_flight::InFlight;
 use crate::engine::events::{FinishEvent, FinishReason, RowEvent, Token};
 use crate::engine::kv_cache::KvCache;
 use crate::engine::model::StepModel;
+use crate::engine::pass::Pass;
 
 impl<B: StepModel> Pipeline<B> {
     /// The policy's name.
@@ -54,11 +55,11 @@ impl<B: StepModel> Pipeline<B> {
         }
     }
 
-    /// The event of an in-flight token's row, before its readout is described.
-    pub(super) fn row_event(&self, t: &InFlight<B::Hidden>, dropped: bool) -> RowEvent {
+    /// The event of an in-flight token's row at `pass`, before its readout is described.
+    pub(super) fn row_event(&self, t: &InFlight<B::Hidden>, pass: Pass, dropped: bool) -> RowEvent {
         RowEvent {
             pos: t.pos,
-            pass: t.last_pass(),
+            pass,
             token: self.token(t.token()),
             verified: t.verified,
             second: t.second,
