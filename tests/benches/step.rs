@@ -191,7 +191,7 @@ fn stream_table(kernels: &Kernels) {
 
 /// `--only quantized [--layers N]`: one layer's projections at Ouro-1.4B's shape (2048 wide,
 /// MLP 5632), eight layers of them (400 MB of bf16, more than any L3) or `N`, in bf16, Q8_0,
-/// Q4_K and Q6_K, by rows: the cost of a step's extra rows where the weights stream from
+/// Q4_K, Q5_K and Q6_K, by rows: the cost of a step's extra rows where the weights stream from
 /// DRAM, or with one layer (29 MB of Q4_K) the kernels' arithmetic where they stay in cache.
 fn quantized_table(kernels: &Kernels, layers: usize) {
     use spex::engine::kernels::{BlockQ8_0, Packed, QK8_0, QuantKind, Weight, repack};
@@ -206,7 +206,7 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
     ];
     let mut dense = Vec::new();
     let mut q8 = Vec::new();
-    let mut k_quants: [Vec<(Vec<u8>, usize)>; 2] = [Vec::new(), Vec::new()];
+    let mut k_quants: [Vec<(Vec<u8>, usize)>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for layer in 0..layers {
         for (m, &(outs, inner)) in shapes.iter().enumerate() {
             let w: Vec<f32> = (0..outs * inner)
@@ -227,7 +227,7 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
                     .collect::<Vec<_>>(),
                 inner,
             ));
-            for (kind, out) in [QuantKind::Q4K, QuantKind::Q6K]
+            for (kind, out) in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K]
                 .into_iter()
                 .zip(&mut k_quants)
             {
@@ -237,10 +237,7 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
                     out.push(copy);
                     continue;
                 }
-                let dtype = match kind {
-                    QuantKind::Q4K => candle_core::quantized::GgmlDType::Q4K,
-                    _ => candle_core::quantized::GgmlDType::Q6K,
-                };
+                let dtype = spex::engine::gguf::ggml_type(kind);
                 let t = candle_core::Tensor::from_vec(w.clone(), (outs, inner), &Device::Cpu);
                 let q = candle_core::quantized::QTensor::quantize(&t.expect("tensor"), dtype);
                 let mut bytes = q.and_then(|q| Ok(q.data()?.to_vec())).expect("quantize");
@@ -249,9 +246,11 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
             }
         }
     }
-    println!("| rows | bf16 | Q8_0 | Q4_K | Q6_K | per row over 1 row: Q8_0, Q4_K, Q6_K |");
-    println!("|---|---|---|---|---|---|");
-    let mut one = [0.0; 3];
+    println!(
+        "| rows | bf16 | Q8_0 | Q4_K | Q5_K | Q6_K | per row over 1 row: Q8_0, Q4_K, Q5_K, Q6_K |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut one = [0.0; 4];
     for rows in [1, 2, 3, 4, 5] {
         let median = |weights: &[(Weight<'_>, usize)]| {
             let mut times = Vec::new();
@@ -283,28 +282,34 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
         let k = |which: usize| -> Vec<(Weight<'_>, usize)> {
             (k_quants[which].iter())
                 .map(|(b, i)| {
-                    let rows = b.len() / (i / 256) / [144, 210][which];
+                    let rows = b.len() / (i / 256) / [144, 176, 210][which];
                     let w = match which {
                         0 => Packed::from_bytes(b, rows, i / 256).map(Weight::Q4K),
+                        1 => Packed::from_bytes(b, rows, i / 256).map(Weight::Q5K),
                         _ => Packed::from_bytes(b, rows, i / 256).map(Weight::Q6K),
                     };
                     (w.expect("blocks"), *i)
                 })
                 .collect()
         };
-        let (tb, tq) = (median(&d), [median(&q), median(&k(0)), median(&k(1))]);
+        let (tb, tq) = (
+            median(&d),
+            [median(&q), median(&k(0)), median(&k(1)), median(&k(2))],
+        );
         if rows == 1 {
             one = tq;
         }
         let extra = |i: usize| (tq[i] - one[i]) / (rows - 1).max(1) as f64;
         println!(
-            "| {rows} | {tb:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.2}, {:.2}, {:.2} ms |",
+            "| {rows} | {tb:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.2}, {:.2}, {:.2}, {:.2} ms |",
             tq[0],
             tq[1],
             tq[2],
+            tq[3],
             extra(0),
             extra(1),
-            extra(2)
+            extra(2),
+            extra(3)
         );
     }
 }
