@@ -337,11 +337,7 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
                 let step = _mm512_set1_epi8(4 * t as i8);
                 let sc = _mm512_shuffle_epi8(sc8, _mm512_add_epi8(sc_ctl, step));
                 let m = _mm512_shuffle_epi8(m8, _mm512_add_epi8(m_ctl, step));
-                // SAFETY: the features; the fifth bits hold 64 bytes from `64t`.
-                let h = G::FIFTH.then(|| unsafe {
-                    _mm512_loadu_si512(whole.fifth()[64 * t..].as_ptr().cast())
-                });
-                let w: [[__m512i; 4]; 2] = std::array::from_fn(|odd| {
+                let mut w: [[__m512i; 4]; 2] = std::array::from_fn(|odd| {
                     let base = 128 * (2 * t + odd);
                     // SAFETY: the features; sub-block 2t + odd's 128 bytes are readable.
                     let (v0, v1) = unsafe {
@@ -350,40 +346,53 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
                             _mm512_loadu_si512(item.qs.as_ptr().add(base + 64).cast()),
                         )
                     };
-                    let mut w = [
+                    [
                         _mm512_and_si512(v0, nib),
                         _mm512_and_si512(v1, nib),
                         _mm512_and_si512(_mm512_srli_epi16::<4>(v0), nib),
                         _mm512_and_si512(_mm512_srli_epi16::<4>(v1), nib),
-                    ];
-                    if let Some(h) = h {
+                    ]
+                });
+                if G::FIFTH {
+                    // SAFETY: the features; the fifth bits hold 64 bytes from `64t`.
+                    let h = unsafe { _mm512_loadu_si512(whole.fifth()[64 * t..].as_ptr().cast()) };
+                    for (odd, w) in w.iter_mut().enumerate() {
                         // Runs 4t + 2·odd and 4t + 2·odd + 1 (`q5k`).
                         let c = 4 * odd as u8;
                         for (w, bit) in w.iter_mut().zip([c, c + 2, c + 1, c + 3]) {
                             *w = with_fifth_512(*w, h, bit);
                         }
                     }
-                    w
-                });
+                }
                 for (r, x) in x.iter().enumerate() {
                     let xp = x.x[64 * t..][..64].as_ptr();
-                    // Sub-block 2t + odd's products with weights `w[odd][range]`.
-                    let part = |odd: usize, range: std::ops::Range<usize>| {
+                    // Sub-block 2t + odd's products, each lane's 16 in one sum (Q4_K).
+                    let part = |odd: usize| {
                         let mut part = _mm512_setzero_si512();
-                        for i in range {
+                        for (i, &w) in w[odd].iter().enumerate() {
                             // SAFETY: the features; `xp` holds both sub-blocks' 64 bytes.
                             let xb = unsafe { broadcast8_512(xp.add(32 * odd + 8 * i)) };
-                            part = _mm512_dpbusd_epi32(part, w[odd][i], xb);
+                            part = _mm512_dpbusd_epi32(part, w, xb);
+                        }
+                        part
+                    };
+                    // The same, its low nibbles' 8 (`high`: its high nibbles') alone (Q5_K).
+                    let half = |odd: usize, high: usize| {
+                        let mut part = _mm512_setzero_si512();
+                        for (i, &w) in w[odd].iter().enumerate().skip(2 * high).take(2) {
+                            // SAFETY: as above.
+                            let xb = unsafe { broadcast8_512(xp.add(32 * odd + 8 * i)) };
+                            part = _mm512_dpbusd_epi32(part, w, xb);
                         }
                         part
                     };
                     if G::FIFTH {
-                        for range in [0..2, 2..4] {
-                            let packed = _mm512_packs_epi32(part(0, range.clone()), part(1, range));
+                        for high in 0..2 {
+                            let packed = _mm512_packs_epi32(half(0, high), half(1, high));
                             isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
                         }
                     } else {
-                        let packed = _mm512_packs_epi32(part(0, 0..4), part(1, 0..4));
+                        let packed = _mm512_packs_epi32(part(0), part(1));
                         isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
                     }
                     let sums = x.sum32[2 * t..][..2].as_ptr();
