@@ -492,9 +492,9 @@ impl<B: StepModel> Pipeline<B> {
             let (Walked::GoOn(row) | Walked::Stop(row)) = &walked;
             event.rows.push(row.clone());
             let waiting = self.window.get(index).and_then(|t| t.side.as_deref());
-            if let Some((side, pass)) = waiting.and_then(|s| Some((s, s.last_pass()?))) {
-                event.rows.push(self.row_event(side, pass, false));
-            }
+            event
+                .rows
+                .extend(waiting.and_then(|side| self.last_row_event(side, false)));
             if matches!(walked, Walked::Stop(_)) {
                 break;
             }

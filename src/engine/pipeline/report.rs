@@ -55,6 +55,16 @@ impl<B: StepModel> Pipeline<B> {
         }
     }
 
+    /// The event of the row an in-flight token ran last, if it ran one (a dropped side or
+    /// first candidate, a side waiting for its parent's choice).
+    pub(super) fn last_row_event(
+        &self,
+        t: &InFlight<B::Hidden>,
+        dropped: bool,
+    ) -> Option<RowEvent> {
+        Some(self.row_event(t, t.last_pass()?, dropped))
+    }
+
     /// The event of an in-flight token's row at `pass`, before its readout is described.
     pub(super) fn row_event(&self, t: &InFlight<B::Hidden>, pass: Pass, dropped: bool) -> RowEvent {
         RowEvent {

@@ -78,9 +78,7 @@ impl<B: StepModel> Pipeline<B> {
     pub(super) fn drop_side(&mut self, index: usize, event: &mut StepEvent) {
         if let Some(side) = self.window[index].side.take() {
             self.cache.drop_second(side.pos);
-            if let Some(pass) = side.last_pass() {
-                event.rows.push(self.row_event(&side, pass, true));
-            }
+            event.rows.extend(self.last_row_event(&side, true));
         }
     }
 
@@ -99,9 +97,9 @@ impl<B: StepModel> Pipeline<B> {
         };
         event.flushes.extend(self.flush_from(index + 2));
         let first = self.window.remove(index + 1);
-        if let Some((first, pass)) = first.as_ref().and_then(|f| Some((f, f.last_pass()?))) {
-            event.rows.push(self.row_event(first, pass, true));
-        }
+        event
+            .rows
+            .extend(first.and_then(|f| self.last_row_event(&f, true)));
         self.cache.promote_second(side.pos, side.passes_done)?;
         let ran = side.last_pass();
         self.window.push_back(*side);
