@@ -175,9 +175,6 @@ impl Decoded {
 
 /// A K-quant type: its blocks, their group and the one definition's integers.
 pub trait KQuant: Interleave {
-    /// Its kind.
-    const KIND: QuantKind;
-
     /// A stored block's integers.
     fn decode(b: &Self::Block) -> Decoded;
     /// Row `j`'s integers of a group.
@@ -219,6 +216,7 @@ fn idot(q: &[u8], x: &[i8]) -> i32 {
 }
 
 impl Interleave for Q4K {
+    const KIND: QuantKind = QuantKind::Q4K;
     type Block = BlockQ4K;
     type Group = GroupQ4K;
 
@@ -254,8 +252,6 @@ pub(super) const fn q4k_byte(j: usize, s: usize, n: usize) -> usize {
 }
 
 impl KQuant for Q4K {
-    const KIND: QuantKind = QuantKind::Q4K;
-
     fn decode(b: &BlockQ4K) -> Decoded {
         let mut u = Decoded::new(b.d, b.dmin);
         for s in 0..8 {
@@ -317,6 +313,7 @@ pub(super) fn step_with_mins(b: &Decoded, x: KBlock<'_>, acc: f32) -> f32 {
 }
 
 impl Interleave for Q6K {
+    const KIND: QuantKind = QuantKind::Q6K;
     type Block = BlockQ6K;
     type Group = GroupQ6K;
 
@@ -339,8 +336,6 @@ impl Interleave for Q6K {
 }
 
 impl KQuant for Q6K {
-    const KIND: QuantKind = QuantKind::Q6K;
-
     fn decode(b: &BlockQ6K) -> Decoded {
         let mut u = Decoded {
             sc: b.scales.map(i32::from),

@@ -16,6 +16,8 @@ pub const GROUP_ROWS: usize = 8;
 
 /// A block type and its 8-row interleaved group.
 pub trait Interleave: Copy + std::fmt::Debug + 'static {
+    /// Which block type it is (its weights a block and bytes a block).
+    const KIND: super::QuantKind;
     /// The block as GGUF stores it.
     type Block: bytemuck::Pod + std::fmt::Debug;
     /// One block of each of 8 rows, interleaved.
@@ -72,6 +74,33 @@ impl<'a, K: Interleave> Packed<'a, K> {
     /// The bytes it takes.
     pub fn bytes(self) -> usize {
         std::mem::size_of_val(self.groups) + std::mem::size_of_val(self.tail)
+    }
+
+    /// Its number of weights.
+    pub fn len(self) -> usize {
+        self.rows() * self.inner()
+    }
+
+    /// Whether it has no weights.
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
+    }
+
+    /// Weights a row.
+    pub fn inner(self) -> usize {
+        self.blocks * K::KIND.block_weights()
+    }
+
+    /// The whole rows that hold weights `range` (which starts at a row's start: the decode
+    /// threads' shares do).
+    pub fn slice_elements(self, range: std::ops::Range<usize>) -> Self {
+        let inner = self.inner().max(1);
+        self.slice_rows(range.start / inner..range.end.div_ceil(inner))
+    }
+
+    /// Its bytes as aligned 64-bit words (a probe's read: `Weight::words`).
+    pub fn words(self) -> &'a [u64] {
+        bytemuck::pod_align_to::<u8, u64>(bytemuck::cast_slice(self.groups)).1
     }
 
     /// Rows `range`, which must start at a multiple of 8 and end at one or at the last row

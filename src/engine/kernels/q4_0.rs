@@ -29,6 +29,7 @@ use super::packed::{GROUP_ROWS, Interleave, Packed};
 use super::q8_0::{Blocks32, Groups32, QK8_0};
 #[cfg(target_arch = "x86_64")]
 use super::q8_0::{QuantRowsView, broadcast4, prefetch, scales8, store8};
+use super::weight_element::QuantKind;
 #[cfg(target_arch = "x86_64")]
 use super::{OutLayout, Prefetch, SharedOut};
 
@@ -116,6 +117,7 @@ impl BlockQ4_0 {
 pub struct KindQ4_0;
 
 impl Interleave for KindQ4_0 {
+    const KIND: QuantKind = QuantKind::Q4_0;
     type Block = BlockQ4_0;
     type Group = BlockQ4_0x8;
 

@@ -75,6 +75,7 @@ const fn fifth_bit(at: usize, high: bool) -> (usize, usize) {
 pub struct Q5K;
 
 impl Interleave for Q5K {
+    const KIND: QuantKind = QuantKind::Q5K;
     type Block = BlockQ5K;
     type Group = GroupQ5K;
 
@@ -98,8 +99,6 @@ impl Interleave for Q5K {
 }
 
 impl KQuant for Q5K {
-    const KIND: QuantKind = QuantKind::Q5K;
-
     fn decode(b: &BlockQ5K) -> Decoded {
         let (d, dmin, scales, qs) = (b.d, b.dmin, b.scales, b.qs);
         let mut u = Q4K::decode(&BlockQ4K {

@@ -43,6 +43,7 @@ use std::arch::x86_64::*;
 use super::act_quant::block_scale;
 use super::packed::{GROUP_ROWS, Interleave, Located, Packed};
 pub(super) use super::q8_rows::{QuantRowsView, QuantizedRows};
+use super::weight_element::QuantKind;
 use super::{OutLayout, Prefetch, SharedOut};
 
 /// Weights a Q8_0 block holds.
@@ -114,6 +115,7 @@ impl BlockQ8_0 {
 pub struct KindQ8_0;
 
 impl Interleave for KindQ8_0 {
+    const KIND: QuantKind = QuantKind::Q8_0;
     type Block = BlockQ8_0;
     type Group = BlockQ8_0x8;
 
@@ -175,7 +177,7 @@ impl<K: Blocks32> Packed<'_, K> {
 
     /// Elements `range`, widened to f32: each weight times its block's scale (exact).
     pub fn widen_into(self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
-        let inner = self.blocks * QK8_0;
+        let inner = self.inner();
         for row in range.start / inner..range.end.div_ceil(inner) {
             for k in 0..self.blocks {
                 let (d, qs) = self.block(row, k);

@@ -215,7 +215,7 @@ impl QuantKind {
     }
 
     /// Weights a block holds.
-    pub fn block_weights(self) -> usize {
+    pub const fn block_weights(self) -> usize {
         match self {
             Self::Q8_0 | Self::Q4_0 => QK8_0,
             Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
@@ -306,7 +306,7 @@ impl<'a> From<KMatrix<'a, Q6K>> for Weight<'a> {
 
 /// Elements `range` of K-quant matrix `w`, dequantized (whole super-blocks decoded).
 fn widen_k<K: KQuant>(w: KMatrix<'_, K>, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
-    let inner = w.blocks * QK_K;
+    let inner = w.inner();
     let mut block = [0f32; QK_K];
     for at in (range.start / QK_K * QK_K..range.end).step_by(QK_K) {
         let (row, k) = (at / inner, at % inner / QK_K);
@@ -323,11 +323,11 @@ impl<'a> Weight<'a> {
             Self::F32(w) => w.len(),
             Self::Bf16(w) => w.len(),
             Self::F16(w) => w.len(),
-            Self::Q8_0(w) => w.rows() * w.blocks * QK8_0,
-            Self::Q4_0(w) => w.rows() * w.blocks * QK8_0,
-            Self::Q4K(w) => w.rows() * w.blocks * QK_K,
-            Self::Q5K(w) => w.rows() * w.blocks * QK_K,
-            Self::Q6K(w) => w.rows() * w.blocks * QK_K,
+            Self::Q8_0(w) => w.len(),
+            Self::Q4_0(w) => w.len(),
+            Self::Q4K(w) => w.len(),
+            Self::Q5K(w) => w.len(),
+            Self::Q6K(w) => w.len(),
             Self::Affine(w) => w.rows() * w.inner(),
         }
     }
@@ -359,26 +359,11 @@ impl<'a> Weight<'a> {
             Self::F32(w) => Self::F32(&w[range]),
             Self::Bf16(w) => Self::Bf16(&w[range]),
             Self::F16(w) => Self::F16(&w[range]),
-            Self::Q8_0(w) => {
-                let inner = w.blocks * QK8_0;
-                Self::Q8_0(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
-            }
-            Self::Q4_0(w) => {
-                let inner = w.blocks * QK8_0;
-                Self::Q4_0(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
-            }
-            Self::Q4K(w) => {
-                let inner = w.blocks * QK_K;
-                Self::Q4K(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
-            }
-            Self::Q5K(w) => {
-                let inner = w.blocks * QK_K;
-                Self::Q5K(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
-            }
-            Self::Q6K(w) => {
-                let inner = w.blocks * QK_K;
-                Self::Q6K(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
-            }
+            Self::Q8_0(w) => Self::Q8_0(w.slice_elements(range)),
+            Self::Q4_0(w) => Self::Q4_0(w.slice_elements(range)),
+            Self::Q4K(w) => Self::Q4K(w.slice_elements(range)),
+            Self::Q5K(w) => Self::Q5K(w.slice_elements(range)),
+            Self::Q6K(w) => Self::Q6K(w.slice_elements(range)),
             Self::Affine(w) => {
                 let inner = w.inner();
                 Self::Affine(w.slice_rows(range.start / inner..range.end.div_ceil(inner)))
@@ -390,21 +375,18 @@ impl<'a> Weight<'a> {
     /// left out (and a quantized matrix's few tail rows): what a read-bandwidth probe sums
     /// (`harness::roofline`).
     pub fn words(self) -> &'a [u64] {
-        // SAFETY: f32, bf16 and f16 are plain bits, and every bit pattern is a valid u64;
-        // `align_to` puts only whole, aligned words in the middle slice.
-        unsafe {
-            match self {
-                Self::F32(w) => w.align_to::<u64>().1,
-                Self::Bf16(w) => w.align_to::<u64>().1,
-                Self::F16(w) => w.align_to::<u64>().1,
-                Self::Q8_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
-                Self::Q4_0(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
-                Self::Q4K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
-                Self::Q5K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
-                Self::Q6K(w) => bytemuck::cast_slice::<_, u8>(w.groups).align_to::<u64>().1,
-                Self::Affine(w) => w.as_bytes().align_to::<u64>().1,
-            }
-        }
+        let bits: &'a [u8] = match self {
+            Self::F32(w) => bytemuck::cast_slice(w),
+            Self::Bf16(w) => bytemuck::cast_slice(w),
+            Self::F16(w) => bytemuck::cast_slice(w),
+            Self::Q8_0(w) => return w.words(),
+            Self::Q4_0(w) => return w.words(),
+            Self::Q4K(w) => return w.words(),
+            Self::Q5K(w) => return w.words(),
+            Self::Q6K(w) => return w.words(),
+            Self::Affine(w) => w.as_bytes(),
+        };
+        bytemuck::pod_align_to::<u8, u64>(bits).1
     }
 
     /// Elements `range`, widened to f32 (a row of the embedding, say).
