@@ -10,6 +10,7 @@ pub mod hub;
 mod load_bar;
 pub mod models;
 mod quantize;
+pub mod random;
 mod record;
 mod replay;
 mod session;
@@ -27,7 +28,6 @@ use clap::{Args, Parser, Subcommand};
 use crate::engine::exit_gate::ExitThreshold;
 use crate::engine::model::KvDtype;
 use crate::engine::policy::{self as policy_table, PolicyKind};
-use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use crate::engine::{DecodeOptions, EngineError, Sampling};
 use session::model_label;
 pub use session::{Session, load_model, load_model_with};
@@ -54,7 +54,7 @@ pub enum Command {
     /// Run baseline and SPEED on prompts in one process and compare them.
     Bench(BenchArgs),
     /// Write a random checkpoint in the Ouro format (for tests and benchmarks).
-    RandomCheckpoint(RandomArgs),
+    RandomCheckpoint(random::RandomArgs),
     /// Write a checkpoint as a quantized GGUF file in llama.cpp's Ouro layout.
     Quantize(quantize::QuantizeArgs),
     /// Train a looped model in the Ouro format.
@@ -406,59 +406,12 @@ pub struct TuiArgs {
     pub frame_stats: bool,
 }
 
-/// `spex random-checkpoint`.
-#[derive(Debug, Args)]
-pub struct RandomArgs {
-    /// Output directory.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// The hidden size (the residual stream's width); a multiple of --heads.
-    #[arg(long, default_value_t = 256)]
-    pub hidden: usize,
-    /// K, the shared layers.
-    #[arg(long, default_value_t = 4)]
-    pub layers: usize,
-    /// R, the passes.
-    #[arg(long, default_value_t = 4)]
-    pub passes: usize,
-    /// Attention heads (each of --hidden / --heads dimensions).
-    #[arg(long, default_value_t = 4)]
-    pub heads: usize,
-    /// Key/value heads, dividing --heads (grouped-query attention; default: --heads).
-    #[arg(long)]
-    pub kv_heads: Option<usize>,
-    /// The MLP's inner width (default: 11/4 of --hidden, Ouro's proportion).
-    #[arg(long)]
-    pub intermediate: Option<usize>,
-    /// Target tokenizer vocabulary (a few KB of text caps what BPE can learn; the config's
-    /// vocab_size is padded up to this).
-    #[arg(long, default_value_t = 4096)]
-    pub vocab: usize,
-    /// The model's positions (the most its config.json allows); a run's KV cache is
-    /// `--context` of the commands that decode.
-    #[arg(long, default_value_t = 2048)]
-    pub positions: usize,
-    /// Seed of the random weights.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
-    /// A separate LM head (as Ouro's released models have) instead of tied embeddings.
-    #[arg(long)]
-    pub untied: bool,
-    /// The tensors' element type in the files: f32, bf16 (as Ouro's released models are
-    /// stored) or f16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: device::DTypeSpec,
-    /// Replace the checkpoint `--out` already holds.
-    #[arg(long)]
-    pub force: bool,
-}
-
 /// Parses the command line and runs it.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Generate(args)) => generate::run(&args),
         Some(Command::Bench(args)) => bench::run(&args),
-        Some(Command::RandomCheckpoint(args)) => random_checkpoint(&args),
+        Some(Command::RandomCheckpoint(args)) => random::run(&args),
         Some(Command::Quantize(args)) => quantize::run(&args),
         Some(Command::Train(args)) => train::run(&args),
         Some(Command::TrainGate(args)) => train_gate::run(&args),
@@ -467,52 +420,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Command::Explain(args)) => explain::run(&args),
         Some(Command::Sweep(args)) => sweep::run(&args),
         Some(Command::Snapshot(args)) => replay::snapshot(&args),
-        Some(Command::Models) => list_models(),
+        Some(Command::Models) => models::list(),
         Some(Command::Pull {
             name,
             revision,
             file,
         }) => hub::run(&name, revision.as_deref(), file.as_deref()),
         None => dashboard(&cli.dashboard),
-    }
-}
-
-fn list_models() -> anyhow::Result<()> {
-    let file = models::models_file_path();
-    let models = models::ModelsFile::load(&file)?;
-    let cache_root = crate::hub::HubSettings::from_env()?.cache_root;
-    println!(
-        "{:<24} {:<8} {:<8} {:>10}  source",
-        "name", "local", "weights", "size"
-    );
-    for (name, entry) in &models.models {
-        let origin = entry.local_origin(&file, name, &cache_root);
-        let (local, weights, size) = match &origin {
-            Ok(o) if o.is_present() => (
-                "yes",
-                o.weight_type().unwrap_or_else(|| "?".into()),
-                format!("{:.1} MB", stored_bytes(o) as f64 / 1e6),
-            ),
-            _ => ("no", "-".into(), "-".into()),
-        };
-        let source = entry.source();
-        let default = if *name == models.default {
-            " (default)"
-        } else {
-            ""
-        };
-        println!("{name:<24} {local:<8} {weights:<8} {size:>10}  {source}{default}");
-    }
-    Ok(())
-}
-
-/// Bytes on disk of a checkpoint's files: a directory's, or the one GGUF file.
-fn stored_bytes(origin: &crate::engine::checkpoint::Origin) -> u64 {
-    use crate::engine::checkpoint::Origin;
-    match origin {
-        Origin::Dir(dir) => crate::hub::snapshot_size(dir),
-        Origin::Gguf(path) => std::fs::metadata(path).map_or(0, |m| m.len()),
-        Origin::Embedded(bytes) => bytes.weights.len() as u64,
     }
 }
 
@@ -548,57 +462,6 @@ fn dashboard(args: &TuiArgs) -> anyhow::Result<()> {
         frame_stats: args.frame_stats,
     };
     crate::tui::run(&session.loaded, options)
-}
-
-fn random_checkpoint(args: &RandomArgs) -> anyhow::Result<()> {
-    if args.heads == 0 || !args.hidden.is_multiple_of(args.heads) {
-        anyhow::bail!(
-            "random-checkpoint: --hidden {} must be a positive multiple of --heads {}",
-            args.hidden,
-            args.heads
-        );
-    }
-    if !args.force && crate::engine::checkpoint::holds_checkpoint(&args.out) {
-        anyhow::bail!(
-            "{}: already holds a checkpoint: pass --force to replace it, or choose another --out",
-            args.out.display()
-        );
-    }
-    let spec = RandomSpec {
-        shape: crate::engine::config::ModelShape {
-            hidden: args.hidden,
-            layers: args.layers,
-            passes: args.passes,
-            heads: args.heads,
-            kv_heads: args.kv_heads.unwrap_or(args.heads),
-            head_dim: args.hidden / args.heads.max(1),
-            intermediate: args.intermediate.unwrap_or(args.hidden * 11 / 4),
-            vocab: args.vocab,
-            context: args.positions,
-            tied: !args.untied,
-        },
-        random_exit_gate: false,
-        seed: args.seed,
-        pad_vocab_to: Some(args.vocab),
-        dtype: args.dtype.0,
-        ..RandomSpec::default()
-    };
-    // The draws in f32 and the tensors in their stored type.
-    let what = std::path::Path::new("random-checkpoint");
-    (spec.shape.validate(what, "--"))
-        .map_err(|e| anyhow::anyhow!(e.to_string().replace('_', "-")))?;
-    crate::engine::memory::check_shape_room(&spec.shape, 2, what)?;
-    let config = write_random_checkpoint(&args.out, &spec)?;
-    println!(
-        "wrote {}: hidden {} K={} R={} vocab {}, {}",
-        args.out.display(),
-        config.hidden,
-        config.layers,
-        config.passes,
-        config.vocab,
-        device::dtype_name(args.dtype.0)
-    );
-    Ok(())
 }
 
 /// A count of at least 1 (`--max-tokens`, `--runs`): refused as the command line is read,

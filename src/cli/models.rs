@@ -298,3 +298,42 @@ fn hub_dir(
         Err(e) => Err(e),
     }
 }
+
+/// `spex models`: every entry of `models.toml`, whether it is here, its weight type and size.
+pub(super) fn list() -> anyhow::Result<()> {
+    let file = models_file_path();
+    let models = ModelsFile::load(&file)?;
+    let cache_root = crate::hub::HubSettings::from_env()?.cache_root;
+    println!(
+        "{:<24} {:<8} {:<8} {:>10}  source",
+        "name", "local", "weights", "size"
+    );
+    for (name, entry) in &models.models {
+        let origin = entry.local_origin(&file, name, &cache_root);
+        let (local, weights, size) = match &origin {
+            Ok(o) if o.is_present() => (
+                "yes",
+                o.weight_type().unwrap_or_else(|| "?".into()),
+                format!("{:.1} MB", stored_bytes(o) as f64 / 1e6),
+            ),
+            _ => ("no", "-".into(), "-".into()),
+        };
+        let source = entry.source();
+        let default = if *name == models.default {
+            " (default)"
+        } else {
+            ""
+        };
+        println!("{name:<24} {local:<8} {weights:<8} {size:>10}  {source}{default}");
+    }
+    Ok(())
+}
+
+/// Bytes on disk of a checkpoint's files: a directory's, or the one GGUF file.
+fn stored_bytes(origin: &Origin) -> u64 {
+    match origin {
+        Origin::Dir(dir) => crate::hub::snapshot_size(dir),
+        Origin::Gguf(path) => std::fs::metadata(path).map_or(0, |m| m.len()),
+        Origin::Embedded(bytes) => bytes.weights.len() as u64,
+    }
+}

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::engine::checkpoint::{QuantizeTarget, quantize_checkpoint};
+use crate::engine::quantize::{QuantizeTarget, quantize_checkpoint};
 
 /// Write a spex checkpoint as a quantized GGUF file (llama.cpp's Ouro layout) or mlx
 /// checkpoint directory (mlx-community's layout).

@@ -13,8 +13,9 @@ use clap::Args;
 use super::ModelArgs;
 use super::chart::{Chart, Series, draw};
 use super::device::{DTypeSpec, DeviceSpec};
-use crate::engine::checkpoint::{Origin, QuantizeTarget, quantize_checkpoint};
+use crate::engine::checkpoint::Origin;
 use crate::engine::config::ModelShape;
+use crate::engine::quantize::{QuantizeTarget, quantize_checkpoint};
 use crate::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use crate::harness::sweep::{SizePoint, SizeSweep, machine_limits, size_point};
 

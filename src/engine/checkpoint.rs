@@ -1,7 +1,8 @@
 //! Finding and loading an Ouro checkpoint directory: `config.json`, one or more memory-mapped
 //! `*.safetensors` (with `model.safetensors.index.json` when sharded) and `tokenizer.json`.
 //! Used by the CLI, the dashboard and the tests; every failure names the file at fault. Also
-//! the JSON writer for the `config.json` files spex writes.
+//! the JSON writer for the `config.json` files spex writes. `spex quantize` reads these
+//! checkpoints in `engine::quantize`.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -392,7 +393,7 @@ const EMBEDDED_CONFIG: &str = "<embedded>/config.json";
 
 impl CheckpointBytes {
     /// The engine's shape of the checkpoint: its config.json parsed and checked.
-    fn looped_config(&self) -> Result<LoopedConfig> {
+    pub(super) fn looped_config(&self) -> Result<LoopedConfig> {
         let path = Path::new(EMBEDDED_CONFIG);
         let json: serde_json::Value =
             serde_json::from_slice(self.config).map_err(|e| EngineError::file(path, e))?;
@@ -583,180 +584,6 @@ impl LoadedModel {
 /// own tokenizer metadata).
 pub fn gguf_tokenizer_file(path: &Path) -> Option<PathBuf> {
     Some(path.with_file_name("tokenizer.json")).filter(|p| p.exists())
-}
-
-/// What `spex quantize` writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QuantizeTarget {
-    /// A GGUF file in llama.cpp's Ouro layout.
-    Gguf(super::gguf::write::FileType),
-    /// An mlx-community checkpoint directory, its matrices in this kind.
-    Mlx(crate::engine::kernels::AffineKind),
-}
-
-impl QuantizeTarget {
-    /// Its name, as `spex quantize --type` takes it: `q8_0`, `q4_k_m`, `mlx-4bit` (groups of
-    /// 64, mlx-lm's default), `mlx-8bit-g32`.
-    pub fn name(self) -> String {
-        match self {
-            Self::Gguf(t) => t.name().to_string(),
-            Self::Mlx(k) if k.group() == 64 => format!("mlx-{}bit", k.bits()),
-            Self::Mlx(k) => format!("mlx-{}bit-g{}", k.bits(), k.group()),
-        }
-    }
-
-    /// Every target, by name.
-    pub fn all() -> Vec<Self> {
-        let gguf = super::gguf::write::FileType::ALL.map(|(t, _)| Self::Gguf(t));
-        let mlx = (crate::engine::kernels::AffineKind::BITS.iter())
-            .flat_map(|&b| {
-                (crate::engine::kernels::AffineKind::GROUP_SIZES.iter())
-                    .filter_map(move |&g| crate::engine::kernels::AffineKind::new(b, g))
-            })
-            .map(Self::Mlx);
-        gguf.into_iter().chain(mlx).collect()
-    }
-}
-
-impl std::str::FromStr for QuantizeTarget {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let all = Self::all();
-        all.iter()
-            .find(|t| t.name().eq_ignore_ascii_case(s))
-            .copied()
-            .ok_or_else(|| {
-                let names: Vec<String> = (all.iter())
-                    .map(|t| t.name())
-                    .filter(|n| !n.contains("-g"))
-                    .collect();
-                format!(
-                    "\"{s}\" is not a type spex writes ({}; mlx types take -g32 or -g128 for other \
-                 groups than 64)",
-                    names.join(", ")
-                )
-            })
-    }
-}
-
-impl From<super::gguf::write::FileType> for QuantizeTarget {
-    fn from(t: super::gguf::write::FileType) -> Self {
-        Self::Gguf(t)
-    }
-}
-
-/// A source checkpoint's parts, as `quantize_checkpoint` reads them.
-struct Source {
-    config: LoopedConfig,
-    vb: VarBuilder<'static>,
-    tokenizer_path: PathBuf,
-    tokenizer_bytes: Vec<u8>,
-    /// Every tensor, by name (read for an mlx target only).
-    tensors: Vec<(String, candle_core::Tensor)>,
-}
-
-/// Reads `origin` for quantizing: its weights in f32 through a builder, and every tensor as
-/// stored where `all` asks.
-fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
-    use crate::engine::files::{FileKind, read_capped};
-    let f32 = DType::F32;
-    match origin {
-        Origin::Dir(dir) => {
-            let checkpoint = Checkpoint::open(dir)?;
-            if checkpoint.quantization.is_some() {
-                return Err(EngineError::file(
-                    dir.join("config.json"),
-                    "already quantized (mlx): quantize a checkpoint of float weights",
-                ));
-            }
-            let files = TensorFiles::open(&checkpoint.weight_files)?;
-            let mut tensors = Vec::new();
-            for path in checkpoint.weight_files.iter().filter(|_| all) {
-                let read = candle_core::safetensors::load(path, &Device::Cpu)
-                    .map_err(|e| EngineError::file(path, e))?;
-                tensors.extend(read);
-            }
-            let vb = VarBuilder::from_backend(Box::new(files), f32, Device::Cpu);
-            let bytes = read_capped(&checkpoint.tokenizer_file, FileKind::Tokenizer)?;
-            Ok(Source {
-                config: checkpoint.config,
-                vb,
-                tokenizer_path: checkpoint.tokenizer_file,
-                tokenizer_bytes: bytes,
-                tensors,
-            })
-        }
-        Origin::Embedded(bytes) => {
-            let config = bytes.looped_config()?;
-            let at = "<embedded>/model.safetensors";
-            let vb =
-                VarBuilder::from_buffered_safetensors(bytes.weights.to_vec(), f32, &Device::Cpu)
-                    .map_err(|e| EngineError::file(at, e))?;
-            let tensors = match all {
-                true => candle_core::safetensors::load_buffer(bytes.weights, &Device::Cpu)
-                    .map_err(|e| EngineError::file(at, e))?
-                    .into_iter()
-                    .collect(),
-                false => Vec::new(),
-            };
-            Ok(Source {
-                config,
-                vb,
-                tokenizer_path: "<embedded>/tokenizer.json".into(),
-                tokenizer_bytes: bytes.tokenizer.to_vec(),
-                tensors,
-            })
-        }
-        Origin::Gguf(path) => Err(EngineError::file(
-            path,
-            "already a GGUF file: quantize a spex checkpoint",
-        )),
-    }
-}
-
-/// Quantizes the spex checkpoint at `origin` (a directory or the embedded model) into `out`,
-/// named `name`: a GGUF file, or an mlx checkpoint directory. Returns the model's shape.
-pub fn quantize_checkpoint(
-    origin: &crate::engine::checkpoint::Origin,
-    name: &str,
-    target: QuantizeTarget,
-    out: &Path,
-) -> Result<LoopedConfig> {
-    let source = quantize_source(origin, matches!(target, QuantizeTarget::Mlx(_)))?;
-    let Source {
-        config,
-        vb,
-        tokenizer_path,
-        tokenizer_bytes,
-        tensors,
-    } = source;
-    let file_type = match target {
-        QuantizeTarget::Gguf(file_type) => file_type,
-        QuantizeTarget::Mlx(kind) => {
-            let job = crate::engine::mlx::write::MlxJob {
-                config: config.to_json(),
-                tensors,
-                tokenizer: &tokenizer_bytes,
-                kind,
-            };
-            crate::engine::mlx::write::write_mlx(job, out)?;
-            return Ok(config);
-        }
-    };
-    let weights = Weights::load(&vb, &config).map_err(|e| EngineError::file(&tokenizer_path, e))?;
-    let tokenizer: serde_json::Value = serde_json::from_slice(&tokenizer_bytes)
-        .map_err(|e| EngineError::file(&tokenizer_path, format!("not valid JSON: {e}")))?;
-    let job = super::gguf::write::QuantizeJob {
-        config: &config,
-        weights: &weights,
-        tokenizer: &tokenizer,
-        tokenizer_path: &tokenizer_path,
-        name,
-        file_type,
-    };
-    super::gguf::write::write_gguf(&job, out)?;
-    Ok(config)
 }
 
 /// Writes pretty JSON to `path`.

@@ -26,6 +26,7 @@ pub mod model;
 pub mod pass;
 pub mod pipeline;
 pub mod policy;
+pub mod quantize;
 pub mod random_checkpoint;
 pub mod rng;
 pub mod sampling;

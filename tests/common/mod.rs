@@ -181,7 +181,7 @@ pub fn quantized_pair_with(
     let out = TempDir::new().expect("temp dir");
     let file = out.path().join("model.gguf");
     let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
-    spex::engine::checkpoint::quantize_checkpoint(&origin, "test", file_type.into(), &file)
+    spex::engine::quantize::quantize_checkpoint(&origin, "test", file_type.into(), &file)
         .expect("quantize");
     (dir, out, file)
 }
@@ -207,8 +207,8 @@ pub fn mlx_pair(
     write_random_checkpoint(dir.path(), &spec).expect("checkpoint");
     let out = TempDir::new().expect("temp dir");
     let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
-    let target = spex::engine::checkpoint::QuantizeTarget::Mlx(kind);
-    spex::engine::checkpoint::quantize_checkpoint(&origin, "test", target, out.path())
+    let target = spex::engine::quantize::QuantizeTarget::Mlx(kind);
+    spex::engine::quantize::quantize_checkpoint(&origin, "test", target, out.path())
         .expect("quantize");
     (dir, out)
 }

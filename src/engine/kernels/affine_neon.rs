@@ -7,7 +7,8 @@
 use std::arch::aarch64::*;
 
 use super::affine::{AffineMatrix, hsum16};
-use super::{OutLayout, ROW_BLOCK, SharedOut, row_blocks};
+use super::dense::{ROW_BLOCK, row_blocks};
+use super::{OutLayout, SharedOut};
 
 /// [`super::affine::product`] with NEON (every aarch64 CPU has it).
 pub(super) fn product(x: &[f32], w: AffineMatrix<'_>, out: SharedOut<'_>, to: OutLayout) {

@@ -5,7 +5,8 @@
 use std::arch::x86_64::*;
 
 use super::affine::{AffineMatrix, hsum16};
-use super::{Isa, OutLayout, RUN_BYTES, SharedOut, X86_ROW_BLOCK, row_blocks, row_starts};
+use super::dense::{RUN_BYTES, X86_ROW_BLOCK, row_blocks};
+use super::{Isa, OutLayout, SharedOut, row_starts};
 
 /// How far ahead of a weight row's current block its lines are prefetched into L1: the
 /// hardware prefetchers alone left the 4-bit 1-row step waiting on memory at a third of the

@@ -114,7 +114,7 @@ unsafe fn chunk<const R: usize, const J: usize, W: WeightElement>(
 ) {
     const {
         assert!(
-            R <= super::X86_ROW_BLOCK && super::X86_ROW_BLOCK == 6,
+            R <= super::dense::X86_ROW_BLOCK && super::dense::X86_ROW_BLOCK == 6,
             "rows! unrolls six"
         )
     };

@@ -14,7 +14,8 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use super::{OutLayout, Prefetch, RUN_BYTES, SharedOut, X86_ROW_BLOCK, avx512, row_blocks};
+use super::dense::{RUN_BYTES, X86_ROW_BLOCK, row_blocks};
+use super::{OutLayout, Prefetch, SharedOut, avx512};
 
 /// Weight rows a kernel call takes at a time (6 rows × 4 of accumulators, 4 weight chunks
 /// and a row chunk: 29 of 32 registers), as `avx512` does.

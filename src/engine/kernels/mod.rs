@@ -59,8 +59,6 @@
 //! 4- and 8-bit groups),
 //! `pool` (the decode threads), `prefetch`, `attention` and `subnormals` (the FTZ/DAZ guard).
 
-use std::sync::atomic::{AtomicU32, Ordering};
-
 /// Evaluates `$call` with the constant `$r` equal to `$rows` (1–6; more count as 6), so that
 /// a kernel's loops over its rows unroll and every accumulator stays in a register: the one
 /// dispatch on a row count that the x86 matmuls and the f16 head share. Defined above the
@@ -135,6 +133,7 @@ mod avx512;
 mod avx512_attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512_bf16;
+mod dense;
 pub mod f16;
 mod isa;
 mod k_quants;
@@ -162,6 +161,7 @@ mod q8_tests;
 #[cfg(target_arch = "x86_64")]
 mod q8_vnni;
 mod settings;
+mod shared_out;
 mod subnormals;
 #[cfg(test)]
 mod tests;
@@ -173,6 +173,7 @@ pub use affine::{
     AffineKind, AffineMatrix, pack as pack_affine, unpack as unpack_affine, weight as affine_weight,
 };
 pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, attend_row};
+use dense::matmul_t_serial;
 pub use isa::{Isa, detected_isa};
 use k_quants::KRows;
 pub use k_quants::{BlockQ4K, BlockQ6K, GroupQ4K, GroupQ6K, KMatrix, KQuant, Q4K, Q6K, QK_K};
@@ -185,15 +186,9 @@ pub use q8_0::{BlockQ8_0, BlockQ8_0x8, Blocks32, KindQ8_0, Q8Matrix, QK8_0};
 use q8_0::{Q8Isa, QuantizedRows};
 use settings::Tuning;
 pub use settings::{KernelOptions, Kernels};
+pub use shared_out::SharedOut;
 pub use subnormals::SubnormalsFlushed;
 pub use weight_element::{Matrix, QuantKind, Weight, WeightElement};
-
-/// Rows of `x` processed together against one group of weight rows, NEON and portable.
-const ROW_BLOCK: usize = 4;
-/// The same on x86, whose kernels hold up to 6 rows' accumulators in registers: a `dual`
-/// step's 4 rows and a second candidate are one block, and the weights' registers are loaded
-/// once for all 5 (AVX2 with 2 weight rows at a time, AVX-512 with 4: `matmul_t_serial`).
-const X86_ROW_BLOCK: usize = 6;
 
 /// Weight matrices with at least this many elements are split across the decode threads
 /// when `--threads` is above 1 (a hidden-256 projection has 65,536).
@@ -389,67 +384,6 @@ pub fn repack(kind: QuantKind, bytes: &mut [u8], rows: usize, blocks: usize) {
     }
 }
 
-/// An output that the decode threads write at disjoint elements (each its own columns of
-/// every row), shared instead of split: a thread's columns are not one slice. Stores are
-/// relaxed atomics, plain stores on x86-64 and aarch64; `pool::Pool::run` returning is the
-/// synchronisation that makes them visible to the caller.
-#[derive(Debug, Clone, Copy)]
-pub struct SharedOut<'a>(&'a [AtomicU32]);
-
-const _: () = assert!(
-    std::mem::size_of::<AtomicU32>() == std::mem::size_of::<f32>()
-        && std::mem::align_of::<AtomicU32>() == std::mem::align_of::<f32>()
-);
-
-impl<'a> SharedOut<'a> {
-    /// `out`, writable by every thread that holds a copy while the borrow lasts.
-    pub fn new(out: &'a mut [f32]) -> Self {
-        let len = out.len();
-        // SAFETY: AtomicU32 has f32's size and alignment (asserted above) and every bit
-        // pattern is valid for both; the exclusive borrow of `out` for 'a makes this view the
-        // only access to those elements while it lives (what `AtomicU32::from_mut_slice`
-        // does).
-        Self(unsafe { std::slice::from_raw_parts(out.as_mut_ptr() as *const AtomicU32, len) })
-    }
-
-    /// The elements from `start` on.
-    pub fn from(self, start: usize) -> Self {
-        Self(&self.0[start..])
-    }
-
-    /// Element `i` := `v`.
-    #[inline(always)]
-    pub fn set(self, i: usize, v: f32) {
-        self.0[i].store(v.to_bits(), Ordering::Relaxed);
-    }
-
-    /// Elements `at..at + len`, checked to exist, as a pointer a kernel stores a vector
-    /// through (this thread's elements, as for [`Self::set`]).
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    pub(super) fn span(self, at: usize, len: usize) -> *mut f32 {
-        // AtomicU32 is an UnsafeCell: writing through a pointer to it is allowed.
-        self.0[at..at + len].as_ptr() as *mut f32
-    }
-
-    /// `values` := the first `values.len()` elements (this thread's own writes, or ones
-    /// published to it by the pool's rendezvous).
-    #[inline]
-    pub fn get_all(self, values: &mut [f32]) {
-        for (v, o) in values.iter_mut().zip(self.0) {
-            *v = f32::from_bits(o.load(Ordering::Relaxed));
-        }
-    }
-
-    /// Elements `at..at + values.len()` := `values`.
-    #[inline]
-    pub fn set_all(self, at: usize, values: &[f32]) {
-        for (o, v) in self.0[at..at + values.len()].iter().zip(values) {
-            o.store(v.to_bits(), Ordering::Relaxed);
-        }
-    }
-}
-
 /// The first `N` rows of `stride` elements in `data`, as slices of `stride`. Written as a loop,
 /// not `array::from_fn`: a closure made inside a `#[target_feature]` kernel takes on its
 /// features, so `from_fn` (which has none) cannot inline it and is not inlined itself; the
@@ -490,126 +424,6 @@ struct Rows<'a> {
 struct OutLayout {
     col: usize,
     row: usize,
-}
-
-/// One thread's share: writes the products with the weight rows in `w` where `to` says. How
-/// many weight rows a kernel takes at a time is chosen per ISA and row count, as measured
-/// (below). The grouping does not change any result: every (row, weight row) pair is computed
-/// the same way.
-fn matmul_t_serial<W: WeightElement>(
-    t: Tuning,
-    x: &[f32],
-    w: &[W],
-    rows: usize,
-    inner: usize,
-    out: SharedOut<'_>,
-    to: OutLayout,
-) {
-    let (x86, other) = (X86_ROW_BLOCK, ROW_BLOCK);
-    #[cfg(target_arch = "x86_64")]
-    if let (Isa::Avx512Bf16, Some(w)) = (t.isa, W::as_bf16(w)) {
-        // SAFETY: a `Tuning` holds Avx512Bf16 only after `Kernels::new` checked the CPU has
-        // AVX-512F, BW, VL and BF16, AVX2, FMA and F16C; `w` and `x` hold whole rows of `inner`.
-        return unsafe { avx512_bf16::sweep(t.prefetch, x, w, inner, out, to) };
-    }
-    match (t.isa, rows) {
-        // AVX-512 has 32 registers: 6 rows × 4 weight rows of accumulators plus the weight and
-        // input chunks fit. Fewer rows take 4 weight rows too: 1–2 rows × 8 weight rows, in
-        // runs of groups, made the 1-row step measurably dearer when the weights stream from
-        // DRAM; one or two rows are bound by memory, not FMAs.
-        (Isa::Avx512 | Isa::Avx512Bf16, _) => sweep::<4, W>(t, x, x86, w, inner, out, to),
-        // AVX2's 16 registers hold at most 12 accumulators: 1–4 rows × 3 weight rows, and from
-        // 5 rows on blocks of up to 6 rows × 2 weight rows. One or two rows are bound by
-        // memory, and fewer weight streams were faster: with kernels taking runs of groups
-        // (forced AVX2), 3 weight rows at a time made the default model's 1-row and 2-row
-        // steps cheaper than 4. Splitting 5 rows as 3 + 2 rows × 3 weight rows left the 2-row
-        // block's 6 accumulators waiting on FMA latency: the 5-row step took longer in two
-        // blocks than in one.
-        (Isa::Avx2Fma, 1..=4) => sweep::<3, W>(t, x, x86, w, inner, out, to),
-        (Isa::Avx2Fma, _) => sweep::<2, W>(t, x, x86, w, inner, out, to),
-        (_, 1..=2) => sweep::<4, W>(t, x, other, w, inner, out, to),
-        _ => sweep::<2, W>(t, x, other, w, inner, out, to),
-    }
-}
-
-/// Every row of `x`, in blocks of at most `block_rows`, times `J` weight rows at a time (the
-/// weight rows left over one at a time). Each call of a kernel takes a run of weight groups,
-/// so its call, row dispatch and setup are paid once a run: one run of the whole matrix where
-/// the rows are one block, else runs of [`RUN_BYTES`], still in L1 when the next block reads
-/// them. A call for each group made the default model's steps dearer than one run: its
-/// 3–5-row steps under AVX-512, and its 1–5-row steps under forced AVX2.
-fn sweep<const J: usize, W: WeightElement>(
-    t: Tuning,
-    x: &[f32],
-    block_rows: usize,
-    w: &[W],
-    inner: usize,
-    out: SharedOut<'_>,
-    to: OutLayout,
-) {
-    let rows = x.len() / inner;
-    let blocks = row_blocks(rows, block_rows);
-    let group = J * inner;
-    let grouped = w.len() / group * group;
-    let run = if rows <= block_rows {
-        grouped.max(group)
-    } else {
-        (RUN_BYTES / std::mem::size_of::<W>()).div_ceil(group) * group
-    };
-    for (c, run_w) in w[..grouped].chunks(run).enumerate() {
-        let run_out = out.from(c * (run / inner) * to.col);
-        for block in blocks.clone() {
-            let xs = &x[block.start * inner..block.end * inner];
-            dots_dispatch::<J, W>(t, xs, run_w, inner, run_out, to, block.start);
-        }
-    }
-    if grouped < w.len() {
-        let rest_out = out.from(grouped / inner * to.col);
-        for block in blocks {
-            let xs = &x[block.start * inner..block.end * inner];
-            dots_dispatch::<1, W>(t, xs, &w[grouped..], inner, rest_out, to, block.start);
-        }
-    }
-}
-
-/// The most weight bytes a kernel call takes where the rows are several blocks (L1 holds them
-/// for the next block).
-const RUN_BYTES: usize = 16 << 10;
-
-/// `rows` split into the fewest blocks of at most `most` rows, of nearly equal size (7 rows
-/// in blocks of 6 are 4 + 3, not 6 + 1: a block of one row has too few accumulators to keep
-/// the FMA units busy).
-fn row_blocks(rows: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize>> + Clone {
-    let blocks = rows.div_ceil(most);
-    (0..blocks).map(move |b| b * rows / blocks..(b + 1) * rows / blocks)
-}
-
-/// Writes `out[j·to.col + (first + r)·to.row]` = row r of `block` · weight row j of `w`, for
-/// every weight row of `w` (whole groups of `J`).
-#[inline(always)]
-fn dots_dispatch<const J: usize, W: WeightElement>(
-    t: Tuning,
-    block: &[f32],
-    w: &[W],
-    inner: usize,
-    out: SharedOut<'_>,
-    to: OutLayout,
-    first: usize,
-) {
-    match t.isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a `Tuning` holds Avx512 only after `Kernels::new` checked the CPU has
-        // AVX-512F, BW and VL, AVX2, FMA and F16C; `sweep` passes whole groups and whole rows.
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
-            avx512::dots::<J, W>(block, w, inner, out, to, t.prefetch, first)
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above, for AVX2 and FMA.
-        Isa::Avx2Fma => unsafe { avx2::dots::<J, W>(block, w, inner, out, to, t.prefetch, first) },
-        #[cfg(target_arch = "aarch64")]
-        Isa::Neon => neon::dots::<J, W>(block, w, inner, out, to, first),
-        _ => portable::dots::<J, W>(block, w, inner, out, to, first),
-    }
 }
 
 /// A dot product with a fixed summation order (vectorisable by the compiler).

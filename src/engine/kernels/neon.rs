@@ -8,7 +8,8 @@
 
 use std::arch::aarch64::*;
 
-use super::{OutLayout, ROW_BLOCK, SharedOut, WeightElement};
+use super::dense::ROW_BLOCK;
+use super::{OutLayout, SharedOut, WeightElement};
 
 /// NEON dot products of up to 4 rows of `xs` with every weight row of `w`, `J` at a time: `w`
 /// holds whole groups of `J` rows of `inner` (`super::sweep`).
