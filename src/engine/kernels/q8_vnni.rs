@@ -126,6 +126,13 @@ unsafe fn pairs<G: VnniGroup, const P: usize>(
     first: usize,
 ) {
     let (b, rows) = (xs.blocks, xs.rows());
+    // Checked once here, not at every block: the loop reads pair `p`'s block `k` at
+    // `p · b + k` through raw pointers (bounds checks there were a third of its instructions).
+    let (pair_qs, pair_sums8, pair_scales) = (
+        &xs.pair_qs[..P * b * 2 * QK8_0],
+        &xs.pair_sums8[..P * b * 2],
+        &xs.pair_scales[..P * b * 2],
+    );
     let twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     let widen = |v: __m256i| _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(v));
     for (g, group) in groups.chunks_exact(b).enumerate() {
@@ -138,8 +145,10 @@ unsafe fn pairs<G: VnniGroup, const P: usize>(
             let dw = unsafe { scales8(item.scales()) };
             let dw = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(dw));
             for (p, acc_p) in acc.iter_mut().enumerate() {
+                // `at` < P · b: `p` < P and `k` < b (a group holds b blocks).
                 let at = p * b + k;
-                let xp = xs.pair_qs[at * 2 * QK8_0..][..2 * QK8_0].as_ptr();
+                // SAFETY: the pair's 64 bytes of block `k` lie in `pair_qs` (sliced above).
+                let xp = unsafe { pair_qs.as_ptr().add(at * 2 * QK8_0) };
                 let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                 for k4 in (0..8).step_by(2) {
                     // SAFETY: the pair's 64 bytes of block `k` are readable at `xp`.
@@ -152,11 +161,16 @@ unsafe fn pairs<G: VnniGroup, const P: usize>(
                     even = _mm512_dpbusd_epi32(even, w[k4], x0);
                     odd = _mm512_dpbusd_epi32(odd, w[k4 + 1], x1);
                 }
-                let two = |v: &[i32]| i64::from(v[0] as u32) | (i64::from(v[1]) << 32);
-                let off = offset::<G>(_mm512_set1_epi64(two(&xs.pair_sums8[2 * at..])));
+                // SAFETY: the two rows' sums and scales of block `k`, side by side at `2·at`,
+                // lie in the slices above; any 8 bytes are a valid i64.
+                let (sums8, dx) = unsafe {
+                    (
+                        std::ptr::read_unaligned(pair_sums8.as_ptr().add(2 * at).cast::<i64>()),
+                        std::ptr::read_unaligned(pair_scales.as_ptr().add(2 * at).cast::<i64>()),
+                    )
+                };
+                let off = offset::<G>(_mm512_set1_epi64(sums8));
                 let isum = _mm512_sub_epi32(_mm512_add_epi32(even, odd), off);
-                let dx = &xs.pair_scales[2 * at..];
-                let dx = i64::from(dx[0].to_bits()) | (i64::from(dx[1].to_bits()) << 32);
                 let scale = _mm512_mul_ps(dw, _mm512_castsi512_ps(_mm512_set1_epi64(dx)));
                 *acc_p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc_p);
             }
