@@ -365,7 +365,10 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
                     }
                 }
                 for (r, x) in x.iter().enumerate() {
-                    let xp = x.x[64 * t..][..64].as_ptr();
+                    // SAFETY: `x.x` holds a super-block's 256 values (`KRowsView::block`) and
+                    // t < 4: sub-blocks 2t and 2t + 1 are its 64 bytes from 64t. (Pointers, not
+                    // slices: a bounds check for each t and row stayed in the loop.)
+                    let xp = unsafe { x.x.as_ptr().add(64 * t) };
                     // Sub-block 2t + odd's products, each lane's 16 in one sum (Q4_K).
                     let part = |odd: usize| {
                         let mut part = _mm512_setzero_si512();
@@ -395,9 +398,12 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
                         let packed = _mm512_packs_epi32(part(0), part(1));
                         isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
                     }
-                    let sums = x.sum32[2 * t..][..2].as_ptr();
-                    // SAFETY: the features; `sums` holds 2 sums (4 bytes).
-                    let sums = unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(sums.cast())) };
+                    // SAFETY: the features; `x.sum32` holds a super-block's 8 sums
+                    // (`KRowsView::block`) and t < 4: sums 2t and 2t + 1 are 4 bytes.
+                    let sums = unsafe {
+                        let sums = x.sum32.as_ptr().add(2 * t);
+                        _mm512_set1_epi32(std::ptr::read_unaligned(sums.cast()))
+                    };
                     msum[r] = _mm512_dpwssd_epi32(msum[r], m, sums);
                 }
             }
