@@ -311,8 +311,10 @@ unsafe fn q6k_vnni<const R: usize>(
                 };
                 let pairs = _mm512_permutexvar_epi16(bias_idx, sc16);
                 for (x, bias) in x.iter().zip(bias.iter_mut()) {
-                    // SAFETY: the features; the 4 sums from 4u on are readable.
-                    let sums = unsafe { broadcast8_512(x.sum16[4 * u..][..4].as_ptr().cast()) };
+                    // SAFETY: the features; `x.sum16` holds a super-block's 16 sums
+                    // (`KRowsView::block`) and u < 4: the 4 from 4u on are readable. (Pointers,
+                    // not slices: a bounds check for each u and row stayed in the loop.)
+                    let sums = unsafe { broadcast8_512(x.sum16.as_ptr().add(4 * u).cast()) };
                     *bias = _mm512_dpwssd_epi32(*bias, pairs, sums);
                 }
                 for p in [2 * u, 2 * u + 1] {
@@ -322,10 +324,12 @@ unsafe fn q6k_vnni<const R: usize>(
                         let v = _mm512_set1_epi16(8 * (s % 4) as i16);
                         let sc = _mm512_permutexvar_epi16(_mm512_add_epi16(row, v), sc16);
                         for (x, isum) in x.iter().zip(isum.iter_mut()) {
-                            let xp = x.x[16 * s..][..16].as_ptr();
-                            // SAFETY: the features; `xp` holds the sub-block's 16 bytes.
-                            let (lo, hi) =
-                                unsafe { (broadcast8_512(xp), broadcast8_512(xp.add(8))) };
+                            // SAFETY: the features; `x.x` holds a super-block's 256 values
+                            // (`KRowsView::block`) and s < 16: sub-block s is 16 bytes from 16s.
+                            let (lo, hi) = unsafe {
+                                let xp = x.x.as_ptr().add(16 * s);
+                                (broadcast8_512(xp), broadcast8_512(xp.add(8)))
+                            };
                             let sum = _mm512_add_epi16(
                                 _mm512_maddubs_epi16(w[0], lo),
                                 _mm512_maddubs_epi16(w[1], hi),
