@@ -195,9 +195,12 @@ unsafe fn q6k_avx2<const R: usize>(
                         let sc = _mm256_permutevar8x32_epi32(sc, idx);
                         let sc = _mm256_blend_epi16::<0xAA>(sc, _mm256_slli_epi32::<16>(sc));
                         for (x, isum) in x.iter().zip(isum.iter_mut()) {
-                            let xp = x.x[16 * s..][..16].as_ptr();
-                            // SAFETY: the features; `xp` holds the sub-block's 16 bytes.
-                            let (lo, hi) = unsafe { (broadcast8(xp), broadcast8(xp.add(8))) };
+                            // SAFETY: the features; `x.x` holds a super-block's 256 values
+                            // (`KRowsView::block`) and s < 16: sub-block s is 16 bytes from 16s.
+                            let (lo, hi) = unsafe {
+                                let xp = x.x.as_ptr().add(16 * s);
+                                (broadcast8(xp), broadcast8(xp.add(8)))
+                            };
                             let sum = _mm256_add_epi16(
                                 _mm256_maddubs_epi16(w[0], lo),
                                 _mm256_maddubs_epi16(w[1], hi),
@@ -211,9 +214,12 @@ unsafe fn q6k_avx2<const R: usize>(
             for t in 0..8 {
                 let pairs = q6k_scale_pairs_avx2(item, t);
                 for (x, bias) in x.iter().zip(bias.iter_mut()) {
-                    let sums = x.sum16[2 * t..][..2].as_ptr();
-                    // SAFETY: the features; `sums` holds 2 sums (4 bytes).
-                    let sums = unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(sums.cast())) };
+                    // SAFETY: the features; `x.sum16` holds a super-block's 16 sums and t < 8:
+                    // sums 2t and 2t + 1 are 4 bytes.
+                    let sums = unsafe {
+                        let sums = x.sum16.as_ptr().add(2 * t);
+                        _mm256_set1_epi32(std::ptr::read_unaligned(sums.cast()))
+                    };
                     *bias = _mm256_add_epi32(*bias, _mm256_madd_epi16(pairs, sums));
                 }
             }

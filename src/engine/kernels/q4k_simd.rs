@@ -191,7 +191,9 @@ pub(super) unsafe fn q4k_avx2<const R: usize, G: NibbleGroup>(
                         }
                     }
                     for (x, isum) in x.iter().zip(isum.iter_mut()) {
-                        let xp = x.x[32 * usize::from(s)..][..32].as_ptr();
+                        // SAFETY: `x.x` holds a super-block's 256 values (`KRowsView::block`)
+                        // and s < 8: sub-block s is 32 bytes from 32s.
+                        let xp = unsafe { x.x.as_ptr().add(32 * usize::from(s)) };
                         // SAFETY: the features; `xp` holds the sub-block's 32 bytes.
                         let pairs = unsafe {
                             [0, 1, 2, 3]
@@ -221,10 +223,10 @@ pub(super) unsafe fn q4k_avx2<const R: usize, G: NibbleGroup>(
                     );
                     let m = _mm256_shuffle_epi8(m8, ctl);
                     for (x, msum) in x.iter().zip(msum.iter_mut()) {
-                        // SAFETY: the features; the 4 sums from 4t on are readable.
-                        let sums = unsafe {
-                            broadcast8(x.sum32[4 * usize::from(t)..][..4].as_ptr().cast())
-                        };
+                        // SAFETY: the features; `x.sum32` holds a super-block's 8 sums and
+                        // t < 2: the 4 from 4t on are readable.
+                        let sums =
+                            unsafe { broadcast8(x.sum32.as_ptr().add(4 * usize::from(t)).cast()) };
                         msum[q] = _mm256_add_epi32(msum[q], _mm256_madd_epi16(m, sums));
                     }
                 }
