@@ -194,7 +194,7 @@ fn stream_table(kernels: &Kernels) {
 /// Q4_K, Q5_K and Q6_K, by rows: the cost of a step's extra rows where the weights stream from
 /// DRAM, or with one layer (29 MB of Q4_K) the kernels' arithmetic where they stay in cache.
 fn quantized_table(kernels: &Kernels, layers: usize) {
-    use spex::engine::kernels::{BlockQ8_0, Packed, QK8_0, QuantKind, Weight, repack};
+    use spex::engine::kernels::{BlockQ8_0, QK8_0, QuantKind, Weight, repack};
     let shapes = [
         (2048, 2048),
         (2048, 2048),
@@ -206,6 +206,7 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
     ];
     let mut dense = Vec::new();
     let mut q8 = Vec::new();
+    let k_kinds = [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K];
     let mut k_quants: [Vec<(Vec<u8>, usize)>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for layer in 0..layers {
         for (m, &(outs, inner)) in shapes.iter().enumerate() {
@@ -227,10 +228,7 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
                     .collect::<Vec<_>>(),
                 inner,
             ));
-            for (kind, out) in [QuantKind::Q4K, QuantKind::Q5K, QuantKind::Q6K]
-                .into_iter()
-                .zip(&mut k_quants)
-            {
+            for (&kind, out) in k_kinds.iter().zip(&mut k_quants) {
                 // One layer quantized, copied to the others (the bytes' values do not matter).
                 if layer > 0 {
                     let copy = out[m].clone();
@@ -241,7 +239,7 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
                 let t = candle_core::Tensor::from_vec(w.clone(), (outs, inner), &Device::Cpu);
                 let q = candle_core::quantized::QTensor::quantize(&t.expect("tensor"), dtype);
                 let mut bytes = q.and_then(|q| Ok(q.data()?.to_vec())).expect("quantize");
-                repack(kind, &mut bytes, outs, inner / 256);
+                repack(kind, &mut bytes, outs, inner / kind.block_weights());
                 out.push((bytes, inner));
             }
         }
@@ -275,20 +273,19 @@ fn quantized_table(kernels: &Kernels, layers: usize) {
         let q: Vec<(Weight<'_>, usize)> = (q8.iter())
             .map(|(w, i)| {
                 let bytes: &[u8] = bytemuck::cast_slice(w);
-                let m = Packed::from_bytes(bytes, w.len() * QK8_0 / i, i / QK8_0);
-                (Weight::Q8_0(m.expect("blocks")), *i)
+                (
+                    Weight::quantized(QuantKind::Q8_0, bytes, *i).expect("blocks"),
+                    *i,
+                )
             })
             .collect();
         let k = |which: usize| -> Vec<(Weight<'_>, usize)> {
             (k_quants[which].iter())
                 .map(|(b, i)| {
-                    let rows = b.len() / (i / 256) / [144, 176, 210][which];
-                    let w = match which {
-                        0 => Packed::from_bytes(b, rows, i / 256).map(Weight::Q4K),
-                        1 => Packed::from_bytes(b, rows, i / 256).map(Weight::Q5K),
-                        _ => Packed::from_bytes(b, rows, i / 256).map(Weight::Q6K),
-                    };
-                    (w.expect("blocks"), *i)
+                    (
+                        Weight::quantized(k_kinds[which], b, *i).expect("blocks"),
+                        *i,
+                    )
                 })
                 .collect()
         };

@@ -16,6 +16,7 @@ use half::{bf16, f16};
 
 use super::affine::AffineMatrix;
 use super::k_quants::{self, KMatrix, KQuant, Q4K, Q6K, QK_K};
+use super::packed::Packed;
 use super::q4_0::Q4Matrix;
 use super::q5k::Q5K;
 use super::q8_0::{Q8Matrix, QK8_0};
@@ -317,6 +318,20 @@ fn widen_k<K: KQuant>(w: KMatrix<'_, K>, range: std::ops::Range<usize>, out: &mu
 }
 
 impl<'a> Weight<'a> {
+    /// A matrix of `kind` blocks held in `bytes` in the kernels' layout (`packed`), `inner`
+    /// weights a row; an error says why not (the size, or an odd address).
+    pub fn quantized(kind: QuantKind, bytes: &'a [u8], inner: usize) -> Result<Self, String> {
+        let blocks = inner / kind.block_weights();
+        let rows = bytes.len() / (blocks * kind.block_bytes()).max(1);
+        match kind {
+            QuantKind::Q8_0 => Packed::from_bytes(bytes, rows, blocks).map(Self::Q8_0),
+            QuantKind::Q4_0 => Packed::from_bytes(bytes, rows, blocks).map(Self::Q4_0),
+            QuantKind::Q4K => Packed::from_bytes(bytes, rows, blocks).map(Self::Q4K),
+            QuantKind::Q5K => Packed::from_bytes(bytes, rows, blocks).map(Self::Q5K),
+            QuantKind::Q6K => Packed::from_bytes(bytes, rows, blocks).map(Self::Q6K),
+        }
+    }
+
     /// Its number of elements.
     pub fn len(self) -> usize {
         match self {

@@ -17,8 +17,7 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::exit_gate::{ExitGate, sigmoid};
 use crate::engine::kernels::prefetch::{Choice, Prefetch};
 use crate::engine::kernels::{
-    self, AffineMatrix, HeadSpan, Kernels, KvElement, Matrix, Packed, QuantKind, SubnormalsFlushed,
-    Weight,
+    self, AffineMatrix, HeadSpan, Kernels, KvElement, Matrix, SubnormalsFlushed, Weight,
 };
 use crate::engine::kv_cache::KvCache;
 
@@ -72,17 +71,7 @@ impl<'a> HostView<'a> {
                     .map_err(EngineError::Invalid)
             }
             (Storage::Cpu(CpuStorage::U8(v)), Some(BlockKind::Gguf(kind))) => {
-                let blocks = self.inner / kind.block_weights();
-                let rows = self.len / (blocks * kind.block_bytes()).max(1);
-                let bytes = &v[range];
-                match kind {
-                    QuantKind::Q8_0 => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q8_0),
-                    QuantKind::Q4_0 => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q4_0),
-                    QuantKind::Q4K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q4K),
-                    QuantKind::Q5K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q5K),
-                    QuantKind::Q6K => Packed::from_bytes(bytes, rows, blocks).map(Weight::Q6K),
-                }
-                .map_err(EngineError::Invalid)
+                Weight::quantized(kind, &v[range], self.inner).map_err(EngineError::Invalid)
             }
             (other, _) => Err(EngineError::Invalid(format!(
                 "host kernels read f32, bf16 or f16 weights or quantized blocks, not {:?}",
