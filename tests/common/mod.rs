@@ -12,7 +12,7 @@ use spex::engine::policy::PolicyKind;
 use spex::engine::random_checkpoint::{RandomSpec, write_random_checkpoint};
 use spex::harness::race::run_race;
 use spex::harness::trace::{FORMAT_VERSION, ModelRecord, Trace, TraceHeader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use tempfile::TempDir;
@@ -123,6 +123,33 @@ fn with_host_options(
 /// Reference logits `[passes][pos][vocab]` of the full-sequence forward over `ids`, its keys
 /// and values rounded as `loaded`'s KV cache stores them (f16 on the host by default).
 pub fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>> {
+    let hidden = reference_hidden(loaded, ids);
+    (loaded
+        .model()
+        .readouts(&hidden)
+        .expect("readouts")
+        .into_iter())
+    .map(|t| {
+        t.squeeze(0)
+            .and_then(|t| t.to_vec2::<f32>())
+            .expect("logits")
+    })
+    .collect()
+}
+
+/// [`reference_logits`] of pass index `pass` at the last position of `ids` alone: the one
+/// readout a second candidate needs, without the head's product at every other position.
+pub fn reference_last_logits(loaded: &LoadedModel, ids: &[u32], pass: usize) -> Vec<f32> {
+    let hidden = reference_hidden(loaded, ids);
+    let last = (hidden[pass].narrow(1, ids.len() - 1, 1)).expect("the last position");
+    let logits = loaded.model().readouts(&[last]).expect("readout");
+    (logits[0].flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("logits")
+}
+
+/// The reference forward's normed hidden state after every pass, `[1, seq, hidden]` each.
+fn reference_hidden(loaded: &LoadedModel, ids: &[u32]) -> Vec<candle_core::Tensor> {
     use spex::engine::model::reference::{Composed, ComposedF16Kv, SequenceOps};
     let input = candle_core::Tensor::new(ids, &Device::Cpu)
         .and_then(|t| t.unsqueeze(0))
@@ -131,15 +158,7 @@ pub fn reference_logits(loaded: &LoadedModel, ids: &[u32]) -> Vec<Vec<Vec<f32>>>
         Backend::Host(b) if b.options().kv_dtype == KvDtype::F16 => &ComposedF16Kv,
         _ => &Composed,
     };
-    let model = loaded.model();
-    let hidden = model.hidden_per_pass_with(&input, ops).expect("reference");
-    (model.readouts(&hidden).expect("readouts").into_iter())
-        .map(|t| {
-            t.squeeze(0)
-                .and_then(|t| t.to_vec2::<f32>())
-                .expect("logits")
-        })
-        .collect()
+    (loaded.model().hidden_per_pass_with(&input, ops)).expect("reference")
 }
 
 /// A random checkpoint whose matrices' rows are whole blocks of `file_type`, and its GGUF (in another
@@ -151,7 +170,7 @@ pub fn quantized_pair(
     passes: usize,
     seed: u64,
     file_type: spex::engine::gguf::write::FileType,
-) -> (TempDir, TempDir, std::path::PathBuf) {
+) -> (TempDir, TempDir, PathBuf) {
     let wide = file_type != spex::engine::gguf::write::FileType::Q8_0;
     quantized_pair_with(variant, layers, passes, seed, file_type, wide)
 }
@@ -166,7 +185,7 @@ pub fn quantized_pair_with(
     seed: u64,
     file_type: spex::engine::gguf::write::FileType,
     wide: bool,
-) -> (TempDir, TempDir, std::path::PathBuf) {
+) -> (TempDir, TempDir, PathBuf) {
     let mut spec = spec(layers, passes, variant, seed);
     (
         spec.shape.hidden,
@@ -184,6 +203,48 @@ pub fn quantized_pair_with(
     spex::engine::quantize::quantize_checkpoint(&origin, "test", file_type.into(), &file)
         .expect("quantize");
     (dir, out, file)
+}
+
+/// A GGUF of [`quantized_pair_with`], and the temp folders that hold it while the test needs
+/// it (none where it was made before).
+pub struct Quantized {
+    pub file: PathBuf,
+    _dirs: Vec<TempDir>,
+}
+
+/// The GGUF of [`quantized_pair_with`] alone. Where `SPEX_TEST_FILES` names a folder, it is
+/// read from there when the folder holds one made with these arguments, and copied there
+/// otherwise. `.ci/aarch64-check` gives it a fresh folder, makes the files natively and hands
+/// them to the run under qemu, where candle's K-quant quantizer (scalar float rounding) took
+/// most of the Q4_K_M suite's time. The folder is for one build: a file made by another
+/// build's quantizer would be read as it is.
+pub fn quantized_file(
+    variant: Variant,
+    layers: usize,
+    passes: usize,
+    seed: u64,
+    file_type: spex::engine::gguf::write::FileType,
+    wide: bool,
+) -> Quantized {
+    let name = format!("{variant:?}-K{layers}-R{passes}-s{seed}-{file_type:?}-wide{wide}.gguf");
+    let kept = std::env::var_os("SPEX_TEST_FILES").map(|dir| PathBuf::from(dir).join(name));
+    if let Some(file) = kept.as_ref().filter(|f| f.exists()) {
+        return Quantized {
+            file: file.clone(),
+            _dirs: Vec::new(),
+        };
+    }
+    let (dir, out, file) = quantized_pair_with(variant, layers, passes, seed, file_type, wide);
+    if let Some(kept) = kept {
+        // Copied whole, then renamed: a run that reads the folder never sees half a file.
+        let part = kept.with_extension("part");
+        std::fs::copy(&file, &part).expect("copy the GGUF to SPEX_TEST_FILES");
+        std::fs::rename(&part, &kept).expect("rename the GGUF in SPEX_TEST_FILES");
+    }
+    Quantized {
+        file,
+        _dirs: vec![dir, out],
+    }
 }
 
 /// A random checkpoint (its float weights in `dtype`) and its mlx quantization in `kind`

@@ -7,7 +7,8 @@ use spex::engine::kv_cache::KvCache;
 use spex::engine::model::{Backend, KvDtype, ReadoutKind, RowInput, RowSlot, StepBackend, StepRow};
 
 use super::common::{
-    Variant, random_model, reference_logits, spec, with_device_backend, with_kv_dtype,
+    Variant, random_model, reference_last_logits, reference_logits, spec, with_device_backend,
+    with_kv_dtype,
 };
 use super::max_abs_diff;
 
@@ -26,7 +27,7 @@ use super::max_abs_diff;
 /// 13.2 (0.28 of that row's tolerance). A wrong entry, position or tile moves logits by whole
 /// units. (A step that read unrounded entries anywhere would differ from baseline decoding,
 /// which the exactness tests compare bit for bit.)
-fn check_pipelined_steps(loaded: &LoadedModel) {
+fn check_pipelined_steps(loaded: &LoadedModel, references: &References) {
     let f32_tolerance = Tolerance {
         absolute: 1e-4,
         of_largest: 0.0,
@@ -37,10 +38,10 @@ fn check_pipelined_steps(loaded: &LoadedModel) {
                 absolute: 0.0,
                 of_largest: f32::from(half::f16::EPSILON),
             };
-            check_pipelined_steps_on(&**b, loaded, one_f16_ulp)
+            check_pipelined_steps_on(&**b, loaded, references, one_f16_ulp)
         }
-        Backend::Host(b) => check_pipelined_steps_on(&**b, loaded, f32_tolerance),
-        Backend::Device(b) => check_pipelined_steps_on(&**b, loaded, f32_tolerance),
+        Backend::Host(b) => check_pipelined_steps_on(&**b, loaded, references, f32_tolerance),
+        Backend::Device(b) => check_pipelined_steps_on(&**b, loaded, references, f32_tolerance),
     }
 }
 
@@ -59,12 +60,37 @@ impl Tolerance {
     }
 }
 
+/// The reference's logits for the tile-crossing sequence ([`tile_crossing_ids`]) at every
+/// pass and position, and each second candidate's token and pass-1 logits. They depend on the
+/// weights and on how the reference rounds keys and values ([`reference_logits`]), not on the
+/// backend: the host's f32 cache and the device backend share one set.
+struct References {
+    ids: Vec<u32>,
+    logits: Vec<Vec<Vec<f32>>>,
+    seconds: Vec<Option<(u32, Vec<f32>)>>,
+}
+
+impl References {
+    fn of(loaded: &LoadedModel) -> Self {
+        let ids = tile_crossing_ids(loaded);
+        let logits = reference_logits(loaded, &ids);
+        let seconds = (0..ids.len())
+            .map(|pos| has_second(pos).then(|| second_candidate(loaded, &ids, pos)))
+            .collect();
+        References {
+            ids,
+            logits,
+            seconds,
+        }
+    }
+}
+
 /// The token a second candidate at `pos` of `ids` runs, and its pass-1 reference logits.
 fn second_candidate(loaded: &LoadedModel, ids: &[u32], pos: usize) -> (u32, Vec<f32>) {
     let vocab = loaded.model().config.vocab as u32;
     let mut alt = ids[..=pos].to_vec();
     alt[pos] = (ids[pos] + 7) % vocab;
-    (alt[pos], reference_logits(loaded, &alt)[0][pos].clone())
+    (alt[pos], reference_last_logits(loaded, &alt, 0))
 }
 
 /// Whether position `pos` gets a second candidate beside its pass-1 row: the first position
@@ -136,15 +162,16 @@ fn tile_crossing_ids(loaded: &LoadedModel) -> Vec<u32> {
 fn check_pipelined_steps_on<B: StepBackend>(
     backend: &B,
     loaded: &LoadedModel,
+    references: &References,
     tolerance: Tolerance,
 ) {
-    let ids = tile_crossing_ids(loaded);
-    let reference = reference_logits(loaded, &ids);
+    let (ids, reference) = (&references.ids, &references.logits);
     let passes = loaded.model().passes();
-    let seconds: Vec<Option<(u32, Vec<f32>)>> = (0..ids.len())
-        .map(|pos| has_second(pos).then(|| second_candidate(loaded, &ids, pos)))
-        .collect();
-    let second_at = |pos: usize| seconds[pos].as_ref().expect("a second at this position");
+    let second_at = |pos: usize| {
+        references.seconds[pos]
+            .as_ref()
+            .expect("a second at this position")
+    };
     let capacity = ids.len() + 5;
     let mut cache = KvCache::new(backend.new_store(capacity).unwrap(), passes, capacity);
     let mut hidden: Vec<Option<RowInput<B::Hidden>>> =
@@ -198,9 +225,11 @@ fn batched_step_matches_reference_forward() {
     for variant in [Variant::Tied, Variant::Untied, Variant::Gqa] {
         for (layers, passes) in [(1, 1), (2, 3), (4, 4)] {
             let (_dir, loaded) = random_model(&spec(layers, passes, variant, 3));
-            check_pipelined_steps(&loaded);
-            check_pipelined_steps(&with_kv_dtype(&loaded, KvDtype::F32));
-            check_pipelined_steps(&with_device_backend(&loaded));
+            let f32_kv = with_kv_dtype(&loaded, KvDtype::F32);
+            let composed = References::of(&f32_kv);
+            check_pipelined_steps(&loaded, &References::of(&loaded));
+            check_pipelined_steps(&f32_kv, &composed);
+            check_pipelined_steps(&with_device_backend(&loaded), &composed);
         }
     }
 }
