@@ -397,6 +397,10 @@ pub fn decoded<K: KQuant>(w: KMatrix<'_, K>, row: usize, k: usize) -> Decoded {
 /// scale `d = max|x| / 127` as `q8_0` rounds, values in −127..=127): `qs` (`rows × inner`
 /// bytes), one scale a super-block and the sums of every 16 and every 32 values (`sums16`,
 /// `sums32`, which fit in 16 bits: 32 · 127 < 2¹⁵).
+///
+/// Stored super-block by super-block, every row's super-block `k` before any row's `k + 1`:
+/// a kernel over R rows reads super-block `k` of all of them from one place, at fixed offsets
+/// ([`KRowsView::blocks`]), instead of holding a pointer a row.
 #[derive(Debug, Default)]
 pub struct KRows {
     qs: Vec<i8>,
@@ -420,7 +424,10 @@ impl KRows {
         self.scales.clear();
         self.sums16.clear();
         self.sums32.clear();
-        for block in input.x[..input.rows * input.inner].chunks_exact(QK_K) {
+        let blocks = (0..self.blocks).flat_map(|k| {
+            (0..input.rows).map(move |r| &input.x[r * input.inner + k * QK_K..][..QK_K])
+        });
+        for block in blocks {
             let (d, id) = block_scale(block);
             self.scales.push(d);
             let at = self.qs.len();
@@ -439,13 +446,15 @@ impl KRows {
 
     /// Rows `range` of it.
     fn rows(&self, range: std::ops::Range<usize>) -> KRowsView<'_> {
-        let b = self.blocks;
         KRowsView {
-            qs: &self.qs[range.start * b * QK_K..range.end * b * QK_K],
-            scales: &self.scales[range.start * b..range.end * b],
-            sums16: &self.sums16[range.start * b * RUNS16..range.end * b * RUNS16],
-            sums32: &self.sums32[range.start * b * RUNS32..range.end * b * RUNS32],
-            blocks: b,
+            qs: &self.qs,
+            scales: &self.scales,
+            sums16: &self.sums16,
+            sums32: &self.sums32,
+            blocks: self.blocks,
+            stride: self.len(),
+            first: range.start,
+            rows: range.len(),
         }
     }
 
@@ -464,6 +473,11 @@ pub(super) struct KRowsView<'a> {
     sums32: &'a [i16],
     /// Super-blocks a row.
     pub(super) blocks: usize,
+    /// The rows of the whole [`KRows`]: super-block `k` of its row `i` is entry `k·stride + i`.
+    stride: usize,
+    /// The view's first row there, and its rows.
+    first: usize,
+    rows: usize,
 }
 
 /// One activation row's super-block as the kernels read it.
@@ -481,19 +495,40 @@ pub struct KBlock<'a> {
 
 impl KRowsView<'_> {
     pub(super) fn rows(&self) -> usize {
-        self.scales.len() / self.blocks.max(1)
+        self.rows
     }
 
     /// Row `r`'s super-block `k`.
     #[inline(always)]
     pub(super) fn block(&self, r: usize, k: usize) -> KBlock<'_> {
-        let at = r * self.blocks + k;
+        debug_assert!(r < self.rows);
+        let at = k * self.stride + self.first + r;
         KBlock {
             x: &self.qs[at * QK_K..(at + 1) * QK_K],
             sum16: &self.sums16[at * RUNS16..(at + 1) * RUNS16],
             sum32: &self.sums32[at * RUNS32..(at + 1) * RUNS32],
             dx: self.scales[at],
         }
+    }
+
+    /// Super-block `k` of rows `0..R`, sliced once: the rows lie together
+    /// ([`KRows`]), so each row's slices are at fixed offsets in the one slice, with no check
+    /// a row. (The x86 kernels' rows are a constant; NEON's take [`Self::block`] a row.)
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn blocks<const R: usize>(&self, k: usize) -> [KBlock<'_>; R] {
+        debug_assert!(R <= self.rows);
+        let at = k * self.stride + self.first;
+        let qs = &self.qs[at * QK_K..(at + R) * QK_K];
+        let sums16 = &self.sums16[at * RUNS16..(at + R) * RUNS16];
+        let sums32 = &self.sums32[at * RUNS32..(at + R) * RUNS32];
+        let scales = &self.scales[at..at + R];
+        std::array::from_fn(|r| KBlock {
+            x: &qs[r * QK_K..(r + 1) * QK_K],
+            sum16: &sums16[r * RUNS16..(r + 1) * RUNS16],
+            sum32: &sums32[r * RUNS32..(r + 1) * RUNS32],
+            dx: scales[r],
+        })
     }
 }
 

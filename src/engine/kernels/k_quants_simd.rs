@@ -179,7 +179,7 @@ unsafe fn q6k_avx2<const R: usize>(
         let mut acc = [_mm256_setzero_ps(); R];
         for (k, item) in group.iter().enumerate() {
             prefetch(plan, item);
-            let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
+            let x: [KBlock<'_>; R] = xs.blocks(k);
             let mut isum = [[_mm256_setzero_si256(); 2]; R];
             for q in 0..2 {
                 for p in 0..8 {
@@ -196,7 +196,7 @@ unsafe fn q6k_avx2<const R: usize>(
                         let sc = _mm256_blend_epi16::<0xAA>(sc, _mm256_slli_epi32::<16>(sc));
                         for (x, isum) in x.iter().zip(isum.iter_mut()) {
                             // SAFETY: the features; `x.x` holds a super-block's 256 values
-                            // (`KRowsView::block`) and s < 16: sub-block s is 16 bytes from 16s.
+                            // (`KRowsView::blocks`) and s < 16: sub-block s is 16 bytes from 16s.
                             let (lo, hi) = unsafe {
                                 let xp = x.x.as_ptr().add(16 * s);
                                 (broadcast8(xp), broadcast8(xp.add(8)))
@@ -307,7 +307,7 @@ unsafe fn q6k_vnni<const R: usize>(
         let mut acc = [_mm256_setzero_ps(); R];
         for (k, item) in group.iter().enumerate() {
             prefetch(plan, item);
-            let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
+            let x: [KBlock<'_>; R] = xs.blocks(k);
             let mut isum = [_mm512_setzero_si512(); R];
             let mut bias = [_mm512_setzero_si512(); R];
             for u in 0..4 {
@@ -318,7 +318,7 @@ unsafe fn q6k_vnni<const R: usize>(
                 let pairs = _mm512_permutexvar_epi16(bias_idx, sc16);
                 for (x, bias) in x.iter().zip(bias.iter_mut()) {
                     // SAFETY: the features; `x.sum16` holds a super-block's 16 sums
-                    // (`KRowsView::block`) and u < 4: the 4 from 4u on are readable. (Pointers,
+                    // (`KRowsView::blocks`) and u < 4: the 4 from 4u on are readable. (Pointers,
                     // not slices: a bounds check for each u and row stayed in the loop.)
                     let sums = unsafe { broadcast8_512(x.sum16.as_ptr().add(4 * u).cast()) };
                     *bias = _mm512_dpwssd_epi32(*bias, pairs, sums);
@@ -331,7 +331,7 @@ unsafe fn q6k_vnni<const R: usize>(
                         let sc = _mm512_permutexvar_epi16(_mm512_add_epi16(row, v), sc16);
                         for (x, isum) in x.iter().zip(isum.iter_mut()) {
                             // SAFETY: the features; `x.x` holds a super-block's 256 values
-                            // (`KRowsView::block`) and s < 16: sub-block s is 16 bytes from 16s.
+                            // (`KRowsView::blocks`) and s < 16: sub-block s is 16 bytes from 16s.
                             let (lo, hi) = unsafe {
                                 let xp = x.x.as_ptr().add(16 * s);
                                 (broadcast8_512(xp), broadcast8_512(xp.add(8)))

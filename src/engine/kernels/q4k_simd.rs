@@ -147,7 +147,7 @@ pub(super) unsafe fn q4k_avx2<const R: usize, G: NibbleGroup>(
         for (k, whole) in group.iter().enumerate() {
             prefetch(plan, whole);
             let item = whole.low();
-            let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
+            let x: [KBlock<'_>; R] = xs.blocks(k);
             let halves = entries_by_half(&item.scales);
             let mut isum = [[_mm256_setzero_si256(); 2]; R];
             let mut msum = [[_mm256_setzero_si256(); 2]; R];
@@ -191,7 +191,7 @@ pub(super) unsafe fn q4k_avx2<const R: usize, G: NibbleGroup>(
                         }
                     }
                     for (x, isum) in x.iter().zip(isum.iter_mut()) {
-                        // SAFETY: `x.x` holds a super-block's 256 values (`KRowsView::block`)
+                        // SAFETY: `x.x` holds a super-block's 256 values (`KRowsView::blocks`)
                         // and s < 8: sub-block s is 32 bytes from 32s.
                         let xp = unsafe { x.x.as_ptr().add(32 * usize::from(s)) };
                         // SAFETY: the features; `xp` holds the sub-block's 32 bytes.
@@ -331,7 +331,7 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
         for (k, whole) in group.iter().enumerate() {
             prefetch(plan, whole);
             let item = whole.low();
-            let x: [KBlock<'_>; R] = std::array::from_fn(|r| xs.block(r, k));
+            let x: [KBlock<'_>; R] = xs.blocks(k);
             let (sc8, m8) = entries_512(&item.scales);
             let mut isum = [_mm512_setzero_si512(); R];
             let mut msum = [_mm512_setzero_si512(); R];
@@ -367,7 +367,7 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
                     }
                 }
                 for (r, x) in x.iter().enumerate() {
-                    // SAFETY: `x.x` holds a super-block's 256 values (`KRowsView::block`) and
+                    // SAFETY: `x.x` holds a super-block's 256 values (`KRowsView::blocks`) and
                     // t < 4: sub-blocks 2t and 2t + 1 are its 64 bytes from 64t. (Pointers, not
                     // slices: a bounds check for each t and row stayed in the loop.)
                     let xp = unsafe { x.x.as_ptr().add(64 * t) };
@@ -401,7 +401,7 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
                         isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
                     }
                     // SAFETY: the features; `x.sum32` holds a super-block's 8 sums
-                    // (`KRowsView::block`) and t < 4: sums 2t and 2t + 1 are 4 bytes.
+                    // (`KRowsView::blocks`) and t < 4: sums 2t and 2t + 1 are 4 bytes.
                     let sums = unsafe {
                         let sums = x.sum32.as_ptr().add(2 * t);
                         _mm512_set1_epi32(std::ptr::read_unaligned(sums.cast()))
