@@ -446,6 +446,9 @@ impl KRows {
 
     /// Rows `range` of it.
     fn rows(&self, range: std::ops::Range<usize>) -> KRowsView<'_> {
+        // The views share the whole buffers: a row past the end would read another
+        // super-block's rows, not fail a slice.
+        assert!(range.end <= self.len(), "rows {range:?} of {}", self.len());
         KRowsView {
             qs: &self.qs,
             scales: &self.scales,
@@ -501,7 +504,7 @@ impl KRowsView<'_> {
     /// Row `r`'s super-block `k`.
     #[inline(always)]
     pub(super) fn block(&self, r: usize, k: usize) -> KBlock<'_> {
-        debug_assert!(r < self.rows);
+        assert!(r < self.rows && k < self.blocks);
         let at = k * self.stride + self.first + r;
         KBlock {
             x: &self.qs[at * QK_K..(at + 1) * QK_K],
@@ -517,7 +520,7 @@ impl KRowsView<'_> {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub(super) fn blocks<const R: usize>(&self, k: usize) -> [KBlock<'_>; R] {
-        debug_assert!(R <= self.rows);
+        assert!(R <= self.rows && k < self.blocks);
         let at = k * self.stride + self.first;
         let qs = &self.qs[at * QK_K..(at + R) * QK_K];
         let sums16 = &self.sums16[at * RUNS16..(at + R) * RUNS16];
