@@ -268,7 +268,14 @@ fn every_shape_quantized(suite: Suite, file_type: FileType) -> Tally {
         // Q4_0 on narrow rows (a twentieth of the wide shape's MLP): its blocks are Q8_0's
         // size, and the Q6_K head the wide shape would give it is the Q4_K_M suite's.
         let wide = matches!(file_type, FileType::Q4KM | FileType::Q5KM);
-        let quantized = common::quantized_file(variant, layers, passes, seed, file_type, wide);
+        let quantized = common::quantized_file(&common::QuantizedSpec {
+            variant,
+            layers,
+            passes,
+            seed,
+            file_type,
+            wide,
+        });
         let loaded = LoadedModel::load_gguf(
             &quantized.file,
             &Device::Cpu,

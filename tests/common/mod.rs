@@ -161,6 +161,20 @@ fn reference_hidden(loaded: &LoadedModel, ids: &[u32]) -> Vec<candle_core::Tenso
     (loaded.model().hidden_per_pass_with(&input, ops)).expect("reference")
 }
 
+/// Which random checkpoint a quantized test file is made from, and how: its variant, layers,
+/// passes and seed ([`spec`]), the file's type, and whether its rows are whole K-quant
+/// super-blocks (256 wide) or 64 wide: the narrow shape holds a twentieth of the MLP's
+/// weights, and there a Q4_0 file's LM head falls back to Q8_0.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantizedSpec {
+    pub variant: Variant,
+    pub layers: usize,
+    pub passes: usize,
+    pub seed: u64,
+    pub file_type: spex::engine::gguf::write::FileType,
+    pub wide: bool,
+}
+
 /// A random checkpoint whose matrices' rows are whole blocks of `file_type`, and its GGUF (in another
 /// folder: no tokenizer.json beside it): rows of whole K-quant super-blocks but for Q8_0, so
 /// that Q4_0's LM head is Q6_K, as llama.cpp writes it.
@@ -171,27 +185,24 @@ pub fn quantized_pair(
     seed: u64,
     file_type: spex::engine::gguf::write::FileType,
 ) -> (TempDir, TempDir, PathBuf) {
-    let wide = file_type != spex::engine::gguf::write::FileType::Q8_0;
-    quantized_pair_with(variant, layers, passes, seed, file_type, wide)
+    quantized_pair_with(&QuantizedSpec {
+        variant,
+        layers,
+        passes,
+        seed,
+        file_type,
+        wide: file_type != spex::engine::gguf::write::FileType::Q8_0,
+    })
 }
 
-/// [`quantized_pair`] with rows of whole K-quant super-blocks (256 wide) where `wide`, else 64
-/// wide: the narrow shape holds a twentieth of the MLP's weights, and there a Q4_0 file's LM
-/// head falls back to Q8_0.
-pub fn quantized_pair_with(
-    variant: Variant,
-    layers: usize,
-    passes: usize,
-    seed: u64,
-    file_type: spex::engine::gguf::write::FileType,
-    wide: bool,
-) -> (TempDir, TempDir, PathBuf) {
-    let mut spec = spec(layers, passes, variant, seed);
+/// The checkpoint of `q` and its GGUF, as [`quantized_pair`] makes them.
+pub fn quantized_pair_with(q: &QuantizedSpec) -> (TempDir, TempDir, PathBuf) {
+    let mut spec = spec(q.layers, q.passes, q.variant, q.seed);
     (
         spec.shape.hidden,
         spec.shape.head_dim,
         spec.shape.intermediate,
-    ) = match wide {
+    ) = match q.wide {
         true => (256, 64, 512),
         false => (64, 16, 96),
     };
@@ -200,7 +211,7 @@ pub fn quantized_pair_with(
     let out = TempDir::new().expect("temp dir");
     let file = out.path().join("model.gguf");
     let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
-    spex::engine::quantize::quantize_checkpoint(&origin, "test", file_type.into(), &file)
+    spex::engine::quantize::quantize_checkpoint(&origin, "test", q.file_type.into(), &file)
         .expect("quantize");
     (dir, out, file)
 }
@@ -218,14 +229,15 @@ pub struct Quantized {
 /// them to the run under qemu, where candle's K-quant quantizer (scalar float rounding) took
 /// most of the Q4_K_M suite's time. The folder is for one build: a file made by another
 /// build's quantizer would be read as it is.
-pub fn quantized_file(
-    variant: Variant,
-    layers: usize,
-    passes: usize,
-    seed: u64,
-    file_type: spex::engine::gguf::write::FileType,
-    wide: bool,
-) -> Quantized {
+pub fn quantized_file(q: &QuantizedSpec) -> Quantized {
+    let QuantizedSpec {
+        variant,
+        layers,
+        passes,
+        seed,
+        file_type,
+        wide,
+    } = q;
     let name = format!("{variant:?}-K{layers}-R{passes}-s{seed}-{file_type:?}-wide{wide}.gguf");
     let kept = std::env::var_os("SPEX_TEST_FILES").map(|dir| PathBuf::from(dir).join(name));
     if let Some(file) = kept.as_ref().filter(|f| f.exists()) {
@@ -234,7 +246,7 @@ pub fn quantized_file(
             _dirs: Vec::new(),
         };
     }
-    let (dir, out, file) = quantized_pair_with(variant, layers, passes, seed, file_type, wide);
+    let (dir, out, file) = quantized_pair_with(q);
     if let Some(kept) = kept {
         // Copied whole, then renamed: a run that reads the folder never sees half a file.
         let part = kept.with_extension("part");
