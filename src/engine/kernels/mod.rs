@@ -125,7 +125,6 @@ mod affine_tests;
 mod attention;
 #[cfg(test)]
 mod attention_tests;
-#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -133,6 +132,8 @@ mod avx512;
 mod avx512_attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512_bf16;
+#[cfg(target_arch = "x86_64")]
+mod claims;
 mod dense;
 pub mod f16;
 mod isa;
@@ -173,6 +174,7 @@ pub use affine::{
     AffineKind, AffineMatrix, pack as pack_affine, unpack as unpack_affine, weight as affine_weight,
 };
 pub use attention::{AttnShape, HeadSpan, KvLayout, KvStrides, KvView, Query, attend_row};
+use claims::Claims;
 use dense::matmul_t_serial;
 pub use isa::{Isa, detected_isa};
 use k_quants::KRows;
@@ -215,14 +217,16 @@ fn gated_t_on(
     let (parts, t, width) = (pool.threads(), k.tuning, gate_w.len() / inner);
     let (gate, up) = (SharedOut::new(gate), SharedOut::new(up));
     let input = Input::new(t, input, &[gate_w, up_w]);
+    let claims = Claims::new(width, parts, SHARE_ALIGN);
     pool.run(&|part| {
-        let range = pool::share(width, parts, part, SHARE_ALIGN);
-        for (w, out) in [(gate_w, gate), (up_w, up)] {
-            product_columns(t, &input, w, out, range.clone());
-        }
-        for r in 0..rows {
-            let at = r * width + range.start;
-            silu_mul_shared(t.isa, gate.from(at), up.from(at), range.len());
+        while let Some(range) = claims.next(part) {
+            for (w, out) in [(gate_w, gate), (up_w, up)] {
+                product_columns(t, &input, w, out, range.clone());
+            }
+            for r in 0..rows {
+                let at = r * width + range.start;
+                silu_mul_shared(t.isa, gate.from(at), up.from(at), range.len());
+            }
         }
     });
 }
@@ -257,10 +261,14 @@ fn matmul_t_pooled(
         .collect();
     let weights: Vec<Weight<'_>> = outs.iter().map(|(w, _)| *w).collect();
     let input = Input::new(t, input, &weights);
+    let claims: Vec<Claims> = (outs.iter())
+        .map(|(w, _)| Claims::new(w.len() / inner, parts, SHARE_ALIGN))
+        .collect();
     pool.run(&|part| {
-        for &(w, out) in &outs {
-            let range = pool::share(w.len() / inner, parts, part, SHARE_ALIGN);
-            product_columns(t, &input, w, out, range);
+        for (&(w, out), claims) in outs.iter().zip(&claims) {
+            while let Some(range) = claims.next(part) {
+                product_columns(t, &input, w, out, range);
+            }
         }
     });
 }
