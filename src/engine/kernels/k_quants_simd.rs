@@ -159,6 +159,20 @@ fn q6k_scale_pairs_avx2(item: &GroupQ6K, t: usize) -> __m256i {
     _mm256_blend_epi16::<0xAA>(a, _mm256_slli_epi32::<16>(b))
 }
 
+/// Sub-block `s`'s scales of rows `4q..4q + 4` as the lanes take them: lane `k` (row
+/// `4q + k / 2`) holds its row's scale in both 16-bit halves. One byte shuffle spreads the 4
+/// scales before they are widened, where a widening to 32 bits, a lane permute and a blend
+/// of each lane's halves took four vector instructions for each sub-block, half and group.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn q6k_lane_scales_avx2(item: &GroupQ6K, s: usize, q: usize) -> __m256i {
+    let four = &item.scales[s][4 * q..4 * q + 4];
+    let word = i32::from_le_bytes([four[0], four[1], four[2], four[3]].map(|b| b as u8));
+    let spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_cvtsi32_si128(word), spread))
+}
+
 /// Q6_K's one definition for `R` rows over whole groups, with AVX2 (module docs).
 ///
 /// # Safety
@@ -186,14 +200,7 @@ unsafe fn q6k_avx2<const R: usize>(
                     let w = q6k_weights_avx2(item, p, 32 * q);
                     for (odd, w) in w.iter().enumerate() {
                         let s = 2 * p + odd;
-                        // SAFETY: the features; the sub-block's 8 scales.
-                        let sc = unsafe {
-                            _mm256_cvtepi8_epi32(_mm_loadl_epi64(item.scales[s].as_ptr().cast()))
-                        };
-                        let idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-                        let idx = _mm256_add_epi32(idx, _mm256_set1_epi32(4 * q as i32));
-                        let sc = _mm256_permutevar8x32_epi32(sc, idx);
-                        let sc = _mm256_blend_epi16::<0xAA>(sc, _mm256_slli_epi32::<16>(sc));
+                        let sc = q6k_lane_scales_avx2(item, s, q);
                         for (x, isum) in x.iter().zip(isum.iter_mut()) {
                             // SAFETY: the features; `x.x` holds a super-block's 256 values
                             // (`KRowsView::blocks`) and s < 16: sub-block s is 16 bytes from 16s.
