@@ -125,6 +125,7 @@ mod affine_tests;
 mod attention;
 #[cfg(test)]
 mod attention_tests;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -132,7 +133,6 @@ mod avx512;
 mod avx512_attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512_bf16;
-#[cfg(target_arch = "x86_64")]
 mod claims;
 mod dense;
 pub mod f16;
