@@ -152,11 +152,12 @@ fn q6k_scale_pairs_avx2(item: &GroupQ6K, t: usize) -> __m256i {
     // SAFETY: the feature; each sub-block has 8 scales.
     let (a, b) = unsafe {
         (
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(item.scales[2 * t].as_ptr().cast())),
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(item.scales[2 * t + 1].as_ptr().cast())),
+            _mm_loadl_epi64(item.scales[2 * t].as_ptr().cast()),
+            _mm_loadl_epi64(item.scales[2 * t + 1].as_ptr().cast()),
         )
     };
-    _mm256_blend_epi16::<0xAA>(a, _mm256_slli_epi32::<16>(b))
+    // Bytes a₀ b₀ a₁ b₁ …, widened: lane j holds (a_j, b_j).
+    _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b))
 }
 
 /// Sub-block `s`'s scales of rows `4q..4q + 4` as the lanes take them: lane `k` (row
