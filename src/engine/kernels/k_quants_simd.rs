@@ -161,9 +161,9 @@ fn q6k_scale_pairs_avx2(item: &GroupQ6K, t: usize) -> __m256i {
 }
 
 /// Sub-block `s`'s scales of rows `4q..4q + 4` as the lanes take them: lane `k` (row
-/// `4q + k / 2`) holds its row's scale in both 16-bit halves. One byte shuffle spreads the 4
-/// scales before they are widened, where a widening to 32 bits, a lane permute and a blend
-/// of each lane's halves took four vector instructions for each sub-block, half and group.
+/// `4q + k / 2`) holds its row's scale in both 16-bit halves. The 4 bytes are spread before
+/// they are widened, so that one in-lane byte shuffle places them: it runs for every
+/// sub-block and half, shared by the rows but a fair share of a 1-row step.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
