@@ -126,6 +126,77 @@ fn fifth_avx2(h: __m256i, bit: u8) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(16))
 }
 
+/// Sub-block `s` of half `q` (rows 0..4 or 4..8) of a group's super-block, for every row:
+/// the weights' nibbles (and Q5_K's fifth bits), each row's four `vpmaddubsw` added in 16
+/// bits, then scaled by `vpmaddwd` against the sub-block's scale pairs (from the half's
+/// entries `sc8`) into `isum[r][q]` (module docs).
+///
+/// # Safety
+/// The CPU must have AVX2; `s` < 8 and `q` < 2; `x` holds a super-block of each row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn sub_block<const R: usize, G: NibbleGroup>(
+    whole: &G,
+    s: u8,
+    q: usize,
+    sc8: __m256i,
+    x: &[KBlock<'_>; R],
+    isum: &mut [[__m256i; 2]; R],
+) {
+    let (item, nib) = (whole.low(), _mm256_set1_epi8(0x0F));
+    // Lane (row j, half h): sub-block s's scale of row j, twice.
+    let at = 4 * (s / 2) + 2 * (s % 2);
+    let ctl = _mm256_setr_epi32(
+        pair(at),
+        pair(at),
+        pair(at + 1),
+        pair(at + 1),
+        pair(at),
+        pair(at),
+        pair(at + 1),
+        pair(at + 1),
+    );
+    let sc = _mm256_shuffle_epi8(sc8, ctl);
+    let base = 128 * usize::from(s) + 32 * q;
+    // SAFETY: the features; sub-block s's two 64-byte halves are readable.
+    let (v0, v1) = unsafe {
+        (
+            _mm256_loadu_si256(item.qs.as_ptr().add(base).cast()),
+            _mm256_loadu_si256(item.qs.as_ptr().add(base + 64).cast()),
+        )
+    };
+    let mut w = [
+        _mm256_and_si256(v0, nib),
+        _mm256_and_si256(v1, nib),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(v0), nib),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(v1), nib),
+    ];
+    if G::FIFTH {
+        // Runs 2s and 2s + 1 are runs 4t + c and 4t + c + 1 (`q5k`).
+        let at = 64 * usize::from(s / 2) + 32 * q;
+        // SAFETY: the features; the fifth bits hold 64 bytes from `64 (s / 2)`.
+        let h = unsafe { _mm256_loadu_si256(whole.fifth()[at..].as_ptr().cast()) };
+        let c = 2 * (s % 2);
+        for (w, bit) in w.iter_mut().zip([2 * c, 2 * c + 2, 2 * c + 1, 2 * c + 3]) {
+            *w = _mm256_or_si256(*w, fifth_avx2(h, bit));
+        }
+    }
+    for (x, isum) in x.iter().zip(isum.iter_mut()) {
+        // SAFETY: `x.x` holds a super-block's 256 values (`KRowsView::blocks`)
+        // and s < 8: sub-block s is 32 bytes from 32s.
+        let xp = unsafe { x.x.as_ptr().add(32 * usize::from(s)) };
+        // SAFETY: the features; `xp` holds the sub-block's 32 bytes.
+        let pairs =
+            unsafe { [0, 1, 2, 3].map(|i| _mm256_maddubs_epi16(w[i], broadcast8(xp.add(8 * i)))) };
+        let sum = _mm256_add_epi16(
+            _mm256_add_epi16(pairs[0], pairs[1]),
+            _mm256_add_epi16(pairs[2], pairs[3]),
+        );
+        isum[q] = _mm256_add_epi32(isum[q], _mm256_madd_epi16(sum, sc));
+    }
+}
+
 /// Q4_K's and Q5_K's one definition for `R` rows over whole groups, with AVX2 (module docs).
 ///
 /// # Safety
@@ -141,7 +212,7 @@ pub(super) unsafe fn q4k_avx2<const R: usize, G: NibbleGroup>(
     to: OutLayout,
     first: usize,
 ) {
-    let (b, nib) = (xs.blocks, _mm256_set1_epi8(0x0F));
+    let b = xs.blocks;
     for (g, group) in groups.chunks_exact(b).enumerate() {
         let mut acc = [_mm256_setzero_ps(); R];
         for (k, whole) in group.iter().enumerate() {
@@ -151,61 +222,24 @@ pub(super) unsafe fn q4k_avx2<const R: usize, G: NibbleGroup>(
             let halves = entries_by_half(&item.scales);
             let mut isum = [[_mm256_setzero_si256(); 2]; R];
             let mut msum = [[_mm256_setzero_si256(); 2]; R];
-            for (q, &(sc8, m8)) in halves.iter().enumerate() {
+            // One row: a sub-block's 4 activation broadcasts serve both halves back to back.
+            // More rows: a half's accumulators stay in registers for its 8 sub-blocks.
+            if R == 1 {
                 for s in 0..8u8 {
-                    // Lane (row j, half h): sub-block s's scale of row j, twice.
-                    let at = 4 * (s / 2) + 2 * (s % 2);
-                    let ctl = _mm256_setr_epi32(
-                        pair(at),
-                        pair(at),
-                        pair(at + 1),
-                        pair(at + 1),
-                        pair(at),
-                        pair(at),
-                        pair(at + 1),
-                        pair(at + 1),
-                    );
-                    let sc = _mm256_shuffle_epi8(sc8, ctl);
-                    let base = 128 * usize::from(s) + 32 * q;
-                    // SAFETY: the features; sub-block s's two 64-byte halves are readable.
-                    let (v0, v1) = unsafe {
-                        (
-                            _mm256_loadu_si256(item.qs.as_ptr().add(base).cast()),
-                            _mm256_loadu_si256(item.qs.as_ptr().add(base + 64).cast()),
-                        )
-                    };
-                    let mut w = [
-                        _mm256_and_si256(v0, nib),
-                        _mm256_and_si256(v1, nib),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(v0), nib),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(v1), nib),
-                    ];
-                    if G::FIFTH {
-                        // Runs 2s and 2s + 1 are runs 4t + c and 4t + c + 1 (`q5k`).
-                        let at = 64 * usize::from(s / 2) + 32 * q;
-                        // SAFETY: the features; the fifth bits hold 64 bytes from `64 (s / 2)`.
-                        let h = unsafe { _mm256_loadu_si256(whole.fifth()[at..].as_ptr().cast()) };
-                        let c = 2 * (s % 2);
-                        for (w, bit) in w.iter_mut().zip([2 * c, 2 * c + 2, 2 * c + 1, 2 * c + 3]) {
-                            *w = _mm256_or_si256(*w, fifth_avx2(h, bit));
-                        }
-                    }
-                    for (x, isum) in x.iter().zip(isum.iter_mut()) {
-                        // SAFETY: `x.x` holds a super-block's 256 values (`KRowsView::blocks`)
-                        // and s < 8: sub-block s is 32 bytes from 32s.
-                        let xp = unsafe { x.x.as_ptr().add(32 * usize::from(s)) };
-                        // SAFETY: the features; `xp` holds the sub-block's 32 bytes.
-                        let pairs = unsafe {
-                            [0, 1, 2, 3]
-                                .map(|i| _mm256_maddubs_epi16(w[i], broadcast8(xp.add(8 * i))))
-                        };
-                        let sum = _mm256_add_epi16(
-                            _mm256_add_epi16(pairs[0], pairs[1]),
-                            _mm256_add_epi16(pairs[2], pairs[3]),
-                        );
-                        isum[q] = _mm256_add_epi32(isum[q], _mm256_madd_epi16(sum, sc));
+                    for (q, &(sc8, _)) in halves.iter().enumerate() {
+                        // SAFETY: the features; s < 8 and q < 2.
+                        unsafe { sub_block(whole, s, q, sc8, &x, &mut isum) };
                     }
                 }
+            } else {
+                for (q, &(sc8, _)) in halves.iter().enumerate() {
+                    for s in 0..8u8 {
+                        // SAFETY: the features; s < 8 and q < 2.
+                        unsafe { sub_block(whole, s, q, sc8, &x, &mut isum) };
+                    }
+                }
+            }
+            for (q, &(_, m8)) in halves.iter().enumerate() {
                 for t in 0..2u8 {
                     // Lane (row j, half h): row j's mins of sub-blocks 4t + 2h and 4t + 2h + 1.
                     let at = |h: u8, odd: u8| 4 * (2 * t + h) + odd;
