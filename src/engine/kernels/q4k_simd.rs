@@ -126,6 +126,23 @@ fn fifth_avx2(h: __m256i, bit: u8) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(16))
 }
 
+/// Sub-block `s`'s `vpshufb` control over a half's scale entries (`entries_by_half`): lane
+/// (row j, half h) takes row j's scale of sub-block s, twice. A table, not built in the
+/// kernel: where the sub-block loop is not unrolled (more rows), building it took three
+/// instructions a sub-block and half, one on the port that moves integers into vectors.
+#[cfg(target_arch = "x86_64")]
+static SCALE_CONTROLS: [[i32; 8]; 8] = {
+    let mut t = [[0; 8]; 8];
+    let mut s = 0;
+    while s < 8 {
+        let at = 4 * (s as u8 / 2) + 2 * (s as u8 % 2);
+        let (even, odd) = (pair(at), pair(at + 1));
+        t[s] = [even, even, odd, odd, even, even, odd, odd];
+        s += 1;
+    }
+    t
+};
+
 /// Sub-block `s` of half `q` (rows 0..4 or 4..8) of a group's super-block, for every row:
 /// the weights' nibbles (and Q5_K's fifth bits), each row's four `vpmaddubsw` added in 16
 /// bits, then scaled by `vpmaddwd` against the sub-block's scale pairs (from the half's
@@ -145,18 +162,8 @@ unsafe fn sub_block<const R: usize, G: NibbleGroup>(
     isum: &mut [[__m256i; 2]; R],
 ) {
     let (item, nib) = (whole.low(), _mm256_set1_epi8(0x0F));
-    // Lane (row j, half h): sub-block s's scale of row j, twice.
-    let at = 4 * (s / 2) + 2 * (s % 2);
-    let ctl = _mm256_setr_epi32(
-        pair(at),
-        pair(at),
-        pair(at + 1),
-        pair(at + 1),
-        pair(at),
-        pair(at),
-        pair(at + 1),
-        pair(at + 1),
-    );
+    // SAFETY: the features; s < 8 and each control is 32 bytes.
+    let ctl = unsafe { _mm256_loadu_si256(SCALE_CONTROLS[usize::from(s)].as_ptr().cast()) };
     let sc = _mm256_shuffle_epi8(sc8, ctl);
     let base = 128 * usize::from(s) + 32 * q;
     // SAFETY: the features; sub-block s's two 64-byte halves are readable.
