@@ -127,8 +127,8 @@ fn fifth_avx2(h: __m256i, bit: u8) -> __m256i {
 }
 
 /// Sub-block `s`'s `vpshufb` control over a half's scale entries (`entries_by_half`): lane
-/// (row j, half h) takes row j's scale of sub-block s, twice. A table, not built in the
-/// kernel: where the sub-block loop is not unrolled (more rows), building it took three
+/// (row j, half h) takes row j's scale of sub-block s, twice. A table, one load: where the
+/// sub-block loop is not unrolled (more rows), building the control in the kernel takes three
 /// instructions a sub-block and half, one on the port that moves integers into vectors.
 #[cfg(target_arch = "x86_64")]
 static SCALE_CONTROLS: [[i32; 8]; 8] = {
