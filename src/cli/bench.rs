@@ -332,7 +332,7 @@ fn json_report(
         "weight_type": session.loaded.model().weight_type(),
         "integer_products": host.and_then(|h| h.integer_products),
         "threads": host.map(|h| h.threads),
-        "prefetch": host.and_then(|h| h.prefetch.as_ref()).map(|c| c.plan().name()),
+        "prefetch": host.and_then(|h| h.prefetch.as_ref()).map(|c| c.plans().name()),
         "cpu": cpu_model(),
         "gpu": info.accelerator,
         "runs_per_lane": args.lanes.runs,

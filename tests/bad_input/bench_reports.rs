@@ -100,9 +100,9 @@ fn bench_interleaves_its_runs_and_reports_each_one() {
     assert_eq!(report["kernel_isa"], "Portable");
     assert_eq!(report["backend"], "host kernels");
     assert!(report["step_rows"].is_null());
-    // Chosen by timing both plans on the model's steps when it loaded.
+    // The portable loops prefetch nothing: the default plan stands, untimed.
     let plan = report["prefetch"].as_str().unwrap();
-    assert!(["l1", "l2"].contains(&plan), "{plan}");
+    assert_eq!(plan, "l1");
     let overall: Vec<f64> = report["overall"]["policies"][0]["run_speedups"]
         .as_array()
         .unwrap()

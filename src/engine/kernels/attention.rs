@@ -201,7 +201,7 @@ impl Kernels {
         out: &mut [f32],
         scores: &mut Vec<f32>,
     ) {
-        attend_group_on(self.tuning.isa, queries, cache.into(), heads, out, scores);
+        attend_group_on(self.isa(), queries, cache.into(), heads, out, scores);
     }
 }
 

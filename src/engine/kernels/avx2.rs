@@ -64,7 +64,8 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
 
 /// The 8-lane accumulators of every (row, weight row) pair of one group of weight rows `ws`,
 /// over the multiple-of-8 part of each row; the weight rows `near` and `far` floats on (later
-/// groups', streaming from L3 or DRAM: `super::prefetch`) prefetched into L1 and L2.
+/// groups', streaming from L3 or DRAM: `super::prefetch`) prefetched into L1 and L2, where
+/// the plan has them.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `xs` holds at least R rows of `ws[0].len()`.
@@ -73,7 +74,7 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
 unsafe fn group_sums<const R: usize, const J: usize, W: WeightElement>(
     xs: &[f32],
     ws: [&[W]; J],
-    near: usize,
+    near: Option<usize>,
     far: usize,
 ) -> [[__m256; J]; R] {
     let inner = ws[0].len();
@@ -84,7 +85,7 @@ unsafe fn group_sums<const R: usize, const J: usize, W: WeightElement>(
     // past it are prefetched a chunk, in order, from one pointer each, as `avx512::dots_rows`
     // does (one pointer per row and distance left too few registers).
     let (near_at, far_at) = (
-        ws[0].as_ptr().wrapping_add(near),
+        near.map(|near| ws[0].as_ptr().wrapping_add(near)),
         ws[0].as_ptr().wrapping_add(far),
     );
     let mut k = 0;
@@ -98,7 +99,9 @@ unsafe fn group_sums<const R: usize, const J: usize, W: WeightElement>(
             for line in 0..(J * 8 * bytes).div_ceil(64) {
                 let at = J * k + line * 64 / bytes;
                 // A prefetch never faults, even past the end.
-                _mm_prefetch::<_MM_HINT_T0>(near_at.wrapping_add(at) as *const i8);
+                if let Some(near_at) = near_at {
+                    _mm_prefetch::<_MM_HINT_T0>(near_at.wrapping_add(at) as *const i8);
+                }
                 if far > 0 {
                     _mm_prefetch::<_MM_HINT_T1>(far_at.wrapping_add(at) as *const i8);
                 }

@@ -63,7 +63,7 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
         // hot 256-wide products of 4 and 6 rows (`cargo bench --bench step`, binaries
         // alternating).
         let (near_at, far_at) = (
-            group.as_ptr().wrapping_add(near),
+            near.map(|near| group.as_ptr().wrapping_add(near)),
             group.as_ptr().wrapping_add(far),
         );
         let mut acc = [[_mm512_setzero_ps(); J]; R];
@@ -71,7 +71,9 @@ unsafe fn dots_rows<const R: usize, const J: usize, W: WeightElement>(
         while k < full {
             // SAFETY: k + 16 <= inner, within every row of `xs` and every weight row.
             unsafe { chunk(&mut acc, x, wj, k, !0) };
-            lines_ahead::<J, W, _MM_HINT_T0>(near_at.wrapping_add(J * k));
+            if let Some(near_at) = near_at {
+                lines_ahead::<J, W, _MM_HINT_T0>(near_at.wrapping_add(J * k));
+            }
             if far > 0 {
                 lines_ahead::<J, W, _MM_HINT_T1>(far_at.wrapping_add(J * k));
             }

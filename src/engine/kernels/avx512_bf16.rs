@@ -176,7 +176,7 @@ unsafe fn dots_rows<const R: usize, const G: usize>(
     // slower. One row with the far prefetch on takes no near prefetch: L1's own prefetcher
     // keeps up with it, and the prefetches only took load slots.
     let (near, far) = (plan.near(size_of::<f32>(), 0), plan.far(size_of::<bf16>()));
-    let near_per_row = (R > 1 || far == 0).then_some(near / G);
+    let near_per_row = near.filter(|_| R > 1 || far == 0).map(|near| near / G);
     for (g, group) in w.chunks_exact(G * inner).enumerate() {
         let wj: [*const bf16; G] = super::row_starts(group, inner);
         // Into L2, one line (32 bf16) a row a chunk, `far` ahead in the contiguous group (the

@@ -65,7 +65,7 @@ impl PackedF16 {
     pub fn matmul(&self, kernels: &super::Kernels, x: &[f32], rows: usize, out: &mut [f32]) {
         debug_assert_eq!(x.len(), rows * self.inner);
         debug_assert_eq!(out.len(), rows * self.outs);
-        let (pool, t) = (kernels.pool(), kernels.tuning);
+        let (pool, t) = (kernels.pool(), kernels.tuning(rows));
         let parts = pool.threads();
         let panels = self.outs.div_ceil(PANEL);
         let out = super::SharedOut::new(out);
@@ -176,9 +176,11 @@ mod avx512 {
         for k in 0..inner {
             // A panel row is two cache lines (the panels start on a 64-byte boundary); a
             // prefetch never faults, even past the end.
-            let ahead = wp.wrapping_add(k * PANEL + near).cast::<i8>();
-            _mm_prefetch::<_MM_HINT_T0>(ahead);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+            if let Some(near) = near {
+                let ahead = wp.wrapping_add(k * PANEL + near).cast::<i8>();
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+            }
             if far > 0 {
                 let ahead = wp.wrapping_add(k * PANEL + far).cast::<i8>();
                 _mm_prefetch::<_MM_HINT_T1>(ahead);

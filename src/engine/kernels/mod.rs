@@ -214,7 +214,7 @@ fn gated_t_on(
         k.matmul_t(x, up_w, rows, inner, up);
         return k.silu_mul(gate, up);
     }
-    let (parts, t, width) = (pool.threads(), k.tuning, gate_w.len() / inner);
+    let (parts, t, width) = (pool.threads(), k.tuning(rows), gate_w.len() / inner);
     let (gate, up) = (SharedOut::new(gate), SharedOut::new(up));
     let input = Input::new(t, input, &[gate_w, up_w]);
     let claims = Claims::new(width, parts, SHARE_ALIGN);

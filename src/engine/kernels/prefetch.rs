@@ -1,7 +1,8 @@
 //! How far ahead the kernels that stream weights prefetch them: the x86 matmuls (`avx2`,
-//! `avx512`, `avx512_bf16`) and the f16 LM head (`f16`). Each host
-//! model's `Kernels` carries one [`Prefetch`] plan, forced (`--prefetch`) or chosen by timing
-//! every candidate on the model's own decode steps when it loads ([`choose`], called by
+//! `avx512`, `avx512_bf16`), the quantized ones (`q8_0`) and the f16 LM head (`f16`). Each
+//! host model's `Kernels` carries one [`Prefetch`] plan for its one-row products and one for
+//! its products of several rows ([`Plans`]), forced (`--prefetch`, one for both) or chosen by
+//! timing every candidate on the model's own decode steps when it loads ([`choose`], called by
 //! `model::timing`).
 //!
 //! Why measured and not fixed: where a step's weights come from differs between machines, and
@@ -10,16 +11,19 @@
 //! slower. Where they come mostly from DRAM (a VM's share of an L3 that other tenants use, say),
 //! a prefetch 16 KB ahead into L1 keeps too few misses in flight, and adding one 64 KB ahead
 //! into L2 made the 1-row and the 4-row step much faster (`cargo bench --bench step -- --only
-//! rows`, both plans alternating; `spex bench` prints the timings it chose by).
+//! rows`, both plans alternating; `spex bench` prints the timings it chose by). Where the
+//! CPU's own prefetchers keep a stream from DRAM ahead by themselves, any software prefetch
+//! made the one-row products slower, and no prefetch at all is best for them ([`Plans`]).
 //! A plan changes no result: prefetches only move data between caches.
 
 use std::time::Duration;
 
-/// A prefetch plan: every weight stream is prefetched `near_bytes` ahead into L1 and, where
-/// `far_bytes` is not zero, also `far_bytes` ahead into L2.
+/// A prefetch plan: every weight stream is prefetched `near_bytes` ahead into L1 and
+/// `far_bytes` ahead into L2, each where it is not zero. With both zero the kernels issue no
+/// prefetch and leave the streams to the CPU's own prefetchers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Prefetch {
-    /// How far ahead each stream is prefetched into L1, in bytes.
+    /// How far ahead each stream is prefetched into L1, in bytes (0: not at all).
     pub near_bytes: usize,
     /// How far ahead it is also prefetched into L2, in bytes (0: not at all).
     pub far_bytes: usize,
@@ -38,38 +42,88 @@ impl Prefetch {
         near_bytes: 8 << 10,
         far_bytes: 64 << 10,
     };
+    /// No software prefetch: the CPU's own prefetchers alone. Best where they keep a stream
+    /// from DRAM ahead of the kernels by themselves: there a prefetch instruction
+    /// only takes a load slot, and prefetches far ahead compete with the stream they serve.
+    pub const NONE: Self = Self {
+        near_bytes: 0,
+        far_bytes: 0,
+    };
     /// The plans [`choose`] times, the first the default.
-    pub const CANDIDATES: [Self; 2] = [Self::L1, Self::L2];
+    pub const CANDIDATES: [Self; 3] = [Self::L1, Self::L2, Self::NONE];
 
     /// Its name for `--prefetch` and reports.
     pub fn name(self) -> &'static str {
         match self {
             Self::L1 => "l1",
             Self::L2 => "l2",
+            Self::NONE => "none",
             _ => "custom",
         }
     }
 }
 
-/// How a model's plan was fixed: forced, or chosen by timing, with the timings.
+/// The plans a model's kernels run: one for products of one row (a baseline step's), one for
+/// products of several (a pipeline step's). Why two: a one-row product is bound by the weight
+/// stream and a many-row one by its arithmetic, and the best plan can differ between them:
+/// where the CPU's own prefetchers keep up with a one-row product, no prefetch at all made the
+/// one-row step of Ouro-1.4B's shape the fastest and the 4-row step far slower than under
+/// [`Prefetch::L2`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plans {
+    /// The plan of one-row products.
+    pub one_row: Prefetch,
+    /// The plan of products of several rows.
+    pub many_rows: Prefetch,
+}
+
+impl Plans {
+    /// `plan` for every product.
+    pub const fn both(plan: Prefetch) -> Self {
+        Self {
+            one_row: plan,
+            many_rows: plan,
+        }
+    }
+
+    /// The plan of a product of `rows` rows.
+    pub fn for_rows(self, rows: usize) -> Prefetch {
+        match rows {
+            1 => self.one_row,
+            _ => self.many_rows,
+        }
+    }
+
+    /// Their names for reports: one name where both are the same plan, else the one-row
+    /// plan's and the many-row plan's, as `none/l2`.
+    pub fn name(self) -> String {
+        match self.one_row == self.many_rows {
+            true => self.one_row.name().to_string(),
+            false => format!("{}/{}", self.one_row.name(), self.many_rows.name()),
+        }
+    }
+}
+
+/// How a model's plans were fixed: forced, or chosen by timing, with the timings.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Choice {
-    /// Forced (`--prefetch`).
+    /// Forced (`--prefetch`), one plan for every product.
     Forced(Prefetch),
     /// Chosen by timing every candidate (none timed where the kernels prefetch nothing).
     Measured {
-        /// The cheapest candidate.
-        chosen: Prefetch,
+        /// The fastest candidate of each step.
+        chosen: Plans,
         /// Every candidate's timings, in the order of [`Prefetch::CANDIDATES`].
         trials: Vec<Trial>,
     },
 }
 
 impl Choice {
-    /// The plan it fixed.
-    pub fn plan(&self) -> Prefetch {
+    /// The plans it fixed.
+    pub fn plans(&self) -> Plans {
         match self {
-            Self::Forced(plan) | Self::Measured { chosen: plan, .. } => *plan,
+            Self::Forced(plan) => Plans::both(*plan),
+            Self::Measured { chosen, .. } => *chosen,
         }
     }
 }
@@ -85,27 +139,18 @@ pub struct Trial {
     pub many_rows: Duration,
 }
 
-impl Trial {
-    /// What a plan is chosen by: a baseline token's compute (R one-row steps) plus a full
-    /// pipeline's (one R-row step), so that neither lane is sped up at the other's expense.
-    fn cost(&self, passes: u32) -> Duration {
-        self.one_row * passes + self.many_rows
-    }
-}
-
-/// The plan of the candidates' trials: each timed with `measure` (its median one-row and
+/// The plans of the candidates' trials: each timed with `measure` (its median one-row and
 /// R-row step compute, the candidates taking turns inside it, in the order of
-/// [`Prefetch::CANDIDATES`]), the cheapest by `Trial::cost` kept. Where the kernels of `isa`
-/// prefetch nothing (the portable loops, NEON) nothing is timed: the default stands, with no
-/// trials.
+/// [`Prefetch::CANDIDATES`]), the fastest at each kept for its step. Where the kernels of
+/// `isa` prefetch nothing (the portable loops, NEON) nothing is timed: the default stands,
+/// with no trials.
 pub fn choose<E>(
     isa: super::Isa,
-    passes: usize,
     measure: impl FnOnce(&[Prefetch]) -> Result<Vec<(Duration, Duration)>, E>,
 ) -> Result<Choice, E> {
     if !isa.has_avx2() {
         return Ok(Choice::Measured {
-            chosen: Prefetch::L1,
+            chosen: Plans::both(Prefetch::L1),
             trials: Vec::new(),
         });
     }
@@ -118,29 +163,32 @@ pub fn choose<E>(
             many_rows,
         })
         .collect();
-    let chosen = cheapest(&trials, passes);
+    let chosen = fastest(&trials);
     Ok(Choice::Measured { chosen, trials })
 }
 
-/// The plan of the cheapest trial by `Trial::cost` (the default where there are none). Plans
-/// that time within a few percent are a close call either way: where the shipped model's
-/// steps time alike under both, `spex bench` (`--prefetch l1|l2`, 8 rounds each, alternating)
-/// ran the speculative lane as fast under `l1` and the baseline a little faster, while at
-/// Ouro-1.4B's shape `l2` took far less time for a 1-row and a 4-row step.
-fn cheapest(trials: &[Trial], passes: usize) -> Prefetch {
-    let passes = u32::try_from(passes).unwrap_or(u32::MAX);
-    (trials.iter())
-        .min_by_key(|t| t.cost(passes))
-        .map_or(Prefetch::L1, |t| t.plan)
+/// The plan of the fastest one-row step and that of the fastest R-row step (the default where
+/// there are no trials; the earlier candidate on a tie). Plans that time within a few percent
+/// are a close call either way.
+fn fastest(trials: &[Trial]) -> Plans {
+    let best = |step: fn(&Trial) -> Duration| {
+        (trials.iter())
+            .min_by_key(|t| step(t))
+            .map_or(Prefetch::L1, |t| t.plan)
+    };
+    Plans {
+        one_row: best(|t| t.one_row),
+        many_rows: best(|t| t.many_rows),
+    }
 }
 
 impl Prefetch {
     /// The near distance in elements of `bytes_per_element`, at least `least` (a matmul's
-    /// next group of weight rows).
+    /// next group of weight rows); `None` for no near prefetch.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    pub(super) fn near(self, bytes_per_element: usize, least: usize) -> usize {
-        (self.near_bytes / bytes_per_element).max(least)
+    pub(super) fn near(self, bytes_per_element: usize, least: usize) -> Option<usize> {
+        (self.near_bytes > 0).then(|| (self.near_bytes / bytes_per_element).max(least))
     }
 
     /// The far distance in elements of `bytes_per_element`; zero for none.
@@ -164,26 +212,28 @@ mod tests {
     }
 
     #[test]
-    fn the_plan_is_the_one_with_the_least_baseline_token_plus_full_step() {
-        // L1: 4 · 500 + 900 = 2900 µs; L2: 4 · 440 + 1300 = 3060 µs.
+    fn each_step_takes_the_plan_it_timed_fastest_under() {
         let trials = [
             trial(Prefetch::L1, 500, 900),
             trial(Prefetch::L2, 440, 1300),
+            trial(Prefetch::NONE, 460, 1000),
         ];
-        assert_eq!(cheapest(&trials, 4), Prefetch::L1);
-        // A one-row step counts R times: at R = 8 the cheaper one-row step wins (4900 µs
-        // against 4820).
-        assert_eq!(cheapest(&trials, 8), Prefetch::L2);
-        assert_eq!(cheapest(&[], 4), Prefetch::L1);
+        let plans = fastest(&trials);
+        assert_eq!(plans.one_row, Prefetch::L2);
+        assert_eq!(plans.many_rows, Prefetch::L1);
+        assert_eq!(
+            (plans.for_rows(1), plans.for_rows(4)),
+            (Prefetch::L2, Prefetch::L1)
+        );
+        assert_eq!(plans.name(), "l2/l1");
+        assert_eq!(fastest(&[]), Plans::both(Prefetch::L1));
+        assert_eq!(Plans::both(Prefetch::NONE).name(), "none");
     }
 
     #[test]
-    fn a_close_call_goes_to_the_cheaper_plan() {
-        // L1: 2900 µs; L2: 2980 µs.
-        let trials = [trial(Prefetch::L1, 500, 900), trial(Prefetch::L2, 510, 940)];
-        assert_eq!(cheapest(&trials, 4), Prefetch::L1);
-        let trials = [trial(Prefetch::L1, 510, 940), trial(Prefetch::L2, 500, 900)];
-        assert_eq!(cheapest(&trials, 4), Prefetch::L2);
+    fn a_tie_goes_to_the_earlier_candidate() {
+        let trials = [trial(Prefetch::L1, 500, 900), trial(Prefetch::L2, 500, 900)];
+        assert_eq!(fastest(&trials), Plans::both(Prefetch::L1));
     }
 
     #[test]
@@ -202,7 +252,13 @@ mod tests {
             out
         };
         let l1 = product(Prefetch::L1);
-        let l2 = product(Prefetch::L2);
-        assert!(l1.iter().zip(&l2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        for plan in Prefetch::CANDIDATES {
+            let other = product(plan);
+            assert!(
+                l1.iter()
+                    .zip(&other)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
+        }
     }
 }

@@ -416,10 +416,15 @@ fn portable_rows<K: Blocks32>(
 #[inline(always)]
 pub(super) fn prefetch<T>(plan: Prefetch, item: &T) {
     let at = (item as *const T).cast::<i8>();
+    if plan == Prefetch::NONE {
+        return;
+    }
     for line in (0..std::mem::size_of::<T>()).step_by(64) {
         // SAFETY: a prefetch never faults, whatever the address.
         unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(plan.near_bytes + line));
+            if plan.near_bytes > 0 {
+                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(plan.near_bytes + line));
+            }
             if plan.far_bytes > 0 {
                 _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(plan.far_bytes + line));
             }

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use super::prefetch::Plans;
 use super::{
     Input, Isa, POOL_MIN_ELEMENTS, Prefetch, Rows, SharedOut, Weight, detected_isa, gated_t_on,
     matmul_t_pooled, pool, product_columns, silu_mul_on,
@@ -17,25 +18,27 @@ use super::{
 pub struct KernelOptions {
     /// An instruction set at most the CPU's best (`--isa`).
     pub isa: Option<Isa>,
-    /// A fixed prefetch plan (`--prefetch`) instead of timing both.
+    /// A fixed prefetch plan (`--prefetch`) instead of timing each candidate.
     pub prefetch: Option<Prefetch>,
     /// The decode threads, the caller's included (`--threads`).
     pub threads: Option<usize>,
 }
 
 /// What every kernel call carries: the instruction set, checked against the CPU when its
-/// [`Kernels`] was made (every `unsafe` dispatch below rests on that), and the prefetch plan.
+/// [`Kernels`] was made (every `unsafe` dispatch below rests on that), and the prefetch plan
+/// of its product's row count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Tuning {
     pub(super) isa: Isa,
     pub(super) prefetch: Prefetch,
 }
 
-/// One host model's kernels: its instruction set, prefetch plan and decode threads. Two
+/// One host model's kernels: its instruction set, prefetch plans and decode threads. Two
 /// models with different settings in one process run each on its own.
 #[derive(Debug, Clone)]
 pub struct Kernels {
-    pub(super) tuning: Tuning,
+    isa: Isa,
+    plans: Plans,
     pool: Arc<pool::Pool>,
 }
 
@@ -55,10 +58,8 @@ impl Kernels {
         let pool = pool::Pool::new(threads)
             .map_err(|e| format!("--threads {threads}: cannot start the threads: {e}"))?;
         Ok(Self {
-            tuning: Tuning {
-                isa,
-                prefetch: options.prefetch.unwrap_or(Prefetch::L1),
-            },
+            isa,
+            plans: Plans::both(options.prefetch.unwrap_or(Prefetch::L1)),
             pool: Arc::new(pool),
         })
     }
@@ -66,22 +67,23 @@ impl Kernels {
     /// The CPU's best ISA and the default plan, on the calling thread alone (tests, tools).
     pub fn single_threaded() -> Self {
         Self {
-            tuning: Tuning {
-                isa: detected_isa(),
-                prefetch: Prefetch::L1,
-            },
+            isa: detected_isa(),
+            plans: Plans::both(Prefetch::L1),
             pool: Arc::new(pool::Pool::serial()),
         }
     }
 
-    /// The same kernels and threads with another prefetch plan.
+    /// The same kernels and threads with `prefetch` for every product.
     pub fn with_prefetch(&self, prefetch: Prefetch) -> Self {
+        self.with_plans(Plans::both(prefetch))
+    }
+
+    /// The same kernels and threads with other prefetch plans.
+    pub fn with_plans(&self, plans: Plans) -> Self {
         Self {
-            tuning: Tuning {
-                prefetch,
-                ..self.tuning
-            },
+            plans,
             pool: self.pool.clone(),
+            ..*self
         }
     }
 
@@ -90,20 +92,28 @@ impl Kernels {
     /// spinning workers on the same cores starve each other.
     pub fn on_threads_of(&self, other: &Kernels) -> Self {
         Self {
-            tuning: self.tuning,
             pool: other.pool.clone(),
+            ..*self
         }
     }
 
     /// The instruction set they run.
     pub fn isa(&self) -> Isa {
-        self.tuning.isa
+        self.isa
+    }
+
+    /// What a product of `rows` rows runs with.
+    pub(super) fn tuning(&self, rows: usize) -> Tuning {
+        Tuning {
+            isa: self.isa,
+            prefetch: self.plans.for_rows(rows),
+        }
     }
 
     /// The integer dot products GGUF's quantized matrices take on this ISA and CPU, as the
     /// headers name them: `VNNI`, `AVX2`, `NEON sdot` or `portable`.
     pub fn integer_products(&self) -> &'static str {
-        match super::q8_0::Q8Isa::for_isa(self.tuning.isa) {
+        match super::q8_0::Q8Isa::for_isa(self.isa) {
             super::q8_0::Q8Isa::Portable => "portable",
             #[cfg(target_arch = "x86_64")]
             super::q8_0::Q8Isa::Avx2 => "AVX2",
@@ -114,9 +124,9 @@ impl Kernels {
         }
     }
 
-    /// The prefetch plan they run.
-    pub fn prefetch(&self) -> Prefetch {
-        self.tuning.prefetch
+    /// The prefetch plans they run.
+    pub fn plans(&self) -> Plans {
+        self.plans
     }
 
     /// Their decode threads.
@@ -131,14 +141,14 @@ impl Kernels {
         if self.pool.threads() > 1 && w.len() >= POOL_MIN_ELEMENTS {
             return matmul_t_pooled(
                 &self.pool,
-                self.tuning,
+                self.tuning(rows),
                 Rows { x, rows, inner },
                 &mut [(w, out)],
             );
         }
-        let outs = w.len() / inner.max(1);
-        let input = Input::new(self.tuning, Rows { x, rows, inner }, &[w]);
-        product_columns(self.tuning, &input, w, SharedOut::new(out), 0..outs);
+        let (outs, t) = (w.len() / inner.max(1), self.tuning(rows));
+        let input = Input::new(t, Rows { x, rows, inner }, &[w]);
+        product_columns(t, &input, w, SharedOut::new(out), 0..outs);
     }
 
     /// Products of one input `x: [rows × inner]` with several weights, `outᵢ = x · wᵢᵀ` (the
@@ -153,7 +163,8 @@ impl Kernels {
     ) {
         let pooled = products.iter().all(|(w, _)| w.len() >= POOL_MIN_ELEMENTS);
         if self.pool.threads() > 1 && pooled {
-            return matmul_t_pooled(&self.pool, self.tuning, Rows { x, rows, inner }, products);
+            let t = self.tuning(rows);
+            return matmul_t_pooled(&self.pool, t, Rows { x, rows, inner }, products);
         }
         for (w, out) in products.iter_mut() {
             self.matmul_t(x, *w, rows, inner, out);
@@ -185,6 +196,6 @@ impl Kernels {
 
     /// SiLU(gate) · up, element-wise, into `gate`, with these kernels' instruction set.
     pub fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
-        silu_mul_on(self.tuning.isa, gate, up);
+        silu_mul_on(self.isa, gate, up);
     }
 }

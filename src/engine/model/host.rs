@@ -202,7 +202,7 @@ impl HostBackend {
     /// The model with the prefetch plan `choice` fixed.
     pub fn with_prefetch_choice(self, choice: Choice) -> Self {
         Self {
-            kernels: self.kernels.with_prefetch(choice.plan()),
+            kernels: self.kernels.with_plans(choice.plans()),
             prefetch_choice: Some(choice),
             ..self
         }

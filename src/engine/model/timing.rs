@@ -144,7 +144,7 @@ pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
     let positions = backend.model().config.positions;
     let pos = 64.min(positions.saturating_sub(1));
     let capacity = pos + 1;
-    prefetch::choose(backend.kernels().isa(), passes, |plans| {
+    prefetch::choose(backend.kernels().isa(), |plans| {
         let turn = token_and_pipeline(passes, pos);
         let lanes: Vec<HostBackend> = plans.iter().map(|&p| backend.with_prefetch(p)).collect();
         let lanes: Vec<&HostBackend> = lanes.iter().collect();
