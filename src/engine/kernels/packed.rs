@@ -120,9 +120,11 @@ impl<'a, K: Interleave> Packed<'a, K> {
         }
     }
 
-    /// Its whole groups in runs of about [`RUN_BYTES`], each run with every block of up to
-    /// `most` of `rows` activation rows in turn: `each(first group of the run, the run, rows)`.
-    /// Why: a run read once from memory serves the later blocks of rows from L1 and L2.
+    /// Its whole groups in runs, each run with every block of up to `most` of `rows`
+    /// activation rows in turn: `each(first group of the run, the run, rows)`. Where the rows
+    /// are one block, one run of every group: the kernel's call and setup are paid once. Else
+    /// runs of about [`RUN_BYTES`] and an even number of groups (a VNNI kernel takes two at
+    /// once), so a run read once from memory serves the later blocks of rows from L1 and L2.
     pub(super) fn runs_by_rows(
         self,
         rows: usize,
@@ -130,8 +132,14 @@ impl<'a, K: Interleave> Packed<'a, K> {
         mut each: impl FnMut(usize, &'a [K::Group], std::ops::Range<usize>),
     ) {
         let b = self.blocks.max(1);
-        let run_groups = (RUN_BYTES / (b * std::mem::size_of::<K::Group>()).max(1)).max(1);
         let groups = self.groups.len() / b;
+        let run_groups = if rows <= most {
+            groups.max(1)
+        } else {
+            (RUN_BYTES / (b * std::mem::size_of::<K::Group>()).max(1))
+                .next_multiple_of(2)
+                .max(2)
+        };
         for start in (0..groups).step_by(run_groups) {
             let run = &self.groups[start * b..(start + run_groups).min(groups) * b];
             for first in (0..rows).step_by(most.max(1)) {

@@ -86,7 +86,15 @@ fn run<K: Kind>(isa: Q8Isa, x: &[f32], rows: usize, inner: usize, w: &[K::Block]
 
 fn portable_bits<K: Kind>() {
     let mut seed = 7;
-    for (outs, inner) in [(1, 32), (5, 64), (37, 96), (64, 256), (19, 2048)] {
+    for (outs, inner) in [
+        (1, 32),
+        (5, 64),
+        (24, 64),
+        (37, 96),
+        (40, 96),
+        (64, 256),
+        (19, 2048),
+    ] {
         let (w, _) = q8_matrix::<K>(outs, inner, &mut seed);
         let x: Vec<f32> = (0..7 * inner).map(|_| 3.0 * lcg(&mut seed)).collect();
         let alone: Vec<Vec<f32>> = (0..7)

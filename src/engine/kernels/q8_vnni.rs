@@ -2,14 +2,16 @@
 //! per group block, the 8 rows' weights as `vpdpbusd`'s unsigned operand against the signed
 //! activations, less the weights' offset times the activations' block sum.
 //!
-//! One row takes 256-bit registers, a lane per weight row. Two rows or more go by pairs in
-//! 512-bit registers: lane `2j` is weight row `j` against the pair's first row, lane `2j + 1`
-//! against its second, each weight vector widened once a block for every pair (one `vpermd`) and
-//! each pair's activations broadcast 8 bytes at a time from their interleaved copy
-//! (`QuantizedRows`' pairs). Every lane is still one (row, weight row) pair fed the definition's
-//! integer sums and FMAs in order, so the bits are the one-row kernel's and the portable loops':
-//! only half the multiply-add instructions a row, which a speculative step of R rows needs to
-//! stay under its weights' reads (SPEED, arXiv 2310.12072, §3).
+//! One row takes 256-bit registers, a lane per weight row. Two rows or more take two groups at
+//! once in 512-bit registers: lanes 0..8 hold a weight vector of the first group's rows, lanes
+//! 8..16 the same of the second's (one `vinserti64x4` a vector), so each activation's 4 bytes
+//! reach every lane in `vpdpbusd`'s own broadcast from memory. No weight is shuffled for a row
+//! and no activation is copied, and each row's lanes start from the offset's product, so a row
+//! and block cost 8 `vpdpbusd`, an add, and the float part. Every lane is still one (row,
+//! weight row) pair fed the definition's integer sums and FMAs in order, so the bits are the
+//! one-row kernel's and the portable loops': half the multiply-add instructions a row of the
+//! one-row kernel, which a speculative step of R rows needs to stay under its weights' reads
+//! (SPEED, arXiv 2310.12072, §3).
 
 use std::arch::x86_64::*;
 
@@ -65,9 +67,7 @@ pub(super) unsafe fn groups<G: VnniGroup, const R: usize>(
     unsafe {
         match R {
             1 => one_row::<G>(plan, xs, groups, out, to, first),
-            2 => pairs::<G, 1>(plan, xs, groups, out, to, first),
-            3 | 4 => pairs::<G, 2>(plan, xs, groups, out, to, first),
-            _ => pairs::<G, 3>(plan, xs, groups, out, to, first),
+            _ => duos::<G, R>(plan, xs, groups, out, to, first),
         }
     }
 }
@@ -111,13 +111,13 @@ unsafe fn one_row<G: VnniGroup>(
     }
 }
 
-/// `P` pairs of rows (the last pair's second row a copy of its first where the rows are odd):
-/// per group block and pair, 8 `vpdpbusd` in 512-bit lanes (module docs).
+/// `R` rows (2 to 6) against two groups at once (module docs); a last odd group is taken as
+/// both halves and its copy's lanes dropped.
 ///
 /// # Safety
-/// As [`groups`]; `xs` holds `2·P − 1` or `2·P` rows.
+/// As [`groups`].
 #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn pairs<G: VnniGroup, const P: usize>(
+unsafe fn duos<G: VnniGroup, const R: usize>(
     plan: Prefetch,
     xs: QuantRowsView<'_>,
     groups: &[G],
@@ -125,68 +125,75 @@ unsafe fn pairs<G: VnniGroup, const P: usize>(
     to: OutLayout,
     first: usize,
 ) {
-    let (b, rows) = (xs.blocks, xs.rows());
-    // Checked once here, not at every block: the loop reads pair `p`'s block `k` at
-    // `p · b + k` through raw pointers (bounds checks there were a third of its instructions).
-    let (pair_qs, pair_sums8, pair_scales) = (
-        &xs.pair_qs[..P * b * 2 * QK8_0],
-        &xs.pair_sums8[..P * b * 2],
-        &xs.pair_scales[..P * b * 2],
+    let b = xs.blocks;
+    // Checked once here, not at every block: the loop reads row `r`'s block `k` at `r · b + k`
+    // through raw pointers.
+    let (qs, sums8, scales) = (
+        &xs.qs[..R * b * QK8_0],
+        &xs.sums8[..R * b],
+        &xs.scales[..R * b],
     );
-    let twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    let widen = |v: __m256i| _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(v));
-    for (g, group) in groups.chunks_exact(b).enumerate() {
-        let mut acc = [_mm512_setzero_ps(); P];
-        for (k, item) in group.iter().enumerate() {
-            prefetch(plan, item);
+    let count = groups.len() / b.max(1);
+    for g in (0..count).step_by(2) {
+        let pair = [g, (g + 1).min(count - 1)].map(|g| &groups[g * b..(g + 1) * b]);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for (k, (lo, hi)) in pair[0].iter().zip(pair[1]).enumerate() {
+            prefetch(plan, lo);
+            prefetch(plan, hi);
             // SAFETY: the features.
-            let w = unsafe { item.weights() }.map(widen);
-            // SAFETY: the features.
-            let dw = unsafe { scales8(item.scales()) };
-            let dw = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(dw));
-            for (p, acc_p) in acc.iter_mut().enumerate() {
-                // `at` < P · b: `p` < P and `k` < b (a group holds b blocks).
-                let at = p * b + k;
-                // SAFETY: the pair's 64 bytes of block `k` lie in `pair_qs` (sliced above).
-                let xp = unsafe { pair_qs.as_ptr().add(at * 2 * QK8_0) };
-                let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                for k4 in (0..8).step_by(2) {
-                    // SAFETY: the pair's 64 bytes of block `k` are readable at `xp`.
-                    let (x0, x1) = unsafe {
-                        (
-                            _mm512_set1_epi64(std::ptr::read_unaligned(xp.add(8 * k4).cast())),
-                            _mm512_set1_epi64(std::ptr::read_unaligned(xp.add(8 * k4 + 8).cast())),
-                        )
-                    };
-                    even = _mm512_dpbusd_epi32(even, w[k4], x0);
-                    odd = _mm512_dpbusd_epi32(odd, w[k4 + 1], x1);
+            let (w, dw) = unsafe { (two(lo.weights(), hi.weights()), two_scales(lo, hi)) };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // `at` < R · b: `r` < R and `k` < b.
+                let at = r * b + k;
+                // SAFETY: row `r`'s 32 bytes of block `k` lie in `qs` (sliced above).
+                let xp = unsafe { qs.as_ptr().add(at * QK8_0) };
+                // The offset's product comes off first, as the chain's start.
+                let mut chain = [
+                    _mm512_set1_epi32(-(sums8[at] << G::SHIFT)),
+                    _mm512_setzero_si512(),
+                ];
+                for (k4, w) in w.iter().enumerate() {
+                    // SAFETY: 4 of the block's 32 bytes at `xp`; any 4 bytes are a valid i32.
+                    let x = unsafe { std::ptr::read_unaligned(xp.add(4 * k4).cast::<i32>()) };
+                    chain[k4 % 2] = _mm512_dpbusd_epi32(chain[k4 % 2], *w, _mm512_set1_epi32(x));
                 }
-                // SAFETY: the two rows' sums and scales of block `k`, side by side at `2·at`,
-                // lie in the slices above; any 8 bytes are a valid i64.
-                let (sums8, dx) = unsafe {
-                    (
-                        std::ptr::read_unaligned(pair_sums8.as_ptr().add(2 * at).cast::<i64>()),
-                        std::ptr::read_unaligned(pair_scales.as_ptr().add(2 * at).cast::<i64>()),
-                    )
-                };
-                let off = offset::<G>(_mm512_set1_epi64(sums8));
-                let isum = _mm512_sub_epi32(_mm512_add_epi32(even, odd), off);
-                let scale = _mm512_mul_ps(dw, _mm512_castsi512_ps(_mm512_set1_epi64(dx)));
-                *acc_p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc_p);
+                let isum = _mm512_add_epi32(chain[0], chain[1]);
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(scales[at]));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
             }
         }
-        let at = out.from(g * GROUP_ROWS * to.col);
-        for (p, a) in acc.into_iter().enumerate() {
-            let mut lanes = [0f32; 2 * GROUP_ROWS];
-            // SAFETY: the features; `lanes` holds 16 floats.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), a) };
-            for (half, row) in [2 * p, 2 * p + 1].into_iter().enumerate() {
-                if row < rows {
-                    for j in 0..GROUP_ROWS {
-                        at.set(j * to.col + (first + row) * to.row, lanes[2 * j + half]);
-                    }
-                }
+        for (r, a) in acc.into_iter().enumerate() {
+            let halves = [
+                _mm512_castps512_ps256(a),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a))),
+            ];
+            for (i, half) in halves.into_iter().enumerate().take((count - g).min(2)) {
+                let at = out.from((g + i) * GROUP_ROWS * to.col);
+                // SAFETY: the features.
+                unsafe { store8(half, at, to, first + r) };
             }
         }
     }
+}
+
+/// A weight vector of each of two groups in one 512-bit register: `lo`'s in lanes 0..8.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn two(lo: [__m256i; 8], hi: [__m256i; 8]) -> [__m512i; 8] {
+    std::array::from_fn(|k4| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo[k4]), hi[k4]))
+}
+
+/// Two groups' scales as [`two`] lays out their weights.
+///
+/// # Safety
+/// The CPU must have AVX-512F and F16C.
+#[target_feature(enable = "avx512f,f16c")]
+#[inline]
+unsafe fn two_scales<G: VnniGroup>(lo: &G, hi: &G) -> __m512 {
+    // SAFETY: the caller's features.
+    let (lo, hi) = unsafe { (scales8(lo.scales()), scales8(hi.scales())) };
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+        _mm256_castps_pd(hi),
+    ))
 }
