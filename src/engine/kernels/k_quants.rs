@@ -102,11 +102,16 @@ pub const fn q4k_entry(j: usize, s: usize) -> usize {
 }
 
 /// One Q6_K super-block of each of 8 rows, interleaved for 64-byte vectors (`k_quants_simd`).
-/// Sub-block `s`, row `j`: its scale is `scales[s][j]`; byte `8j + i` of `low[s]` holds the
-/// low 4 bits of weights `16s + i` (low nibble) and `16s + 8 + i` (high), for `i < 8`; byte
-/// `8j + i` of `high[p]` the high 2 bits of sub-block `2p`'s weights `i` and `8 + i` (bits 0
-/// and 2) and of sub-block `2p + 1`'s (bits 4 and 6). Each 64 bytes hold 8 weights of each
-/// row, a 4-byte lane per row and half, as Q4_K's layout.
+/// Sub-block `s`, row `j`: its scale is `scales[s][j]`; byte `8j + i` of [`low(s)`](Self::low)
+/// holds the low 4 bits of weights `16s + i` (low nibble) and `16s + 8 + i` (high), for
+/// `i < 8`; byte `8j + i` of [`high(p)`](Self::high) the high 2 bits of sub-block `2p`'s
+/// weights `i` and `8 + i` (bits 0 and 2) and of sub-block `2p + 1`'s (bits 4 and 6). Each 64
+/// bytes hold 8 weights of each row, a 4-byte lane per row and half, as Q4_K's layout.
+///
+/// A pair of sub-blocks' low and high bits lie together ([`RunQ6K`]), so a kernel reads the
+/// group as one ascending stream, which the CPU's prefetchers follow. With all the high bits a
+/// kilobyte behind all the low bits, two streams in one page, they may not: a one-row product
+/// then waits on memory line by line.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GroupQ6K {
@@ -114,15 +119,36 @@ pub struct GroupQ6K {
     pub d: [f16; GROUP_ROWS],
     /// The scales, by sub-block.
     pub scales: [[i8; GROUP_ROWS]; 16],
-    /// The weights' low 4 bits, by sub-block.
-    pub low: [[u8; 64]; 16],
-    /// Their high 2 bits, by pair of sub-blocks.
-    pub high: [[u8; 64]; 8],
+    /// The weights' bits, by pair of sub-blocks.
+    pub runs: [RunQ6K; 8],
+}
+
+/// A pair of sub-blocks' weight bits in a [`GroupQ6K`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunQ6K {
+    /// The low 4 bits of sub-blocks `2p` and `2p + 1`.
+    pub low: [[u8; 64]; 2],
+    /// Their high 2 bits.
+    pub high: [u8; 64],
+}
+
+impl GroupQ6K {
+    /// Sub-block `s`'s low 4 bits.
+    pub fn low(&self, s: usize) -> &[u8; 64] {
+        &self.runs[s / 2].low[s % 2]
+    }
+
+    /// Sub-blocks `2p`'s and `2p + 1`'s high 2 bits.
+    pub fn high(&self, p: usize) -> &[u8; 64] {
+        &self.runs[p].high
+    }
 }
 
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
 const _: () = assert!(std::mem::size_of::<BlockQ6K>() == 210);
 const _: () = assert!(std::mem::size_of::<GroupQ4K>() == 8 * 144);
+const _: () = assert!(std::mem::size_of::<RunQ6K>() == 192);
 const _: () = assert!(std::mem::size_of::<GroupQ6K>() == 8 * 210);
 
 // Each block and group is a `repr(C)` struct of f16s (align 2) and byte arrays, whose sizes
@@ -326,8 +352,9 @@ impl Interleave for Q6K {
                 g.scales[s][j] = b.scales[s];
                 for i in 0..8 {
                     let (a, c) = (u.q[16 * s + i], u.q[16 * s + 8 + i]);
-                    g.low[s][8 * j + i] = (a & 15) | (c & 15) << 4;
-                    g.high[s / 2][8 * j + i] |= ((a >> 4) | (c >> 4) << 2) << (4 * (s % 2));
+                    let run = &mut g.runs[s / 2];
+                    run.low[s % 2][8 * j + i] = (a & 15) | (c & 15) << 4;
+                    run.high[8 * j + i] |= ((a >> 4) | (c >> 4) << 2) << (4 * (s % 2));
                 }
             }
         }
@@ -355,8 +382,8 @@ impl KQuant for Q6K {
         for s in 0..16 {
             u.sc[s] = g.scales[s][j].into();
             for i in 0..8 {
-                let low = g.low[s][8 * j + i];
-                let high = g.high[s / 2][8 * j + i] >> (4 * (s % 2));
+                let low = g.low(s)[8 * j + i];
+                let high = g.high(s / 2)[8 * j + i] >> (4 * (s % 2));
                 u.q[16 * s + i] = (low & 15) | (high & 3) << 4;
                 u.q[16 * s + 8 + i] = (low >> 4) | ((high >> 2) & 3) << 4;
             }

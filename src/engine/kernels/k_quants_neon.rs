@@ -207,8 +207,8 @@ unsafe fn q6k_block_sums(x: KBlock<'_>, item: &GroupQ6K) -> [int32x4_t; 2] {
             // SAFETY: each 64-byte run is readable; the features.
             let (l, h) = unsafe {
                 (
-                    vld1q_u8(item.low[s].as_ptr().add(16 * pair)),
-                    vld1q_u8(item.high[s / 2].as_ptr().add(16 * pair)),
+                    vld1q_u8(item.low(s).as_ptr().add(16 * pair)),
+                    vld1q_u8(item.high(s / 2).as_ptr().add(16 * pair)),
                 )
             };
             // Weights 0..8 of each row-half at bits 0 and 4 of `h` from sub-block s's pair.

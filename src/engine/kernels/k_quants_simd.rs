@@ -123,9 +123,9 @@ fn q6k_weights_avx2(item: &GroupQ6K, p: usize, at: usize) -> [[__m256i; 2]; 2] {
     // SAFETY: the feature; each run holds 64 bytes.
     let (h, l0, l1) = unsafe {
         (
-            _mm256_loadu_si256(item.high[p].as_ptr().add(at).cast()),
-            _mm256_loadu_si256(item.low[2 * p].as_ptr().add(at).cast()),
-            _mm256_loadu_si256(item.low[2 * p + 1].as_ptr().add(at).cast()),
+            _mm256_loadu_si256(item.high(p).as_ptr().add(at).cast()),
+            _mm256_loadu_si256(item.low(2 * p).as_ptr().add(at).cast()),
+            _mm256_loadu_si256(item.low(2 * p + 1).as_ptr().add(at).cast()),
         )
     };
     let join = |low: __m256i, high: __m256i| {
@@ -259,9 +259,9 @@ fn q6k_weights_512(item: &GroupQ6K, p: usize) -> [[__m512i; 2]; 2] {
     // SAFETY: the features; each run holds 64 bytes.
     let (h, l0, l1) = unsafe {
         (
-            _mm512_loadu_si512(item.high[p].as_ptr().cast()),
-            _mm512_loadu_si512(item.low[2 * p].as_ptr().cast()),
-            _mm512_loadu_si512(item.low[2 * p + 1].as_ptr().cast()),
+            _mm512_loadu_si512(item.high(p).as_ptr().cast()),
+            _mm512_loadu_si512(item.low(2 * p).as_ptr().cast()),
+            _mm512_loadu_si512(item.low(2 * p + 1).as_ptr().cast()),
         )
     };
     // (low & 0x0F) | (high & 0x30) in one `vpternlogd` (0xEC: A & C | B) once high is masked.

@@ -178,7 +178,9 @@ use claims::Claims;
 use dense::matmul_t_serial;
 pub use isa::{Isa, detected_isa};
 use k_quants::KRows;
-pub use k_quants::{BlockQ4K, BlockQ6K, GroupQ4K, GroupQ6K, KMatrix, KQuant, Q4K, Q6K, QK_K};
+pub use k_quants::{
+    BlockQ4K, BlockQ6K, GroupQ4K, GroupQ6K, KMatrix, KQuant, Q4K, Q6K, QK_K, RunQ6K,
+};
 pub use kv_element::KvElement;
 pub use packed::{GROUP_ROWS, Interleave, Packed};
 pub use prefetch::Prefetch;
