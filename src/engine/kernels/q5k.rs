@@ -34,18 +34,23 @@ pub struct BlockQ5K {
 /// Bytes of fifth bits in a [`GroupQ5K`].
 const FIFTH_BYTES: usize = QK_K / 8 * GROUP_ROWS;
 
-/// One Q5_K super-block of each of 8 rows: Q4_K's group of the low 4 bits, then the fifth
-/// bits. Byte `64t + p` of `fifth` holds those of byte `p` of `low.qs`'s 64-byte runs
-/// `4t..4t + 4`: run `4t + c`'s low nibble in bit `2c`, its high nibble in bit `2c + 1`. So
-/// the 64 bytes beside a pair of sub-blocks (`2t`, `2t + 1`: runs `4t..4t + 4`) are one
-/// vector load, as the weights' own are.
+/// One Q5_K super-block of each of 8 rows: the fifth bits, then Q4_K's group of the low 4
+/// bits. The fifth bits come first because a kernel reads them a 64-byte run at a time beside
+/// the low bits' runs: after the Q4_K group they were a second stream a kilobyte ahead of the
+/// first, which the CPU's prefetchers can lose (as `GroupQ6K`'s were); before it, they are the
+/// group's first lines, fetched as its stream begins.
+///
+/// Byte `64t + p` of `fifth` holds those of byte `p` of `low.qs`'s 64-byte runs `4t..4t + 4`:
+/// run `4t + c`'s low nibble in bit `2c`, its high nibble in bit `2c + 1`. So the 64 bytes
+/// beside a pair of sub-blocks (`2t`, `2t + 1`: runs `4t..4t + 4`) are one vector load, as the
+/// weights' own are.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GroupQ5K {
-    /// The scales, mins and low 4 bits, as a Q4_K group holds them.
-    pub low: GroupQ4K,
     /// The fifth bits.
     pub fifth: [u8; FIFTH_BYTES],
+    /// The scales, mins and low 4 bits, as a Q4_K group holds them.
+    pub low: GroupQ4K,
 }
 
 const _: () = assert!(std::mem::size_of::<BlockQ5K>() == 176);
