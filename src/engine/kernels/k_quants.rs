@@ -110,7 +110,7 @@ pub const fn q4k_entry(j: usize, s: usize) -> usize {
 ///
 /// A pair of sub-blocks' low and high bits lie together ([`RunQ6K`]), so a kernel reads the
 /// group as one ascending stream, which the CPU's prefetchers follow. With all the high bits a
-/// kilobyte behind all the low bits, two streams in one page, they may not: a one-row product
+/// kilobyte after all the low bits, two streams in one page, they may not: a one-row product
 /// then waits on memory line by line.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -6,12 +6,12 @@
 //! once in 512-bit registers: lanes 0..8 hold a weight vector of the first group's rows, lanes
 //! 8..16 the same of the second's (one `vinserti64x4` a vector), so each activation's 4 bytes
 //! reach every lane in `vpdpbusd`'s own broadcast from memory. No weight is shuffled for a row
-//! and no activation is copied, and each row's lanes start from the offset's product, so a row
-//! and block cost 8 `vpdpbusd`, an add, and the float part. Every lane is still one (row,
-//! weight row) pair fed the definition's integer sums and FMAs in order, so the bits are the
-//! one-row kernel's and the portable loops': half the multiply-add instructions a row of the
-//! one-row kernel, which a speculative step of R rows needs to stay under its weights' reads
-//! (SPEED, arXiv 2310.12072, §3).
+//! and no activation is copied, and each row's lanes start from the offset's product: a row
+//! and a block of two groups cost 8 `vpdpbusd`, an add, and the float part. Every lane is
+//! still one (row, weight row) pair fed the definition's integer sums and FMAs in order, so
+//! the bits are the one-row kernel's and the portable loops': half the multiply-add
+//! instructions a row of the one-row kernel, which a speculative step of R rows needs to stay
+//! under its weights' reads (SPEED, arXiv 2310.12072, §3).
 
 use std::arch::x86_64::*;
 
@@ -126,8 +126,8 @@ unsafe fn duos<G: VnniGroup, const R: usize>(
     first: usize,
 ) {
     let b = xs.blocks;
-    // Checked once here, not at every block: the loop reads row `r`'s block `k` at `r · b + k`
-    // through raw pointers.
+    // Cut once here: the loop reads row `r`'s block `k` at `r · b + k`, its 32 bytes through a
+    // raw pointer (a bounds check for each row and block would stay in the loop).
     let (qs, sums8, scales) = (
         &xs.qs[..R * b * QK8_0],
         &xs.sums8[..R * b],
