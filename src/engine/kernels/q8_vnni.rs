@@ -36,18 +36,6 @@ pub(super) trait VnniGroup {
     unsafe fn weights(&self) -> [__m256i; 8];
 }
 
-/// `v` shifted left by `G::SHIFT` (0 or 4: Q4_0's offset 8, Q8_0's 128).
-#[inline(always)]
-fn offset<G: VnniGroup>(sums8: __m512i) -> __m512i {
-    // SAFETY: AVX-512F, which every caller's features include.
-    unsafe {
-        match G::SHIFT {
-            0 => sums8,
-            _ => _mm512_slli_epi32::<4>(sums8),
-        }
-    }
-}
-
 /// The one definition's products of `xs`' rows and `groups` (module docs): one row in 256-bit
 /// lanes, more by pairs.
 ///
@@ -101,7 +89,7 @@ unsafe fn one_row<G: VnniGroup>(
                 even = _mm256_dpbusd_epi32(even, w[k4], x0);
                 odd = _mm256_dpbusd_epi32(odd, w[k4 + 1], x1);
             }
-            let off = _mm512_castsi512_si256(offset::<G>(_mm512_set1_epi32(xs.sums8[k])));
+            let off = _mm256_set1_epi32(xs.sums8[k] << G::SHIFT);
             let isum = _mm256_sub_epi32(_mm256_add_epi32(even, odd), off);
             let scale = _mm256_mul_ps(dw, _mm256_set1_ps(xs.scales[k]));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
