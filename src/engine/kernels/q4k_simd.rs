@@ -16,10 +16,10 @@
 //!   one `vpmaddwd` against the scale pair gives the lane's scaled sum.
 //!
 //! Q5_K's fifth bits join the nibbles as 16 where set (a byte mask, then a masked add on
-//! AVX-512). The mins are `vpmaddwd`/`vpdpwssd` of the 32-value activation sums against each
-//! row's min pairs, once a super-block and row. Every sum is the exact integer of the one
-//! definition, and the float part is its two FMAs, so the results are the portable loops'
-//! bits.
+//! AVX-512). The mins are `vpmaddwd` (AVX2) or `vpdpwssd` (VNNI) of the 32-value activation
+//! sums against each row's min pairs: a lane takes two sub-blocks, an instruction four of each
+//! row. Every sum is the exact integer of the one definition, and the float part is its two
+//! FMAs, so the results are the portable loops' bits.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -319,15 +319,17 @@ pub(super) unsafe fn broadcast8_512(p: *const i8) -> __m512i {
     unsafe { _mm512_set1_epi64(std::ptr::read_unaligned(p.cast())) }
 }
 
-/// Row `r`'s two lanes of each 4-lane run summed (`[a, b, c, d]` to `a + c`, `b + d`) and the 8
-/// rows gathered: the first 8 lanes from `i`, the next 8 from `m`.
+/// Each row's two lanes of each 4-lane run summed and the 8 rows gathered: the first 8 lanes
+/// from `i` (rows in lanes `[a, b, a, b]`: `a + a`, `b + b`), the next 8 from `m` (rows in
+/// lanes `[a, a, b, b]`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn gather_rows(i: __m512i, m: __m512i) -> __m512i {
-    let fold = |v| _mm512_add_epi32(v, _mm512_shuffle_epi32::<0x4E>(v));
-    let idx = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-    _mm512_permutex2var_epi32(fold(i), idx, fold(m))
+    let i = _mm512_add_epi32(i, _mm512_shuffle_epi32::<0x4E>(i));
+    let m = _mm512_add_epi32(m, _mm512_shuffle_epi32::<0xB1>(m));
+    let idx = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 18, 20, 22, 24, 26, 28, 30);
+    _mm512_permutex2var_epi32(i, idx, m)
 }
 
 /// `w` with 16 added where `h`'s bytes have bit `bit` set (AVX-512): Q5_K's fifth bits.
@@ -357,13 +359,17 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
 ) {
     let (b, nib) = (xs.blocks, _mm512_set1_epi8(0x0F));
     // Lane c of each 4-lane run: packed sub-block sums (row parity c % 2, sub-block parity
-    // c / 2) against the scale twice, and the min against one of the two activation sums.
+    // c / 2) against the scale twice. The mins take 4 sub-blocks a `vpdpwssd` (4q..4q + 4,
+    // against their 4 activation sums in every 64-bit lane): lane c holds row parity c / 2's
+    // mins of sub-blocks 4q + 2(c % 2) and the next, entry bytes 4t + (row parity) and
+    // 4t + 2 + (row parity) where t = 2q + c % 2. Half the `vpdpwssd` of one sub-block pair a
+    // lane: they compete with the `vpdpbusd` for the multiply pipes.
     let sc_ctl = _mm512_broadcast_i32x4(_mm_setr_epi32(pair(0), pair(1), pair(2), pair(3)));
     let m_ctl = _mm512_broadcast_i32x4(_mm_setr_epi32(
-        control([Some(0), None, None, None]),
-        control([Some(1), None, None, None]),
-        control([None, None, Some(2), None]),
-        control([None, None, Some(3), None]),
+        control([Some(0), None, Some(2), None]),
+        control([Some(4), None, Some(6), None]),
+        control([Some(1), None, Some(3), None]),
+        control([Some(5), None, Some(7), None]),
     ));
     let sign_high = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1);
     let sign_high = _mm512_and_si512(sign_high, _mm512_set1_epi32(i32::MIN));
@@ -379,7 +385,11 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
             for t in 0..4 {
                 let step = _mm512_set1_epi8(4 * t as i8);
                 let sc = _mm512_shuffle_epi8(sc8, _mm512_add_epi8(sc_ctl, step));
-                let m = _mm512_shuffle_epi8(m8, _mm512_add_epi8(m_ctl, step));
+                // Read at odd t only: quad t / 2's mins.
+                let m = _mm512_shuffle_epi8(
+                    m8,
+                    _mm512_add_epi8(m_ctl, _mm512_set1_epi8(8 * (t / 2) as i8)),
+                );
                 let mut w: [[__m512i; 4]; 2] = std::array::from_fn(|odd| {
                     let base = 128 * (2 * t + odd);
                     // SAFETY: the features; sub-block 2t + odd's 128 bytes are readable.
@@ -441,13 +451,13 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
                         let packed = _mm512_packs_epi32(part(0), part(1));
                         isum[r] = _mm512_dpwssd_epi32(isum[r], packed, sc);
                     }
-                    // SAFETY: the features; `x.sum32` holds a super-block's 8 sums
-                    // (`KRowsView::blocks`) and t < 4: sums 2t and 2t + 1 are 4 bytes.
-                    let sums = unsafe {
-                        let sums = x.sum32.as_ptr().add(2 * t);
-                        _mm512_set1_epi32(std::ptr::read_unaligned(sums.cast()))
-                    };
-                    msum[r] = _mm512_dpwssd_epi32(msum[r], m, sums);
+                    if t % 2 == 1 {
+                        let quad = t / 2;
+                        // SAFETY: the features; `x.sum32` holds a super-block's 8 sums
+                        // (`KRowsView::blocks`) and quad < 2: sums 4·quad.. are 8 bytes.
+                        let sums = unsafe { broadcast8_512(x.sum32.as_ptr().add(4 * quad).cast()) };
+                        msum[r] = _mm512_dpwssd_epi32(msum[r], m, sums);
+                    }
                 }
             }
             // SAFETY: the features; `d` and `dmin` lie together, 32 bytes.
