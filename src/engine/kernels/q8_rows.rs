@@ -3,7 +3,7 @@
 //! views of some of its rows the kernels take.
 
 use super::Rows;
-use super::act_quant::{block_scale, push_rounded};
+use super::act_quant::Blocks32;
 use super::q8_0::{Q8Isa, QK8_0};
 
 /// Activation rows quantized per block of 32 for the integer products: `qs` (`rows × inner`
@@ -28,18 +28,15 @@ impl QuantizedRows {
         self.blocks = input.inner / QK8_0;
         self.qs.clear();
         self.scales.clear();
-        let used = input.rows * input.inner;
-        for block in input.x[..used].chunks_exact(QK8_0) {
-            let (d, id) = block_scale(block);
-            self.scales.push(d);
-            push_rounded(isa, block, id, &mut self.qs);
-        }
         #[cfg(target_arch = "x86_64")]
-        {
-            self.sums8.clear();
-            let sum8 = |b: &[i8]| 8 * b.iter().map(|&q| i32::from(q)).sum::<i32>();
-            self.sums8.extend(self.qs.chunks_exact(QK8_0).map(sum8));
-        }
+        self.sums8.clear();
+        let mut blocks = Blocks32 {
+            qs: &mut self.qs,
+            scales: &mut self.scales,
+            #[cfg(target_arch = "x86_64")]
+            sums8: &mut self.sums8,
+        };
+        blocks.push(isa, &input.x[..input.rows * input.inner]);
     }
 
     /// Rows `range` of it.
