@@ -129,8 +129,7 @@ unsafe fn push_rounded_avx2(x: &[f32], id: f32, out: &mut Vec<i8>) {
     unsafe { out.set_len(at + x.len()) };
 }
 
-/// `y.round()` (ties away from zero) clamped to −128..=127 as `i32`, NaN to 0: `f32::round`
-/// then a saturating `as i8`, lane by lane.
+/// 32 values times `id`, each rounded by [`round_away`], as bytes in order, and their sum.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
@@ -156,6 +155,8 @@ fn round32(v: [__m256; 4], id: f32) -> (__m256i, i32) {
     )
 }
 
+/// `y.round()` (ties away from zero) clamped to −128..=127 as `i32`, NaN to 0: `f32::round`
+/// then a saturating `as i8`, lane by lane.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]

@@ -362,8 +362,8 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
     // c / 2) against the scale twice. The mins take 4 sub-blocks a `vpdpwssd` (4q..4q + 4,
     // against their 4 activation sums in every 64-bit lane): lane c holds row parity c / 2's
     // mins of sub-blocks 4q + 2(c % 2) and the next, entry bytes 4t + (row parity) and
-    // 4t + 2 + (row parity) where t = 2q + c % 2. Half the `vpdpwssd` of one sub-block pair a
-    // lane: they compete with the `vpdpbusd` for the multiply pipes.
+    // 4t + 2 + (row parity) where t = 2q + c % 2. Two sub-blocks a lane, not one: half the
+    // `vpdpwssd`, which compete with the `vpdpbusd` for the multiply pipes.
     let sc_ctl = _mm512_broadcast_i32x4(_mm_setr_epi32(pair(0), pair(1), pair(2), pair(3)));
     let m_ctl = _mm512_broadcast_i32x4(_mm_setr_epi32(
         control([Some(0), None, Some(2), None]),
