@@ -37,11 +37,11 @@ pub(super) trait VnniGroup {
 }
 
 /// The one definition's products of `xs`' rows and `groups` (module docs): one row in 256-bit
-/// lanes, more by pairs.
+/// lanes, more against two groups at once.
 ///
 /// # Safety
 /// The CPU must have AVX-512F, VL and VNNI, AVX2, FMA and F16C; `xs` holds `R` rows of
-/// `xs.blocks` blocks (and their pairs where `R` > 1) and `groups` whole groups of as many.
+/// `xs.blocks` blocks and `groups` whole groups of as many.
 #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn groups<G: VnniGroup, const R: usize>(
     plan: Prefetch,
