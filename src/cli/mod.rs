@@ -136,7 +136,7 @@ pub struct ModelArgs {
     pub threads: Option<usize>,
     /// How the CPU kernels prefetch weights: auto (each candidate timed on the model's own
     /// steps when it loads), l1 (16 KB ahead into L1), l2 (8 KB ahead into L1 and 64 KB into
-    /// L2) or none (the CPU's own prefetchers alone).
+    /// L2), far (64 KB ahead into L2 only) or none (the CPU's own prefetchers alone).
     #[arg(long, value_enum, default_value_t = PrefetchArg::Auto)]
     pub prefetch: PrefetchArg,
     /// The cumulative exit probability in (0, 1] at which Ouro's exit gate stops a token:
@@ -152,6 +152,7 @@ pub enum PrefetchArg {
     Auto,
     L1,
     L2,
+    Far,
     None,
 }
 
@@ -163,6 +164,7 @@ impl PrefetchArg {
             Self::Auto => None,
             Self::L1 => Some(Prefetch::L1),
             Self::L2 => Some(Prefetch::L2),
+            Self::Far => Some(Prefetch::FAR),
             Self::None => Some(Prefetch::NONE),
         }
     }

@@ -1,5 +1,5 @@
 //! `cargo bench --bench step [-- --threads N] [--isa avx512|avx2|portable]
-//! [--kv-cache f16|f32] [--prefetch l1|l2|none] [--only shipped|kernels|rows --rows N|attention|stream|quantized --layers N|roofline]`:
+//! [--kv-cache f16|f32] [--prefetch l1|l2|far|none] [--only shipped|kernels|rows --rows N|attention|stream|quantized --layers N|roofline]`:
 //! step compute by rows on random checkpoints
 //! (hidden 256 and 512, K=4, R=4, vocab 4096), with spex's CPU kernels and with candle's own
 //! ops, and the resulting ceiling R·t(1 row)/t(R rows); then the same for the shipped models'
@@ -345,10 +345,10 @@ fn main() {
         "neon" => Isa::Neon,
         _ => Isa::Portable,
     });
-    let prefetch = arg_value("--prefetch").map(|plan| match plan.as_str() {
-        "l2" => Prefetch::L2,
-        "none" => Prefetch::NONE,
-        _ => Prefetch::L1,
+    let prefetch = arg_value("--prefetch").map(|plan| {
+        (Prefetch::CANDIDATES.into_iter())
+            .find(|p| p.name() == plan)
+            .unwrap_or(Prefetch::L1)
     });
     let kernel_options = KernelOptions {
         isa,

@@ -13,7 +13,9 @@
 //! into L2 made the 1-row and the 4-row step much faster (`cargo bench --bench step -- --only
 //! rows`, both plans alternating; `spex bench` prints the timings it chose by). Where the
 //! CPU's own prefetchers keep a stream from DRAM ahead by themselves, any software prefetch
-//! made the one-row products slower, and no prefetch at all is best for them ([`Plans`]).
+//! made the one-row products slower, and no prefetch at all is best for them ([`Plans`]). And
+//! where the products of several rows keep the load ports busy (the K-quants'), a prefetch
+//! into L2 alone keeps the stream ahead at the least cost ([`Prefetch::FAR`]).
 //! A plan changes no result: prefetches only move data between caches.
 
 use std::time::Duration;
@@ -42,6 +44,14 @@ impl Prefetch {
         near_bytes: 8 << 10,
         far_bytes: 64 << 10,
     };
+    /// 64 KB ahead into L2 only: best for the K-quants' products of several rows where the
+    /// weights come from DRAM. Those kernels' loads fill their cycles (a broadcast activation
+    /// for each weight vector), and an L1 prefetch as well, one more load a line, made Q6_K's
+    /// 4-row products slower than no prefetch at all, where this plan made them faster.
+    pub const FAR: Self = Self {
+        near_bytes: 0,
+        far_bytes: 64 << 10,
+    };
     /// No software prefetch: the CPU's own prefetchers alone. Best where they keep a stream
     /// from DRAM ahead of the kernels by themselves: there a prefetch instruction
     /// only takes a load slot, and prefetches far ahead compete with the stream they serve.
@@ -50,13 +60,14 @@ impl Prefetch {
         far_bytes: 0,
     };
     /// The plans [`choose`] times, the first the default.
-    pub const CANDIDATES: [Self; 3] = [Self::L1, Self::L2, Self::NONE];
+    pub const CANDIDATES: [Self; 4] = [Self::L1, Self::L2, Self::FAR, Self::NONE];
 
     /// Its name for `--prefetch` and reports.
     pub fn name(self) -> &'static str {
         match self {
             Self::L1 => "l1",
             Self::L2 => "l2",
+            Self::FAR => "far",
             Self::NONE => "none",
             _ => "custom",
         }
