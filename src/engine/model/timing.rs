@@ -134,10 +134,10 @@ fn median_times<B: StepBackend>(
 /// last), 25 rounds, fewer where that would take more than [`PLAN_TIMING_BUDGET`] (a model of
 /// Ouro-1.4B's shape gets only a few). Each round gives every candidate a turn, as a race
 /// gives its lanes: a baseline token's R one-row steps (the LM head on the last only), then
-/// one R-row step, over the candidate's own KV cache, so that its steps follow its own and
-/// find its cache where the other's turn left it, as a race's steps do. Each cache holds only
-/// the positions the steps read (the first tiles of every pass, laid out as in a run's cache
-/// of any capacity). Two caches of the default context (512 positions) would hold 0.8 GB at
+/// one R-row step, on one of two KV caches that the candidates' turns alternate between, so
+/// that its steps follow its own and find its cache where another's turn left it, as a race's
+/// steps do (`median_times_on`). Each cache holds only the positions the steps read (the
+/// first tiles of every pass, laid out as in a run's cache of any capacity). Two caches of the default context (512 positions) would hold 0.8 GB at
 /// Ouro-1.4B's shape, beside 2.87 GB of weights, and set the peak of a whole run.
 pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
     let passes = backend.model().passes();
@@ -198,9 +198,11 @@ impl Rounds {
 
 /// Median compute of each batch of rows at `pos` (every row's input a token), the batches
 /// interleaved so that machine noise hits them alike; the warm-up rounds (`Rounds::plan`) are
-/// dropped. The batches split evenly between the `lanes`, each a backend with its own KV
-/// cache of `capacity` positions, as a race's lanes have (one lane's turn leaves the other's
-/// cache to come from memory).
+/// dropped. The batches split evenly between the `lanes` (backends of one model), and the lanes
+/// take turns on two KV caches of `capacity` positions, as a race's two lanes do (one lane's
+/// turn leaves the other's cache to come from memory; with an odd number of lanes, the last's
+/// turn leaves the first's cache warm). Two caches, not one a lane: peak memory would grow
+/// with the candidates the plans' timing holds at load.
 fn median_times_on<B: StepBackend>(
     lanes: &[&B],
     pos: usize,
@@ -209,9 +211,9 @@ fn median_times_on<B: StepBackend>(
     rounds: Rounds,
 ) -> Result<Vec<Duration>> {
     let passes = lanes[0].model().passes();
-    let mut caches = (lanes.iter())
-        .map(|backend| {
-            let mut cache = KvCache::new(backend.new_store(capacity)?, passes, capacity);
+    let mut caches = (0..lanes.len().min(2))
+        .map(|_| {
+            let mut cache = KvCache::new(lanes[0].new_store(capacity)?, passes, capacity);
             if pos > 0 {
                 for pass in Pass::all(passes) {
                     cache.mark_written(pass, pos - 1);
@@ -220,14 +222,16 @@ fn median_times_on<B: StepBackend>(
             Ok(cache)
         })
         .collect::<Result<Vec<_>>>()?;
-    let per_lane = batches.len().div_ceil(caches.len());
+    let per_lane = batches.len().div_ceil(lanes.len());
     let mut times = vec![Vec::with_capacity(rounds.most); batches.len()];
     let (mut warm_ups, mut repeats) = (2, rounds.most);
     let mut round = 0;
     while round < warm_ups + repeats {
         let started_round = Instant::now();
         for (i, (batch, t)) in batches.iter().zip(&mut times).enumerate() {
-            let (backend, cache) = (lanes[i / per_lane], &mut caches[i / per_lane]);
+            let lane = i / per_lane;
+            let shared = caches.len();
+            let (backend, cache) = (lanes[lane], &mut caches[lane % shared]);
             let rows = batch
                 .iter()
                 .map(|&slot| StepRow {
