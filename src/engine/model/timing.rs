@@ -223,7 +223,7 @@ fn median_times_on<B: StepBackend>(
             Ok(cache)
         })
         .collect::<Result<Vec<_>>>()?;
-    let per_lane = batches.len().div_ceil(lanes.len());
+    let (per_lane, shared) = (batches.len().div_ceil(lanes.len()), caches.len());
     let mut times = vec![Vec::with_capacity(rounds.most); batches.len()];
     let (mut warm_ups, mut repeats) = (2, rounds.most);
     let mut round = 0;
@@ -231,7 +231,6 @@ fn median_times_on<B: StepBackend>(
         let started_round = Instant::now();
         for (i, (batch, t)) in batches.iter().zip(&mut times).enumerate() {
             let lane = i / per_lane;
-            let shared = caches.len();
             let (backend, cache) = (lanes[lane], &mut caches[lane % shared]);
             let rows = batch
                 .iter()
