@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::engine::exit_gate::ExitThreshold;
+use crate::engine::kernels::Prefetch;
 use crate::engine::model::KvDtype;
 use crate::engine::policy::{self as policy_table, PolicyKind};
 use crate::engine::{DecodeOptions, EngineError, Sampling};
@@ -134,10 +135,9 @@ pub struct ModelArgs {
     /// default and most: the physical cores this process may use).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// How the CPU kernels prefetch weights: auto (each candidate timed on the model's own
-    /// steps when it loads), l1 (16 KB ahead into L1), l2 (8 KB ahead into L1 and 64 KB into
-    /// L2), far (64 KB ahead into L2 only) or none (the CPU's own prefetchers alone).
-    #[arg(long, value_enum, default_value_t = PrefetchArg::Auto)]
+    /// How the CPU kernels prefetch weights: auto (each plan timed on the model's own steps
+    /// when it loads) or one plan for every product.
+    #[arg(long, value_enum, default_value_t = PrefetchArg::AUTO)]
     pub prefetch: PrefetchArg,
     /// The cumulative exit probability in (0, 1] at which Ouro's exit gate stops a token:
     /// what the pipeline panel marks and `exit:gate` (without `=T`) acts on (default: the
@@ -146,27 +146,43 @@ pub struct ModelArgs {
     pub exit_threshold: Option<ExitThreshold>,
 }
 
-/// `--prefetch`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum PrefetchArg {
-    Auto,
-    L1,
-    L2,
-    Far,
-    None,
-}
+/// `--prefetch`: `auto` (`None`: the plans are timed at load) or one of
+/// [`Prefetch::CANDIDATES`], by its name. Its values are the candidates', so a new plan is a
+/// new value with no second list here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefetchArg(Option<Prefetch>);
 
 impl PrefetchArg {
-    /// The plan asked for (`None` for `auto`, which times them at load).
-    fn plan(self) -> Option<crate::engine::kernels::Prefetch> {
-        use crate::engine::kernels::Prefetch;
-        match self {
-            Self::Auto => None,
-            Self::L1 => Some(Prefetch::L1),
-            Self::L2 => Some(Prefetch::L2),
-            Self::Far => Some(Prefetch::FAR),
-            Self::None => Some(Prefetch::NONE),
+    /// `auto`.
+    pub const AUTO: Self = Self(None);
+    /// `auto`, then every candidate in order.
+    const ALL: [Self; 1 + Prefetch::CANDIDATES.len()] = {
+        let mut all = [Self::AUTO; 1 + Prefetch::CANDIDATES.len()];
+        let mut i = 0;
+        while i < Prefetch::CANDIDATES.len() {
+            all[i + 1] = Self(Some(Prefetch::CANDIDATES[i]));
+            i += 1;
         }
+        all
+    };
+
+    /// The plan asked for (`None` for `auto`, which times them at load).
+    fn plan(self) -> Option<Prefetch> {
+        self.0
+    }
+}
+
+impl clap::ValueEnum for PrefetchArg {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Self::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let value = match self.0 {
+            None => clap::builder::PossibleValue::new("auto"),
+            Some(plan) => clap::builder::PossibleValue::new(plan.name()).help(plan.about()),
+        };
+        Some(value)
     }
 }
 
@@ -186,7 +202,7 @@ impl ModelArgs {
             isa: IsaArg::Auto,
             draft_model: None,
             threads: None,
-            prefetch: PrefetchArg::Auto,
+            prefetch: PrefetchArg::AUTO,
             exit_threshold: None,
         }
     }
@@ -514,5 +530,21 @@ mod tests {
         let mut missing = Vec::new();
         visit(&super::Cli::command(), "spex", &mut missing);
         assert!(missing.is_empty(), "flags without help: {missing:?}");
+    }
+
+    /// `--prefetch` takes `auto` and each candidate plan by the name reports give it.
+    #[test]
+    fn prefetch_takes_each_candidate_by_its_name() {
+        use super::{Prefetch, PrefetchArg};
+        use clap::ValueEnum;
+        assert_eq!(
+            PrefetchArg::from_str("auto", false).map(|a| a.plan()),
+            Ok(None)
+        );
+        for plan in Prefetch::CANDIDATES {
+            let arg = PrefetchArg::from_str(plan.name(), false);
+            assert_eq!(arg.map(|a| a.plan()), Ok(Some(plan)), "{}", plan.name());
+        }
+        assert!(PrefetchArg::from_str("l3", false).is_err());
     }
 }

@@ -72,6 +72,16 @@ impl Prefetch {
             _ => "custom",
         }
     }
+
+    /// What it does, in a few words, for `--help`: read from its distances.
+    pub fn about(self) -> String {
+        match (self.near_bytes >> 10, self.far_bytes >> 10) {
+            (0, 0) => "the CPU's own prefetchers alone".to_string(),
+            (near, 0) => format!("{near} KB ahead into L1"),
+            (0, far) => format!("{far} KB ahead into L2 only"),
+            (near, far) => format!("{near} KB ahead into L1 and {far} KB into L2"),
+        }
+    }
 }
 
 /// The plans a model's kernels run: one for products of one row (a baseline step's), one for
