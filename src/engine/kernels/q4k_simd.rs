@@ -341,6 +341,45 @@ fn with_fifth_512(w: __m512i, h: __m512i, bit: u8) -> __m512i {
     _mm512_mask_add_epi8(w, set, w, _mm512_set1_epi8(16))
 }
 
+/// `q4k_vnni`'s `vpshufb` controls over a group's scale and min entries (`entries_512`) for
+/// each of a super-block's four steps t, loaded there: built in the loop, each took an add
+/// on a vector pipe the multiplies could use.
+/// - `scales[t]`: lane c of each 4-lane run takes the packed sub-block sums (row parity
+///   c % 2, sub-block parity c / 2) of sub-blocks 2t and 2t + 1 against the scale twice.
+/// - `mins[q]`: the mins take 4 sub-blocks a `vpdpwssd` (4q..4q + 4, against their 4
+///   activation sums in every 64-bit lane): lane c holds row parity c / 2's mins of sub-blocks
+///   4q + 2(c % 2) and the next, entry bytes 4u + (row parity) and 4u + 2 + (row parity)
+///   where u = 2q + c % 2. Two sub-blocks a lane, not one: half the `vpdpwssd`, which compete
+///   with the `vpdpbusd` for the multiply pipes.
+#[cfg(target_arch = "x86_64")]
+struct VnniControls {
+    scales: [[i32; 16]; 4],
+    mins: [[i32; 16]; 2],
+}
+
+#[cfg(target_arch = "x86_64")]
+static VNNI_CONTROLS: VnniControls = {
+    let mut scales = [[0; 16]; 4];
+    let mut mins = [[0; 16]; 2];
+    let mut lane = 0;
+    while lane < 16 {
+        let c = (lane % 4) as u8;
+        let mut t = 0;
+        while t < 4 {
+            scales[t][lane] = pair(4 * t as u8 + c);
+            t += 1;
+        }
+        let mut q = 0;
+        while q < 2 {
+            let at = 4 * (2 * q as u8 + c % 2) + c / 2;
+            mins[q][lane] = control([Some(at), None, Some(at + 2), None]);
+            q += 1;
+        }
+        lane += 1;
+    }
+    VnniControls { scales, mins }
+};
+
 /// Q4_K's and Q5_K's one definition for `R` rows over whole groups, with AVX-512 VNNI (module
 /// docs).
 ///
@@ -358,19 +397,6 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
     first: usize,
 ) {
     let (b, nib) = (xs.blocks, _mm512_set1_epi8(0x0F));
-    // Lane c of each 4-lane run: packed sub-block sums (row parity c % 2, sub-block parity
-    // c / 2) against the scale twice. The mins take 4 sub-blocks a `vpdpwssd` (4q..4q + 4,
-    // against their 4 activation sums in every 64-bit lane): lane c holds row parity c / 2's
-    // mins of sub-blocks 4q + 2(c % 2) and the next, entry bytes 4t + (row parity) and
-    // 4t + 2 + (row parity) where t = 2q + c % 2. Two sub-blocks a lane, not one: half the
-    // `vpdpwssd`, which compete with the `vpdpbusd` for the multiply pipes.
-    let sc_ctl = _mm512_broadcast_i32x4(_mm_setr_epi32(pair(0), pair(1), pair(2), pair(3)));
-    let m_ctl = _mm512_broadcast_i32x4(_mm_setr_epi32(
-        control([Some(0), None, Some(2), None]),
-        control([Some(4), None, Some(6), None]),
-        control([Some(1), None, Some(3), None]),
-        control([Some(5), None, Some(7), None]),
-    ));
     let sign_high = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1);
     let sign_high = _mm512_and_si512(sign_high, _mm512_set1_epi32(i32::MIN));
     for (g, group) in groups.chunks_exact(b).enumerate() {
@@ -383,13 +409,16 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
             let mut isum = [_mm512_setzero_si512(); R];
             let mut msum = [_mm512_setzero_si512(); R];
             for t in 0..4 {
-                let step = _mm512_set1_epi8(4 * t as i8);
-                let sc = _mm512_shuffle_epi8(sc8, _mm512_add_epi8(sc_ctl, step));
+                // SAFETY: the features; each control is 64 bytes.
+                let (sc_ctl, m_ctl) = unsafe {
+                    (
+                        _mm512_loadu_si512(VNNI_CONTROLS.scales[t].as_ptr().cast()),
+                        _mm512_loadu_si512(VNNI_CONTROLS.mins[t / 2].as_ptr().cast()),
+                    )
+                };
+                let sc = _mm512_shuffle_epi8(sc8, sc_ctl);
                 // Read at odd t only: quad t / 2's mins.
-                let m = _mm512_shuffle_epi8(
-                    m8,
-                    _mm512_add_epi8(m_ctl, _mm512_set1_epi8(8 * (t / 2) as i8)),
-                );
+                let m = _mm512_shuffle_epi8(m8, m_ctl);
                 let mut w: [[__m512i; 4]; 2] = std::array::from_fn(|odd| {
                     let base = 128 * (2 * t + odd);
                     // SAFETY: the features; sub-block 2t + odd's 128 bytes are readable.
@@ -462,13 +491,14 @@ pub(super) unsafe fn q4k_vnni<const R: usize, G: NibbleGroup>(
             }
             // SAFETY: the features; `d` and `dmin` lie together, 32 bytes.
             let scales = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(item.d.as_ptr().cast())) };
+            // d and −dmin for the 8 rows, once for every row of activations: (−dmin)·dx is
+            // dmin·(−dx) bit for bit, a product's sign apart from its rounding.
+            let scales =
+                _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(scales), sign_high));
             for r in 0..R {
                 let sums = _mm512_cvtepi32_ps(gather_rows(isum[r], msum[r]));
                 // d·dx for the 8 rows, then dmin·(−dx): the definition's two products.
-                let dx = _mm512_castsi512_ps(_mm512_xor_si512(
-                    _mm512_castps_si512(_mm512_set1_ps(x[r].dx)),
-                    sign_high,
-                ));
+                let dx = _mm512_set1_ps(x[r].dx);
                 let mul = _mm512_mul_ps(scales, dx);
                 let high =
                     |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
