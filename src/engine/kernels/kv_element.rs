@@ -16,8 +16,11 @@ use half::slice::HalfFloatSliceExt;
 use std::arch::x86_64::*;
 
 /// A KV cache element: stored from f32 (each value the nearest element), read back as f32
-/// exactly (f32 represents every f16).
-pub trait KvElement: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
+/// exactly (f32 represents every f16). All-zero bits are its zero, so a cache is allocated
+/// zeroed ([`bytemuck::Zeroable`]).
+pub trait KvElement:
+    Copy + Default + bytemuck::Zeroable + Send + Sync + std::fmt::Debug + 'static
+{
     /// `dst := src`, each element the nearest to its f32 (vectorised where the CPU converts).
     fn narrow(src: &[f32], dst: &mut [Self]);
     /// `dst := src` as f32.

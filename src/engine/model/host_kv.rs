@@ -122,10 +122,14 @@ impl<E: KvElement> KvBuffers<E> {
             .into_iter()
             .fold(1usize, usize::saturating_mul);
         crate::engine::memory::check_kv_cache_room(capacity, bytes)?;
+        // Zeroed, not filled: the allocator hands fresh pages over untouched, so a decoder
+        // starts without writing a cache it has not used yet (and a layer's buffer is not
+        // written once to fill it and again for every clone).
+        let zeroed = || (0..layers).map(|_| bytemuck::zeroed_vec(size)).collect();
         Ok(Self {
             geometry,
-            keys: vec![vec![E::default(); size]; layers],
-            values: vec![vec![E::default(); size]; layers],
+            keys: zeroed(),
+            values: zeroed(),
             aside: HashMap::new(),
             narrowed: vec![E::default(); kv_dim],
         })
