@@ -33,6 +33,7 @@ pub mod sampling;
 pub(crate) mod tensor_files;
 pub mod tokenizer;
 pub mod units;
+pub mod zeroed_pages;
 
 pub use checkpoint::{Checkpoint, CheckpointBytes, LoadedModel};
 pub use config::OuroConfig;

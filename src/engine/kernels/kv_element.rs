@@ -16,8 +16,8 @@ use half::slice::HalfFloatSliceExt;
 use std::arch::x86_64::*;
 
 /// A KV cache element: stored from f32 (each value the nearest element), read back as f32
-/// exactly (f32 represents every f16). All-zero bits are its zero, so a cache is allocated
-/// zeroed ([`bytemuck::Zeroable`]).
+/// exactly (f32 represents every f16). All-zero bits are its zero ([`bytemuck::Zeroable`]), so
+/// a cache starts as pages the kernel zeroes (`engine::zeroed_pages`).
 pub trait KvElement:
     Copy + Default + bytemuck::Zeroable + Send + Sync + std::fmt::Debug + 'static
 {

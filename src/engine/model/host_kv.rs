@@ -17,6 +17,7 @@ use crate::engine::kernels::{KvElement, KvLayout, KvStrides, KvView};
 use crate::engine::kv_cache::{AsideSlot, KvStore};
 use crate::engine::looped::LoopedConfig;
 use crate::engine::pass::Pass;
+use crate::engine::zeroed_pages::ZeroedPages;
 
 /// The element type of the host KV cache.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -99,14 +100,26 @@ impl Geometry {
 
 /// One element type's buffers. A row's K/V arrives and leaves (`store`, `entries`, the aside
 /// rows) as `[kv_heads · head_dim]`, and lies in the buffers one head at a time.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvBuffers<E> {
     geometry: Geometry,
-    keys: Vec<Vec<E>>,
-    values: Vec<Vec<E>>,
+    keys: Vec<ZeroedPages<E>>,
+    values: Vec<ZeroedPages<E>>,
     aside: HashMap<AsideSlot, (Vec<E>, Vec<E>)>,
     /// A row's K or V narrowed, before it is placed head by head.
     narrowed: Vec<E>,
+}
+
+impl<E: KvElement> Clone for KvBuffers<E> {
+    fn clone(&self) -> Self {
+        Self {
+            geometry: self.geometry,
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            aside: self.aside.clone(),
+            narrowed: self.narrowed.clone(),
+        }
+    }
 }
 
 impl<E: KvElement> KvBuffers<E> {
@@ -122,10 +135,9 @@ impl<E: KvElement> KvBuffers<E> {
             .into_iter()
             .fold(1usize, usize::saturating_mul);
         crate::engine::memory::check_kv_cache_room(capacity, bytes)?;
-        // Zeroed, not filled: the allocator hands fresh pages over untouched, so a decoder
-        // starts without writing a cache it has not used yet (and a layer's buffer is not
-        // written once to fill it and again for every clone).
-        let zeroed = || (0..layers).map(|_| bytemuck::zeroed_vec(size)).collect();
+        // Pages the kernel zeroes on first touch (`ZeroedPages`): a decoder starts without
+        // writing a cache it has not used yet, and a run's memory holds what it reached.
+        let zeroed = || (0..layers).map(|_| ZeroedPages::new(size)).collect();
         Ok(Self {
             geometry,
             keys: zeroed(),
