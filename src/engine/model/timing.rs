@@ -137,9 +137,7 @@ fn median_times<B: StepBackend>(
 /// one R-row step, on one of two KV caches that the candidates' turns alternate between, so
 /// that its steps follow its own and find its cache where another's turn left it, as a race's
 /// steps do (`median_times_on`). Each cache holds only the positions the steps read (the
-/// first tiles of every pass, laid out as in a run's cache of any capacity). Two caches of
-/// the default context (512 positions) would hold 0.8 GB at Ouro-1.4B's shape, beside 2.87 GB
-/// of weights, and set the peak of a whole run.
+/// first tiles of every pass, laid out as in a run's cache of any capacity).
 pub fn choose_prefetch(backend: &HostBackend) -> Result<prefetch::Choice> {
     let passes = backend.model().passes();
     let positions = backend.model().config.positions;
