@@ -423,7 +423,7 @@ pub fn decoded<K: KQuant>(w: KMatrix<'_, K>, row: usize, k: usize) -> Decoded {
 /// Activation rows quantized per super-block of 256 (llama.cpp's `block_q8_K`, with an f32
 /// scale `d = max|x| / 127` as `q8_0` rounds, values in −127..=127): `qs` (`rows × inner`
 /// bytes), one scale a super-block and the sums of every 16 and every 32 values (`sums16`,
-/// `sums32`, which fit in 16 bits: 32 · 127 < 2¹⁵).
+/// `sums32`, which fit in 16 bits: 32 · 127 < 2¹⁵), and Q6_K's lane offsets ([`q6k_offsets`]).
 ///
 /// Stored super-block by super-block, every row's super-block `k` before any row's `k + 1`:
 /// a kernel over R rows reads super-block `k` of all of them from one place, at fixed offsets
@@ -434,6 +434,7 @@ pub struct KRows {
     scales: Vec<f32>,
     sums16: Vec<i16>,
     sums32: Vec<i16>,
+    offsets6: Vec<i32>,
     blocks: usize,
 }
 
@@ -441,6 +442,20 @@ pub struct KRows {
 const RUNS16: usize = QK_K / 16;
 /// Sums of 32 values a super-block.
 const RUNS32: usize = QK_K / 32;
+/// Q6_K lane offsets a super-block: one a sub-block and half.
+const OFFSETS6: usize = 2 * QK_K / 16;
+
+/// Q6_K's `−32` for each 4-byte lane of its AVX-512 kernel (`k_quants_simd`), from a
+/// super-block's 256 values: lane (sub-block `s`, half `h`) takes values `16s + 4h..` and
+/// `16s + 8 + 4h..`, 4 of each, and is offset by −32 times their sum, so its 8 products
+/// `(q − 32)·x` (|·| ≤ 8 · 32 · 127 < 2¹⁵) start from it and fit 16 bits.
+pub fn q6k_offsets(x: &[i8]) -> impl Iterator<Item = i32> + '_ {
+    (0..OFFSETS6).map(move |k| {
+        let at = 16 * (k / 2) + 4 * (k % 2);
+        let four = |from: usize| x[from..from + 4].iter().map(|&v| i32::from(v)).sum::<i32>();
+        -32 * (four(at) + four(at + 8))
+    })
+}
 
 impl KRows {
     /// Quantizes `input`'s rows, reusing this value's buffers.
@@ -451,6 +466,7 @@ impl KRows {
         self.scales.clear();
         self.sums16.clear();
         self.sums32.clear();
+        self.offsets6.clear();
         let blocks = (0..self.blocks).flat_map(|k| {
             (0..input.rows).map(move |r| &input.x[r * input.inner + k * QK_K..][..QK_K])
         });
@@ -463,11 +479,12 @@ impl KRows {
                 .chunks_exact(16)
                 .map(|run| run.iter().map(|&q| i16::from(q)).sum::<i16>());
             self.sums16.extend(sums);
-            let at = self.sums16.len() - RUNS16;
+            let sums_at = self.sums16.len() - RUNS16;
             for p in 0..RUNS32 {
                 self.sums32
-                    .push(self.sums16[at + 2 * p] + self.sums16[at + 2 * p + 1]);
+                    .push(self.sums16[sums_at + 2 * p] + self.sums16[sums_at + 2 * p + 1]);
             }
+            self.offsets6.extend(q6k_offsets(&self.qs[at..]));
         }
     }
 
@@ -481,6 +498,7 @@ impl KRows {
             scales: &self.scales,
             sums16: &self.sums16,
             sums32: &self.sums32,
+            offsets6: &self.offsets6,
             blocks: self.blocks,
             stride: self.len(),
             first: range.start,
@@ -501,6 +519,7 @@ pub(super) struct KRowsView<'a> {
     scales: &'a [f32],
     sums16: &'a [i16],
     sums32: &'a [i16],
+    offsets6: &'a [i32],
     /// Super-blocks a row.
     pub(super) blocks: usize,
     /// The rows of the whole [`KRows`]: super-block `k` of its row `i` is entry `k·stride + i`.
@@ -519,6 +538,8 @@ pub struct KBlock<'a> {
     pub sum16: &'a [i16],
     /// The sums of its 32-value runs (Q4_K's sub-blocks).
     pub sum32: &'a [i16],
+    /// Its Q6_K lane offsets ([`q6k_offsets`]).
+    pub offsets6: &'a [i32],
     /// Its scale.
     pub dx: f32,
 }
@@ -537,6 +558,7 @@ impl KRowsView<'_> {
             x: &self.qs[at * QK_K..(at + 1) * QK_K],
             sum16: &self.sums16[at * RUNS16..(at + 1) * RUNS16],
             sum32: &self.sums32[at * RUNS32..(at + 1) * RUNS32],
+            offsets6: &self.offsets6[at * OFFSETS6..(at + 1) * OFFSETS6],
             dx: self.scales[at],
         }
     }
@@ -552,11 +574,13 @@ impl KRowsView<'_> {
         let qs = &self.qs[at * QK_K..(at + R) * QK_K];
         let sums16 = &self.sums16[at * RUNS16..(at + R) * RUNS16];
         let sums32 = &self.sums32[at * RUNS32..(at + R) * RUNS32];
+        let offsets6 = &self.offsets6[at * OFFSETS6..(at + R) * OFFSETS6];
         let scales = &self.scales[at..at + R];
         std::array::from_fn(|r| KBlock {
             x: &qs[r * QK_K..(r + 1) * QK_K],
             sum16: &sums16[r * RUNS16..(r + 1) * RUNS16],
             sum32: &sums32[r * RUNS32..(r + 1) * RUNS32],
+            offsets6: &offsets6[r * OFFSETS6..(r + 1) * OFFSETS6],
             dx: scales[r],
         })
     }

@@ -4,12 +4,17 @@
 //!
 //! Q6_K's layout is Q4_K's (`q4k_simd`): 8 weights of each row in every 64 bytes, a 4-byte
 //! lane per row and half, against 8 activation bytes broadcast to every lane pair. Its
-//! unsigned 6-bit weights and the signed activation bytes are `vpmaddubsw`'s operands, and
-//! its pairs cannot saturate (2 · 63 · 127 < 2¹⁵): two of them add to a 16-bit lane (≤ 32004)
-//! holding 4 products of a 16-weight sub-block, and one `vpmaddwd` against the lane's scale
-//! pair scales and sums them, so no `vpmulld` is needed. The −32 comes from the activations'
-//! 16-value sums, once a super-block and row, and the float work is one FMA a super-block for
-//! 8 outputs. Every sum is the one definition's exact integer.
+//! unsigned 6-bit weights and the signed activation bytes are the byte products' operands:
+//! - **AVX2**: `vpmaddubsw`'s pairs cannot saturate (2 · 63 · 127 < 2¹⁵): two of them add to
+//!   a 16-bit lane (≤ 32004) holding 4 products of a 16-weight sub-block, and one `vpmaddwd`
+//!   against the lane's scale pair scales and sums them, so no `vpmulld` is needed. The −32
+//!   comes from the activations' 16-value sums, once a super-block and row.
+//! - **VNNI**: a lane's 8 products start from the activations' offset for that lane, so it
+//!   holds `Σ (q − 32)·x` and packs to 16 bits; a `vpdpwssd` then scales two sub-blocks
+//!   ([`q6k_vnni`]).
+//!
+//! The float work is one FMA a super-block for 8 outputs. Every sum is the one definition's
+//! exact integer.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -280,9 +285,32 @@ fn q6k_weights_512(item: &GroupQ6K, p: usize) -> [[__m512i; 2]; 2] {
     ]
 }
 
-/// Q6_K's one definition for `R` rows over whole groups, with AVX-512 (module docs): 16-bit
-/// words `k` of lane `k / 2` (row `k / 4`, half `k / 2 % 2`) are picked from each 4 sub-blocks'
-/// widened scales by `vpermw`.
+/// `vpermw` indices picking, from 4 sub-blocks' widened scales (word `8v + j`: sub-block
+/// `4u + v`, row `j`), the scale pairs for the packed sums of sub-blocks `4u + 2·pair` and
+/// `4u + 2·pair + 1`: word `k` (128-bit run `c = k / 8`, its word `w = k % 8`) is row
+/// `2c + w / 2 % 2`'s scale of the pair's sub-block `w / 4`, as `vpackssdw` lays the two
+/// sub-blocks' lanes (row `2c`'s halves, row `2c + 1`'s; first sub-block, then the second).
+#[cfg(target_arch = "x86_64")]
+const fn q6k_pair_words(pair: usize) -> [i16; 32] {
+    let mut words = [0; 32];
+    let mut k = 0;
+    while k < 32 {
+        let (c, w) = (k / 8, k % 8);
+        words[k] = (8 * (2 * pair + w / 4) + 2 * c + w / 2 % 2) as i16;
+        k += 1;
+    }
+    words
+}
+
+#[cfg(target_arch = "x86_64")]
+static Q6K_PAIR_WORDS: [[i16; 32]; 2] = [q6k_pair_words(0), q6k_pair_words(1)];
+
+/// Q6_K's one definition for `R` rows over whole groups, with AVX-512 VNNI. Each lane's 8
+/// products `q·x` (`vpdpbusd`, unsigned weights) start from the activations' lane offset
+/// (`k_quants::q6k_offsets`), so the lane holds `Σ (q − 32)·x`, under 2¹⁵ in magnitude:
+/// `vpackssdw` packs two sub-blocks' lanes to 16 bits exactly, and one `vpdpwssd` against
+/// their scale pairs scales both and adds each row's halves. A pair of sub-blocks takes 5
+/// multiplies a row of activations (4 `vpdpbusd`, one `vpdpwssd`), and the −32 none.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW and VNNI, AVX2, FMA and F16C; `xs` holds `R` rows of
@@ -298,68 +326,53 @@ unsafe fn q6k_vnni<const R: usize>(
     first: usize,
 ) {
     let b = xs.blocks;
-    let words: [i16; 32] = std::array::from_fn(|k| k as i16);
-    // SAFETY: the features; `words` is 64 bytes.
-    let words = unsafe { _mm512_loadu_si512(words.as_ptr().cast()) };
-    // Lane (j, h): sub-block (4u + v)'s scale of row j twice, word 8v + j.
-    let row = _mm512_srli_epi16::<2>(words);
-    // Lane (j, h): sub-blocks 4u + 2h and 4u + 2h + 1 of row j, words 16h + j and 16h + 8 + j.
-    let half = _mm512_and_si512(_mm512_srli_epi16::<1>(words), _mm512_set1_epi16(1));
-    let odd = _mm512_and_si512(words, _mm512_set1_epi16(1));
-    let bias_idx = _mm512_add_epi16(
-        _mm512_add_epi16(row, _mm512_slli_epi16::<4>(half)),
-        _mm512_slli_epi16::<3>(odd),
-    );
-    let even_lanes = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    // SAFETY: the features; each table is 64 bytes.
+    let pair_words = unsafe { Q6K_PAIR_WORDS.map(|w| _mm512_loadu_si512(w.as_ptr().cast())) };
+    let row_lanes = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13);
     for (g, group) in groups.chunks_exact(b).enumerate() {
         let mut acc = [_mm256_setzero_ps(); R];
         for (k, item) in group.iter().enumerate() {
             prefetch(plan, item);
             let x: [KBlock<'_>; R] = xs.blocks(k);
             let mut isum = [_mm512_setzero_si512(); R];
-            let mut bias = [_mm512_setzero_si512(); R];
             for u in 0..4 {
                 // SAFETY: the features; sub-blocks 4u..4u + 4 hold 32 scales.
                 let sc16 = unsafe {
                     _mm512_cvtepi8_epi16(_mm256_loadu_si256(item.scales[4 * u].as_ptr().cast()))
                 };
-                let pairs = _mm512_permutexvar_epi16(bias_idx, sc16);
-                for (x, bias) in x.iter().zip(bias.iter_mut()) {
-                    // SAFETY: the features; `x.sum16` holds a super-block's 16 sums
-                    // (`KRowsView::blocks`) and u < 4: the 4 from 4u on are readable. (Pointers,
-                    // not slices: a bounds check for each u and row stayed in the loop.)
-                    let sums = unsafe { broadcast8_512(x.sum16.as_ptr().add(4 * u).cast()) };
-                    *bias = _mm512_dpwssd_epi32(*bias, pairs, sums);
-                }
-                for p in [2 * u, 2 * u + 1] {
+                for (pair, &words) in pair_words.iter().enumerate() {
+                    let p = 2 * u + pair;
                     let w = q6k_weights_512(item, p);
-                    for (odd, w) in w.iter().enumerate() {
-                        let s = 2 * p + odd;
-                        let v = _mm512_set1_epi16(8 * (s % 4) as i16);
-                        let sc = _mm512_permutexvar_epi16(_mm512_add_epi16(row, v), sc16);
-                        for (x, isum) in x.iter().zip(isum.iter_mut()) {
-                            // SAFETY: the features; `x.x` holds a super-block's 256 values
-                            // (`KRowsView::blocks`) and s < 16: sub-block s is 16 bytes from 16s.
-                            let (lo, hi) = unsafe {
+                    let sc = _mm512_permutexvar_epi16(words, sc16);
+                    for (x, isum) in x.iter().zip(isum.iter_mut()) {
+                        let lanes = |odd: usize| {
+                            let s = 2 * p + odd;
+                            // SAFETY: the features; `x.x` holds a super-block's 256 values and
+                            // `x.offsets6` its 32 offsets (`KRowsView::blocks`), and s < 16:
+                            // sub-block s is 16 bytes from 16s, its offsets 2 from 2s.
+                            let (start, lo, hi) = unsafe {
                                 let xp = x.x.as_ptr().add(16 * s);
-                                (broadcast8_512(xp), broadcast8_512(xp.add(8)))
+                                (
+                                    broadcast8_512(x.offsets6.as_ptr().add(2 * s).cast()),
+                                    broadcast8_512(xp),
+                                    broadcast8_512(xp.add(8)),
+                                )
                             };
-                            let sum = _mm512_add_epi16(
-                                _mm512_maddubs_epi16(w[0], lo),
-                                _mm512_maddubs_epi16(w[1], hi),
-                            );
-                            *isum = _mm512_dpwssd_epi32(*isum, sum, sc);
-                        }
+                            let part = _mm512_dpbusd_epi32(start, w[odd][0], lo);
+                            _mm512_dpbusd_epi32(part, w[odd][1], hi)
+                        };
+                        let packed = _mm512_packs_epi32(lanes(0), lanes(1));
+                        *isum = _mm512_dpwssd_epi32(*isum, packed, sc);
                     }
                 }
             }
             // SAFETY: the features; `d` is 16 bytes.
             let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(item.d.as_ptr().cast())) };
             for r in 0..R {
-                // Less 32 · Σₛ sc[s]·sum16[s], then each row's two lanes summed, in order.
-                let v = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<5>(bias[r]));
-                let v = _mm512_add_epi32(v, _mm512_shuffle_epi32::<0xB1>(v));
-                let rows = _mm512_castsi512_si256(_mm512_permutexvar_epi32(even_lanes, v));
+                // Lanes (row 2c, row 2c + 1) × (even, odd sub-blocks) of each 128-bit run:
+                // each row's two added, then the rows in order.
+                let v = _mm512_add_epi32(isum[r], _mm512_shuffle_epi32::<0x4E>(isum[r]));
+                let rows = _mm512_castsi512_si256(_mm512_permutexvar_epi32(row_lanes, v));
                 let up = _mm256_mul_ps(d, _mm256_set1_ps(x[r].dx));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), up, acc[r]);
             }
