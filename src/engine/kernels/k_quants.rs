@@ -284,9 +284,14 @@ impl KQuant for Q4K {
             let (sc, m) = scale_min_k4(s, &b.scales);
             (u.sc[2 * s], u.sc[2 * s + 1], u.m[s]) = (sc.into(), sc.into(), m.into());
         }
-        for (i, q) in u.q.iter_mut().enumerate() {
-            let byte = b.qs[32 * (i / 64) + i % 32];
-            *q = if i % 64 < 32 { byte & 0xF } else { byte >> 4 };
+        // Each 32 bytes hold 64 weights: the first 32 in their low nibbles, the next in the
+        // high. (Loops over whole runs, not an index per weight: they vectorize, and loading
+        // a file decodes every block.)
+        for (q, qs) in u.q.chunks_exact_mut(64).zip(b.qs.chunks_exact(32)) {
+            let (low, high) = q.split_at_mut(32);
+            for ((low, high), &byte) in low.iter_mut().zip(high).zip(qs) {
+                (*low, *high) = (byte & 0xF, byte >> 4);
+            }
         }
         u
     }
@@ -368,11 +373,16 @@ impl KQuant for Q6K {
             sc: b.scales.map(i32::from),
             ..Decoded::new(b.d, f16::ZERO)
         };
-        for (i, q) in u.q.iter_mut().enumerate() {
-            let (n, k, l) = (i / 128, i % 128 / 32, i % 32);
-            let low = b.ql[64 * n + l + 32 * (k & 1)];
-            let low = if k < 2 { low & 0xF } else { low >> 4 };
-            *q = low | ((b.qh[32 * n + l] >> (2 * k)) & 3) << 4;
+        // Each half of 128 weights: run k of 32 takes the low 4 bits from 32 bytes of `ql`
+        // (the low nibbles for k < 2, then the high) and bits 2k, 2k + 1 of 32 bytes of `qh`.
+        let halves = (b.ql.chunks_exact(64)).zip(b.qh.chunks_exact(32));
+        for (q, (ql, qh)) in u.q.chunks_exact_mut(128).zip(halves) {
+            for (k, q) in q.chunks_exact_mut(32).enumerate() {
+                let (low, shift) = (&ql[32 * (k % 2)..][..32], 4 * (k / 2));
+                for ((q, &low), &high) in q.iter_mut().zip(low).zip(qh) {
+                    *q = ((low >> shift) & 0xF) | ((high >> (2 * k)) & 3) << 4;
+                }
+            }
         }
         u
     }

@@ -112,8 +112,11 @@ impl KQuant for Q5K {
             scales,
             qs,
         });
-        for (i, q) in u.q.iter_mut().enumerate() {
-            *q |= ((b.qh[i % 32] >> (i / 32)) & 1) << 4;
+        // Run t of 32 weights takes bit t of each of the 32 bytes.
+        for (t, q) in u.q.chunks_exact_mut(32).enumerate() {
+            for (q, &high) in q.iter_mut().zip(&b.qh) {
+                *q |= ((high >> t) & 1) << 4;
+            }
         }
         u
     }
