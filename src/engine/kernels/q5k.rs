@@ -89,12 +89,16 @@ impl Interleave for Q5K {
         for (j, b) in rows.iter().enumerate() {
             let u = Self::decode(b);
             pack_q4k_row(&mut g.low, j, &u);
+            // Weights 32s + n and 32s + 16 + n share a byte of `low.qs` (`q4k_byte`); their
+            // fifth bits lie as `fifth_bit` places that byte's, 8 bytes (n % 8) at a time.
             for s in 0..8 {
-                for n in 0..16 {
-                    let (w, at) = (32 * s + n, q4k_byte(j, s, n));
-                    for (high, q) in [(false, u.q[w]), (true, u.q[w + 16])] {
-                        let (byte, bit) = fifth_bit(at, high);
-                        g.fifth[byte] |= (q >> 4) << bit;
+                for half in 0..2 {
+                    let n = 8 * half;
+                    let (byte, bit) = fifth_bit(q4k_byte(j, s, n), false);
+                    let (low, high) = (&u.q[32 * s + n..][..8], &u.q[32 * s + 16 + n..][..8]);
+                    let fifth = &mut g.fifth[byte..byte + 8];
+                    for ((f, &low), &high) in fifth.iter_mut().zip(low).zip(high) {
+                        *f |= (low >> 4) << bit | (high >> 4) << (bit + 1);
                     }
                 }
             }
