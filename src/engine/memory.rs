@@ -242,6 +242,12 @@ impl<T: ArenaElement> Arena<T> {
         let (huge, line) = (HUGE_BYTES / size, 64 / size);
         let lens: Vec<usize> = shapes.iter().map(|s| s.elem_count()).collect();
         let total: usize = lens.iter().map(|n| n.div_ceil(line) * line).sum();
+        // Free memory at the heap's top first: glibc serves even a request past its mmap
+        // threshold from the top where it has room (spex keeps a large top pad), and then
+        // clears it with `memset`, faulting in small pages that `finish` must copy into huge
+        // ones. With the top trimmed the arena is a fresh mapping: untouched, and huge pages
+        // from its first write.
+        release_free_memory();
         let data = bytemuck::try_zeroed_vec::<T>(total + huge).map_err(|()| {
             candle_core::Error::Msg(format!(
                 "cannot allocate {:.2} GB for the weights",
