@@ -433,7 +433,8 @@ pub fn decoded<K: KQuant>(w: KMatrix<'_, K>, row: usize, k: usize) -> Decoded {
 /// Activation rows quantized per super-block of 256 (llama.cpp's `block_q8_K`, with an f32
 /// scale `d = max|x| / 127` as `q8_0` rounds, values in −127..=127): `qs` (`rows × inner`
 /// bytes), one scale a super-block and the sums of every 16 and every 32 values (`sums16`,
-/// `sums32`, which fit in 16 bits: 32 · 127 < 2¹⁵), and Q6_K's lane offsets ([`q6k_offsets`]).
+/// `sums32`, which fit in 16 bits: 32 · 127 < 2¹⁵), and where a Q6_K product reads them, its
+/// lane offsets ([`q6k_offsets`]).
 ///
 /// Stored super-block by super-block, every row's super-block `k` before any row's `k + 1`:
 /// a kernel over R rows reads super-block `k` of all of them from one place, at fixed offsets
@@ -459,17 +460,22 @@ const OFFSETS6: usize = 2 * QK_K / 16;
 /// super-block's 256 values: lane (sub-block `s`, half `h`) takes values `16s + 4h..` and
 /// `16s + 8 + 4h..`, 4 of each, and is offset by −32 times their sum, so its 8 products
 /// `(q − 32)·x` (|·| ≤ 8 · 32 · 127 < 2¹⁵) start from it and fit 16 bits.
-pub fn q6k_offsets(x: &[i8]) -> impl Iterator<Item = i32> + '_ {
-    (0..OFFSETS6).map(move |k| {
-        let at = 16 * (k / 2) + 4 * (k % 2);
-        let four = |from: usize| x[from..from + 4].iter().map(|&v| i32::from(v)).sum::<i32>();
-        -32 * (four(at) + four(at + 8))
+pub fn q6k_offsets(x: &[i8; QK_K]) -> [i32; OFFSETS6] {
+    // The sums of every 4 values first (a loop that vectorizes), then each lane's two.
+    let mut fours = [0i32; QK_K / 4];
+    for (sum, four) in fours.iter_mut().zip(x.chunks_exact(4)) {
+        *sum = four.iter().map(|&v| i32::from(v)).sum();
+    }
+    std::array::from_fn(|k| {
+        let at = 4 * (k / 2) + k % 2;
+        -32 * (fours[at] + fours[at + 2])
     })
 }
 
 impl KRows {
-    /// Quantizes `input`'s rows, reusing this value's buffers.
-    pub fn quantize(&mut self, isa: Q8Isa, input: &Rows<'_>) {
+    /// Quantizes `input`'s rows, reusing this value's buffers; with Q6_K's lane offsets
+    /// where `q6k` (a Q6_K product will read the rows).
+    pub fn quantize(&mut self, isa: Q8Isa, input: &Rows<'_>, q6k: bool) {
         debug_assert_eq!(input.inner % QK_K, 0);
         self.blocks = input.inner / QK_K;
         self.qs.clear();
@@ -494,7 +500,9 @@ impl KRows {
                 self.sums32
                     .push(self.sums16[sums_at + 2 * p] + self.sums16[sums_at + 2 * p + 1]);
             }
-            self.offsets6.extend(q6k_offsets(&self.qs[at..]));
+            if let Some(x) = self.qs[at..].first_chunk().filter(|_| q6k) {
+                self.offsets6.extend(q6k_offsets(x));
+            }
         }
     }
 
@@ -548,8 +556,6 @@ pub struct KBlock<'a> {
     pub sum16: &'a [i16],
     /// The sums of its 32-value runs (Q4_K's sub-blocks).
     pub sum32: &'a [i16],
-    /// Its Q6_K lane offsets ([`q6k_offsets`]).
-    pub offsets6: &'a [i32],
     /// Its scale.
     pub dx: f32,
 }
@@ -568,7 +574,6 @@ impl KRowsView<'_> {
             x: &self.qs[at * QK_K..(at + 1) * QK_K],
             sum16: &self.sums16[at * RUNS16..(at + 1) * RUNS16],
             sum32: &self.sums32[at * RUNS32..(at + 1) * RUNS32],
-            offsets6: &self.offsets6[at * OFFSETS6..(at + 1) * OFFSETS6],
             dx: self.scales[at],
         }
     }
@@ -584,15 +589,25 @@ impl KRowsView<'_> {
         let qs = &self.qs[at * QK_K..(at + R) * QK_K];
         let sums16 = &self.sums16[at * RUNS16..(at + R) * RUNS16];
         let sums32 = &self.sums32[at * RUNS32..(at + R) * RUNS32];
-        let offsets6 = &self.offsets6[at * OFFSETS6..(at + R) * OFFSETS6];
         let scales = &self.scales[at..at + R];
         std::array::from_fn(|r| KBlock {
             x: &qs[r * QK_K..(r + 1) * QK_K],
             sum16: &sums16[r * RUNS16..(r + 1) * RUNS16],
             sum32: &sums32[r * RUNS32..(r + 1) * RUNS32],
-            offsets6: &offsets6[r * OFFSETS6..(r + 1) * OFFSETS6],
             dx: scales[r],
         })
+    }
+
+    /// Super-block `k`'s Q6_K lane offsets ([`q6k_offsets`]) of rows `0..R` (quantized for a
+    /// Q6_K product), apart from [`Self::blocks`]: only the Q6_K kernel reads them, and a
+    /// fifth slice a row there made the Q4_K and Q5_K kernels slower.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(super) fn offsets6<const R: usize>(&self, k: usize) -> [&[i32]; R] {
+        assert!(R <= self.rows && k < self.blocks);
+        let at = k * self.stride + self.first;
+        let offsets6 = &self.offsets6[at * OFFSETS6..(at + R) * OFFSETS6];
+        std::array::from_fn(|r| &offsets6[r * OFFSETS6..(r + 1) * OFFSETS6])
     }
 }
 

@@ -334,6 +334,7 @@ unsafe fn q6k_vnni<const R: usize>(
         for (k, item) in group.iter().enumerate() {
             prefetch(plan, item);
             let x: [KBlock<'_>; R] = xs.blocks(k);
+            let offsets6: [&[i32]; R] = xs.offsets6(k);
             let mut isum = [_mm512_setzero_si512(); R];
             for u in 0..4 {
                 // SAFETY: the features; sub-blocks 4u..4u + 4 hold 32 scales.
@@ -344,16 +345,18 @@ unsafe fn q6k_vnni<const R: usize>(
                     let p = 2 * u + pair;
                     let w = q6k_weights_512(item, p);
                     let sc = _mm512_permutexvar_epi16(words, sc16);
-                    for (x, isum) in x.iter().zip(isum.iter_mut()) {
+                    let rows = x.iter().zip(&offsets6).zip(isum.iter_mut());
+                    for ((x, offsets6), isum) in rows {
                         let lanes = |odd: usize| {
                             let s = 2 * p + odd;
-                            // SAFETY: the features; `x.x` holds a super-block's 256 values and
-                            // `x.offsets6` its 32 offsets (`KRowsView::blocks`), and s < 16:
-                            // sub-block s is 16 bytes from 16s, its offsets 2 from 2s.
+                            // SAFETY: the features; `x.x` holds a super-block's 256 values
+                            // (`KRowsView::blocks`) and `offsets6` its 32 offsets
+                            // (`KRowsView::offsets6`), and s < 16: sub-block s is 16 bytes from
+                            // 16s, its offsets 2 from 2s.
                             let (start, lo, hi) = unsafe {
                                 let xp = x.x.as_ptr().add(16 * s);
                                 (
-                                    broadcast8_512(x.offsets6.as_ptr().add(2 * s).cast()),
+                                    broadcast8_512(offsets6.as_ptr().add(2 * s).cast()),
                                     broadcast8_512(xp),
                                     broadcast8_512(xp.add(8)),
                                 )

@@ -51,7 +51,7 @@ fn run<K: k_quants_simd::Groups>(
 ) -> Vec<f32> {
     let outs = w.rows();
     let mut q = KRows::default();
-    q.quantize(isa, &Rows { x, rows, inner });
+    q.quantize(isa, &Rows { x, rows, inner }, K::KIND == QuantKind::Q6K);
     let mut out = vec![f32::NAN; rows * outs];
     let to = OutLayout { col: 1, row: outs };
     product(isa, Prefetch::L2, &q, w, SharedOut::new(&mut out), to);

@@ -302,7 +302,8 @@ impl<'a> Input<'a> {
             .iter()
             .any(|w| matches!(w, Weight::Q4K(_) | Weight::Q5K(_) | Weight::Q6K(_)))
         {
-            qk.quantize(isa, &rows);
+            let q6k = (weights.iter()).any(|w| matches!(w, Weight::Q6K(_)));
+            qk.quantize(isa, &rows, q6k);
         }
         if (weights.iter()).any(|w| matches!(w, Weight::Affine(a) if a.kind().bits() == 4)) {
             affine::deinterleave(rows.x, &mut nibble_order);
