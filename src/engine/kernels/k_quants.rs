@@ -474,8 +474,9 @@ pub fn q6k_offsets(x: &[i8; QK_K]) -> [i32; OFFSETS6] {
 
 impl KRows {
     /// Quantizes `input`'s rows, reusing this value's buffers; with Q6_K's lane offsets
-    /// where `q6k` (a Q6_K product will read the rows).
+    /// where `q6k` (a Q6_K product will read the rows) and `isa`'s kernel reads them.
     pub fn quantize(&mut self, isa: Q8Isa, input: &Rows<'_>, q6k: bool) {
+        let q6k = q6k && super::k_quants_simd::reads_q6k_offsets(isa);
         debug_assert_eq!(input.inner % QK_K, 0);
         self.blocks = input.inner / QK_K;
         self.qs.clear();
@@ -516,6 +517,7 @@ impl KRows {
             scales: &self.scales,
             sums16: &self.sums16,
             sums32: &self.sums32,
+            #[cfg(target_arch = "x86_64")]
             offsets6: &self.offsets6,
             blocks: self.blocks,
             stride: self.len(),
@@ -537,6 +539,8 @@ pub(super) struct KRowsView<'a> {
     scales: &'a [f32],
     sums16: &'a [i16],
     sums32: &'a [i16],
+    /// Read by the x86 Q6_K kernel alone.
+    #[cfg(target_arch = "x86_64")]
     offsets6: &'a [i32],
     /// Super-blocks a row.
     pub(super) blocks: usize,

@@ -41,6 +41,16 @@ pub(super) fn row_block(isa: Q8Isa) -> usize {
     }
 }
 
+/// Whether `isa`'s Q6_K kernel reads the activations' lane offsets (`k_quants::q6k_offsets`):
+/// only AVX-512 VNNI's does, so only its rows pay for them.
+pub(super) fn reads_q6k_offsets(isa: Q8Isa) -> bool {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Q8Isa::Avx512Vnni => true,
+        _ => false,
+    }
+}
+
 /// A K-quant type's group kernels.
 pub(super) trait Groups: KQuant {
     /// One block of rows `xs` (at most [`row_block`]) times every group of `groups`, into
