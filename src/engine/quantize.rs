@@ -12,7 +12,6 @@ use super::error::{EngineError, Result};
 use super::kernels::AffineKind;
 use super::looped::LoopedConfig;
 use super::mlx::write as mlx_write;
-use super::model::Weights;
 use super::tensor_files::TensorFiles;
 
 /// What `spex quantize` writes.
@@ -79,6 +78,8 @@ impl From<crate::engine::gguf::write::FileType> for QuantizeTarget {
 struct Source {
     config: LoopedConfig,
     vb: VarBuilder<'static>,
+    /// Where the weights come from, for messages.
+    weights_path: PathBuf,
     tokenizer_path: PathBuf,
     tokenizer_bytes: Vec<u8>,
     /// Every tensor, by name (read for an mlx target only).
@@ -111,6 +112,7 @@ fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
             Ok(Source {
                 config: checkpoint.config,
                 vb,
+                weights_path: dir.clone(),
                 tokenizer_path: checkpoint.tokenizer_file,
                 tokenizer_bytes: bytes,
                 tensors,
@@ -132,6 +134,7 @@ fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
             Ok(Source {
                 config,
                 vb,
+                weights_path: at.into(),
                 tokenizer_path: "<embedded>/tokenizer.json".into(),
                 tokenizer_bytes: bytes.tokenizer.to_vec(),
                 tensors,
@@ -156,6 +159,7 @@ pub fn quantize_checkpoint(
     let Source {
         config,
         vb,
+        weights_path,
         tokenizer_path,
         tokenizer_bytes,
         tensors,
@@ -173,12 +177,12 @@ pub fn quantize_checkpoint(
             return Ok(config);
         }
     };
-    let weights = Weights::load(&vb, &config).map_err(|e| EngineError::file(&tokenizer_path, e))?;
     let tokenizer: serde_json::Value = serde_json::from_slice(&tokenizer_bytes)
         .map_err(|e| EngineError::file(&tokenizer_path, format!("not valid JSON: {e}")))?;
     let job = crate::engine::gguf::write::QuantizeJob {
         config: &config,
-        weights: &weights,
+        weights: &vb,
+        weights_path: &weights_path,
         tokenizer: &tokenizer,
         tokenizer_path: &tokenizer_path,
         name,

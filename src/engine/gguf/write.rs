@@ -16,7 +16,6 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::format::{self, LayerTensor};
 use crate::engine::kernels::{BlockQ4_0, BlockQ8_0, QK8_0, QuantKind};
 use crate::engine::looped::LoopedConfig;
-use crate::engine::model::Weights;
 
 /// The weight types `spex quantize` writes, by llama.cpp's file-type names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,14 +112,16 @@ enum MatrixRole {
     Layer(usize, LayerTensor),
 }
 
-/// What to write: the model's shape, weights (f32 on the CPU) and tokenizer (`tokenizer.json`,
-/// parsed, and its path for messages), and the file type.
-#[derive(Debug)]
+/// What to write: the model's shape, weights (read by name, in f32 on the CPU) and tokenizer
+/// (`tokenizer.json`, parsed, and its path for messages), and the file type.
 pub struct QuantizeJob<'a> {
     /// The model's shape.
     pub config: &'a LoopedConfig,
-    /// Its weights in f32 on the CPU.
-    pub weights: &'a Weights,
+    /// Its weights, each read when it is written: a model is never held whole in f32 (four
+    /// times a bf16 file), only the tensors being quantized.
+    pub weights: &'a candle_nn::VarBuilder<'a>,
+    /// Where the weights come from, for messages.
+    pub weights_path: &'a Path,
     /// Its `tokenizer.json`.
     pub tokenizer: &'a serde_json::Value,
     /// Where that tokenizer came from.
@@ -141,7 +142,7 @@ pub fn write_gguf(job: &QuantizeJob<'_>, out: &Path) -> Result<()> {
         job.config.eos_token_ids.first().copied(),
         job.config.vocab,
     )?);
-    let tensors = tensors(job).map_err(|e| EngineError::file(out, e))?;
+    let tensors = tensors(job)?;
     let meta_refs: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     crate::engine::files::write_via_temporary(out, |temp| {
@@ -196,37 +197,38 @@ fn config_metadata(job: &QuantizeJob<'_>) -> Vec<(String, Value)> {
 }
 
 /// Every tensor of `job` in the GGUF's names and order, quantized where it is a matrix.
-fn tensors(job: &QuantizeJob<'_>) -> candle_core::Result<Vec<(String, QTensor)>> {
-    let w = job.weights;
-    let embedding = match job.config.tied {
+/// Every tensor the file holds, read and encoded on the rayon threads (K-quant rounding is a
+/// search a block, the slowest part), each thread holding one tensor in f32 at a time; in the
+/// file's order.
+fn tensors(job: &QuantizeJob<'_>) -> Result<Vec<(String, QTensor)>> {
+    use rayon::prelude::*;
+    let c = job.config;
+    let embedding = match c.tied {
         true => MatrixRole::Head,
         false => MatrixRole::Embedding,
     };
+    let matrix = vec![c.vocab, c.hidden];
     // A vector has no matrix role: it is written in F32.
-    let mut named: Vec<(String, &Tensor, Option<MatrixRole>)> = vec![
-        (
-            format::EMBED_TOKENS.to_string(),
-            &w.embed_tokens,
-            Some(embedding),
-        ),
-        (format::FINAL_NORM.to_string(), &w.norm, None),
+    let mut named: Vec<(String, Vec<usize>, Option<MatrixRole>)> = vec![
+        (format::EMBED_TOKENS.into(), matrix.clone(), Some(embedding)),
+        (format::FINAL_NORM.into(), vec![c.hidden], None),
     ];
-    if !job.config.tied {
-        named.push((
-            format::LM_HEAD.to_string(),
-            &w.lm_head,
-            Some(MatrixRole::Head),
-        ));
+    if !c.tied {
+        named.push((format::LM_HEAD.into(), matrix, Some(MatrixRole::Head)));
     }
-    for layer in 0..job.config.layers {
+    for layer in 0..c.layers {
         for t in LayerTensor::ALL {
-            let tensor = w.layers[layer].tensor(t);
-            named.push((t.name(layer), tensor, Some(MatrixRole::Layer(layer, t))));
+            let (shape, _) = t.shape_and_role(c);
+            named.push((t.name(layer), shape, Some(MatrixRole::Layer(layer, t))));
         }
     }
-    let named = named.into_iter();
-    named
-        .map(|(name, tensor, role)| Ok((gguf_or(&name)?, encode(tensor, role, job)?)))
+    (named.into_par_iter())
+        .map(|(name, shape, role)| {
+            let tensor = (job.weights.get(shape, &name))
+                .map_err(|e| EngineError::file(job.weights_path, e))?;
+            let encoded = gguf_or(&name).and_then(|gguf| Ok((gguf, encode(&tensor, role, job)?)));
+            encoded.map_err(|e| EngineError::file(job.weights_path, format!("{name}: {e}")))
+        })
         .collect()
 }
 
