@@ -47,7 +47,8 @@ pub fn run(args: &QuantizeArgs) -> anyhow::Result<()> {
     let hub = crate::hub::HubSettings::from_env()?;
     let resolved = super::models::resolve(args.model.as_deref(), &hub, &mut |_| {})?;
     let name = target.name();
-    let config = quantize_checkpoint(&resolved.source, &resolved.name, target, &args.out)?;
+    let threads = crate::engine::kernels::pool::available_cores();
+    let config = quantize_checkpoint(&resolved.source, &resolved.name, target, &args.out, threads)?;
     let weights = match target {
         QuantizeTarget::Gguf(_) => args.out.clone(),
         QuantizeTarget::Mlx(_) => args.out.join("model.safetensors"),

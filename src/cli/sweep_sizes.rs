@@ -116,7 +116,7 @@ fn model_args(path: &Path, bf16: bool, threads: Option<usize>) -> ModelArgs {
 
 /// The checkpoint in `dir` as `weights` stores it: the folder, or a GGUF file or mlx folder
 /// quantized from it inside the folder.
-fn weights_file(dir: &Path, weights: SweptWeights) -> anyhow::Result<PathBuf> {
+fn weights_file(dir: &Path, weights: SweptWeights, threads: usize) -> anyhow::Result<PathBuf> {
     let SweptWeights::Quantized(target) = weights else {
         return Ok(dir.to_path_buf());
     };
@@ -125,7 +125,7 @@ fn weights_file(dir: &Path, weights: SweptWeights) -> anyhow::Result<PathBuf> {
         QuantizeTarget::Mlx(_) => dir.join(target.name()),
     };
     let origin = Origin::Dir(dir.to_path_buf());
-    quantize_checkpoint(&origin, "sweep", target, &out)?;
+    quantize_checkpoint(&origin, "sweep", target, &out, threads)?;
     Ok(out)
 }
 
@@ -156,7 +156,9 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
         };
         write_random_checkpoint(&dir.0, &spec)?;
         for &weights in &args.dtype {
-            let path = weights_file(&dir.0, weights)?;
+            let threads =
+                (args.threads).unwrap_or_else(crate::engine::kernels::pool::available_cores);
+            let path = weights_file(&dir.0, weights, threads)?;
             let bf16 = weights == SweptWeights::Bf16;
             let session = super::load_model(&model_args(&path, bf16, args.threads), &[])?;
             let machine = match limits {

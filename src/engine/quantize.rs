@@ -82,13 +82,43 @@ struct Source {
     weights_path: PathBuf,
     tokenizer_path: PathBuf,
     tokenizer_bytes: Vec<u8>,
-    /// Every tensor, by name (read for an mlx target only).
-    tensors: Vec<(String, candle_core::Tensor)>,
+    /// Every tensor as stored, read by name (for an mlx target).
+    stored: Stored,
+}
+
+/// A source's tensors as stored, by name.
+enum Stored {
+    /// In a checkpoint's files, read when asked for.
+    Files(TensorFiles),
+    /// Already in memory (the embedded model).
+    Loaded(std::collections::HashMap<String, candle_core::Tensor>),
+}
+
+impl Stored {
+    fn names(&self) -> Vec<String> {
+        match self {
+            Self::Files(files) => files.names(),
+            Self::Loaded(map) => map.keys().cloned().collect(),
+        }
+    }
+
+    fn read(&self, name: &str) -> candle_core::Result<candle_core::Tensor> {
+        match self {
+            Self::Files(files) => files.read(name, &Device::Cpu),
+            Self::Loaded(map) => {
+                map.get(name)
+                    .cloned()
+                    .ok_or_else(|| candle_core::Error::CannotFindTensor {
+                        path: name.to_string(),
+                    })
+            }
+        }
+    }
 }
 
 /// Reads `origin` for quantizing: its weights in f32 through a builder, and every tensor as
-/// stored where `all` asks.
-fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
+/// stored by name.
+fn quantize_source(origin: &Origin) -> Result<Source> {
     use crate::engine::files::{FileKind, read_capped};
     let f32 = DType::F32;
     match origin {
@@ -101,12 +131,7 @@ fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
                 ));
             }
             let files = TensorFiles::open(&checkpoint.weight_files)?;
-            let mut tensors = Vec::new();
-            for path in checkpoint.weight_files.iter().filter(|_| all) {
-                let read = candle_core::safetensors::load(path, &Device::Cpu)
-                    .map_err(|e| EngineError::file(path, e))?;
-                tensors.extend(read);
-            }
+            let stored = Stored::Files(TensorFiles::open(&checkpoint.weight_files)?);
             let vb = VarBuilder::from_backend(Box::new(files), f32, Device::Cpu);
             let bytes = read_capped(&checkpoint.tokenizer_file, FileKind::Tokenizer)?;
             Ok(Source {
@@ -115,7 +140,7 @@ fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
                 weights_path: dir.clone(),
                 tokenizer_path: checkpoint.tokenizer_file,
                 tokenizer_bytes: bytes,
-                tensors,
+                stored,
             })
         }
         Origin::Embedded(bytes) => {
@@ -124,20 +149,15 @@ fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
             let vb =
                 VarBuilder::from_buffered_safetensors(bytes.weights.to_vec(), f32, &Device::Cpu)
                     .map_err(|e| EngineError::file(at, e))?;
-            let tensors = match all {
-                true => candle_core::safetensors::load_buffer(bytes.weights, &Device::Cpu)
-                    .map_err(|e| EngineError::file(at, e))?
-                    .into_iter()
-                    .collect(),
-                false => Vec::new(),
-            };
+            let stored = candle_core::safetensors::load_buffer(bytes.weights, &Device::Cpu)
+                .map_err(|e| EngineError::file(at, e))?;
             Ok(Source {
                 config,
                 vb,
                 weights_path: at.into(),
                 tokenizer_path: "<embedded>/tokenizer.json".into(),
                 tokenizer_bytes: bytes.tokenizer.to_vec(),
-                tensors,
+                stored: Stored::Loaded(stored),
             })
         }
         Origin::Gguf(path) => Err(EngineError::file(
@@ -148,30 +168,38 @@ fn quantize_source(origin: &Origin, all: bool) -> Result<Source> {
 }
 
 /// Quantizes the spex checkpoint at `origin` (a directory or the embedded model) into `out`,
-/// named `name`: a GGUF file, or an mlx checkpoint directory. Returns the model's shape.
+/// named `name`: a GGUF file, or an mlx checkpoint directory, its tensors quantized on
+/// `threads` threads. Returns the model's shape.
 pub fn quantize_checkpoint(
     origin: &Origin,
     name: &str,
     target: QuantizeTarget,
     out: &Path,
+    threads: usize,
 ) -> Result<LoopedConfig> {
-    let source = quantize_source(origin, matches!(target, QuantizeTarget::Mlx(_)))?;
+    let threads = super::kernels::pool::Pool::new(threads.max(1))
+        .map_err(|e| EngineError::file(out, format!("cannot start {threads} threads: {e}")))?;
+    let source = quantize_source(origin)?;
     let Source {
         config,
         vb,
         weights_path,
         tokenizer_path,
         tokenizer_bytes,
-        tensors,
+        stored,
     } = source;
     let file_type = match target {
         QuantizeTarget::Gguf(file_type) => file_type,
         QuantizeTarget::Mlx(kind) => {
+            let read = |name: &str| stored.read(name);
             let job = mlx_write::MlxJob {
                 config: config.to_json(),
-                tensors,
+                names: stored.names(),
+                read: &read,
+                weights_path: &weights_path,
                 tokenizer: &tokenizer_bytes,
                 kind,
+                threads: &threads,
             };
             mlx_write::write_mlx(job, out)?;
             return Ok(config);
@@ -187,6 +215,7 @@ pub fn quantize_checkpoint(
         tokenizer_path: &tokenizer_path,
         name,
         file_type,
+        threads: &threads,
     };
     crate::engine::gguf::write::write_gguf(&job, out)?;
     Ok(config)

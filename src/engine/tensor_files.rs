@@ -251,9 +251,16 @@ impl TensorFiles {
             .collect())
     }
 
+    /// Every tensor's name, in no particular order.
+    pub fn names(&self) -> Vec<String> {
+        (self.shards.iter())
+            .flat_map(|s| s.tensors.keys().cloned())
+            .collect()
+    }
+
     /// The tensor as stored (its file dtype), on `device`; an mlx-quantized matrix
     /// dequantized to f32.
-    fn read(&self, name: &str, device: &Device) -> candle_core::Result<Tensor> {
+    pub fn read(&self, name: &str, device: &Device) -> candle_core::Result<Tensor> {
         if let Some((stored, kind)) = self.read_quantized(name)? {
             return mlx::dequantize(&stored, kind, device);
         }

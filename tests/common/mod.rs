@@ -211,8 +211,15 @@ pub fn quantized_pair_with(q: &QuantizedSpec) -> (TempDir, TempDir, PathBuf) {
     let out = TempDir::new().expect("temp dir");
     let file = out.path().join("model.gguf");
     let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
-    spex::engine::quantize::quantize_checkpoint(&origin, "test", q.file_type.into(), &file)
-        .expect("quantize");
+    let threads = spex::engine::kernels::pool::available_cores();
+    spex::engine::quantize::quantize_checkpoint(
+        &origin,
+        "test",
+        q.file_type.into(),
+        &file,
+        threads,
+    )
+    .expect("quantize");
     (dir, out, file)
 }
 
@@ -281,7 +288,8 @@ pub fn mlx_pair(
     let out = TempDir::new().expect("temp dir");
     let origin = spex::engine::checkpoint::Origin::Dir(dir.path().to_path_buf());
     let target = spex::engine::quantize::QuantizeTarget::Mlx(kind);
-    spex::engine::quantize::quantize_checkpoint(&origin, "test", target, out.path())
+    let threads = spex::engine::kernels::pool::available_cores();
+    spex::engine::quantize::quantize_checkpoint(&origin, "test", target, out.path(), threads)
         .expect("quantize");
     (dir, out)
 }

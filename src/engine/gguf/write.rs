@@ -130,6 +130,8 @@ pub struct QuantizeJob<'a> {
     pub name: &'a str,
     /// The type its matrices are written in.
     pub file_type: FileType,
+    /// The threads its tensors are quantized on.
+    pub threads: &'a crate::engine::kernels::pool::Pool,
 }
 
 /// Writes `job` to `out` (atomically: a failed write leaves no file).
@@ -197,11 +199,10 @@ fn config_metadata(job: &QuantizeJob<'_>) -> Vec<(String, Value)> {
 }
 
 /// Every tensor of `job` in the GGUF's names and order, quantized where it is a matrix.
-/// Every tensor the file holds, read and encoded on the rayon threads (K-quant rounding is a
+/// Every tensor the file holds, read and encoded on the job's threads (K-quant rounding is a
 /// search a block, the slowest part), each thread holding one tensor in f32 at a time; in the
 /// file's order.
 fn tensors(job: &QuantizeJob<'_>) -> Result<Vec<(String, QTensor)>> {
-    use rayon::prelude::*;
     let c = job.config;
     let embedding = match c.tied {
         true => MatrixRole::Head,
@@ -222,14 +223,13 @@ fn tensors(job: &QuantizeJob<'_>) -> Result<Vec<(String, QTensor)>> {
             named.push((t.name(layer), shape, Some(MatrixRole::Layer(layer, t))));
         }
     }
-    (named.into_par_iter())
-        .map(|(name, shape, role)| {
-            let tensor = (job.weights.get(shape, &name))
-                .map_err(|e| EngineError::file(job.weights_path, e))?;
-            let encoded = gguf_or(&name).and_then(|gguf| Ok((gguf, encode(&tensor, role, job)?)));
-            encoded.map_err(|e| EngineError::file(job.weights_path, format!("{name}: {e}")))
-        })
-        .collect()
+    let each = |(name, shape, role): (String, Vec<usize>, Option<MatrixRole>)| {
+        let tensor =
+            (job.weights.get(shape, &name)).map_err(|e| EngineError::file(job.weights_path, e))?;
+        let encoded = gguf_or(&name).and_then(|gguf| Ok((gguf, encode(&tensor, role, job)?)));
+        encoded.map_err(|e| EngineError::file(job.weights_path, format!("{name}: {e}")))
+    };
+    job.threads.map(named, &each).into_iter().collect()
 }
 
 fn gguf_or(name: &str) -> candle_core::Result<String> {

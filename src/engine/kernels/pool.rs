@@ -132,6 +132,32 @@ impl Pool {
         self.workers.len() + 1
     }
 
+    /// `f` of every item, in their order, each item taken by whichever thread is free next:
+    /// for jobs of uneven items (a checkpoint's tensors), not for a step's products.
+    pub fn map<T: Send, R: Send>(&self, items: Vec<T>, f: &(dyn Fn(T) -> R + Sync)) -> Vec<R> {
+        let slots: Vec<Mutex<Slot<T, R>>> = (items.into_iter())
+            .map(|item| Mutex::new(Slot::Waiting(item)))
+            .collect();
+        let next = AtomicUsize::new(0);
+        self.run(&|_| {
+            while let Some(slot) = slots.get(next.fetch_add(1, Ordering::Relaxed)) {
+                let item = std::mem::replace(&mut *lock(slot), Slot::Taken);
+                if let Slot::Waiting(item) = item {
+                    let result = f(item);
+                    *lock(slot) = Slot::Done(result);
+                }
+            }
+        });
+        (slots.into_iter())
+            .filter_map(
+                |slot| match slot.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                    Slot::Done(result) => Some(result),
+                    Slot::Waiting(_) | Slot::Taken => None,
+                },
+            )
+            .collect()
+    }
+
     /// Runs `f(part)` for every part in `0..self.threads()`, in parallel where the pool is
     /// free, else one after the other on this thread; returns when all are done.
     pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
@@ -244,6 +270,18 @@ fn work(s: &Shared, part: usize) {
     }
 }
 
+/// `m` locked, whether or not a thread panicked holding it (`Pool::run` reports that panic).
+fn lock<S>(m: &Mutex<S>) -> std::sync::MutexGuard<'_, S> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// An item of [`Pool::map`]: waiting, being worked on, or its result.
+enum Slot<T, R> {
+    Waiting(T),
+    Taken,
+    Done(R),
+}
+
 /// The cores this process may run decode threads on: the physical cores (SMT siblings count
 /// once) among the CPUs of its affinity mask, at most what the OS says it may use (a
 /// container's CPU quota included). The default of `--threads`, and its cap: a decode thread
@@ -293,6 +331,21 @@ pub fn share(n: usize, parts: usize, part: usize, align: usize) -> std::ops::Ran
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn map_gives_every_result_in_order_on_any_count_of_threads() {
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(threads).expect("threads");
+            let items: Vec<usize> = (0..50).collect();
+            let got = pool.map(items, &|i| i * i);
+            assert_eq!(
+                got,
+                (0..50).map(|i| i * i).collect::<Vec<_>>(),
+                "{threads} threads"
+            );
+            assert!(pool.map(Vec::<usize>::new(), &|i| i).is_empty());
+        }
+    }
 
     #[test]
     fn a_part_that_panics_is_the_callers_panic_and_the_pool_goes_on() {

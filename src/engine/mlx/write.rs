@@ -21,18 +21,26 @@ fn gate_kind() -> Option<AffineKind> {
     AffineKind::new(8, 64)
 }
 
-/// What to write: the source's `config.json` (as JSON), every tensor by name, its
-/// `tokenizer.json` bytes and the kind of the matrices.
-#[derive(Debug)]
+/// Reads one tensor of a source by name, as stored.
+pub type ReadTensor<'a> = &'a (dyn Fn(&str) -> candle_core::Result<Tensor> + Sync);
+
+/// What to write: the source's `config.json` (as JSON), its tensors' names and a reader of
+/// each, its `tokenizer.json` bytes and the kind of the matrices.
 pub struct MlxJob<'a> {
     /// The source's config, written back with the quantization block.
     pub config: Value,
     /// Every tensor of the source, by name.
-    pub tensors: Vec<(String, Tensor)>,
+    pub names: Vec<String>,
+    /// Reads one of them.
+    pub read: ReadTensor<'a>,
+    /// Where they come from, for messages.
+    pub weights_path: &'a Path,
     /// Its `tokenizer.json`.
     pub tokenizer: &'a [u8],
     /// The matrices' kind.
     pub kind: AffineKind,
+    /// The threads its tensors are quantized on.
+    pub threads: &'a crate::engine::kernels::pool::Pool,
 }
 
 /// Writes `job` into directory `out` (each file atomically).
@@ -44,31 +52,21 @@ pub fn write_mlx(job: MlxJob<'_>, out: &Path) -> Result<()> {
         kind: job.kind,
         modules: HashMap::new(),
     };
+    // Each on the job's threads, read when it is written: the source is never held whole.
+    let each = |name: String| {
+        let tensor = (job.read)(&name).map_err(|e| EngineError::file(job.weights_path, e))?;
+        written_as(&name, tensor, job.kind)
+            .map_err(|e| EngineError::file(&file, format!("{name}: {e}")))
+    };
+    let each = job.threads.map(job.names, &each);
     let mut written: HashMap<String, Tensor> = HashMap::new();
-    for (name, tensor) in job.tensors {
-        let module = name.strip_suffix(".weight");
-        let kind = match module {
-            Some(EXIT_GATE_MODULE) => gate_kind(),
-            _ => Some(job.kind),
-        };
-        let quantizable = |k: &AffineKind| {
-            tensor.dims().len() == 2 && module.is_some() && tensor.dims()[1] % k.group() == 0
-        };
-        match (kind.filter(quantizable), module) {
-            (Some(kind), Some(module)) => {
-                if kind != job.kind {
-                    quantization.modules.insert(module.to_string(), Some(kind));
-                }
-                let [scales, biases, words] = quantized(&tensor, kind)
-                    .map_err(|e| EngineError::file(&file, format!("{name}: {e}")))?;
-                written.insert(format!("{module}.scales"), scales);
-                written.insert(format!("{module}.biases"), biases);
-                written.insert(name, words);
-            }
-            _ => {
-                written.insert(name, tensor);
-            }
+    for tensor in each.into_iter().collect::<Result<Vec<_>>>()? {
+        if let Written::Quantized { module, kind, .. } = &tensor
+            && *kind != job.kind
+        {
+            quantization.modules.insert(module.clone(), Some(*kind));
         }
+        written.extend(tensor.into_tensors());
     }
     crate::engine::files::write_via_temporary(&file, |temp| {
         candle_core::safetensors::save(&written, temp).map_err(std::io::Error::other)
@@ -83,6 +81,56 @@ pub fn write_mlx(job: MlxJob<'_>, out: &Path) -> Result<()> {
     crate::engine::files::write_atomically(&path, |w| w.write_all((text + "\n").as_bytes()))?;
     let tokenizer = out.join("tokenizer.json");
     crate::engine::files::write_atomically(&tokenizer, |w| w.write_all(job.tokenizer))
+}
+
+/// One source tensor as the checkpoint stores it.
+enum Written {
+    /// A matrix quantized: its module (the name less `.weight`), kind, and scales, biases and
+    /// packed words.
+    Quantized {
+        module: String,
+        kind: AffineKind,
+        parts: [Tensor; 3],
+    },
+    /// Any other tensor, by name, as stored.
+    Stored(String, Tensor),
+}
+
+impl Written {
+    /// Its tensors by name.
+    fn into_tensors(self) -> Vec<(String, Tensor)> {
+        match self {
+            Self::Quantized { module, parts, .. } => {
+                let [scales, biases, words] = parts;
+                vec![
+                    (format!("{module}.scales"), scales),
+                    (format!("{module}.biases"), biases),
+                    (format!("{module}.weight"), words),
+                ]
+            }
+            Self::Stored(name, tensor) => vec![(name, tensor)],
+        }
+    }
+}
+
+/// Tensor `name` as written: quantized where it is a 2-d weight whose rows hold whole groups
+/// (the exit gate in its own kind, the rest in `kind`), else as stored.
+fn written_as(name: &str, tensor: Tensor, kind: AffineKind) -> candle_core::Result<Written> {
+    let module = name.strip_suffix(".weight");
+    let kind = match module {
+        Some(EXIT_GATE_MODULE) => gate_kind(),
+        _ => Some(kind),
+    };
+    let quantizable =
+        |k: &AffineKind| tensor.dims().len() == 2 && tensor.dims()[1].is_multiple_of(k.group());
+    Ok(match (kind.filter(quantizable), module) {
+        (Some(kind), Some(module)) => Written::Quantized {
+            module: module.to_string(),
+            kind,
+            parts: quantized(&tensor, kind)?,
+        },
+        _ => Written::Stored(name.to_string(), tensor),
+    })
 }
 
 /// Removes the weights a checkpoint already in `out` holds (its `*.safetensors` and shard
