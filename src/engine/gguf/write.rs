@@ -226,7 +226,7 @@ fn tensors(job: &QuantizeJob<'_>) -> Result<Vec<(String, QTensor)>> {
     let each = |(name, shape, role): (String, Vec<usize>, Option<MatrixRole>)| {
         let tensor =
             (job.weights.get(shape, &name)).map_err(|e| EngineError::file(job.weights_path, e))?;
-        let encoded = gguf_or(&name).and_then(|gguf| Ok((gguf, encode(&tensor, role, job)?)));
+        let encoded = gguf_or(&name).and_then(|gguf| Ok((gguf, encode(tensor, role, job)?)));
         encoded.map_err(|e| EngineError::file(job.weights_path, format!("{name}: {e}")))
     };
     job.threads.map(named, &each).into_iter().collect()
@@ -240,12 +240,16 @@ fn gguf_or(name: &str) -> candle_core::Result<String> {
 /// or `attn_k`), a vector in F32. Q8_0 and Q4_0 are spex's own rounding (which gguf-py's
 /// equals); the K-quants are candle's port of llama.cpp's `quantize_row_q4_K_ref`, `_q5_K_ref`
 /// and `_q6_K_ref`.
+///
+/// It holds one copy of the matrix at a time where it can (the tensor, then its values, then
+/// the permuted rows): the pool's threads encode the largest matrices together.
 fn encode(
-    tensor: &Tensor,
+    source: Tensor,
     role: Option<MatrixRole>,
     job: &QuantizeJob<'_>,
 ) -> candle_core::Result<QTensor> {
-    let tensor = tensor.to_dtype(candle_core::DType::F32)?;
+    let tensor = source.to_dtype(candle_core::DType::F32)?;
+    drop(source);
     let (&[rows, inner], Some(role)) = (tensor.dims(), role) else {
         return QTensor::quantize(&tensor, GgmlDType::F32);
     };
@@ -253,18 +257,21 @@ fn encode(
         return QTensor::quantize(&tensor, GgmlDType::F32);
     };
     let values = tensor.flatten_all()?.to_vec1::<f32>()?;
+    drop(tensor);
     let head_dim = job.config.head_dim;
-    let permuted = matches!(role, MatrixRole::Layer(_, t) if super::is_permuted(t));
-    // Stored row `gguf_row(r)` holds spex's row `r`.
-    let mut order: Vec<usize> = (0..rows).collect();
-    if permuted {
-        for r in 0..rows {
-            order[gguf_row(r, head_dim)] = r;
+    let stored = match role {
+        MatrixRole::Layer(_, t) if super::is_permuted(t) => {
+            // Stored row `gguf_row(r)` holds spex's row `r`.
+            let mut order: Vec<usize> = (0..rows).collect();
+            for r in 0..rows {
+                order[gguf_row(r, head_dim)] = r;
+            }
+            (order.iter())
+                .flat_map(|&source| values[source * inner..(source + 1) * inner].iter().copied())
+                .collect()
         }
-    }
-    let stored: Vec<f32> = (order.iter())
-        .flat_map(|&source| values[source * inner..(source + 1) * inner].iter().copied())
-        .collect();
+        _ => values,
+    };
     let mut bytes = Vec::with_capacity(rows * inner / kind.block_weights() * kind.block_bytes());
     for block in stored.chunks_exact(QK8_0) {
         match kind {
