@@ -139,6 +139,7 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
     if let Some(&bad) = hidden.iter().find(|&&h| h < 128 || h % 128 != 0) {
         anyhow::bail!("--hidden: {bad} is not a multiple of the heads' 128");
     }
+    let threads = (args.threads).unwrap_or_else(crate::engine::kernels::pool::available_cores);
     let terminal = std::io::stderr().is_terminal();
     let mut limits = None;
     let mut points = Vec::with_capacity(hidden.len() * args.dtype.len());
@@ -156,8 +157,6 @@ pub fn run(args: &SizeArgs) -> anyhow::Result<()> {
         };
         write_random_checkpoint(&dir.0, &spec)?;
         for &weights in &args.dtype {
-            let threads =
-                (args.threads).unwrap_or_else(crate::engine::kernels::pool::available_cores);
             let path = weights_file(&dir.0, weights, threads)?;
             let bf16 = weights == SweptWeights::Bf16;
             let session = super::load_model(&model_args(&path, bf16, args.threads), &[])?;

@@ -4,8 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device};
-use candle_nn::VarBuilder;
+use candle_core::Device;
 
 use super::checkpoint::{Checkpoint, Origin};
 use super::error::{EngineError, Result};
@@ -77,7 +76,6 @@ impl From<crate::engine::gguf::write::FileType> for QuantizeTarget {
 /// A source checkpoint's parts, as `quantize_checkpoint` reads them.
 struct Source {
     config: LoopedConfig,
-    vb: VarBuilder<'static>,
     /// Where the weights come from, for messages.
     weights_path: PathBuf,
     tokenizer_path: PathBuf,
@@ -116,11 +114,9 @@ impl Stored {
     }
 }
 
-/// Reads `origin` for quantizing: its weights in f32 through a builder, and every tensor as
-/// stored by name.
+/// Reads `origin` for quantizing: its config and tokenizer, and every tensor as stored by name.
 fn quantize_source(origin: &Origin) -> Result<Source> {
     use crate::engine::files::{FileKind, read_capped};
-    let f32 = DType::F32;
     match origin {
         Origin::Dir(dir) => {
             let checkpoint = Checkpoint::open(dir)?;
@@ -130,13 +126,10 @@ fn quantize_source(origin: &Origin) -> Result<Source> {
                     "already quantized (mlx): quantize a checkpoint of float weights",
                 ));
             }
-            let files = TensorFiles::open(&checkpoint.weight_files)?;
             let stored = Stored::Files(TensorFiles::open(&checkpoint.weight_files)?);
-            let vb = VarBuilder::from_backend(Box::new(files), f32, Device::Cpu);
             let bytes = read_capped(&checkpoint.tokenizer_file, FileKind::Tokenizer)?;
             Ok(Source {
                 config: checkpoint.config,
-                vb,
                 weights_path: dir.clone(),
                 tokenizer_path: checkpoint.tokenizer_file,
                 tokenizer_bytes: bytes,
@@ -146,14 +139,10 @@ fn quantize_source(origin: &Origin) -> Result<Source> {
         Origin::Embedded(bytes) => {
             let config = bytes.looped_config()?;
             let at = "<embedded>/model.safetensors";
-            let vb =
-                VarBuilder::from_buffered_safetensors(bytes.weights.to_vec(), f32, &Device::Cpu)
-                    .map_err(|e| EngineError::file(at, e))?;
             let stored = candle_core::safetensors::load_buffer(bytes.weights, &Device::Cpu)
                 .map_err(|e| EngineError::file(at, e))?;
             Ok(Source {
                 config,
-                vb,
                 weights_path: at.into(),
                 tokenizer_path: "<embedded>/tokenizer.json".into(),
                 tokenizer_bytes: bytes.tokenizer.to_vec(),
@@ -182,16 +171,15 @@ pub fn quantize_checkpoint(
     let source = quantize_source(origin)?;
     let Source {
         config,
-        vb,
         weights_path,
         tokenizer_path,
         tokenizer_bytes,
         stored,
     } = source;
+    let read = |name: &str| stored.read(name);
     let file_type = match target {
         QuantizeTarget::Gguf(file_type) => file_type,
         QuantizeTarget::Mlx(kind) => {
-            let read = |name: &str| stored.read(name);
             let job = mlx_write::MlxJob {
                 config: config.to_json(),
                 names: stored.names(),
@@ -209,7 +197,7 @@ pub fn quantize_checkpoint(
         .map_err(|e| EngineError::file(&tokenizer_path, format!("not valid JSON: {e}")))?;
     let job = crate::engine::gguf::write::QuantizeJob {
         config: &config,
-        weights: &vb,
+        read: &read,
         weights_path: &weights_path,
         tokenizer: &tokenizer,
         tokenizer_path: &tokenizer_path,

@@ -112,14 +112,14 @@ enum MatrixRole {
     Layer(usize, LayerTensor),
 }
 
-/// What to write: the model's shape, weights (read by name, in f32 on the CPU) and tokenizer
-/// (`tokenizer.json`, parsed, and its path for messages), and the file type.
+/// What to write: the model's shape, weights (read by name) and tokenizer (`tokenizer.json`,
+/// parsed, and its path for messages), and the file type.
 pub struct QuantizeJob<'a> {
     /// The model's shape.
     pub config: &'a LoopedConfig,
-    /// Its weights, each read when it is written: a model is never held whole in f32 (four
+    /// Reads its weights, each when it is written: a model is never held whole in f32 (four
     /// times a bf16 file), only the tensors being quantized.
-    pub weights: &'a candle_nn::VarBuilder<'a>,
+    pub read: &'a (dyn Fn(&str) -> candle_core::Result<Tensor> + Sync),
     /// Where the weights come from, for messages.
     pub weights_path: &'a Path,
     /// Its `tokenizer.json`.
@@ -198,10 +198,9 @@ fn config_metadata(job: &QuantizeJob<'_>) -> Vec<(String, Value)> {
     out
 }
 
-/// Every tensor of `job` in the GGUF's names and order, quantized where it is a matrix.
-/// Every tensor the file holds, read and encoded on the job's threads (K-quant rounding is a
-/// search a block, the slowest part), each thread holding one tensor in f32 at a time; in the
-/// file's order.
+/// Every tensor of `job` in the GGUF's names and order, quantized where it is a matrix: read
+/// (its shape checked) and encoded on the job's threads (K-quant rounding is a search a
+/// block, the slowest part), each thread holding one tensor at a time.
 fn tensors(job: &QuantizeJob<'_>) -> Result<Vec<(String, QTensor)>> {
     let c = job.config;
     let embedding = match c.tied {
@@ -224,8 +223,9 @@ fn tensors(job: &QuantizeJob<'_>) -> Result<Vec<(String, QTensor)>> {
         }
     }
     let each = |(name, shape, role): (String, Vec<usize>, Option<MatrixRole>)| {
-        let tensor =
-            (job.weights.get(shape, &name)).map_err(|e| EngineError::file(job.weights_path, e))?;
+        let tensor = (job.read)(&name)
+            .and_then(|t| crate::engine::tensor_files::expect_shape(t, shape.into(), &name))
+            .map_err(|e| EngineError::file(job.weights_path, e))?;
         let encoded = gguf_or(&name).and_then(|gguf| Ok((gguf, encode(tensor, role, job)?)));
         encoded.map_err(|e| EngineError::file(job.weights_path, format!("{name}: {e}")))
     };

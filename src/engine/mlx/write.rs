@@ -21,9 +21,6 @@ fn gate_kind() -> Option<AffineKind> {
     AffineKind::new(8, 64)
 }
 
-/// Reads one tensor of a source by name, as stored.
-pub type ReadTensor<'a> = &'a (dyn Fn(&str) -> candle_core::Result<Tensor> + Sync);
-
 /// What to write: the source's `config.json` (as JSON), its tensors' names and a reader of
 /// each, its `tokenizer.json` bytes and the kind of the matrices.
 pub struct MlxJob<'a> {
@@ -32,7 +29,7 @@ pub struct MlxJob<'a> {
     /// Every tensor of the source, by name.
     pub names: Vec<String>,
     /// Reads one of them.
-    pub read: ReadTensor<'a>,
+    pub read: &'a (dyn Fn(&str) -> candle_core::Result<Tensor> + Sync),
     /// Where they come from, for messages.
     pub weights_path: &'a Path,
     /// Its `tokenizer.json`.
